@@ -1,0 +1,357 @@
+"""ModelFiles reads expert records straight from safetensors files, checked against mx.load."""
+
+import json
+import os
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from moe_l2.generator import make_model
+from moe_l2.model import ALIGN, ModelFiles, RecordLayout
+
+DIMS = dict(layers=3, experts=4, top_k=2, hidden_size=64, moe_hidden_size=64)
+PER_EXPERT_PROJ = {"mixtral": {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}}
+
+
+@pytest.fixture(scope="module")
+def make(tmp_path_factory):
+    """make(arch, bits, per_expert, shards, seed) -> a generated model, made once per module."""
+    root = tmp_path_factory.mktemp("models")
+    made = {}
+
+    def build(arch="mixtral", bits=4, per_expert=False, shards=1, seed=0):
+        key = (arch, bits, per_expert, shards, seed)
+        if key not in made:
+            made[key] = make_model(
+                root / "-".join(map(str, key)), arch, bits=bits, per_expert=per_expert, shards=shards, seed=seed, **DIMS
+            )
+        return made[key]
+
+    return build
+
+
+def _fresh(tmp_path, arch="mixtral", bits=4, **kw):
+    """A model of the test's own, for tests that damage files."""
+    return make_model(tmp_path / "m", arch, bits=bits, **{**DIMS, **kw})
+
+
+def _bytes(a: mx.array) -> bytes:
+    # via uint8 so that dtypes numpy lacks (bfloat16) work too
+    return np.array(mx.contiguous(a).view(mx.uint8)).tobytes()
+
+
+def _load_all(path):
+    weights = {}
+    for f in sorted(path.glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def _ground_truth(weights, arch, layer_id, expert, key):
+    """The piece's bytes as mx.load gives them, from the stacked or the per-expert tensor."""
+    proj, param = key.split(".")
+    for name, v in weights.items():
+        if not name.startswith(f"model.layers.{layer_id}."):
+            continue
+        if name.endswith((f".switch_mlp.{key}", f".mlp.experts.{key}")):
+            return _bytes(v[expert])
+        alias = PER_EXPERT_PROJ.get(arch, {}).get(proj, proj)
+        if name.endswith(f".experts.{expert}.{alias}.{param}"):
+            return _bytes(v)
+    raise AssertionError(f"no tensor for layer {layer_id} expert {expert} {key}")
+
+
+CASES = [
+    ("mixtral", 4, False, 1),
+    ("mixtral", 4, True, 1),
+    ("mixtral", 8, False, 3),
+    ("mixtral", 8, True, 3),
+    ("mixtral", 16, False, 2),
+    ("mixtral", 16, True, 1),
+    ("qwen3_moe", 4, False, 2),
+    ("qwen3_moe", 16, True, 3),
+    ("deepseek_v3", 4, True, 2),
+    ("deepseek_v3", 8, False, 1),
+    ("gpt_oss", 8, False, 2),
+]
+
+
+@pytest.mark.parametrize("arch,bits,per_expert,shards", CASES)
+def test_records_match_mx_load(make, arch, bits, per_expert, shards):
+    path = make(arch, bits, per_expert, shards)
+    m = ModelFiles.open(path)
+    assert m.model_type == arch
+    assert len(m.files) == shards
+    assert (m.n_experts, m.top_k) == (4, 2)
+    # deepseek_v3's first layer is dense
+    assert m.layer_ids == ([1, 2] if arch == "deepseek_v3" else [0, 1, 2])
+    assert m.n_layers == len(m.layer_ids)
+    keys = {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    if bits != 16:
+        keys |= {k.replace("weight", s) for k in keys for s in ("scales", "biases")}
+    if arch == "gpt_oss":
+        keys |= {"gate_proj.bias", "up_proj.bias", "down_proj.bias"}
+    assert set(m.layout.keys()) == keys
+    weights = _load_all(path)
+    for layer, lid in enumerate(m.layer_ids):
+        for e in range(m.n_experts):
+            rec = m.read_record(layer, e)
+            assert len(rec) == m.layout.nbytes
+            for p in m.layout.pieces:
+                truth = _ground_truth(weights, arch, lid, e, p.key)
+                assert rec[p.offset : p.offset + p.nbytes] == truth, (lid, e, p.key)
+            ends = [p.offset + p.nbytes for p in m.layout.pieces]
+            gaps = [(end, nxt.offset) for end, nxt in zip(ends, m.layout.pieces[1:])] + [(ends[-1], m.layout.nbytes)]
+            assert all(rec[a:b] == bytes(b - a) for a, b in gaps), "padding must be zero"
+
+
+@pytest.mark.parametrize("arch,bits", [("mixtral", 4), ("mixtral", 16), ("qwen3_moe", 16), ("deepseek_v3", 8)])
+def test_stacked_and_per_expert_give_same_records(make, arch, bits):
+    stacked = ModelFiles.open(make(arch, bits, False, 1))
+    split = ModelFiles.open(make(arch, bits, True, 2))
+    assert stacked.layout == split.layout
+    assert stacked.layer_ids == split.layer_ids
+    for layer in range(stacked.n_layers):
+        for e in range(stacked.n_experts):
+            assert stacked.read_record(layer, e) == split.read_record(layer, e)
+    # different files, so different fingerprints
+    assert stacked.fingerprint != split.fingerprint
+
+
+def test_layout_shape(make):
+    m = ModelFiles.open(make("mixtral", 4))
+    pieces = m.layout.pieces
+    assert [p.key for p in pieces] == sorted(p.key for p in pieces)
+    assert all(p.offset % ALIGN == 0 for p in pieces)
+    assert all(a.offset + a.nbytes <= b.offset for a, b in zip(pieces, pieces[1:]))
+    assert m.layout.nbytes % ALIGN == 0 and m.layout.nbytes >= pieces[-1].offset + pieces[-1].nbytes
+    w = m.layout.piece("gate_proj.weight")
+    assert (w.shape, w.dtype, w.nbytes) == ((64, 8), "uint32", 64 * 8 * 4)
+    s = m.layout.piece("down_proj.scales")
+    assert (s.shape, s.dtype, s.nbytes) == ((64, 1), "float16", 128)
+    with pytest.raises(KeyError):
+        m.layout.piece("gate_proj.bias")
+    desc = m.layout.describe()
+    assert json.loads(json.dumps(desc)) == desc
+    assert desc[0] == {"key": "down_proj.biases", "offset": 0, "nbytes": 128, "shape": [64, 1], "dtype": "float16"}
+    for p in pieces:
+        assert getattr(mx, p.dtype).size * int(np.prod(p.shape)) == p.nbytes
+
+
+def test_layout_build_aligns_pieces():
+    layout = RecordLayout.build([("b.weight", (3,), "uint8", 3), ("a.scales", (5,), "float16", 10)])
+    assert [(p.key, p.offset) for p in layout.pieces] == [("a.scales", 0), ("b.weight", 64)]
+    assert layout.nbytes == 128
+
+
+def test_extents(make):
+    path = make("mixtral", 8, True, 3)
+    m = ModelFiles.open(path)
+    sizes = [f.stat().st_size for f in m.files]
+    for layer in range(m.n_layers):
+        for e in range(m.n_experts):
+            ext = m.extents(layer, e)
+            assert [x[3] for x in ext] == [p.offset for p in m.layout.pieces]
+            assert [x[2] for x in ext] == [p.nbytes for p in m.layout.pieces]
+            for fi, off, n, _ in ext:
+                assert 0 <= fi < len(m.files) and off + n <= sizes[fi]
+    # shards cut by tensor name, so the records of some stacked layer span two files
+    stacked = ModelFiles.open(make("mixtral", 8, False, 3))
+    assert any(len({x[0] for x in stacked.extents(layer, 0)}) > 1 for layer in range(stacked.n_layers))
+    for bad in [(-1, 0), (m.n_layers, 0), (0, m.n_experts), (0, -1)]:
+        with pytest.raises(IndexError):
+            m.extents(*bad)
+
+
+def test_expert_tensor_names(make):
+    path = make("deepseek_v3", 4, True, 1)
+    m = ModelFiles.open(path)
+    names = set(mx.load(str(path / "model.safetensors")))
+    expected = {n for n in names if ".mlp.experts." in n}
+    assert len(expected) == 2 * 4 * 9
+    assert m.expert_tensor_names() == expected
+    assert any(".shared_experts." in n for n in names - expected)
+    stacked = ModelFiles.open(make("gpt_oss", 8, False, 2))
+    assert len(stacked.expert_tensor_names()) == 3 * 12
+    assert all(".mlp.experts." in n for n in stacked.expert_tensor_names())
+
+
+def test_fingerprint(tmp_path):
+    path = _fresh(tmp_path, shards=2)
+    fp = ModelFiles.open(path).fingerprint
+    assert len(fp) == 32 and int(fp, 16) >= 0
+    assert ModelFiles.open(path).fingerprint == fp
+
+    shard = path / "model-00002-of-00002.safetensors"
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    touched = ModelFiles.open(path).fingerprint
+    assert touched != fp
+    assert ModelFiles.open(path).fingerprint == touched
+
+    # a rewritten shard (same size) with its mtime put back is still caught if its header differs
+    data = bytearray(shard.read_bytes())
+    hlen = struct.unpack("<Q", data[:8])[0]
+    header = data[8 : 8 + hlen]
+    data[8 : 8 + hlen] = header.replace(b'"format":"mlx"', b'"format":"MLX"')
+    assert data[8 : 8 + hlen] != header
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert ModelFiles.open(path).fingerprint not in (fp, touched)
+
+    config = json.loads((path / "config.json").read_text())
+    config["rope_theta"] = 1.0
+    (path / "config.json").write_text(json.dumps(config))
+    assert ModelFiles.open(path).fingerprint not in (fp, touched)
+
+
+def test_fingerprint_same_for_same_files_elsewhere(tmp_path):
+    a = _fresh(tmp_path)
+    b = tmp_path / "copy"
+    b.mkdir()
+    for f in a.iterdir():
+        (b / f.name).write_bytes(f.read_bytes())
+        st = f.stat()
+        os.utime(b / f.name, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert ModelFiles.open(a).fingerprint == ModelFiles.open(b).fingerprint
+
+
+@pytest.mark.parametrize("where", ["last byte", "data", "header", "length"])
+def test_truncated_file(tmp_path, where):
+    path = _fresh(tmp_path, shards=2)
+    shard = path / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    hlen = struct.unpack("<Q", data[:8])[0]
+    keep = {"last byte": len(data) - 1, "data": len(data) - 100, "header": 8 + hlen // 2, "length": 4}[where]
+    shard.write_bytes(data[:keep])
+    with pytest.raises(ValueError, match=r"model-00002-of-00002\.safetensors: truncated"):
+        ModelFiles.open(path)
+
+
+def test_missing_config(tmp_path):
+    path = _fresh(tmp_path)
+    (path / "config.json").unlink()
+    with pytest.raises(ValueError, match="no config.json"):
+        ModelFiles.open(path)
+
+
+def test_missing_shard(tmp_path):
+    path = _fresh(tmp_path, shards=3)
+    (path / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(ValueError, match="model-00002-of-00003.safetensors, which is missing"):
+        ModelFiles.open(path)
+
+
+def test_no_index_single_file_and_no_files(tmp_path):
+    path = _fresh(tmp_path)
+    fp = ModelFiles.open(path)
+    (path / "model.safetensors.index.json").unlink()
+    m = ModelFiles.open(path)
+    assert m.layout == fp.layout and m.read_record(2, 3) == fp.read_record(2, 3)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model"):
+        ModelFiles.open(path)
+
+
+def test_index_disagrees_with_files(tmp_path):
+    path = _fresh(tmp_path, shards=2)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "model-00002-of-00002.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="which does not hold it"):
+        ModelFiles.open(path)
+
+
+def test_not_safetensors(tmp_path):
+    path = _fresh(tmp_path)
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", 20) + b"this is not json....")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        ModelFiles.open(path)
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        ModelFiles.open(path)
+
+
+def _write(path, tensors, config):
+    path.mkdir()
+    mx.save_safetensors(str(path / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_non_moe_model(tmp_path):
+    tensors = {
+        "model.embed_tokens.weight": mx.zeros((16, 8)),
+        "model.layers.0.mlp.gate_proj.weight": mx.zeros((8, 8)),
+        "model.layers.0.mlp.down_proj.weight": mx.zeros((8, 8)),
+    }
+    path = _write(tmp_path / "dense", tensors, {"model_type": "llama"})
+    with pytest.raises(ValueError, match="not a MoE model"):
+        ModelFiles.open(path)
+
+
+def test_hand_written_per_expert_bfloat16(tmp_path):
+    # an HF-style per-expert checkpoint (Qwen naming) in bfloat16, plus shared experts that are not routed
+    ws = {}
+    for layer in (0, 1):
+        ws[f"model.layers.{layer}.mlp.shared_experts.gate_proj.weight"] = mx.ones((4, 8))
+        for e in range(3):
+            for proj, shape in (("gate_proj", (4, 8)), ("up_proj", (4, 8)), ("down_proj", (8, 4))):
+                ws[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = mx.random.normal(shape).astype(mx.bfloat16)
+    path = _write(tmp_path / "hf", ws, {"model_type": "qwen2_moe", "num_experts": 3, "num_experts_per_tok": 1})
+    m = ModelFiles.open(path)
+    assert m.layout == RecordLayout.build(
+        [("down_proj.weight", (8, 4), "bfloat16", 64), ("gate_proj.weight", (4, 8), "bfloat16", 64),
+         ("up_proj.weight", (4, 8), "bfloat16", 64)]
+    )
+    assert [p.offset for p in m.layout.pieces] == [0, 64, 128] and m.layout.nbytes == 192
+    p = m.layout.piece("up_proj.weight")
+    truth = _bytes(ws["model.layers.1.mlp.experts.2.up_proj.weight"])
+    assert m.read_record(1, 2)[p.offset : p.offset + p.nbytes] == truth
+
+
+def test_expert_count_must_agree_with_config(tmp_path):
+    path = _fresh(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["num_local_experts"] = 8
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json says 8 experts"):
+        ModelFiles.open(path)
+    del config["num_local_experts"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="names no expert count"):
+        ModelFiles.open(path)
+
+
+def test_per_expert_missing_expert(tmp_path):
+    ws = {f"model.layers.0.mlp.experts.{e}.gate_proj.weight": mx.zeros((4, 8)) for e in (0, 1, 3)}
+    path = _write(tmp_path / "gap", ws, {"num_experts": 4, "num_experts_per_tok": 2})
+    with pytest.raises(ValueError, match="has experts"):
+        ModelFiles.open(path)
+
+
+def test_layers_must_share_one_layout(tmp_path):
+    ws = {
+        "model.layers.0.mlp.switch_mlp.gate_proj.weight": mx.zeros((4, 16, 8), dtype=mx.float16),
+        "model.layers.1.mlp.switch_mlp.gate_proj.weight": mx.zeros((4, 32, 8), dtype=mx.float16),
+    }
+    path = _write(tmp_path / "mixed", ws, {"num_experts": 4, "num_experts_per_tok": 2})
+    with pytest.raises(ValueError, match="one record layout is needed"):
+        ModelFiles.open(path)
+
+
+def test_stacked_and_per_expert_of_one_key_conflict(tmp_path):
+    ws = {"model.layers.0.mlp.switch_mlp.gate_proj.weight": mx.zeros((2, 4, 8))}
+    ws.update({f"model.layers.0.mlp.experts.{e}.gate_proj.weight": mx.zeros((4, 8)) for e in (0, 1)})
+    path = _write(tmp_path / "both", ws, {"num_experts": 2, "num_experts_per_tok": 1})
+    with pytest.raises(ValueError, match="twice"):
+        ModelFiles.open(path)
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(ValueError, match="not a model directory"):
+        ModelFiles.open(tmp_path / "nothing")
