@@ -1,0 +1,182 @@
+"""The service files in systemd/: the unit, the launchd plist, the example config, the README."""
+
+import os
+import plistlib
+import re
+import shutil
+import stat
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+# Works from a source checkout (tests/ beside systemd/) and from the wheel (moe_l2/tests, moe_l2/systemd).
+SERVICE_DIR = Path(__file__).resolve().parents[1] / "systemd"
+UNIT = SERVICE_DIR / "moe-l2d.service"
+PLIST = SERVICE_DIR / "com.moe-l2.moe-l2d.plist"
+CONFIG = SERVICE_DIR / "moe-l2d.toml.example"
+README = SERVICE_DIR / "README.md"
+
+SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?$")
+
+
+def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit as section -> key -> values in order (keys may repeat; no continuation lines)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None, f"assignment outside a section: {raw!r}"
+        assert not line.endswith("\\"), f"continuation lines are not parsed here: {raw!r}"
+        key, sep, value = line.partition("=")
+        assert sep, f"not a key=value line: {raw!r}"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def one(section: dict[str, list[str]], key: str) -> str:
+    values = section[key]
+    assert len(values) == 1, f"{key} set {len(values)} times"
+    return values[0]
+
+
+@pytest.fixture(scope="module")
+def unit():
+    return parse_unit(UNIT.read_text())
+
+
+@pytest.fixture(scope="module")
+def plist():
+    return plistlib.loads(PLIST.read_bytes())
+
+
+@pytest.fixture(scope="module")
+def config():
+    return tomllib.loads(CONFIG.read_text())
+
+
+def test_unit_service_contract(unit):
+    service = unit["Service"]
+    assert one(service, "Type") == "notify"
+    assert one(service, "NotifyAccess") == "main"
+    assert one(service, "Restart") == "on-failure"
+    assert one(service, "RuntimeDirectory") == "moe-l2"
+    assert one(service, "RuntimeDirectoryMode") == "0750"
+    assert one(service, "RuntimeDirectoryPreserve") == "restart"  # the crashed daemon's segment list
+    argv = one(service, "ExecStart").split()
+    assert argv[0].startswith("/") and Path(argv[0]).name == "moe-l2d"
+    assert argv[1:] == ["--config", "/etc/moe-l2/moe-l2d.toml"]
+    assert "TimeoutStopSec" in service
+    assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_unit_account_and_permissions(unit):
+    service = unit["Service"]
+    # Clients join this group; a dynamic user could have no members (and implies RemoveIPC=yes).
+    assert one(service, "User") == "moe-l2"
+    assert one(service, "Group") == "moe-l2"
+    assert "DynamicUser" not in service
+    assert one(service, "RemoveIPC") == "no"
+    # The umask must leave the group's bits alone: 0640 segments, a group-connectable socket.
+    assert int(one(service, "UMask"), 8) & 0o070 == 0
+
+
+def test_unit_hardening_keeps_what_the_daemon_needs(unit):
+    service = unit["Service"]
+    assert one(service, "NoNewPrivileges") == "yes"
+    assert one(service, "ProtectSystem") == "strict"
+    assert one(service, "ProtectHome") == "read-only"  # models in home directories stay readable
+    assert one(service, "PrivateTmp") == "yes"
+    assert one(service, "RestrictAddressFamilies") == "AF_UNIX"
+    assert "/dev/shm" in one(service, "ReadWritePaths").split()
+    assert "ProcSubset" not in service  # the start-up memory check reads /proc/meminfo
+
+
+def test_plist(plist):
+    assert plist["Label"] == "com.moe-l2.moe-l2d"
+    argv = plist["ProgramArguments"]
+    assert argv[0].startswith("/") and Path(argv[0]).name == "moe-l2d"
+    assert argv[argv.index("--config") + 1] == "/usr/local/etc/moe-l2/moe-l2d.toml"
+    assert argv[argv.index("--runtime-dir") + 1].startswith("/")
+    assert plist["RunAtLoad"] is True
+    assert plist["KeepAlive"] == {"SuccessfulExit": False}
+    assert plist["ProcessType"] in {"Standard", "Interactive", "Adaptive"}  # never throttled
+    assert plist["StandardOutPath"].startswith("/")
+    assert plist["StandardErrorPath"].startswith("/")
+    assert plist["UserName"] and plist["GroupName"]
+    assert plist["Umask"] & 0o070 == 0
+
+
+def test_example_config(config):
+    models = config["model"]
+    assert models
+    for model in models:
+        assert isinstance(model["path"], str) and model["path"].startswith("/")
+        assert SIZE.match(model["budget"]), model["budget"]
+        assert model.get("policy", "lru") in {"lru", "lfu"}
+    assert config["log_level"] in {"debug", "info", "warning", "error"}
+    assert config["shm_mode"] & ~0o777 == 0 and config["shm_mode"] & 0o040  # the clients' group reads
+
+
+def test_example_config_loads_in_the_daemon(tmp_path):
+    from moe_l2.daemon.config import build_parser, resolve
+
+    def load(path):
+        return resolve(build_parser().parse_args(["--config", str(path)]))
+
+    config = load(CONFIG)
+    assert [str(m.path) for m in config.models] == [m["path"] for m in tomllib.loads(CONFIG.read_text())["model"]]
+    assert config.models[0].budget == 24 * 1024**3
+    assert config.shm_mode == 0o640
+    # Every top-level key the example shows commented out is accepted once uncommented.
+    text = CONFIG.read_text()
+    commented = re.findall(r"^# (\w+) = ", text, re.M)
+    assert {"socket", "runtime_dir", "profile"} <= set(commented)
+    uncommented = tmp_path / "all-keys.toml"
+    uncommented.write_text(re.sub(r"^# (\w+ = )", r"\1", text, flags=re.M))
+    assert load(uncommented).socket == "tcp://127.0.0.1:5557"
+
+
+def test_readme_creates_what_the_service_files_use(unit, plist):
+    readme = README.read_text()
+    argv = plist["ProgramArguments"]
+    wanted = [
+        one(unit["Service"], "ExecStart").split()[2],
+        argv[argv.index("--config") + 1],
+        argv[argv.index("--runtime-dir") + 1],
+        plist["StandardOutPath"].rsplit("/", 1)[0],
+        "systemctl enable --now moe-l2d",
+        "journalctl -u moe-l2d",
+        "launchctl bootstrap system",
+        "launchctl print system/" + plist["Label"],
+        "moe-l2 stats",
+    ]
+    for text in wanted:
+        assert text in readme, text
+
+
+def test_systemd_analyze_verify(tmp_path, unit):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not on PATH")
+    # verify checks that ExecStart's program exists: point it at a stand-in, change nothing else.
+    program = one(unit["Service"], "ExecStart").split()[0]
+    stand_in = tmp_path / "moe-l2d"
+    stand_in.write_text("#!/bin/sh\nexit 0\n")
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    copy = tmp_path / UNIT.name
+    copy.write_text(UNIT.read_text().replace(f"ExecStart={program} ", f"ExecStart={stand_in} "))
+    result = subprocess.run(
+        [analyze, "verify", "--man=no", str(copy)],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "SYSTEMD_LOG_COLOR": "0"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert UNIT.name not in output, output
