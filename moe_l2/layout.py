@@ -1,0 +1,122 @@
+"""The shared-memory layout of one served model, identical for the daemon (writer) and clients (readers).
+
+Index segment:
+    header   magic, layout version, epoch, fingerprint, geometry, one data-segment name per layer
+    slot_of  per layer, n_experts x int32: the slot holding the expert, -1 when absent
+    meta     per layer, n_slots x SlotMeta {int32 expert, uint32 seq, uint32 checksum, uint32 reserved}
+Data segment, one per layer: n_slots x slot_stride bytes; slot s holds one record at s * slot_stride.
+
+``seq`` is the slot's seqlock: odd while the daemon writes the slot, even when the record is whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import struct
+from dataclasses import dataclass
+
+MAGIC = b"MOEL2IDX"
+LAYOUT_VERSION = 1
+SLOT_META_BYTES = 16
+META_EXPERT, META_SEQ, META_CHECKSUM = 0, 4, 8
+NAME_BYTES = 32
+FINGERPRINT_BYTES = 64
+MAX_SHM_NAME = 31  # macOS' PSHMNAMLEN; Linux allows more, but one name scheme must fit both
+
+# magic, layout version, n_layers, epoch, n_experts, n_slots, record_bytes, slot_stride, fingerprint, index name
+_HEADER = struct.Struct(f"<8sIIQIIQQ{FINGERPRINT_BYTES}s{NAME_BYTES}s")
+
+
+def align(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+def page_size() -> int:
+    return mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes of one model's segments; everything else follows from these."""
+
+    n_layers: int
+    n_experts: int
+    n_slots: int
+    record_bytes: int
+
+    @property
+    def slot_stride(self) -> int:
+        return align(self.record_bytes, page_size())
+
+    @property
+    def slot_of_base(self) -> int:
+        return align(_HEADER.size + self.n_layers * NAME_BYTES, 64)
+
+    def slot_of_offset(self, layer: int) -> int:
+        return self.slot_of_base + layer * self.n_experts * 4
+
+    @property
+    def meta_base(self) -> int:
+        return align(self.slot_of_offset(self.n_layers), 64)
+
+    def meta_offset(self, layer: int, slot: int = 0) -> int:
+        return self.meta_base + (layer * self.n_slots + slot) * SLOT_META_BYTES
+
+    @property
+    def index_bytes(self) -> int:
+        return align(self.meta_offset(self.n_layers), page_size())
+
+    @property
+    def data_bytes(self) -> int:
+        return self.n_slots * self.slot_stride
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    geometry: Geometry
+    epoch: int
+    fingerprint: str
+    index_name: str
+    data_names: tuple[str, ...]
+
+    def pack(self) -> bytes:
+        g = self.geometry
+        head = _HEADER.pack(MAGIC, LAYOUT_VERSION, g.n_layers, self.epoch, g.n_experts, g.n_slots,
+                            g.record_bytes, g.slot_stride, self.fingerprint.encode(), self.index_name.encode())
+        return head + b"".join(name.encode().ljust(NAME_BYTES, b"\0") for name in self.data_names)
+
+    @classmethod
+    def unpack(cls, buf) -> "IndexHeader":
+        if len(buf) < _HEADER.size:
+            raise ValueError("index segment is smaller than its header: not a moe-l2 segment")
+        (magic, version, n_layers, epoch, n_experts, n_slots, record_bytes, slot_stride, fp,
+         index_name) = _HEADER.unpack_from(buf, 0)
+        if magic != MAGIC:
+            raise ValueError("index segment has a wrong magic: not a moe-l2 segment")
+        if version != LAYOUT_VERSION:
+            raise ValueError(f"index segment layout version {version}, this client reads {LAYOUT_VERSION}: "
+                             "install the same moe-l2 release for the client and the daemon")
+        geometry = Geometry(n_layers, n_experts, n_slots, record_bytes)
+        if geometry.slot_stride != slot_stride:
+            raise ValueError(f"index segment slot stride {slot_stride} differs from this machine's "
+                             f"{geometry.slot_stride} (page size {page_size()})")
+        names = []
+        for layer in range(n_layers):
+            raw = bytes(buf[_HEADER.size + layer * NAME_BYTES:_HEADER.size + (layer + 1) * NAME_BYTES])
+            names.append(raw.rstrip(b"\0").decode())
+        return cls(geometry, epoch, fp.rstrip(b"\0").decode(), index_name.rstrip(b"\0").decode(), tuple(names))
+
+
+def segment_names(instance: str, model_index: int, n_layers: int) -> tuple[str, list[str]]:
+    """Deterministic names, so that a daemon restarted after a crash finds and unlinks what it left.
+
+    ``instance`` identifies the daemon (its socket address); names stay under macOS' 31-character limit.
+    """
+    tag = hashlib.sha1(instance.encode()).hexdigest()[:8]
+    index = f"/ml2{tag}.{model_index}i"
+    data = [f"/ml2{tag}.{model_index}.{layer}" for layer in range(n_layers)]
+    for name in (index, *data):
+        if len(name) > MAX_SHM_NAME:
+            raise ValueError(f"shared-memory name {name!r} exceeds {MAX_SHM_NAME} characters")
+    return index, data

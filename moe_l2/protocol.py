@@ -1,0 +1,219 @@
+"""Every message between clients and moe-l2d: types, fields, version, encoding.
+
+Frames are msgpack maps. A request is ``{"v": PROTOCOL_VERSION, "type": ..., "id": ..., <fields>}``;
+a reply is ``{"v": ..., "id": <request id>, "status": "ok"|"error", "ename": ..., "evalue": ..., <fields>}``.
+Requests marked fire-and-forget (``report``, ``prefetch``) get a reply only when they are refused, so
+nothing on a client's per-token path ever waits for the daemon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# A control-plane message is small; anything bigger is a bug or an attack, refused with an error reply.
+MAX_FRAME_BYTES = 1 << 20
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+    def __init__(self, ename: str, evalue: str):
+        super().__init__(evalue)
+        self.ename = ename
+        self.evalue = evalue
+
+
+def _check(cond: bool, ename: str, evalue: str) -> None:
+    if not cond:
+        raise ProtocolError(ename, evalue)
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+# Field types a message may declare; each maps to a validator and a description for error messages.
+_VALIDATORS = {
+    str: (lambda v: isinstance(v, str), "a string"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    bool: (lambda v: isinstance(v, bool), "a boolean"),
+    "int_list": (_is_int_list, "a list of integers"),
+    "layer_lists": (
+        lambda v: isinstance(v, dict)
+        and all(isinstance(k, int) and isinstance(p, list) and len(p) == 2 and all(map(_is_int_list, p))
+                for k, p in v.items()),
+        "a map layer -> [hit experts, missed experts]",
+    ),
+    dict: (lambda v: isinstance(v, dict), "a map"),
+    "str_or_none": (lambda v: v is None or isinstance(v, str), "a string or nil"),
+}
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every request; subclasses declare TYPE, FIELDS and whether a reply is sent on success."""
+
+    TYPE: ClassVar[str] = ""
+    FIELDS: ClassVar[dict[str, Any]] = {}
+    REPLIES: ClassVar[bool] = True
+
+    id: int = field(default=0, kw_only=True)
+
+    def encode(self) -> bytes:
+        body = {"v": PROTOCOL_VERSION, "type": self.TYPE, "id": self.id}
+        body.update({name: getattr(self, name) for name in self.FIELDS})
+        return msgpack.packb(body, use_bin_type=True)
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Attach to a model (also the client's heartbeat: the reply carries the daemon's epoch)."""
+
+    TYPE = "hello"
+    FIELDS = {"model": str, "fingerprint": str, "client": str}
+    model: str = ""
+    fingerprint: str = ""
+    client: str = ""
+
+
+@dataclass(frozen=True)
+class Stats(Message):
+    TYPE = "stats"
+    FIELDS = {}
+
+
+@dataclass(frozen=True)
+class Hint(Message):
+    """A prompt's text or a domain name: predict, preload and pin."""
+
+    TYPE = "hint"
+    FIELDS = {"model": str, "text": "str_or_none", "domain": "str_or_none"}
+    model: str = ""
+    text: str | None = None
+    domain: str | None = None
+
+
+@dataclass(frozen=True)
+class Prefetch(Message):
+    TYPE = "prefetch"
+    FIELDS = {"model": str, "layer": int, "experts": "int_list"}
+    REPLIES = False
+    model: str = ""
+    layer: int = 0
+    experts: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Report(Message):
+    """What a client's lookups found in L2: per layer the experts it copied and the ones it missed."""
+
+    TYPE = "report"
+    FIELDS = {"model": str, "layers": "layer_lists"}
+    REPLIES = False
+    model: str = ""
+    layers: dict[int, list[list[int]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pin(Message):
+    TYPE = "pin"
+    FIELDS = {"model": str, "layer": int, "experts": "int_list", "kind": str}
+    model: str = ""
+    layer: int = 0
+    experts: list[int] = field(default_factory=list)
+    kind: str = "permanent"
+
+
+@dataclass(frozen=True)
+class Unpin(Message):
+    TYPE = "unpin"
+    FIELDS = {"model": str, "layer": int, "experts": "int_list", "kind": str}
+    model: str = ""
+    layer: int = 0
+    experts: list[int] = field(default_factory=list)
+    kind: str = "permanent"
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    TYPE = "bye"
+    FIELDS = {"client": str}
+    client: str = ""
+
+
+PIN_KINDS = ("permanent", "domain")
+REQUESTS: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in (Hello, Stats, Hint, Prefetch, Report, Pin, Unpin, Bye)
+}
+
+
+def decode_request(frame: bytes) -> Message:
+    """Parse and validate one request frame; raises ProtocolError with an ename the reply carries."""
+    _check(len(frame) <= MAX_FRAME_BYTES, "FrameTooLarge",
+           f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError("MalformedFrame", f"not a msgpack message: {exc}") from None
+    _check(isinstance(body, dict), "MalformedFrame", "a request must be a msgpack map")
+    version = body.get("v")
+    _check(version == PROTOCOL_VERSION, "VersionMismatch",
+           f"protocol version {version!r} is not supported; this daemon speaks version {PROTOCOL_VERSION}: "
+           "install the same moe-l2 release for the client and the daemon")
+    mtype = body.get("type")
+    _check(mtype in REQUESTS, "UnknownType",
+           f"unknown message type {mtype!r}; known: {', '.join(sorted(REQUESTS))}")
+    cls = REQUESTS[mtype]
+    req_id = body.get("id", 0)
+    _check(_VALIDATORS[int][0](req_id), "BadField", "field 'id' must be an integer")
+    values = {}
+    for name, ftype in cls.FIELDS.items():
+        valid, what = _VALIDATORS[ftype]
+        if name not in body:
+            _check(ftype == "str_or_none", "BadField", f"{mtype}: missing field {name!r}")
+            continue
+        _check(valid(body[name]), "BadField", f"{mtype}: field {name!r} must be {what}")
+        values[name] = body[name]
+    return cls(id=req_id, **values)
+
+
+def encode_reply(req_id: int, **payload: Any) -> bytes:
+    body = {"v": PROTOCOL_VERSION, "id": req_id, "status": "ok"}
+    body.update(payload)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def encode_error(req_id: int, ename: str, evalue: str) -> bytes:
+    return msgpack.packb(
+        {"v": PROTOCOL_VERSION, "id": req_id, "status": "error", "ename": ename, "evalue": evalue},
+        use_bin_type=True,
+    )
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: int
+    ok: bool
+    ename: str = ""
+    evalue: str = ""
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+def decode_reply(frame: bytes) -> Reply:
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise ProtocolError("MalformedFrame", f"daemon sent a frame that is not msgpack: {exc}") from None
+    _check(isinstance(body, dict) and body.get("status") in ("ok", "error"), "MalformedFrame",
+           "daemon reply lacks a status")
+    _check(body.get("v") == PROTOCOL_VERSION, "VersionMismatch",
+           f"daemon speaks protocol version {body.get('v')!r}, this client {PROTOCOL_VERSION}: "
+           "install the same moe-l2 release for both")
+    payload = {k: v for k, v in body.items() if k not in ("v", "id", "status", "ename", "evalue")}
+    return Reply(id=body.get("id", 0), ok=body["status"] == "ok", ename=body.get("ename", ""),
+                 evalue=body.get("evalue", ""), payload=payload)

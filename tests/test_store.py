@@ -1,0 +1,72 @@
+"""The slot store's bookkeeping and the eviction policies, without shared memory."""
+
+import pytest
+
+from moe_l2.daemon.store import LayerStore
+from moe_l2.policy import LRU, LFUDecay, make_policy
+
+
+def fill(store, expert):
+    r = store.reserve(expert)
+    store.commit(r)
+    return r
+
+
+def test_lru_evicts_least_recently_used():
+    store = LayerStore(8, 3, LRU())
+    for e in (0, 1, 2):
+        fill(store, e)
+    store.access(0)
+    r = fill(store, 3)
+    assert r.evicted == 1
+    assert store.slot(1) == -1 and store.slot(3) == r.slot
+
+
+def test_lfu_keeps_frequent_experts_and_decays_old_counts():
+    policy = LFUDecay(half_life=4)
+    store = LayerStore(8, 2, policy)
+    fill(store, 0)
+    fill(store, 1)
+    for _ in range(5):
+        store.access(0)
+    assert fill(store, 2).evicted == 1
+    # Many accesses ago expert 0 was hot; after enough decay a steadily used expert overtakes it.
+    for _ in range(40):
+        store.access(2)
+    assert policy.victim([0, 2]) == 0
+
+
+def test_reserved_slots_are_not_evicted_or_reused_and_dedupe():
+    store = LayerStore(8, 2, LRU())
+    a = store.reserve(0)
+    b = store.reserve(1)
+    assert store.reserve(0) is None  # in flight: not loaded twice
+    assert store.reserve(2) is None  # both slots loading: nothing to evict
+    store.commit(a)
+    store.abort(b)
+    assert store.slot(1) == -1 and not store.has(1)
+    assert store.reserve(2).slot == b.slot
+
+
+def test_pins_are_never_evicted_and_capped():
+    store = LayerStore(8, 4, LRU())
+    pinned, refused = store.pin([0, 1, 2], "permanent")
+    assert pinned == [0, 1] and refused == [2]  # half the slots at most
+    for e in (0, 1, 2, 3):
+        fill(store, e)
+    for e in (4, 5, 6):
+        assert fill(store, e).evicted not in (0, 1)
+    store.unpin([0], "permanent")
+    store.access(1)
+    assert fill(store, 7).evicted in (0, 6, 5)
+
+
+def test_out_of_range_expert_is_refused():
+    store = LayerStore(8, 2, LRU())
+    with pytest.raises(IndexError, match="0..7"):
+        store.reserve(8)
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match="lru, lfu"):
+        make_policy("fifo")
