@@ -1,0 +1,175 @@
+// Python bindings of moe_l2._native. Compiled with NB_DOMAIN mlx, so mlx::core::array and
+// mlx::core::Dtype cross the boundary as mlx.core.array and mlx.core.Dtype.
+#include <cstring>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "memory.h"
+#include "records.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace moe_l2 {
+
+namespace {
+
+// OSError(err, "") is how Python picks the errno's subclass (FileExistsError, ...); the
+// raised one carries our message alone, so that str() starts with "[function] ".
+void set_os_error(const OsError& e) {
+  nb::object cls = nb::borrow(PyExc_OSError);
+  if (e.err != 0) {
+    cls = nb::borrow(cls(e.err, "").type());
+  }
+  nb::object exc = cls(e.what());
+  if (e.err != 0) {
+    exc.attr("errno") = e.err;
+  }
+  PyErr_SetObject(cls.ptr(), exc.ptr());
+}
+
+// Buffer protocol of every Memory: memoryview(m), bytes(m), numpy.frombuffer(m) all work.
+// Each export holds the region, so the bytes outlive Segment.close() while a view exists.
+int memory_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+  view->obj = nullptr;
+  try {
+    const Memory* mem = nb::inst_ptr<Memory>(self);
+    auto region = mem->region("Memory.view", (flags & PyBUF_WRITABLE) != 0);
+    if (PyBuffer_FillInfo(view, self, region->data, static_cast<Py_ssize_t>(region->nbytes),
+                          mem->readonly(), flags) != 0) {
+      return -1;
+    }
+    view->internal = new std::shared_ptr<Region>(std::move(region));
+    return 0;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_BufferError, e.what());
+    return -1;
+  }
+}
+
+void memory_releasebuffer(PyObject*, Py_buffer* view) {
+  delete static_cast<std::shared_ptr<Region>*>(view->internal);
+}
+
+PyType_Slot memory_slots[] = {
+    {Py_bf_getbuffer, reinterpret_cast<void*>(memory_getbuffer)},
+    {Py_bf_releasebuffer, reinterpret_cast<void*>(memory_releasebuffer)},
+    {0, nullptr}};
+
+size_t offset_arg(const char* fn, int64_t off) { return to_size(fn, "offset", off); }
+
+}  // namespace
+
+void init_memory(nb::module_& m) {
+  nb::class_<Memory>(m, "Memory", nb::type_slots(memory_slots),
+                     "A byte range the module copies into and out of (abstract: see Buffer, "
+                     "Segment). Supports the buffer protocol.")
+      .def_prop_ro("nbytes", &Memory::nbytes)
+      .def_prop_ro("address", [](const Memory& self) { return self.address("Memory.address"); })
+      .def_prop_ro("readonly", &Memory::readonly)
+      .def(
+          "view",
+          [](nb::handle self) {
+            PyObject* view = PyMemoryView_FromObject(self.ptr());
+            if (view == nullptr) {
+              throw nb::python_error();
+            }
+            return nb::steal(view);
+          },
+          "A memoryview of all the bytes (read-only if the memory is); it keeps them alive.")
+      .def(
+          "load_u32",
+          [](const Memory& self, int64_t off) { return self.load_u32(offset_arg("Memory.load_u32", off)); },
+          "offset"_a, "Atomic acquire load of the uint32 at offset.")
+      .def(
+          "load_i32",
+          [](const Memory& self, int64_t off) { return self.load_i32(offset_arg("Memory.load_i32", off)); },
+          "offset"_a, "Atomic acquire load of the int32 at offset.")
+      .def(
+          "store_u32",
+          [](Memory& self, int64_t off, uint32_t v) { self.store_u32(offset_arg("Memory.store_u32", off), v); },
+          "offset"_a, "value"_a, "Atomic release store of a uint32 at offset.")
+      .def(
+          "store_i32",
+          [](Memory& self, int64_t off, int32_t v) { self.store_i32(offset_arg("Memory.store_i32", off), v); },
+          "offset"_a, "value"_a, "Atomic release store of an int32 at offset.")
+      .def(
+          "seq_begin_write",
+          [](Memory& self, int64_t off) {
+            return self.seq_begin_write(offset_arg("Memory.seq_begin_write", off));
+          },
+          "offset"_a,
+          "Seqlock writer start: makes the (even) uint32 seq at offset odd, then a release "
+          "fence. Returns the new seq.")
+      .def(
+          "seq_end_write",
+          [](Memory& self, int64_t off) {
+            return self.seq_end_write(offset_arg("Memory.seq_end_write", off));
+          },
+          "offset"_a,
+          "Seqlock writer end: makes the (odd) seq at offset even with a release store. "
+          "Returns the new seq.");
+
+  nb::class_<Buffer, Memory>(m, "Buffer",
+                             "C++-owned memory from MLX's allocator: page-aligned, zero-filled, "
+                             "at a stable address, and the backing store of zero-copy arrays.")
+      .def(nb::init<int64_t>(), "nbytes"_a)
+      .def("array", &Buffer::array, "offset"_a, "shape"_a, "dtype"_a,
+           "A zero-copy mlx.core.array over [offset, offset + prod(shape) * itemsize); the "
+           "array keeps the memory alive.")
+      .def("__repr__", [](const Buffer& self) {
+        return "<moe_l2._native.Buffer nbytes=" + std::to_string(self.nbytes()) + ">";
+      });
+
+  nb::class_<Segment, Memory>(m, "Segment", "A mapped POSIX shared-memory object.")
+      .def_static("create", &Segment::create, "name"_a, "nbytes"_a, "mode"_a = 0600,
+                  "Create (O_EXCL) and map read-write a segment of nbytes, reserving its pages.")
+      .def_static("open", &Segment::open, "name"_a, "readonly"_a = true,
+                  "Map an existing segment; its size comes from the object.")
+      .def_static("unlink", &Segment::unlink, "name"_a,
+                  "Remove a segment's name; False if there was none. Mappings stay valid.")
+      .def_prop_ro("name", &Segment::name)
+      .def_prop_ro("closed", &Segment::closed)
+      .def("close", &Segment::close,
+           "Drop this object's mapping (idempotent); the memory is unmapped once no view uses it.")
+      .def("__repr__", [](const Segment& self) {
+        return "<moe_l2._native.Segment " + self.name() + " nbytes=" +
+               std::to_string(self.nbytes()) + (self.readonly() ? " readonly" : "") +
+               (self.closed() ? " closed" : "") + ">";
+      });
+}
+
+void init_copy(nb::module_& m) {
+  m.def("copy_records", &copy_records, "index"_a, "data"_a, "slot_of_off"_a, "meta_off"_a,
+        "n_experts"_a, "n_slots"_a, "slot_stride"_a, "pieces"_a, "experts"_a, "rows"_a,
+        "Copy the L2 records of experts into rows of the pieces' destinations, checked by each "
+        "slot's seqlock, with the GIL released. Result i is False where experts[i] is absent "
+        "or was being written (its rows may then be partly written).");
+}
+
+void init_pread(nb::module_& m) {
+  m.def("pread_records", &pread_records, "jobs"_a, "threads"_a = 4,
+        "Read each job (fd, file_offset, nbytes, dst, dst_offset) into dst, on up to `threads` "
+        "threads, with the GIL released.");
+}
+
+}  // namespace moe_l2
+
+NB_MODULE(_native, m) {
+  m.doc() = "moe-l2's native core: MLX-backed buffers, shared memory, record copies and reads.";
+  // Registers mlx.core.array and mlx.core.Dtype in the shared "mlx" domain before any use.
+  nb::module_::import_("mlx.core");
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const moe_l2::OsError& e) {
+      moe_l2::set_os_error(e);
+    }
+  });
+  moe_l2::init_memory(m);
+  moe_l2::init_copy(m);
+  moe_l2::init_pread(m);
+}

@@ -1,0 +1,114 @@
+#include <algorithm>
+#include <cstring>
+
+#include <nanobind/nanobind.h>
+
+#include "records.h"
+
+namespace nb = nanobind;
+
+namespace moe_l2 {
+
+namespace {
+
+// Per-slot metadata in the index segment (see DESIGN.md): {int32 expert, uint32 seq,
+// uint32 checksum, pad}.
+constexpr size_t kMetaSize = 16;
+constexpr size_t kMetaExpert = 0;
+constexpr size_t kMetaSeq = 4;
+
+struct Piece {
+  size_t src_off;
+  size_t nbytes;
+  std::byte* dst;
+};
+
+uint32_t load(const std::byte* p, int order) {
+  return __atomic_load_n(reinterpret_cast<const uint32_t*>(p), order);
+}
+
+}  // namespace
+
+std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t slot_of_off_in,
+                               int64_t meta_off_in, int64_t n_experts_in, int64_t n_slots_in,
+                               int64_t slot_stride_in, const std::vector<CopyPiece>& pieces_in,
+                               const std::vector<int64_t>& experts,
+                               const std::vector<int64_t>& rows) {
+  const char* fn = "copy_records";
+  size_t slot_of_off = to_size(fn, "slot_of_off", slot_of_off_in);
+  size_t meta_off = to_size(fn, "meta_off", meta_off_in);
+  size_t n_experts = to_size(fn, "n_experts", n_experts_in);
+  size_t n_slots = to_size(fn, "n_slots", n_slots_in);
+  size_t slot_stride = to_size(fn, "slot_stride", slot_stride_in);
+  if (slot_of_off % 4 != 0 || meta_off % 4 != 0) {
+    throw_value_error(fn, "slot_of_off and meta_off must be 4-byte aligned");
+  }
+  index.check_range(fn, slot_of_off, checked_mul(fn, n_experts, 4));
+  index.check_range(fn, meta_off, checked_mul(fn, n_slots, kMetaSize));
+  data.check_range(fn, 0, checked_mul(fn, n_slots, slot_stride));
+  if (experts.size() != rows.size()) {
+    throw_value_error(fn, "experts and rows differ in length (" + std::to_string(experts.size()) +
+                              " != " + std::to_string(rows.size()) + ")");
+  }
+  size_t n_rows = 0;  // rows the destinations must have: 1 + the largest row
+  for (size_t i = 0; i < experts.size(); ++i) {
+    if (experts[i] < 0 || static_cast<size_t>(experts[i]) >= n_experts) {
+      throw_value_error(fn, "experts[" + std::to_string(i) + "] = " + std::to_string(experts[i]) +
+                                " is outside [0, " + std::to_string(n_experts) + ")");
+    }
+    std::string what = "rows[" + std::to_string(i) + "]";
+    n_rows = std::max(n_rows, checked_add(fn, to_size(fn, what.c_str(), rows[i]), 1));
+  }
+
+  // Hold every region, so that no segment can be unmapped while the GIL is released.
+  auto index_region = index.region(fn);
+  auto data_region = data.region(fn);
+  std::vector<std::shared_ptr<Region>> dst_regions;
+  std::vector<Piece> pieces;
+  for (size_t p = 0; p < pieces_in.size(); ++p) {
+    auto [src_off_in, nbytes_in, dst] = pieces_in[p];
+    std::string what = "pieces[" + std::to_string(p) + "]";
+    if (dst == nullptr) {
+      throw_value_error(fn, what + " has no destination");
+    }
+    size_t src_off = to_size(fn, (what + " src_off").c_str(), src_off_in);
+    size_t nbytes = to_size(fn, (what + " nbytes").c_str(), nbytes_in);
+    if (checked_add(fn, src_off, nbytes) > slot_stride) {
+      throw_value_error(fn, what + " [" + std::to_string(src_off) + ", " +
+                                std::to_string(src_off + nbytes) + ") overruns the " +
+                                std::to_string(slot_stride) + "-byte slot");
+    }
+    dst->check_range(fn, 0, checked_mul(fn, n_rows, nbytes));
+    dst_regions.push_back(dst->region(fn, true));
+    pieces.push_back({src_off, nbytes, dst_regions.back()->data});
+  }
+
+  const std::byte* idx = index_region->data;
+  const std::byte* src = data_region->data;
+  std::vector<bool> copied(experts.size(), false);
+  {
+    nb::gil_scoped_release unlocked;
+    for (size_t i = 0; i < experts.size(); ++i) {
+      auto expert = static_cast<int32_t>(experts[i]);
+      auto slot = static_cast<int32_t>(load(idx + slot_of_off + 4 * size_t(expert), __ATOMIC_ACQUIRE));
+      if (slot < 0 || static_cast<size_t>(slot) >= n_slots) {
+        continue;
+      }
+      const std::byte* meta = idx + meta_off + kMetaSize * size_t(slot);
+      uint32_t s1 = load(meta + kMetaSeq, __ATOMIC_ACQUIRE);
+      if ((s1 & 1u) || static_cast<int32_t>(load(meta + kMetaExpert, __ATOMIC_RELAXED)) != expert) {
+        continue;
+      }
+      const std::byte* record = src + size_t(slot) * slot_stride;
+      for (const Piece& p : pieces) {
+        std::memcpy(p.dst + size_t(rows[i]) * p.nbytes, record + p.src_off, p.nbytes);
+      }
+      // The record bytes must be read before seq is read again.
+      __atomic_thread_fence(__ATOMIC_ACQUIRE);
+      copied[i] = load(meta + kMetaSeq, __ATOMIC_RELAXED) == s1;
+    }
+  }
+  return copied;
+}
+
+}  // namespace moe_l2

@@ -1,0 +1,378 @@
+#include "memory.h"
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace mx = mlx::core;
+
+namespace moe_l2 {
+
+std::string prefixed(const char* fn, const std::string& msg) {
+  return std::string("[") + fn + "] " + msg;
+}
+
+void throw_value_error(const char* fn, const std::string& msg) {
+  throw std::invalid_argument(prefixed(fn, msg));
+}
+
+size_t checked_add(const char* fn, size_t a, size_t b) {
+  size_t r;
+  if (__builtin_add_overflow(a, b, &r)) {
+    throw_value_error(fn, "size overflow (" + std::to_string(a) + " + " + std::to_string(b) + ")");
+  }
+  return r;
+}
+
+size_t checked_mul(const char* fn, size_t a, size_t b) {
+  size_t r;
+  if (__builtin_mul_overflow(a, b, &r)) {
+    throw_value_error(fn, "size overflow (" + std::to_string(a) + " * " + std::to_string(b) + ")");
+  }
+  return r;
+}
+
+size_t to_size(const char* fn, const char* what, int64_t v) {
+  if (v < 0) {
+    throw_value_error(fn, std::string(what) + " must be >= 0, got " + std::to_string(v));
+  }
+  return static_cast<size_t>(v);
+}
+
+// ---------------------------------------------------------------------------------------
+// Memory
+
+std::shared_ptr<Region> Memory::region(const char* fn, bool writable) const {
+  if (!region_) {
+    throw_value_error(fn, describe() + " is closed");
+  }
+  if (writable && readonly_) {
+    throw_value_error(fn, describe() + " is read-only");
+  }
+  return region_;
+}
+
+uintptr_t Memory::address(const char* fn) const {
+  return reinterpret_cast<uintptr_t>(region(fn)->data);
+}
+
+void Memory::check_range(const char* fn, size_t offset, size_t nbytes) const {
+  if (offset > nbytes_ || nbytes > nbytes_ - offset) {
+    throw_value_error(fn, "bytes [" + std::to_string(offset) + ", " +
+                              std::to_string(offset + nbytes) + ") are outside " + describe() +
+                              " of " + std::to_string(nbytes_) + " bytes");
+  }
+}
+
+uint32_t* Memory::word(const char* fn, size_t off, bool writable) const {
+  std::byte* base = region(fn, writable)->data;
+  if (off % alignof(uint32_t) != 0) {
+    throw_value_error(fn, "offset " + std::to_string(off) + " is not 4-byte aligned");
+  }
+  check_range(fn, off, sizeof(uint32_t));
+  return reinterpret_cast<uint32_t*>(base + off);
+}
+
+uint32_t Memory::load_u32(size_t off) const {
+  return __atomic_load_n(word("Memory.load_u32", off, false), __ATOMIC_ACQUIRE);
+}
+
+int32_t Memory::load_i32(size_t off) const {
+  return static_cast<int32_t>(
+      __atomic_load_n(word("Memory.load_i32", off, false), __ATOMIC_ACQUIRE));
+}
+
+void Memory::store_u32(size_t off, uint32_t v) {
+  __atomic_store_n(word("Memory.store_u32", off, true), v, __ATOMIC_RELEASE);
+}
+
+void Memory::store_i32(size_t off, int32_t v) {
+  __atomic_store_n(word("Memory.store_i32", off, true), static_cast<uint32_t>(v),
+                   __ATOMIC_RELEASE);
+}
+
+uint32_t Memory::seq_begin_write(size_t off) {
+  const char* fn = "Memory.seq_begin_write";
+  uint32_t* seq = word(fn, off, true);
+  uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
+  if (s & 1u) {
+    throw std::runtime_error(prefixed(
+        fn, "seq at offset " + std::to_string(off) + " is odd (" + std::to_string(s) +
+                "): a write is already in progress, or its writer died mid-write"));
+  }
+  // A compare-exchange, so that two writers racing on one slot fail instead of both "owning" it.
+  if (!__atomic_compare_exchange_n(seq, &s, s + 1, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    throw std::runtime_error(prefixed(fn, "seq at offset " + std::to_string(off) +
+                                              " changed under a writer: two writers on one slot"));
+  }
+  // Readers must see the odd seq before any of the record bytes written after this call.
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+  return s + 1;
+}
+
+uint32_t Memory::seq_end_write(size_t off) {
+  const char* fn = "Memory.seq_end_write";
+  uint32_t* seq = word(fn, off, true);
+  uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
+  if (!(s & 1u)) {
+    throw std::runtime_error(prefixed(fn, "seq at offset " + std::to_string(off) + " is even (" +
+                                              std::to_string(s) +
+                                              "): no write in progress (seq_begin_write first)"));
+  }
+  __atomic_store_n(seq, s + 1, __ATOMIC_RELEASE);
+  return s + 1;
+}
+
+// ---------------------------------------------------------------------------------------
+// Buffer
+//
+// mlx::core::array(void*, shape, dtype, deleter) only wraps foreign memory where the backend
+// allocator can (Metal); the CPU and CUDA allocators make it copy, so writes to the original
+// memory would go unseen. Instead MLX allocates, and every array is a view sharing that
+// allocation (copy_shared_buffer), which keeps it alive as long as any view exists.
+
+namespace {
+
+struct MlxRegion : Region {
+  explicit MlxRegion(mx::array anchor) : anchor(std::move(anchor)) {}
+  mx::array anchor;  // uint8 view whose first byte is `data`
+};
+
+// An array that owns nothing yet: copy_shared_buffer then points it into another's memory.
+mx::array unbacked(mx::Shape shape, mx::Dtype dtype) {
+  return mx::array(mx::allocator::Data(mx::allocator::Buffer(nullptr), [](mx::allocator::Buffer) {}),
+                   std::move(shape), dtype);
+}
+
+// Zero-filled, page-aligned bytes from MLX's allocator.
+std::shared_ptr<Region> allocate(int64_t nbytes_in) {
+  const char* fn = "Buffer";
+  size_t nbytes = to_size(fn, "nbytes", nbytes_in);
+  if (nbytes == 0) {
+    throw_value_error(fn, "nbytes must be > 0");
+  }
+  // Over-allocate by a page so the usable range can start on a page boundary (O_DIRECT reads,
+  // page-granular Metal wrapping); the CPU allocator's own pointers are only 8-byte aligned.
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  mx::allocator::Data data = mx::allocator::malloc(checked_add(fn, nbytes, page - 1));
+  auto* raw = static_cast<std::byte*>(data.buffer().raw_ptr());
+  if (raw == nullptr) {
+    throw std::bad_alloc();
+  }
+  size_t pad = (page - reinterpret_cast<uintptr_t>(raw) % page) % page;
+  std::memset(raw + pad, 0, nbytes);
+
+  mx::array base(std::move(data), mx::Shape{1}, mx::uint8);
+  mx::array anchor = unbacked(mx::Shape{1}, mx::uint8);
+  anchor.copy_shared_buffer(base, mx::Strides{1}, {true, true, true}, 1, static_cast<int64_t>(pad));
+  auto region = std::make_shared<MlxRegion>(std::move(anchor));
+  region->data = raw + pad;
+  region->nbytes = nbytes;
+  return region;
+}
+
+}  // namespace
+
+Buffer::Buffer(int64_t nbytes) : Memory(allocate(nbytes), false) {}
+
+mx::array Buffer::array(int64_t offset_in, const std::vector<int64_t>& shape_in,
+                        mx::Dtype dtype) const {
+  const char* fn = "Buffer.array";
+  size_t offset = to_size(fn, "offset", offset_in);
+  size_t itemsize = mx::size_of(dtype);
+  if (offset % itemsize != 0) {
+    throw_value_error(fn, "offset " + std::to_string(offset) + " is not a multiple of the " +
+                              std::to_string(itemsize) + "-byte item size");
+  }
+  mx::Shape shape;
+  size_t count = 1;
+  int64_t max_dim = 0;
+  for (int64_t d : shape_in) {
+    if (d < 0 || d > std::numeric_limits<mx::ShapeElem>::max()) {
+      throw_value_error(fn, "shape dimension " + std::to_string(d) + " is out of range");
+    }
+    shape.push_back(static_cast<mx::ShapeElem>(d));
+    count = checked_mul(fn, count, static_cast<size_t>(d));
+    max_dim = std::max(max_dim, d);
+  }
+  check_range(fn, offset, checked_mul(fn, count, itemsize));
+
+  mx::Strides strides(shape.size(), 1);
+  for (size_t i = shape.size(); i-- > 1;) {
+    strides[i - 1] = strides[i] * shape[i];
+  }
+  // The flags MLX gives a fresh row-major array of this shape.
+  mx::array::Flags flags{true, true, count <= 1 || count == static_cast<size_t>(max_dim)};
+
+  auto region = std::static_pointer_cast<MlxRegion>(this->region(fn));
+  mx::array view = unbacked(std::move(shape), dtype);
+  view.copy_shared_buffer(region->anchor, strides, flags, count,
+                          static_cast<int64_t>(offset / itemsize));
+  return view;
+}
+
+// ---------------------------------------------------------------------------------------
+// Segment
+
+namespace {
+
+struct Mapping : Region {
+  Mapping(void* addr, size_t len) {
+    data = static_cast<std::byte*>(addr);
+    nbytes = len;
+  }
+  ~Mapping() override { munmap(data, nbytes); }
+};
+
+// macOS allows 31 characters (PSHMNAMLEN); POSIX wants one leading '/' and no other.
+void check_name(const char* fn, const std::string& name) {
+  if (name.size() < 2 || name.size() > 31 || name[0] != '/' ||
+      name.find('/', 1) != std::string::npos || name.find('\0') != std::string::npos) {
+    throw_value_error(fn, "invalid segment name '" + name +
+                              "': it must be '/' followed by 1 to 30 characters other than '/' "
+                              "(31 in all, the macOS limit)");
+  }
+}
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+// What the user can do about a failed shm_open.
+std::string open_hint(int err, bool creating) {
+  switch (err) {
+    case EEXIST:
+      return " (another daemon owns it, or one that crashed left it: unlink it first)";
+    case ENOENT:
+      return creating ? "" : " (the daemon is not running, or it restarted with new segments)";
+    case EACCES:
+      return " (it belongs to another user: check the daemon's user, group and segment mode)";
+    case EMFILE:
+    case ENFILE:
+      return " (too many open files: raise the limit with ulimit -n)";
+    default:
+      return "";
+  }
+}
+
+std::string space_hint(int err) {
+  if (err == ENOSPC || err == ENOMEM) {
+    return " (shared memory is full: /dev/shm on Linux is a tmpfs, often half of RAM and 64 MiB "
+           "in containers; remove stale segments, enlarge it, e.g. docker run --shm-size, or "
+           "lower the budget)";
+  }
+  return "";
+}
+
+}  // namespace
+
+Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mode) {
+  const char* fn = "Segment.create";
+  check_name(fn, name);
+  size_t nbytes = to_size(fn, "nbytes", nbytes_in);
+  if (nbytes == 0) {
+    throw_value_error(fn, "nbytes must be > 0");
+  }
+  if (mode > 0777) {
+    throw_value_error(fn, "mode must be permission bits (<= 0o777)");
+  }
+
+  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, static_cast<mode_t>(mode));
+  if (fd < 0) {
+    int err = errno;
+    throw OsError(err, prefixed(fn, "cannot create shared-memory segment '" + name +
+                                        "': " + errno_text(err) + open_hint(err, true)));
+  }
+  // Past this point a failure removes the half-made segment.
+  auto fail = [&](const std::string& step, int err) {
+    ::close(fd);
+    shm_unlink(name.c_str());
+    throw OsError(err, prefixed(fn, "cannot " + step + " shared-memory segment '" + name +
+                                        "': " + errno_text(err) + space_hint(err)));
+  };
+
+  // shm_open applies the umask; the caller's mode (e.g. group access) is meant as given.
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    fail("stat", errno);
+  }
+  if ((st.st_mode & 0777) != mode && fchmod(fd, static_cast<mode_t>(mode)) != 0) {
+#ifdef __linux__
+    fail("set the mode of", errno);
+#endif
+    // macOS has no fchmod for shared-memory objects: there the umask stays applied.
+  }
+  if (ftruncate(fd, static_cast<off_t>(nbytes)) != 0) {
+    fail("size (" + std::to_string(nbytes) + " bytes)", errno);
+  }
+#ifdef __linux__
+  // Reserve the pages now: a full tmpfs then fails here with ENOSPC instead of killing the
+  // writer with SIGBUS when it first touches a page that cannot be backed.
+  int err;
+  do {
+    err = posix_fallocate(fd, 0, static_cast<off_t>(nbytes));
+  } while (err == EINTR);
+  if (err != 0 && err != EOPNOTSUPP && err != ENOSYS && err != EINVAL) {
+    fail("reserve " + std::to_string(nbytes) + " bytes for", err);
+  }
+#endif
+  void* addr = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (addr == MAP_FAILED) {
+    fail("map", errno);
+  }
+  ::close(fd);
+  return Segment(name, std::make_shared<Mapping>(addr, nbytes), false);
+}
+
+Segment Segment::open(const std::string& name, bool readonly) {
+  const char* fn = "Segment.open";
+  check_name(fn, name);
+  int fd = shm_open(name.c_str(), readonly ? O_RDONLY : O_RDWR, 0);
+  if (fd < 0) {
+    int err = errno;
+    throw OsError(err, prefixed(fn, "cannot open shared-memory segment '" + name + "': " +
+                                        errno_text(err) + open_hint(err, false)));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw OsError(err, prefixed(fn, "cannot stat shared-memory segment '" + name + "': " +
+                                        errno_text(err)));
+  }
+  if (st.st_size <= 0) {
+    ::close(fd);
+    throw_value_error(fn, "shared-memory segment '" + name +
+                              "' is empty (its creator has not sized it yet)");
+  }
+  size_t nbytes = static_cast<size_t>(st.st_size);
+  int prot = readonly ? PROT_READ : PROT_READ | PROT_WRITE;
+  void* addr = mmap(nullptr, nbytes, prot, MAP_SHARED, fd, 0);
+  int err = errno;
+  ::close(fd);
+  if (addr == MAP_FAILED) {
+    throw OsError(err, prefixed(fn, "cannot map shared-memory segment '" + name + "' (" +
+                                        std::to_string(nbytes) + " bytes): " + errno_text(err)));
+  }
+  return Segment(name, std::make_shared<Mapping>(addr, nbytes), readonly);
+}
+
+bool Segment::unlink(const std::string& name) {
+  const char* fn = "Segment.unlink";
+  check_name(fn, name);
+  if (shm_unlink(name.c_str()) == 0) {
+    return true;
+  }
+  int err = errno;
+  if (err == ENOENT) {
+    return false;
+  }
+  throw OsError(err, prefixed(fn, "cannot unlink shared-memory segment '" + name + "': " +
+                                      errno_text(err) + open_hint(err, false)));
+}
+
+}  // namespace moe_l2

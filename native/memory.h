@@ -1,0 +1,111 @@
+// Byte ranges the native module copies into and out of: C++-owned buffers that back MLX
+// arrays, and mapped POSIX shared-memory segments.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include <mlx/array.h>
+
+namespace moe_l2 {
+
+// An OS call failed: becomes an OSError (or the errno's subclass) carrying `err`.
+// err == 0 means "no errno" (e.g. an unexpected end of file).
+struct OsError : std::runtime_error {
+  OsError(int err, const std::string& what) : std::runtime_error(what), err(err) {}
+  int err;
+};
+
+// "[fn] " + msg, the prefix every error of the module carries.
+std::string prefixed(const char* fn, const std::string& msg);
+[[noreturn]] void throw_value_error(const char* fn, const std::string& msg);
+
+// a + b and a * b, or a ValueError when they overflow.
+size_t checked_add(const char* fn, size_t a, size_t b);
+size_t checked_mul(const char* fn, size_t a, size_t b);
+
+// A non-negative Python int as a size, or a ValueError naming `what`.
+size_t to_size(const char* fn, const char* what, int64_t v);
+
+// Bytes that stay valid while anyone holds the shared_ptr: a Memory object, a memoryview
+// exported from it, or a native call running with the GIL released.
+struct Region {
+  virtual ~Region() = default;
+  std::byte* data = nullptr;
+  size_t nbytes = 0;
+};
+
+class Memory {
+ public:
+  virtual ~Memory() = default;
+  Memory(Memory&&) = default;
+  Memory& operator=(Memory&&) = default;
+
+  size_t nbytes() const { return nbytes_; }
+  bool readonly() const { return readonly_; }
+  uintptr_t address(const char* fn) const;
+
+  // The bytes, kept alive by the returned handle. ValueError once closed, and when
+  // `writable` is asked of read-only memory.
+  std::shared_ptr<Region> region(const char* fn, bool writable = false) const;
+  // Checks that [offset, offset + nbytes) lies inside the memory.
+  void check_range(const char* fn, size_t offset, size_t nbytes) const;
+
+  uint32_t load_u32(size_t off) const;
+  int32_t load_i32(size_t off) const;
+  void store_u32(size_t off, uint32_t v);
+  void store_i32(size_t off, int32_t v);
+  uint32_t seq_begin_write(size_t off);
+  uint32_t seq_end_write(size_t off);
+
+  // "buffer" or "segment '/name'", for error messages.
+  virtual std::string describe() const = 0;
+
+ protected:
+  Memory(std::shared_ptr<Region> region, bool readonly)
+      : region_(std::move(region)), nbytes_(region_->nbytes), readonly_(readonly) {}
+
+  std::shared_ptr<Region> region_;  // null once closed
+
+ private:
+  uint32_t* word(const char* fn, size_t off, bool writable) const;
+
+  size_t nbytes_;
+  bool readonly_;
+};
+
+// C++-owned memory allocated by MLX's own allocator, so that arrays made from it are views
+// that MLX ops (CPU, Metal, CUDA) read in place.
+class Buffer : public Memory {
+ public:
+  explicit Buffer(int64_t nbytes);
+  // A zero-copy view of [offset, offset + prod(shape) * itemsize) that keeps the memory alive.
+  mlx::core::array array(int64_t offset, const std::vector<int64_t>& shape,
+                         mlx::core::Dtype dtype) const;
+  std::string describe() const override { return "buffer"; }
+};
+
+// A POSIX shared-memory object mapped into this process.
+class Segment : public Memory {
+ public:
+  static Segment create(const std::string& name, int64_t nbytes, unsigned mode);
+  static Segment open(const std::string& name, bool readonly);
+  static bool unlink(const std::string& name);
+
+  const std::string& name() const { return name_; }
+  bool closed() const { return region_ == nullptr; }
+  // Drops this object's mapping; the memory is unmapped once no view or running call uses it.
+  void close() { region_.reset(); }
+  std::string describe() const override { return "segment '" + name_ + "'"; }
+
+ private:
+  Segment(std::string name, std::shared_ptr<Region> region, bool readonly)
+      : Memory(std::move(region), readonly), name_(std::move(name)) {}
+
+  std::string name_;
+};
+
+}  // namespace moe_l2

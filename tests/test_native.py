@@ -1,0 +1,463 @@
+"""moe_l2._native on real objects: MLX-backed buffers, shared memory, seqlock copies, preads."""
+
+import errno
+import itertools
+import os
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import pytest
+
+from moe_l2 import _native as native
+
+PAGE = os.sysconf("SC_PAGESIZE")
+_names = itertools.count()
+
+
+@pytest.fixture
+def shm_name():
+    """Yields a fresh segment-name factory; every name it gave is unlinked afterwards."""
+    names = []
+
+    def make():
+        names.append(f"/moe-l2-t{os.getpid()}-{next(_names)}")
+        return names[-1]
+
+    yield make
+    for name in names:
+        native.Segment.unlink(name)
+
+
+# --- Buffer -----------------------------------------------------------------------------
+
+
+def test_buffer_is_zeroed_page_aligned_memory():
+    buf = native.Buffer(3 * PAGE + 5)
+    assert isinstance(buf, native.Memory)
+    assert buf.nbytes == 3 * PAGE + 5
+    assert buf.address % PAGE == 0
+    assert not buf.readonly
+    assert bytes(buf.view()) == bytes(buf.nbytes)
+    with pytest.raises(TypeError):
+        native.Memory()
+    with pytest.raises(ValueError, match=r"\[Buffer\] nbytes must be > 0"):
+        native.Buffer(0)
+
+
+@pytest.mark.parametrize("dtype", [mx.uint8, mx.int32, mx.float32, mx.bfloat16, mx.float16])
+def test_buffer_array_is_an_mlx_array_of_the_asked_shape(dtype):
+    buf = native.Buffer(4096)
+    arr = buf.array(128, [3, 4, 5], dtype)
+    assert type(arr) is mx.array
+    assert arr.shape == (3, 4, 5)
+    assert arr.dtype == dtype
+    assert mx.all(arr == 0).item()
+
+
+def test_writes_through_view_are_seen_by_mlx_ops():
+    buf = native.Buffer(PAGE)
+    rows = buf.array(64, [4, 8], mx.float32)
+    other = buf.array(0, [16], mx.int32)
+    assert mx.sum(rows).item() == 0
+    floats = buf.view().cast("f")
+    floats[16] = 5.0  # rows[0, 0]: byte 64
+    floats[16 + 31] = 2.5  # rows[3, 7]
+    assert mx.sum(rows).item() == 7.5
+    assert rows[3, 7].item() == 2.5
+    buf.view().cast("i")[15] = -7  # other[15], bytes just before rows
+    assert other[15].item() == -7
+    assert mx.sum(rows).item() == 7.5
+
+
+def test_array_outlives_the_buffer_object():
+    buf = native.Buffer(PAGE)
+    buf.view().cast("i")[:4] = memoryview(bytes(range(1, 17))).cast("i")
+    arr = buf.array(0, [16], mx.uint8)
+    del buf
+    mx.synchronize()
+    assert arr.tolist() == list(range(1, 17))
+    assert mx.sum(arr * 2).item() == 2 * sum(range(1, 17))
+
+
+def test_buffer_array_bounds_are_checked():
+    buf = native.Buffer(256)
+    buf.array(192, [16], mx.float32)  # exactly to the end
+    with pytest.raises(ValueError, match=r"\[Buffer.array\] bytes \[196, 260\) are outside"):
+        buf.array(196, [16], mx.float32)
+    with pytest.raises(ValueError, match=r"\[Buffer.array\] offset 2 is not a multiple"):
+        buf.array(2, [4], mx.float32)
+    with pytest.raises(ValueError, match=r"\[Buffer.array\] offset must be >= 0"):
+        buf.array(-4, [4], mx.float32)
+    with pytest.raises(ValueError, match=r"\[Buffer.array\] shape dimension -1"):
+        buf.array(0, [-1, 4], mx.float32)
+    with pytest.raises(ValueError, match=r"\[Buffer.array\] size overflow"):
+        buf.array(0, [2**31 - 1] * 3, mx.float32)
+
+
+# --- Segment ----------------------------------------------------------------------------
+
+
+def test_segment_create_open_unlink_round_trip(shm_name):
+    name = shm_name()
+    seg = native.Segment.create(name, 2 * PAGE)
+    assert (seg.name, seg.nbytes, seg.readonly, seg.closed) == (name, 2 * PAGE, False, False)
+    assert bytes(seg.view()) == bytes(2 * PAGE)
+    seg.view()[100:104] = b"moe!"
+
+    reader = native.Segment.open(name)
+    assert reader.readonly and reader.nbytes == 2 * PAGE
+    assert reader.address != seg.address
+    assert bytes(reader.view()[100:104]) == b"moe!"
+
+    writer = native.Segment.open(name, readonly=False)
+    writer.store_u32(8, 0xDEADBEEF)
+    assert reader.load_u32(8) == 0xDEADBEEF
+
+    assert native.Segment.unlink(name) is True
+    assert native.Segment.unlink(name) is False
+    # Mappings outlive the name.
+    assert bytes(reader.view()[100:104]) == b"moe!"
+    with pytest.raises(FileNotFoundError, match=r"\[Segment.open\] cannot open .*: No such file"):
+        native.Segment.open(name)
+
+
+def test_segment_create_applies_the_mode_exactly(shm_name):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm to stat segments in")
+    name = shm_name()
+    old = os.umask(0o077)
+    try:
+        native.Segment.create(name, PAGE, mode=0o640)
+    finally:
+        os.umask(old)
+    assert os.stat("/dev/shm" + name).st_mode & 0o777 == 0o640
+
+
+def test_readonly_segment_rejects_writes(shm_name):
+    name = shm_name()
+    native.Segment.create(name, PAGE)
+    ro = native.Segment.open(name)
+    view = ro.view()
+    assert view.readonly
+    with pytest.raises(TypeError):
+        view[0] = 1
+    with pytest.raises(ValueError, match=r"\[Memory.store_u32\] segment '.*' is read-only"):
+        ro.store_u32(0, 1)
+    with pytest.raises(ValueError, match=r"\[Memory.seq_begin_write\] .* is read-only"):
+        ro.seq_begin_write(0)
+
+
+@pytest.mark.parametrize("name", ["/" + "x" * 31, "noslash", "/a/b", "/", ""])
+def test_bad_segment_names_are_rejected(name):
+    for call in (
+        lambda: native.Segment.create(name, PAGE),
+        lambda: native.Segment.open(name),
+        lambda: native.Segment.unlink(name),
+    ):
+        with pytest.raises(ValueError, match=r"invalid segment name .*\(31 in all, the macOS limit\)"):
+            call()
+
+
+def test_longest_segment_name_works(shm_name):
+    name = shm_name()
+    name += "x" * (31 - len(name))
+    try:
+        seg = native.Segment.create(name, PAGE)
+        assert seg.name == name
+    finally:
+        assert native.Segment.unlink(name)
+
+
+def test_duplicate_create_fails_clearly(shm_name):
+    name = shm_name()
+    native.Segment.create(name, PAGE)
+    with pytest.raises(FileExistsError) as info:
+        native.Segment.create(name, PAGE)
+    assert info.value.errno == errno.EEXIST
+    message = str(info.value)
+    assert message.startswith("[Segment.create] cannot create shared-memory segment '" + name)
+    assert "unlink it first" in message
+
+
+def test_segment_close_is_idempotent_and_views_stay_valid(shm_name):
+    seg = native.Segment.create(shm_name(), PAGE)
+    view = seg.view()
+    view[:3] = b"abc"
+    seg.close()
+    seg.close()
+    assert seg.closed
+    assert bytes(view[:3]) == b"abc"  # the export keeps the mapping
+    with pytest.raises(ValueError, match=r"\[Memory.load_u32\] segment .* is closed"):
+        seg.load_u32(0)
+    with pytest.raises(BufferError, match="is closed"):
+        seg.view()
+
+
+def test_segment_size_errors(shm_name):
+    with pytest.raises(ValueError, match=r"\[Segment.create\] nbytes must be > 0"):
+        native.Segment.create(shm_name(), 0)
+    with pytest.raises(ValueError, match=r"\[Segment.create\] mode must be"):
+        native.Segment.create(shm_name(), PAGE, mode=0o1777)
+
+
+# --- atomics and the seqlock writer side ------------------------------------------------
+
+
+def test_atomic_loads_and_stores():
+    buf = native.Buffer(64)
+    buf.store_u32(4, 2**32 - 1)
+    buf.store_i32(8, -5)
+    assert buf.load_u32(4) == 2**32 - 1
+    assert buf.load_i32(4) == -1
+    assert buf.load_i32(8) == -5
+    with pytest.raises(ValueError, match=r"\[Memory.load_u32\] offset 2 is not 4-byte aligned"):
+        buf.load_u32(2)
+    with pytest.raises(ValueError, match=r"\[Memory.store_i32\] bytes \[64, 68\) are outside"):
+        buf.store_i32(64, 0)
+
+
+def test_seq_write_parity():
+    buf = native.Buffer(64)
+    assert buf.seq_begin_write(16) == 1
+    with pytest.raises(RuntimeError, match=r"\[Memory.seq_begin_write\] seq at offset 16 is odd"):
+        buf.seq_begin_write(16)
+    assert buf.seq_end_write(16) == 2
+    with pytest.raises(RuntimeError, match=r"\[Memory.seq_end_write\] seq at offset 16 is even"):
+        buf.seq_end_write(16)
+    buf.store_u32(16, 2**32 - 2)
+    assert buf.seq_begin_write(16) == 2**32 - 1
+    assert buf.seq_end_write(16) == 0  # wraps to even
+
+
+# --- copy_records -----------------------------------------------------------------------
+
+
+class Store:
+    """A small L2 store laid out as DESIGN.md says, written the way the daemon writes.
+    The index's first 64 bytes stand for its header; word 0 tells a writer process to stop."""
+
+    SLOT_OF = 64
+    META_SIZE = 16
+
+    def __init__(self, names, n_experts=8, n_slots=4, stride=2 * PAGE):
+        self.n_experts, self.n_slots, self.stride = n_experts, n_slots, stride
+        self.meta = self.SLOT_OF + 4 * n_experts
+        self.index = native.Segment.create(names(), self.meta + self.META_SIZE * n_slots)
+        self.data = native.Segment.create(names(), n_slots * stride)
+        for e in range(n_experts):
+            self.index.store_i32(self.SLOT_OF + 4 * e, -1)
+
+    def seq_off(self, slot):
+        return self.meta + self.META_SIZE * slot + 4
+
+    def fill(self, slot, expert, record):
+        old = self.index.load_i32(self.meta + self.META_SIZE * slot)
+        self.index.seq_begin_write(self.seq_off(slot))
+        if 0 <= old < self.n_experts and self.index.load_i32(self.SLOT_OF + 4 * old) == slot:
+            self.index.store_i32(self.SLOT_OF + 4 * old, -1)
+        self.data.view()[slot * self.stride : slot * self.stride + len(record)] = record
+        self.index.store_i32(self.meta + self.META_SIZE * slot, expert)
+        self.index.seq_end_write(self.seq_off(slot))
+        self.index.store_i32(self.SLOT_OF + 4 * expert, slot)
+
+    def copy(self, pieces, experts, rows, index=None):
+        return native.copy_records(
+            index or self.index, self.data, self.SLOT_OF, self.meta,
+            self.n_experts, self.n_slots, self.stride, pieces, experts, rows,
+        )
+
+
+def test_copy_records_copies_exact_bytes(shm_name):
+    store = Store(shm_name)
+    records = {e: os.urandom(store.stride) for e in (1, 5, 6)}
+    for slot, e in enumerate(records):
+        store.fill(slot, e, records[e])
+    # Two pieces of the record into two pool buffers of 4 rows each.
+    pieces_spec = [(0, 1000), (1024, 3000)]
+    pools = [native.Buffer(4 * n) for _, n in pieces_spec]
+    pieces = [(off, n, pool) for (off, n), pool in zip(pieces_spec, pools)]
+    experts, rows = [6, 1, 5], [3, 0, 1]
+    assert store.copy(pieces, experts, rows) == [True, True, True]
+    for e, row in zip(experts, rows):
+        for (off, n), pool in zip(pieces_spec, pools):
+            assert bytes(pool.view()[row * n : (row + 1) * n]) == records[e][off : off + n]
+    assert bytes(pools[0].view()[2000:3000]) == bytes(1000)  # row 2 untouched
+    # A read-only mapping of the index, as clients have, works the same.
+    reader = native.Segment.open(store.index.name)
+    assert store.copy(pieces, [5], [2], index=reader) == [True]
+    # Pool arrays see the copied bytes.
+    arr = pools[0].array(0, [4, 1000], mx.uint8)
+    assert bytes(memoryview(arr[2])) == records[5][:1000]
+
+
+def test_copy_records_refuses_absent_busy_and_foreign_slots(shm_name):
+    store = Store(shm_name)
+    for e, slot in ((0, 0), (1, 1), (2, 2)):
+        store.fill(slot, e, bytes([e + 1]) * 64)
+    pool = native.Buffer(64 * 8)
+    pieces = [(0, 64, pool)]
+    assert store.copy(pieces, [3], [0]) == [False]  # slot_of is -1
+    store.index.seq_begin_write(store.seq_off(1))  # a write in progress: odd seq
+    store.index.store_i32(store.SLOT_OF + 4 * 4, 2)  # expert 4 -> slot 2, which holds expert 2
+    store.index.store_i32(store.SLOT_OF + 4 * 5, store.n_slots)  # a slot that does not exist
+    assert store.copy(pieces, [0, 1, 4, 5, 2], [0, 1, 2, 3, 4]) == [True, False, False, False, True]
+    assert bytes(pool.view()[:64]) == b"\x01" * 64
+    assert bytes(pool.view()[4 * 64 : 5 * 64]) == b"\x03" * 64
+    store.index.seq_end_write(store.seq_off(1))
+    assert store.copy(pieces, [1], [1]) == [True]
+    assert store.copy(pieces, [], []) == []
+
+
+def test_copy_records_bounds_are_checked(shm_name):
+    store = Store(shm_name)
+    pool = native.Buffer(64 * 4)
+    good = [(0, 64, pool)]
+
+    def bad(match, pieces=good, experts=(0,), rows=(0,), **layout):
+        args = dict(slot_of_off=store.SLOT_OF, meta_off=store.meta, n_experts=store.n_experts,
+                    n_slots=store.n_slots, slot_stride=store.stride)
+        args.update(layout)
+        with pytest.raises(ValueError, match=r"\[copy_records\] " + match):
+            native.copy_records(store.index, store.data, pieces=pieces, experts=list(experts),
+                                rows=list(rows), **args)
+
+    bad(r"experts\[0\] = 8 is outside \[0, 8\)", experts=[8])
+    bad(r"experts\[1\] = -1", experts=[0, -1], rows=[0, 1])
+    bad(r"rows\[0\] must be >= 0", rows=[-1])
+    bad(r"bytes \[0, 320\) are outside buffer", rows=[4])
+    bad(r"experts and rows differ in length", experts=[0, 1])
+    bad(r"pieces\[0\] \[8000, 8200\) overruns the 8192-byte slot", pieces=[(8000, 200, pool)])
+    bad(r"bytes .* are outside segment", n_experts=10_000)
+    bad(r"bytes .* are outside segment", n_slots=store.n_slots + 1)
+    bad(r"slot_of_off and meta_off must be 4-byte aligned", slot_of_off=store.SLOT_OF + 2)
+    ro = native.Segment.open(store.data.name)
+    bad(r"segment .* is read-only", pieces=[(0, 64, ro)])
+
+
+# Another process (like the daemon) rewrites one slot until told to stop: each version fills
+# the record with one byte value, then it pauses so that readers also find the slot at rest.
+WRITER = """
+import sys, time
+from moe_l2 import _native as native
+index = native.Segment.open(sys.argv[1], readonly=False)
+data = native.Segment.open(sys.argv[2], readonly=False)
+seq_off, size = int(sys.argv[3]), int(sys.argv[4])
+versions = [bytes([v]) * size for v in range(256)]
+view = data.view()
+version = 0
+while index.load_u32(0) == 0:
+    version += 1
+    index.seq_begin_write(seq_off)
+    view[:size] = versions[version & 0xFF]
+    index.seq_end_write(seq_off)
+    time.sleep(0.0001)
+"""
+
+
+def test_copy_records_never_returns_a_torn_record(shm_name):
+    """Every copy reported True holds a single version of a record another process rewrites."""
+    record = 256 << 10
+    half = record // 2
+    store = Store(shm_name, n_experts=2, n_slots=1, stride=record)
+    store.fill(0, 1, bytes(record))
+    pools = [native.Buffer(2 * half), native.Buffer(2 * half)]
+    pieces = [(0, half, pools[0]), (half, half, pools[1])]
+    args = [store.index.name, store.data.name, str(store.seq_off(0)), str(record)]
+    consistent = rejected_torn = 0
+    # -P: without it `python -c` puts the working directory first on sys.path, and in the
+    # repository's root that is the moe_l2 source folder, which has no _native under a wheel.
+    writer = [sys.executable, "-P", "-c", WRITER, *args]
+    with subprocess.Popen(writer, stderr=subprocess.PIPE) as proc:
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (consistent < 100 or rejected_torn < 5):
+                if proc.poll() is not None:
+                    pytest.fail("the writer process died:\n" + proc.stderr.read().decode())
+                (ok,) = store.copy(pieces, [1], [1])
+                first, second = (bytes(pool.view()[half:]) for pool in pools)
+                uniform = first == second == first[:1] * half
+                if ok:
+                    assert uniform, "copy_records returned True for a torn record"
+                    consistent += 1
+                elif not uniform:
+                    rejected_torn += 1
+        finally:
+            store.index.store_u32(0, 1)  # stop
+            proc.wait(timeout=30)
+    assert proc.returncode == 0
+    assert consistent >= 100
+    assert rejected_torn >= 5, "no copy overlapped a write: the test proved nothing"
+
+
+# --- pread_records ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "model.bin"
+    payload = os.urandom(20 << 20)  # more than two 8 MiB read units
+    path.write_bytes(payload)
+    fd = os.open(path, os.O_RDONLY)
+    yield fd, payload, path
+    os.close(fd)
+
+
+def test_pread_records_reads_exact_bytes(data_file):
+    fd, payload, _ = data_file
+    dst = native.Buffer(len(payload) + PAGE)
+    native.pread_records([(fd, 0, len(payload), dst, PAGE)], threads=1)
+    assert bytes(dst.view()[PAGE:]) == payload
+    assert bytes(dst.view()[:PAGE]) == bytes(PAGE)
+
+
+def test_pread_records_many_jobs_on_many_threads(data_file, shm_name):
+    fd, payload, _ = data_file
+    dst = native.Buffer(len(payload))
+    seg = native.Segment.create(shm_name(), 1 << 20)
+    # Scattered records, in reverse order, into a buffer and a shared-memory segment.
+    jobs = [(fd, off, 65_536 + 7, dst, off) for off in range(len(payload) - (1 << 17), 0, -(1 << 17))]
+    jobs += [(fd, 12_345, 1 << 19, seg, 4096), (fd, 0, 0, dst, 0)]
+    native.pread_records(jobs, threads=4)
+    for _, off, n, mem, dst_off in jobs:
+        assert bytes(mem.view()[dst_off : dst_off + n]) == payload[off : off + n]
+    native.pread_records([], threads=8)
+
+
+def test_pread_records_short_file_is_a_clear_error(data_file):
+    fd, payload, path = data_file
+    dst = native.Buffer(1 << 20)
+    with pytest.raises(OSError) as info:
+        native.pread_records([(fd, 0, 4096, dst, 0), (fd, len(payload) - 100, 4096, dst, 8192)])
+    message = str(info.value)
+    assert message.startswith("[pread_records] unexpected end of file in job 1")
+    assert "truncated model file" in message
+    assert str(path) in message or sys.platform not in ("linux", "darwin")
+
+
+def test_pread_records_reports_errno(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 100)
+    fd = os.open(path, os.O_WRONLY)  # readable by nobody: pread fails with EBADF
+    try:
+        with pytest.raises(OSError, match=r"^\[pread_records\] reading job 0: .* failed") as info:
+            native.pread_records([(fd, 0, 10, native.Buffer(64), 0)])
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+
+
+def test_pread_records_checks_its_destinations(data_file, shm_name):
+    fd, _, _ = data_file
+    name = shm_name()
+    native.Segment.create(name, PAGE)
+    ro = native.Segment.open(name)
+    with pytest.raises(ValueError, match=r"\[pread_records\] segment '.*' is read-only"):
+        native.pread_records([(fd, 0, 16, ro, 0)])
+    with pytest.raises(ValueError, match=r"\[pread_records\] bytes \[4090, 4106\) are outside"):
+        native.pread_records([(fd, 0, 16, native.Buffer(4096), 4090)])
+    with pytest.raises(ValueError, match=r"\[pread_records\] jobs\[0\]: invalid file descriptor"):
+        native.pread_records([(-1, 0, 16, native.Buffer(64), 0)])
+    with pytest.raises(ValueError, match=r"\[pread_records\] threads must be >= 1"):
+        native.pread_records([(fd, 0, 16, native.Buffer(64), 0)], threads=0)
