@@ -1,0 +1,204 @@
+"""L2Client: a client's link to moe-l2d for one model.
+
+A background thread owns the ZeroMQ socket: it says hello (attach, and every heartbeat after), maps the
+daemon's segments read-only, and sends the miss reports that the hot path queues without waiting. When the
+daemon is absent, dies or comes back with a new epoch, the attachment is dropped or replaced; the pool then
+reads from the model file and never notices anything but the tier it was served from.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+
+from moe_l2 import _native, protocol
+from moe_l2.layout import Geometry, IndexHeader
+from moe_l2.model import ModelFiles
+from moe_l2.runtime import default_socket
+
+log = logging.getLogger("moe-l2.client")
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """The segments of one daemon epoch; replaced whole, never changed, so a copy in progress keeps its own."""
+
+    epoch: int
+    geometry: Geometry
+    index: object
+    data: tuple
+
+
+def attach_segments(files: ModelFiles, index_name: str) -> Attachment:
+    index = _native.Segment.open(index_name, readonly=True)
+    header = IndexHeader.unpack(index.view())
+    if header.fingerprint != files.fingerprint:
+        raise ValueError(f"segment {index_name} holds model {header.fingerprint}, not {files.fingerprint}")
+    if header.geometry.record_bytes != files.layout.nbytes or header.geometry.n_experts != files.n_experts:
+        raise ValueError(f"segment {index_name} has a record layout other than {files.path}'s")
+    if index.nbytes < header.geometry.index_bytes:
+        raise ValueError(f"segment {index_name} is smaller than its header says")
+    data = tuple(_native.Segment.open(name, readonly=True) for name in header.data_names)
+    for segment in data:
+        if segment.nbytes < header.geometry.data_bytes:
+            raise ValueError(f"data segment {segment.name} is smaller than its header says")
+    return Attachment(header.epoch, header.geometry, index, data)
+
+
+def request(address: str, message: protocol.Message, timeout_s: float = 5.0) -> protocol.Reply:
+    """One request and its reply on a short-lived socket (the CLI's way to talk to the daemon).
+
+    A fire-and-forget message is followed by a stats request on the same connection: the daemon handles a
+    connection's messages in order, so the first reply is either the refusal of the message or the barrier's.
+    """
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send(message.encode())
+        if not message.REPLIES:
+            sock.send(protocol.Stats(id=message.id).encode())
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"moe-l2d did not answer on {address} within {timeout_s:g} s: is it running? "
+                               "(systemctl status moe-l2d, or start it with moe-l2d --model DIR --budget SIZE)")
+        reply = protocol.decode_reply(sock.recv())
+        return reply if message.REPLIES or not reply.ok else protocol.Reply(id=message.id, ok=True)
+    finally:
+        sock.close(0)
+
+
+class L2Client:
+    def __init__(self, files: ModelFiles, address: str | None = None, *, heartbeat_s: float = 1.0,
+                 timeout_s: float = 2.0, wait_s: float = 1.0):
+        self.files = files
+        self.address = address or default_socket()
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        self.name = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.attachment: Attachment | None = None
+        self.attaches = 0
+        self.last_error = ""
+        self._reports: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._run, name="moe-l2-client", daemon=True)
+        self._thread.start()
+        if wait_s > 0:
+            self.wait_attached(wait_s)
+
+    @property
+    def attached(self) -> bool:
+        return self.attachment is not None
+
+    def wait_attached(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.attachment is not None:
+                return True
+            time.sleep(0.02)
+        return self.attachment is not None
+
+    def report(self, layer: int, hits: list[int], misses: list[int]) -> None:
+        """Queue what one lookup found in L2; returns at once (the daemon loads the misses)."""
+        self._reports.put((layer, hits, misses))
+
+    def _run(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a daemon that is not there
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        sock.connect(self.address)
+        pending: tuple[int, float] | None = None
+        next_hello = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if pending is not None and now - pending[1] > self.timeout_s:
+                    self._detach("moe-l2d did not answer the heartbeat")
+                    pending = None
+                if pending is None and now >= next_hello:
+                    msg = protocol.Hello(id=next(self._ids), model=str(self.files.path),
+                                         fingerprint=self.files.fingerprint, client=self.name)
+                    if self._send(sock, msg):
+                        pending = (msg.id, now)
+                    else:
+                        self._detach("moe-l2d is not running")
+                    next_hello = now + self.heartbeat_s
+                self._flush_reports(sock)
+                if sock.poll(20):
+                    while True:
+                        try:
+                            reply = protocol.decode_reply(sock.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                        except protocol.ProtocolError as exc:
+                            self._detach(exc.evalue)
+                            continue
+                        if pending is not None and reply.id == pending[0]:
+                            pending = None
+                            self._on_hello(reply)
+                        elif not reply.ok:
+                            log.warning("moe-l2d refused a message: %s: %s", reply.ename, reply.evalue)
+            self._flush_reports(sock)
+            self._send(sock, protocol.Bye(id=next(self._ids), client=self.name))
+        finally:
+            sock.close(linger=200)  # long enough to hand the last reports to a live daemon
+
+    @staticmethod
+    def _send(sock, message: protocol.Message) -> bool:
+        try:
+            sock.send(message.encode(), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _flush_reports(self, sock) -> None:
+        layers: dict[int, list[list[int]]] = collections.defaultdict(lambda: [[], []])
+        try:
+            while True:
+                layer, hits, misses = self._reports.get_nowait()
+                layers[layer][0].extend(hits)
+                layers[layer][1].extend(misses)
+        except queue.Empty:
+            pass
+        if layers and self.attachment is not None:
+            self._send(sock, protocol.Report(id=next(self._ids), model=self.files.fingerprint,
+                                             layers=dict(layers)))
+
+    def _on_hello(self, reply: protocol.Reply) -> None:
+        if not reply.ok:
+            self._detach(f"{reply.ename}: {reply.evalue}")
+            return
+        current = self.attachment
+        if current is not None and current.epoch == reply.payload.get("epoch"):
+            return
+        try:
+            self.attachment = attach_segments(self.files, reply.payload["index_segment"])
+        except (OSError, ValueError, KeyError) as exc:
+            self._detach(f"cannot map the daemon's segments: {exc}")
+            return
+        self.attaches += 1
+        self.last_error = ""
+        log.info("attached to moe-l2d epoch %d on %s", self.attachment.epoch, self.address)
+
+    def _detach(self, why: str) -> None:
+        if self.attachment is not None:
+            log.warning("detached from moe-l2d (%s); reading experts from %s", why, self.files.path)
+        # Segments are unmapped when the last copy using them drops its reference, never under it.
+        self.attachment = None
+        self.last_error = why
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.attachment = None

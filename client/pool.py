@@ -1,0 +1,191 @@
+"""ExpertPool: a client's L0, per layer one C++-owned MLX array per record piece, and the L0 -> L2 -> L3 walk.
+
+For a layer's batch of experts: L0 hits touch nothing; misses get rows (evicting experts outside the batch),
+are copied from L2 shared memory through the native seqlock copy, and whatever L2 lacks (or tore) is read
+from the model file with the native parallel pread. Only then does the slot table point at the new rows, so
+a row is never referenced before it holds its whole record.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from moe_l2 import _native
+from moe_l2.model import ModelFiles
+from moe_l2.policy import make_policy
+
+
+class PoolTooSmall(ValueError):
+    pass
+
+
+@dataclass
+class TierCounts:
+    l0_hits: int = 0
+    l2_hits: int = 0
+    l3_reads: int = 0
+    bytes_copied: int = 0  # from L2
+    bytes_read: int = 0    # from the model files
+
+    def add(self, other: "TierCounts") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class LayerPool:
+    def __init__(self, files: ModelFiles, capacity: int, policy: str):
+        self.capacity = capacity
+        self.record_bytes = files.layout.nbytes
+        self.pieces = files.layout.pieces
+        self.buffers = {p.key: _native.Buffer(capacity * p.nbytes) for p in self.pieces}
+        self.arrays = {p.key: self.buffers[p.key].array(0, [capacity, *p.shape], getattr(mx, p.dtype))
+                       for p in self.pieces}
+        self._table_buffer = _native.Buffer(4 * files.n_experts)
+        self._table_buffer.view()[:] = b"\xff" * (4 * files.n_experts)  # -1: not in L0
+        self._table = self._table_buffer.view().cast("i")
+        self.table = self._table_buffer.array(0, [files.n_experts], mx.int32)
+        self.copy_pieces = [(p.offset, p.nbytes, self.buffers[p.key]) for p in self.pieces]
+        self._piece_starts = [p.offset for p in self.pieces]
+        self.row_of: dict[int, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+        self.pinned: set[int] = set()
+        self.policy = make_policy(policy)
+
+    def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
+        """Rows for experts not in L0, evicting residents outside the batch (the forward in flight)."""
+        rows = []
+        for _ in experts:
+            if self._free:
+                rows.append(self._free.pop())
+                continue
+            candidates = [e for e in self.row_of if e not in batch and e not in self.pinned]
+            victim = self.policy.victim(candidates)
+            self.policy.evict(victim)
+            self._table[victim] = -1
+            rows.append(self.row_of.pop(victim))
+        return rows
+
+    def evict(self, expert: int) -> None:
+        row = self.row_of.pop(expert)
+        self._table[expert] = -1
+        self.policy.evict(expert)
+        self.pinned.discard(expert)
+        self._free.append(row)
+
+    def publish(self, experts: list[int], rows: list[int]) -> None:
+        for expert, row in zip(experts, rows):
+            self.row_of[expert] = row
+            self._table[expert] = row
+            self.policy.insert(expert)
+
+    def piece_at(self, record_offset: int):
+        return self.pieces[bisect.bisect_right(self._piece_starts, record_offset) - 1]
+
+    def record(self, expert: int) -> bytes:
+        """The expert's record as L0 holds it, laid out like ModelFiles.read_record (for verification)."""
+        row = self.row_of[expert]
+        out = bytearray(self.record_bytes)
+        for p in self.pieces:
+            out[p.offset:p.offset + p.nbytes] = self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes]
+        return bytes(out)
+
+
+class ExpertPool:
+    def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = "lru",
+                 read_threads: int | None = None):
+        if not 1 <= capacity <= files.n_experts:
+            raise ValueError(f"L0 capacity must be 1..{files.n_experts} experts per layer, got {capacity}")
+        self.files = files
+        self.capacity = capacity
+        self.client = client
+        self.read_threads = read_threads or min(8, os.cpu_count() or 1)
+        self.layers = [LayerPool(files, capacity, policy) for _ in range(files.n_layers)]
+        self.counts = TierCounts()
+        self._fds = [os.open(path, os.O_RDONLY) for path in files.files]
+
+    @property
+    def nbytes(self) -> int:
+        return self.files.n_layers * self.capacity * sum(p.nbytes for p in self.files.layout.pieces)
+
+    def arrays(self, layer: int) -> dict[str, mx.array]:
+        return self.layers[layer].arrays
+
+    def table(self, layer: int) -> mx.array:
+        """expert -> row, int32; valid for every expert of the latest fetch of this layer."""
+        return self.layers[layer].table
+
+    def pin(self, layer: int, experts: list[int]) -> None:
+        self.fetch(layer, experts)
+        self.layers[layer].pinned.update(experts)
+
+    def evict(self, layer: int, expert: int) -> None:
+        """Drop an expert from L0 (the caller knows no queued computation still reads it)."""
+        self.layers[layer].evict(expert)
+
+    def fetch(self, layer: int, experts) -> TierCounts:
+        """Make every expert of the batch resident in L0; returns where each one came from."""
+        lp = self.layers[layer]
+        batch = {int(e) for e in experts}
+        for expert in batch:
+            if not 0 <= expert < self.files.n_experts:
+                raise IndexError(f"expert {expert} out of range 0..{self.files.n_experts - 1}")
+        counts = TierCounts()
+        missing = sorted(e for e in batch if e not in lp.row_of)
+        counts.l0_hits = len(batch) - len(missing)
+        for expert in batch:
+            lp.policy.access(expert)
+        if not missing:
+            self.counts.add(counts)
+            return counts
+        pinned_outside = len(lp.pinned - batch)
+        if len(batch) + pinned_outside > self.capacity:
+            raise PoolTooSmall(f"layer {layer}: a batch of {len(batch)} experts does not fit an L0 pool of "
+                               f"{self.capacity} experts ({pinned_outside} pinned); fetch fewer tokens at once "
+                               "or raise the L0 capacity")
+        rows = lp.take_rows(missing, batch)
+        try:
+            copied = self._copy_from_l2(layer, lp, missing, rows)
+            unread = [(e, r) for e, r, ok in zip(missing, rows, copied) if not ok]
+            self._read_from_l3(layer, lp, unread)
+        except BaseException:
+            lp._free.extend(rows)  # nothing was published: the rows hold no expert
+            raise
+        lp.publish(missing, rows)
+        record = self.files.layout.nbytes
+        counts.l2_hits = sum(copied)
+        counts.l3_reads = len(unread)
+        counts.bytes_copied = counts.l2_hits * record
+        counts.bytes_read = counts.l3_reads * record
+        self.counts.add(counts)
+        if self.client is not None:
+            self.client.report(layer, [e for e, ok in zip(missing, copied) if ok],
+                               [e for e, ok in zip(missing, copied) if not ok])
+        return counts
+
+    def _copy_from_l2(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int]) -> list[bool]:
+        attachment = self.client.attachment if self.client is not None else None
+        if attachment is None:
+            return [False] * len(experts)
+        g = attachment.geometry
+        return _native.copy_records(attachment.index, attachment.data[layer], g.slot_of_offset(layer),
+                                    g.meta_offset(layer), g.n_experts, g.n_slots, g.slot_stride,
+                                    lp.copy_pieces, experts, rows)
+
+    def _read_from_l3(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> None:
+        jobs = []
+        for expert, row in todo:
+            for file_index, offset, nbytes, record_offset in self.files.extents(layer, expert):
+                piece = lp.piece_at(record_offset)
+                jobs.append((self._fds[file_index], offset, nbytes, lp.buffers[piece.key],
+                             row * piece.nbytes + record_offset - piece.offset))
+        if jobs:
+            _native.pread_records(jobs, threads=self.read_threads)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []

@@ -1,0 +1,131 @@
+"""moe-l2d's configuration: command-line flags, or a TOML file (the form systemd and launchd use)."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_l2.runtime import SOCKET_NAME, runtime_dir
+from moe_l2.sizes import parse_size
+
+from moe_l2.policy import POLICIES
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    budget: int
+    policy: str = "lru"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    models: tuple[ModelConfig, ...]
+    runtime_dir: Path
+    socket: str
+    log_level: str = "info"
+    shm_mode: int = 0o600
+    loader_threads: int = 4
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-l2d",
+        description="Keep MoE expert weights in POSIX shared memory for every inference process on this machine.")
+    parser.add_argument("--config", type=Path, help="TOML file (see systemd/moe-l2d.toml.example)")
+    parser.add_argument("--model", action="append", type=Path, default=[], metavar="DIR",
+                        help="model directory to serve; repeat for several models")
+    parser.add_argument("--budget", action="append", default=[], metavar="SIZE",
+                        help="shared memory per model, e.g. 24GiB; once for all models or once per --model")
+    parser.add_argument("--policy", default=None, choices=sorted(POLICIES), help="eviction policy (default lru)")
+    parser.add_argument("--socket", help="ZeroMQ address to bind (default ipc://RUNTIME_DIR/moe-l2d.sock)")
+    parser.add_argument("--runtime-dir", type=Path, help="directory for the socket and lock file")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=None)
+    parser.add_argument("--shm-mode", default=None, help="octal mode of the segments (default 600)")
+    parser.add_argument("--loader-threads", type=int, default=None, help="parallel loads (default 4)")
+    return parser
+
+
+def _octal(text: str | int) -> int:
+    if isinstance(text, int):
+        return text
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise ConfigError(f"shm mode {text!r} is not an octal number such as 600 or 640") from None
+    if mode & ~0o666 or not mode & 0o600 == 0o600:
+        raise ConfigError(f"shm mode {text!r} must give the owner read and write and nothing executable")
+    return mode
+
+
+def _load_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
+
+
+def _size(text, what: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+
+
+def resolve(args: argparse.Namespace) -> DaemonConfig:
+    """Merge the TOML file (if any) with the flags; flags win."""
+    table = _load_toml(args.config) if args.config else {}
+    known = {"model", "socket", "runtime_dir", "log_level", "shm_mode", "loader_threads", "policy"}
+    unknown = set(table) - known
+    if unknown:
+        raise ConfigError(f"unknown key(s) in {args.config}: {', '.join(sorted(unknown))}")
+    default_policy = args.policy or table.get("policy", "lru")
+    models = []
+    for entry in table.get("model", []):
+        if "path" not in entry or "budget" not in entry:
+            raise ConfigError(f"every [[model]] in {args.config} needs a path and a budget")
+        models.append(ModelConfig(Path(entry["path"]), _size(entry["budget"], f"budget of {entry['path']}"),
+                                  entry.get("policy", default_policy)))
+    if args.model:
+        if not args.budget:
+            raise ConfigError("--budget is required with --model, e.g. --budget 8GiB")
+        if len(args.budget) not in (1, len(args.model)):
+            raise ConfigError(f"give --budget once, or once per --model ({len(args.model)} models, "
+                              f"{len(args.budget)} budgets)")
+        budgets = args.budget * len(args.model) if len(args.budget) == 1 else args.budget
+        models += [ModelConfig(path, _size(b, "--budget"), default_policy) for path, b in zip(args.model, budgets)]
+    elif args.budget:
+        raise ConfigError("--budget needs a --model to apply to")
+    if not models:
+        raise ConfigError("nothing to serve: give --model DIR --budget SIZE, or --config FILE")
+    for m in models:
+        if m.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {m.policy!r} for {m.path}; choose one of {', '.join(POLICIES)}")
+    directory = args.runtime_dir or (Path(table["runtime_dir"]) if "runtime_dir" in table else runtime_dir())
+    socket = args.socket or table.get("socket") or f"ipc://{directory / SOCKET_NAME}"
+    if not socket.startswith(("ipc://", "tcp://")):
+        raise ConfigError(f"socket {socket!r} must be ipc://PATH or tcp://HOST:PORT")
+    # sun_path holds 108 bytes on Linux and 104 on macOS.
+    if socket.startswith("ipc://") and len(socket[len("ipc://"):].encode()) > 100:
+        raise ConfigError(f"ipc socket path {socket[6:]!r} is longer than 100 bytes; choose a shorter "
+                          "--runtime-dir or --socket")
+    threads = args.loader_threads or table.get("loader_threads", 4)
+    if not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"loader threads must be a positive integer, got {threads!r}")
+    log_level = args.log_level or table.get("log_level", "info")
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"log level {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    return DaemonConfig(
+        models=tuple(models), runtime_dir=directory, socket=socket, log_level=log_level,
+        shm_mode=_octal(args.shm_mode or table.get("shm_mode", "600")), loader_threads=threads)

@@ -1,0 +1,66 @@
+"""The loader pool: threads that pread expert records from the model files straight into slot memory."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+from moe_l2 import _native
+
+log = logging.getLogger("moe-l2d.loader")
+
+
+class Loader:
+    def __init__(self, threads: int = 4):
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="moe-l2-load")
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._stopping = False
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def submit(self, model, layer: int, reservation) -> None:
+        """Queue a load; the store already de-duplicated it (an expert has at most one reservation)."""
+        with self._lock:
+            if self._stopping:
+                model.abort_fill(layer, reservation)
+                return
+            self._in_flight += 1
+        self._pool.submit(self._load, model, layer, reservation)
+
+    def _load(self, model, layer: int, reservation) -> None:
+        start = time.perf_counter()
+        try:
+            data = model.data[layer]
+            base = reservation.slot * model.geometry.slot_stride
+            extents = model.files.extents(layer, reservation.expert)
+            _native.pread_records(
+                [(model.fds[f], offset, nbytes, data, base + rec_off) for f, offset, nbytes, rec_off in extents],
+                threads=1,
+            )
+            view = data.view()
+            checksum = 0
+            for piece in model.files.layout.pieces:
+                checksum = zlib.crc32(view[base + piece.offset:base + piece.offset + piece.nbytes], checksum)
+            del view
+            model.finish_fill(layer, reservation, checksum)
+            model.counters.add_load(time.perf_counter() - start, model.files.layout.nbytes)
+        except Exception as exc:  # a bad read must cost one load, never the daemon
+            log.error("loading layer %d expert %d of %s failed: %s", layer, reservation.expert,
+                      model.files.path, exc)
+            model.abort_fill(layer, reservation)
+            model.counters.add_load_error()
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def shutdown(self) -> None:
+        """Finish the reads in progress (they write into segments about to be unmapped), drop the queue."""
+        with self._lock:
+            self._stopping = True
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,192 @@
+"""A model the daemon serves: its files, its shared-memory segments, one slot store per layer.
+
+Every change of a slot follows the seqlock of DESIGN.md, so that a client copying concurrently either gets
+the whole record or gives up: begin (seq odd, evicted expert's slot_of cleared), pread the record, set the
+slot's expert, end (seq even), publish slot_of.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from moe_l2 import _native
+from moe_l2.layout import META_CHECKSUM, META_EXPERT, META_SEQ, Geometry, IndexHeader, segment_names
+from moe_l2.model import ModelFiles
+from moe_l2.sizes import format_size
+
+from moe_l2.policy import make_policy
+from .stats import ModelCounters
+from .store import LayerStore, Reservation
+
+log = logging.getLogger("moe-l2d.model")
+
+
+class BudgetError(ValueError):
+    pass
+
+
+def plan_geometry(files: ModelFiles, budget: int) -> Geometry:
+    """As many slots per layer as the budget pays for (index segment included), at most one per expert."""
+    probe = Geometry(files.n_layers, files.n_experts, files.n_experts, files.layout.nbytes)
+    per_slot = files.n_layers * probe.slot_stride
+    n_slots = min(files.n_experts, max(0, budget - probe.index_bytes) // per_slot)
+    if n_slots < 1:
+        raise BudgetError(
+            f"budget {format_size(budget)} is too small for {files.path}: one slot per layer takes "
+            f"{format_size(per_slot + probe.index_bytes)}; raise --budget")
+    return Geometry(files.n_layers, files.n_experts, n_slots, files.layout.nbytes)
+
+
+class ServedModel:
+    def __init__(self, index: int, files: ModelFiles, geometry: Geometry, *, instance: str, epoch: int,
+                 policy: str = "lru", shm_mode: int = 0o600):
+        self.files = files
+        self.geometry = geometry
+        self.policy = policy
+        self.lock = threading.Lock()
+        self.counters = ModelCounters()
+        self.index_name, self.data_names = segment_names(instance, index, files.n_layers)
+        self.stores = [LayerStore(files.n_experts, geometry.n_slots, make_policy(policy))
+                       for _ in range(files.n_layers)]
+        self.index = None
+        self.data: list = []
+        self.fds = [os.open(path, os.O_RDONLY) for path in files.files]
+        try:
+            self._create_segments(epoch, shm_mode)
+        except BaseException:
+            self.close()
+            raise
+
+    def _create_segments(self, epoch: int, shm_mode: int) -> None:
+        g = self.geometry
+        for name in (self.index_name, *self.data_names):
+            if _native.Segment.unlink(name):
+                log.info("reclaimed shared-memory segment %s left by an earlier daemon", name)
+        self.index = _native.Segment.create(self.index_name, g.index_bytes, shm_mode)
+        self.data = [_native.Segment.create(name, g.data_bytes, shm_mode) for name in self.data_names]
+        header = IndexHeader(g, epoch, self.files.fingerprint, self.index_name, tuple(self.data_names)).pack()
+        view = self.index.view()
+        view[:len(header)] = header
+        absent = b"\xff" * (4 * g.n_experts)
+        for layer in range(g.n_layers):
+            start = g.slot_of_offset(layer)
+            view[start:start + len(absent)] = absent
+            for slot in range(g.n_slots):
+                self.index.store_i32(g.meta_offset(layer, slot) + META_EXPERT, -1)
+
+    @property
+    def segment_names(self) -> list[str]:
+        return [self.index_name, *self.data_names]
+
+    @property
+    def shm_bytes(self) -> int:
+        return self.geometry.index_bytes + self.geometry.n_layers * self.geometry.data_bytes
+
+    def check_layer(self, layer: int) -> LayerStore:
+        if not 0 <= layer < self.geometry.n_layers:
+            raise IndexError(f"layer {layer} out of range: {self.files.path} has MoE layers "
+                             f"0..{self.geometry.n_layers - 1}")
+        return self.stores[layer]
+
+    def demand(self, layer: int, experts, loader) -> int:
+        """Load the experts that are neither resident nor on their way; returns how many loads started."""
+        store = self.check_layer(layer)
+        reservations = []
+        with self.lock:
+            for expert in experts:
+                store.check_expert(expert)
+                if store.has(expert):
+                    continue
+                reservation = store.reserve(expert)
+                if reservation is None:
+                    break  # every slot pinned or loading: later misses will come back
+                self._begin_fill(layer, reservation)
+                reservations.append(reservation)
+        for reservation in reservations:
+            loader.submit(self, layer, reservation)
+        return len(reservations)
+
+    def _begin_fill(self, layer: int, r: Reservation) -> None:
+        g = self.geometry
+        meta = g.meta_offset(layer, r.slot)
+        self.index.seq_begin_write(meta + META_SEQ)
+        if r.evicted >= 0:
+            self.index.store_i32(g.slot_of_offset(layer) + 4 * r.evicted, -1)
+        self.index.store_i32(meta + META_EXPERT, -1)
+
+    def finish_fill(self, layer: int, r: Reservation, checksum: int) -> None:
+        g = self.geometry
+        meta = g.meta_offset(layer, r.slot)
+        with self.lock:
+            self.index.store_u32(meta + META_CHECKSUM, checksum)
+            self.index.store_i32(meta + META_EXPERT, r.expert)
+            self.index.seq_end_write(meta + META_SEQ)
+            self.index.store_i32(g.slot_of_offset(layer) + 4 * r.expert, r.slot)
+            self.stores[layer].commit(r)
+
+    def abort_fill(self, layer: int, r: Reservation) -> None:
+        with self.lock:
+            # The slot stays marked empty (expert -1), so closing the seqlock publishes nothing.
+            self.index.seq_end_write(self.geometry.meta_offset(layer, r.slot) + META_SEQ)
+            self.stores[layer].abort(r)
+
+    def report(self, layers: dict[int, list[list[int]]], loader) -> None:
+        for layer, (hits, misses) in layers.items():
+            store = self.check_layer(layer)
+            for expert in (*hits, *misses):
+                store.check_expert(expert)
+        hits_total = misses_total = 0
+        for layer, (hits, misses) in layers.items():
+            with self.lock:
+                for expert in (*hits, *misses):
+                    self.stores[layer].access(expert)
+            hits_total += len(hits)
+            misses_total += len(misses)
+            self.demand(layer, misses, loader)
+        self.counters.add_lookups(hits_total, misses_total, self.files.layout.nbytes)
+
+    def pin(self, layer: int, experts: list[int], kind: str, loader) -> tuple[list[int], list[int]]:
+        store = self.check_layer(layer)
+        with self.lock:
+            pinned, refused = store.pin(experts, kind)
+        self.demand(layer, pinned, loader)
+        return pinned, refused
+
+    def unpin(self, layer: int, experts: list[int], kind: str) -> None:
+        store = self.check_layer(layer)
+        with self.lock:
+            store.unpin(experts, kind)
+
+    def describe(self) -> dict:
+        """The stats of this model: hit rate, per-layer occupancy, pins, loads, bytes."""
+        with self.lock:
+            layers = [{"resident": s.resident, "loading": s.loading, "pinned": s.pin_count}
+                      for s in self.stores]
+        snap = self.counters.snapshot()
+        snap.update({
+            "path": str(self.files.path),
+            "fingerprint": self.files.fingerprint,
+            "policy": self.policy,
+            "n_layers": self.geometry.n_layers,
+            "n_experts": self.geometry.n_experts,
+            "slots_per_layer": self.geometry.n_slots,
+            "record_bytes": self.geometry.record_bytes,
+            "shm_bytes": self.shm_bytes,
+            "loads_in_flight": sum(layer["loading"] for layer in layers),
+            "layers": layers,
+        })
+        return snap
+
+    def close(self) -> None:
+        """Unmap and unlink the segments and close the files; the loader must be stopped first."""
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        for segment in (self.index, *self.data):
+            if segment is not None:
+                segment.close()
+        for name in self.segment_names:
+            _native.Segment.unlink(name)
+        self.index, self.data = None, []

@@ -1,0 +1,68 @@
+"""Counters the daemon keeps for `moe-l2 stats`: per model hits, misses, loads and their latency."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+
+class LatencyWindow:
+    """The latest N samples, so that percentiles follow the daemon's current behaviour."""
+
+    def __init__(self, size: int = 4096):
+        self._samples: collections.deque[float] = collections.deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._samples.append(seconds)
+
+    def percentile(self, q: float) -> float | None:
+        with self._lock:
+            samples = sorted(self._samples)
+        if not samples:
+            return None
+        return samples[min(len(samples) - 1, int(q / 100 * len(samples)))]
+
+
+class ModelCounters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.hits = 0          # experts clients copied from L2
+        self.misses = 0        # experts clients looked up in L2 and did not find
+        self.loads_done = 0
+        self.load_errors = 0
+        self.bytes_loaded = 0  # read from the model files into L2
+        self.bytes_served = 0  # copied out of L2 by clients
+        self.load_latency = LatencyWindow()
+
+    def add_lookups(self, hits: int, misses: int, record_bytes: int) -> None:
+        with self._lock:
+            self.hits += hits
+            self.misses += misses
+            self.bytes_served += hits * record_bytes
+
+    def add_load(self, seconds: float, nbytes: int) -> None:
+        self.load_latency.add(seconds)
+        with self._lock:
+            self.loads_done += 1
+            self.bytes_loaded += nbytes
+
+    def add_load_error(self) -> None:
+        with self._lock:
+            self.load_errors += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            lookups = self.hits + self.misses
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "hit_rate": self.hits / lookups if lookups else None,
+                "loads_done": self.loads_done,
+                "load_errors": self.load_errors,
+                "bytes_loaded": self.bytes_loaded,
+                "bytes_served": self.bytes_served,
+                "load_latency_p50": self.load_latency.percentile(50),
+                "load_latency_p99": self.load_latency.percentile(99),
+            }

@@ -1,0 +1,189 @@
+"""The client path L0 -> L2 -> L3 against ground truth (the model file), alone and under load and faults."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from moe_l2 import protocol
+from moe_l2.client.connection import L2Client, request
+from moe_l2.client.pool import ExpertPool, PoolTooSmall
+from moe_l2.generator import make_model
+from moe_l2.model import ModelFiles
+
+from .conftest import budget_for, quarter_budget
+from .test_daemon import stats, wait_for
+
+HAMMER = Path(__file__).with_name("hammer.py")
+
+FORMATS = {
+    "stacked-4bit": dict(arch="qwen3_moe", bits=4),
+    "per-expert-8bit": dict(arch="mixtral", bits=8, per_expert=True),
+    "sharded-fp16": dict(arch="qwen3_moe", bits=16, shards=3),
+}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def any_model(request, tmp_path_factory) -> ModelFiles:
+    out = tmp_path_factory.mktemp("formats") / request.param
+    make_model(out, layers=2, experts=8, top_k=2, hidden_size=128, moe_hidden_size=64, seed=3,
+               **FORMATS[request.param])
+    return ModelFiles.open(out)
+
+
+def assert_resident_exact(pool: ExpertPool, files: ModelFiles, layer: int, experts) -> None:
+    for expert in experts:
+        assert pool.layers[layer].record(expert) == files.read_record(layer, expert), (layer, expert)
+
+
+def test_pread_only_pool_returns_file_bytes(any_model):
+    pool = ExpertPool(any_model, capacity=3)
+    try:
+        for layer in range(any_model.n_layers):
+            for start in range(0, any_model.n_experts, 2):
+                batch = [start, (start + 1) % any_model.n_experts]
+                counts = pool.fetch(layer, batch)
+                assert counts.l2_hits == 0
+                assert_resident_exact(pool, any_model, layer, batch)
+        assert pool.counts.l3_reads > pool.capacity * any_model.n_layers  # it evicted and re-read
+    finally:
+        pool.close()
+
+
+def test_every_tier_returns_file_bytes_through_a_daemon(any_model, daemon_factory):
+    daemon = daemon_factory([any_model.path], str(budget_for(any_model, any_model.n_experts)))
+    client = L2Client(any_model, daemon.socket, wait_s=5)
+    assert client.attached
+    pool = ExpertPool(any_model, capacity=2, client=client)
+    try:
+        experts = list(range(any_model.n_experts))
+        for layer in range(any_model.n_layers):
+            for pair in zip(experts[::2], experts[1::2]):
+                assert pool.fetch(layer, list(pair)).l3_reads == 2  # cold: L3, reported to the daemon
+                assert_resident_exact(pool, any_model, layer, pair)
+        wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == any_model.n_layers * any_model.n_experts,
+                 what="demand loads")
+        for layer in range(any_model.n_layers):
+            for pair in zip(experts[::2], experts[1::2]):
+                assert pool.fetch(layer, list(pair)).l2_hits == 2  # warm: copied from shared memory
+                assert_resident_exact(pool, any_model, layer, pair)
+                assert pool.fetch(layer, list(pair)).l0_hits == 2
+    finally:
+        pool.close()
+        client.close()
+
+
+def test_pool_arrays_are_mlx_arrays_seen_through_the_slot_table(model_files):
+    pool = ExpertPool(model_files, capacity=4)
+    try:
+        pool.fetch(0, [3, 9])
+        piece = model_files.layout.pieces[0]
+        weights = mx.load(str(model_files.files[0]))
+        stacked = [n for n in weights if n.endswith("switch_mlp." + piece.key)
+                   and f"layers.{model_files.layer_ids[0]}." in n]
+        assert len(stacked) == 1
+        rows = pool.table(0)[mx.array([9, 3])]
+        got = pool.arrays(0)[piece.key][rows]
+        assert mx.array_equal(got, weights[stacked[0]][mx.array([9, 3])]).item()
+    finally:
+        pool.close()
+
+
+def test_a_batch_larger_than_the_pool_is_refused_not_corrupted(model_files):
+    pool = ExpertPool(model_files, capacity=2)
+    try:
+        with pytest.raises(PoolTooSmall, match="does not fit"):
+            pool.fetch(0, [1, 2, 3])
+        with pytest.raises(IndexError):
+            pool.fetch(0, [model_files.n_experts])
+        pool.fetch(0, [1, 2])
+        assert_resident_exact(pool, model_files, 0, [1, 2])
+    finally:
+        pool.close()
+
+
+def start_hammers(files: ModelFiles, socket: str, seconds: float, n: int = 3) -> list[subprocess.Popen]:
+    procs = [subprocess.Popen([sys.executable, str(HAMMER), str(files.path), socket, str(seconds), str(seed)],
+                              stdout=subprocess.PIPE, text=True) for seed in range(n)]
+    for proc in procs:
+        assert json.loads(proc.stdout.readline()) == {"ready": True}
+    return procs
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_three_clients_hammering_an_evicting_daemon_never_see_a_wrong_record(running_daemon, model_files):
+    procs = start_hammers(model_files, running_daemon.socket, seconds=8)
+    results = [finish(p) for p in procs]
+    for r in results:
+        assert r["mismatches"] == 0, r
+        assert r["l2_hits"] > 0 and r["l3_reads"] > 0
+    assert sum(r["l2_hits"] + r["l3_reads"] for r in results) >= 3000
+    m = stats(running_daemon)["models"][0]
+    slots = m["slots_per_layer"] * m["n_layers"]
+    assert m["loads_done"] > 5 * slots  # the daemon evicted and reloaded all along
+    assert m["load_errors"] == 0
+
+
+def test_kill9_mid_hammer_then_restart(daemon_factory, model_dir, model_files):
+    budget = quarter_budget(model_files)
+    daemon = daemon_factory([model_dir], budget)
+    procs = start_hammers(model_files, daemon.socket, seconds=10)
+    time.sleep(2)
+    daemon.kill9()
+    time.sleep(2)  # clients serve from pread meanwhile
+    restarted = daemon_factory([model_dir], budget, runtime_dir=daemon.runtime_dir)
+    assert "reclaimed shared-memory segment" in restarted.log()
+    results = [finish(p) for p in procs]
+    for r in results:
+        assert r["mismatches"] == 0, r
+        assert r["attaches"] >= 2, r  # re-attached to the new epoch
+    assert stats(restarted)["models"][0]["hits"] > 0  # and copied from it
+
+
+def test_a_client_killed_while_copying_leaves_the_daemon_unaffected(running_daemon, model_files):
+    (victim,) = start_hammers(model_files, running_daemon.socket, seconds=30, n=1)
+    time.sleep(1.5)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(10)
+    victim.stdout.close()
+    (survivor,) = start_hammers(model_files, running_daemon.socket, seconds=3, n=1)
+    r = finish(survivor)
+    assert r["mismatches"] == 0 and r["l2_hits"] > 0
+    reply = request(running_daemon.socket, protocol.Stats(id=1))
+    assert reply.ok and reply.payload["models"][0]["load_errors"] == 0
+    assert running_daemon.proc.poll() is None
+
+
+def test_client_without_daemon_serves_from_the_file_and_attaches_when_it_starts(daemon_factory, model_dir,
+                                                                                 model_files):
+    from .conftest import short_tempdir
+
+    directory = short_tempdir()
+    socket = f"ipc://{directory / 'moe-l2d.sock'}"
+    client = L2Client(model_files, socket, wait_s=0.2, heartbeat_s=0.2, timeout_s=0.5)
+    pool = ExpertPool(model_files, capacity=2, client=client)
+    try:
+        assert not client.attached
+        assert pool.fetch(0, [1, 2]).l3_reads == 2
+        assert_resident_exact(pool, model_files, 0, [1, 2])
+        daemon = daemon_factory([model_dir], quarter_budget(model_files), runtime_dir=directory)
+        assert client.wait_attached(10)
+        request(daemon.socket, protocol.Prefetch(id=1, model=model_files.fingerprint, layer=0, experts=[5, 6]))
+        wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == 2, what="prefetch")
+        assert pool.fetch(0, [5, 6]).l2_hits == 2
+        assert_resident_exact(pool, model_files, 0, [5, 6])
+    finally:
+        pool.close()
+        client.close()

@@ -1,0 +1,242 @@
+"""moe-l2d over real ZeroMQ and real POSIX shared memory: serving, refusing bad input, stopping, restarting."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from moe_l2 import _native, protocol
+from moe_l2.client.connection import L2Client, request
+from moe_l2.client.pool import ExpertPool
+from moe_l2.layout import IndexHeader
+
+from .conftest import budget_for, short_tempdir
+
+
+def stats(daemon) -> dict:
+    reply = request(daemon.socket, protocol.Stats(id=1))
+    assert reply.ok, reply
+    return reply.payload
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def segment_exists(name: str) -> bool:
+    try:
+        _native.Segment.open(name, readonly=True).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_stats_describe_the_served_model(running_daemon, model_files):
+    s = stats(running_daemon)
+    assert s["daemon"]["pid"] == running_daemon.proc.pid
+    (m,) = s["models"]
+    assert m["fingerprint"] == model_files.fingerprint
+    assert m["slots_per_layer"] == model_files.n_experts // 4
+    assert len(m["layers"]) == model_files.n_layers
+    assert m["hits"] == m["misses"] == m["loads_done"] == 0 and m["hit_rate"] is None
+
+
+def test_prefetched_experts_are_served_from_l2_byte_exact(running_daemon, model_files):
+    fp = model_files.fingerprint
+    for layer in range(model_files.n_layers):
+        request(running_daemon.socket, protocol.Prefetch(id=1, model=fp, layer=layer, experts=[0, 5, 9]))
+    wait_for(lambda: stats(running_daemon)["models"][0]["loads_done"] == 3 * model_files.n_layers,
+             what="prefetch loads")
+    client = L2Client(model_files, running_daemon.socket, wait_s=5)
+    assert client.attached
+    pool = ExpertPool(model_files, capacity=4, client=client)
+    try:
+        for layer in range(model_files.n_layers):
+            counts = pool.fetch(layer, [0, 5, 9, 3])
+            assert (counts.l2_hits, counts.l3_reads) == (3, 1)
+            for expert in (0, 5, 9, 3):
+                assert pool.layers[layer].record(expert) == model_files.read_record(layer, expert)
+    finally:
+        pool.close()
+        client.close()
+    # The client's report arrives asynchronously: 3 hits and 1 miss per layer.
+    wait_for(lambda: stats(running_daemon)["models"][0]["misses"] == model_files.n_layers, what="report")
+    m = stats(running_daemon)["models"][0]
+    assert m["hits"] == 3 * model_files.n_layers
+    assert m["bytes_served"] == m["hits"] * model_files.layout.nbytes
+
+
+def send_raw(sock, frame: bytes) -> protocol.Reply:
+    sock.send(frame)
+    assert sock.poll(5000), "daemon did not answer"
+    return protocol.decode_reply(sock.recv())
+
+
+def test_bad_requests_get_error_replies_and_the_daemon_serves_on(running_daemon, model_files):
+    fp = model_files.fingerprint
+    ok = {"v": protocol.PROTOCOL_VERSION, "id": 1}
+    cases = [
+        (b"\xc1 not msgpack", "MalformedFrame"),
+        (msgpack.packb({**ok, "type": "explode"}), "UnknownType"),
+        (msgpack.packb({"v": 999, "id": 1, "type": "stats"}), "VersionMismatch"),
+        (b"\x80" * (protocol.MAX_FRAME_BYTES + 10), "FrameTooLarge"),
+        (protocol.Prefetch(id=1, model="nope", layer=0, experts=[1]).encode(), "UnknownModel"),
+        (protocol.Prefetch(id=1, model=fp, layer=99, experts=[1]).encode(), "OutOfRange"),
+        (protocol.Prefetch(id=1, model=fp, layer=0, experts=[model_files.n_experts]).encode(), "OutOfRange"),
+        (protocol.Report(id=1, model=fp, layers={0: [[], [-1]]}).encode(), "OutOfRange"),
+        (protocol.Pin(id=1, model=fp, layer=0, experts=[1], kind="forever").encode(), "BadField"),
+        (protocol.Hello(id=1, model=str(model_files.path), fingerprint="0" * 32, client="t").encode(),
+         "FingerprintMismatch"),
+        (protocol.Hello(id=1, model="/elsewhere", fingerprint="0" * 32, client="t").encode(), "UnknownModel"),
+        (protocol.Hint(id=1, model=fp, text="hello").encode(), "NoProfile"),
+    ]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(running_daemon.socket)
+    try:
+        for frame, ename in cases:
+            reply = send_raw(sock, frame)
+            assert not reply.ok and reply.ename == ename, (ename, reply)
+            assert reply.evalue
+        # A multi-frame message is answered too.
+        sock.send_multipart([b"", protocol.Stats(id=5).encode()])
+        assert sock.poll(5000) and protocol.decode_reply(sock.recv()).id == 5
+    finally:
+        sock.close(0)
+    s = stats(running_daemon)
+    assert s["daemon"]["errors"] == len(cases)
+    assert s["models"][0]["loads_done"] == 0  # nothing refused had an effect
+    assert running_daemon.proc.poll() is None
+
+
+def test_pins_load_and_survive_eviction_pressure(running_daemon, model_files):
+    fp = model_files.fingerprint
+    reply = request(running_daemon.socket, protocol.Pin(id=1, model=fp, layer=1, experts=[2, 7, 11],
+                                                        kind="permanent"))
+    assert reply.ok
+    assert reply.payload["pinned"] == [2, 7] and reply.payload["refused"] == [11]  # 4 slots: 2 pinnable
+    for expert in range(model_files.n_experts):
+        request(running_daemon.socket, protocol.Prefetch(id=2, model=fp, layer=1, experts=[expert]))
+        wait_for(lambda: stats(running_daemon)["models"][0]["layers"][1]["loading"] == 0, what="load")
+    layer = stats(running_daemon)["models"][0]["layers"][1]
+    assert layer["pinned"] == 2 and layer["resident"] == 4
+    client = L2Client(model_files, running_daemon.socket, wait_s=5)
+    pool = ExpertPool(model_files, capacity=2, client=client)
+    try:
+        assert pool.fetch(1, [2, 7]).l2_hits == 2
+    finally:
+        pool.close()
+        client.close()
+
+
+def test_sigterm_stops_cleanly_and_unlinks_segments(daemon_factory, model_dir, model_files):
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, 2)))
+    client = L2Client(model_files, daemon.socket, wait_s=5)
+    names = [client.attachment.index.name, *(s.name for s in client.attachment.data)]
+    client.close()
+    assert all(segment_exists(n) for n in names)
+    assert daemon.stop(signal.SIGTERM) == 0, daemon.log()
+    assert not any(segment_exists(n) for n in names)
+    assert not (daemon.runtime_dir / "moe-l2d.sock").exists()
+    assert "segments unlinked" in daemon.log()
+
+
+def test_restart_after_kill9_reclaims_segments(daemon_factory, model_dir, model_files):
+    first = daemon_factory([model_dir], str(budget_for(model_files, 2)))
+    client = L2Client(model_files, first.socket, wait_s=5)
+    old = client.attachment
+    client.close()
+    first.kill9()
+    assert segment_exists(old.index.name)  # a crash leaves them behind
+    second = daemon_factory([model_dir], str(budget_for(model_files, 2)), runtime_dir=first.runtime_dir)
+    assert "reclaimed shared-memory segment" in second.log()
+    fresh = IndexHeader.unpack(_native.Segment.open(old.index.name).view())
+    assert fresh.epoch != old.epoch
+    assert second.stop() == 0
+    assert not segment_exists(old.index.name)
+
+
+def test_second_daemon_on_the_same_socket_is_refused(running_daemon, model_dir, model_files):
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "moe_l2.daemon.main", "--model", str(model_dir), "--budget", "1MiB",
+         "--runtime-dir", str(running_daemon.runtime_dir)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "already serving" in result.stderr
+    assert stats(running_daemon)["daemon"]["pid"] == running_daemon.proc.pid  # untouched
+
+
+def run_daemon(*args, timeout=60):
+    directory = short_tempdir()
+    return subprocess.run([sys.executable, "-P", "-m", "moe_l2.daemon.main", "--runtime-dir", str(directory), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["--budget", "1GiB"], 2, "--budget needs a --model"),
+    ([], 2, "nothing to serve"),
+    (["--model", "{model}"], 2, "--budget is required"),
+    (["--model", "{model}", "--budget", "lots"], 2, "invalid size 'lots'"),
+    (["--model", "{model}", "--budget", "1G", "--policy", "fifo"], 2, "invalid choice"),
+    (["--model", "{model}", "--budget", "1G", "--shm-mode", "777"], 2, "nothing executable"),
+    (["--model", "{model}", "--budget", "1G", "--socket", "http://x"], 2, "ipc://PATH or tcp://"),
+    (["--model", "/nonexistent/model", "--budget", "1G"], 1, "cannot serve /nonexistent/model"),
+    (["--model", "{model}", "--budget", "4KiB"], 1, "too small"),
+    (["--model", "{model}", "--budget", "1G", "--config", "/nonexistent.toml"], 2, "cannot read config"),
+])
+def test_bad_flags_fail_at_start_with_a_clear_message(args, code, words, model_dir):
+    result = run_daemon(*[a.format(model=model_dir) for a in args])
+    assert result.returncode == code, result.stderr
+    assert words in result.stderr
+
+
+def write_sparse_model(directory, n_experts=64, expert_bytes=1 << 30):
+    """A real safetensors checkpoint whose experts need far more memory than any test machine has.
+
+    The file is sparse, so it costs no disk; only its headers are read before the budget check refuses it.
+    """
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_experts": n_experts, "num_experts_per_tok": 2,
+        "num_hidden_layers": 1, "hidden_size": 4096, "moe_intermediate_size": 8192}))
+    rows = expert_bytes // (4096 * 2)
+    header = {}
+    offset = 0
+    for proj in ("down_proj", "gate_proj", "up_proj"):
+        size = n_experts * rows * 4096 * 2
+        header[f"model.layers.0.mlp.switch_mlp.{proj}.weight"] = {
+            "dtype": "F16", "shape": [n_experts, rows, 4096], "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(directory / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def test_a_budget_the_machine_cannot_back_is_refused(tmp_path):
+    model = tmp_path / "huge"
+    write_sparse_model(model)
+    result = run_daemon("--model", str(model), "--budget", "100TiB")
+    assert result.returncode == 1, result.stderr
+    assert "of memory is available; lower --budget" in result.stderr or "/dev/shm has" in result.stderr
+
+
+def test_console_script_is_installed():
+    import shutil
+
+    exe = shutil.which("moe-l2d")
+    assert exe, "pip install . installs the moe-l2d console script"
+    result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--budget" in result.stdout
