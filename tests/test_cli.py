@@ -1,0 +1,93 @@
+"""moe-l2 stats and verify, run as a user runs them: the installed console script against a real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+from moe_l2 import protocol
+from moe_l2.client.connection import request
+
+from .test_daemon import stats, wait_for
+
+
+def moe_l2(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    exe = shutil.which("moe-l2")
+    assert exe, "pip install . installs the moe-l2 console script"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_stats_json_and_table_agree_with_the_daemon(running_daemon, model_files):
+    fp = model_files.fingerprint
+    request(running_daemon.socket, protocol.Prefetch(id=1, model=fp, layer=1, experts=[3, 4]))
+    wait_for(lambda: stats(running_daemon)["models"][0]["loads_done"] == 2, what="loads")
+    result = moe_l2("stats", "--socket", running_daemon.socket, "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    (m,) = data["models"]
+    assert [layer["resident"] for layer in m["layers"]] == [0, 2, 0]
+    assert m["loads_done"] == 2 and m["load_latency_p50"] > 0
+    assert data["daemon"]["pid"] == running_daemon.proc.pid
+    table = moe_l2("stats", "--socket", running_daemon.socket)
+    assert table.returncode == 0
+    assert f"model {model_files.path}" in table.stdout
+    assert "occupancy 2/12 slots" in table.stdout
+    assert "    1         2        0       0" in table.stdout  # layer 1: 2 resident
+
+
+def test_stats_without_a_daemon_says_what_to_do(tmp_path):
+    result = moe_l2("stats", "--socket", f"ipc://{tmp_path}/none.sock", "--timeout", "0.5")
+    assert result.returncode == 1
+    assert "is it running?" in result.stderr
+
+
+def test_verify_passes_on_a_healthy_daemon(running_daemon, model_dir, model_files):
+    result = moe_l2("verify", "--model", str(model_dir), "--socket", running_daemon.socket, "--samples", "60")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 mismatches" in result.stdout
+    # verify's own misses made the daemon load experts; a second run finds some of them in L2.
+    wait_for(lambda: stats(running_daemon)["models"][0]["loads_in_flight"] == 0, what="loads")
+    again = moe_l2("verify", "--model", str(model_dir), "--socket", running_daemon.socket, "--samples", "60")
+    assert again.returncode == 0 and " 0 from L2" not in again.stdout
+
+
+def test_verify_catches_l2_bytes_that_differ_from_the_file(daemon_factory, tmp_path, model_dir, model_files):
+    """Bit rot on disk after the daemon loaded the model: same size, same mtime, different bytes."""
+    from .conftest import budget_for
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    from moe_l2.model import ModelFiles
+
+    files = ModelFiles.open(model)
+    daemon = daemon_factory([model], str(budget_for(files, files.n_experts)))
+    for layer in range(files.n_layers):
+        request(daemon.socket, protocol.Prefetch(id=1, model=files.fingerprint, layer=layer,
+                                                 experts=list(range(files.n_experts))))
+    wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == files.n_layers * files.n_experts, what="loads")
+    file_index, offset, nbytes, _ = files.extents(0, 0)[0]
+    path = files.files[file_index]
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        original = f.read(nbytes)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in original))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    result = moe_l2("verify", "--model", str(model), "--socket", daemon.socket, "--samples", "400")
+    assert result.returncode == 1
+    assert "MISMATCH layer 0 expert 0 (from L2)" in result.stdout
+
+
+def test_make_model_cli_writes_a_loadable_checkpoint(tmp_path):
+    result = moe_l2("make-model", "--arch", "mixtral", "--layers", "2", "--experts", "4", "--top-k", "2",
+                    "--hidden-size", "64", "--moe-hidden-size", "64", "--bits", "8", "--out", str(tmp_path / "m"))
+    assert result.returncode == 0, result.stderr
+    from moe_l2.model import ModelFiles
+
+    files = ModelFiles.open(tmp_path / "m")
+    assert (files.n_layers, files.n_experts, files.top_k) == (2, 4, 2)
+    bad = moe_l2("make-model", "--arch", "mixtral", "--top-k", "9", "--experts", "4", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "top" in bad.stderr
