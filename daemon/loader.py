@@ -1,4 +1,4 @@
-"""The loader pool: threads that pread expert records from the model files straight into slot memory."""
+"""The loader pool: threads that read expert records from the model files straight into slot memory."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-
-from moe_l2 import _native
 
 log = logging.getLogger("moe-l2d.loader")
 
@@ -37,12 +35,11 @@ class Loader:
         start = time.perf_counter()
         try:
             data = model.data[layer]
-            base = reservation.slot * model.geometry.slot_stride
-            extents = model.files.extents(layer, reservation.expert)
-            _native.pread_records(
-                [(model.fds[f], offset, nbytes, data, base + rec_off) for f, offset, nbytes, rec_off in extents],
-                threads=1,
-            )
+            stride = model.geometry.slot_stride
+            base = reservation.slot * stride
+            # Straight into the slot: a packed record in one read (direct I/O where the fds have it), a GGUF
+            # record converted to MLX's layout on the way, so that L2 holds what clients copy as is.
+            model.files.read_records(model.fds, layer, [(reservation.expert, (data, base, stride))], threads=1)
             view = data.view()
             checksum = 0
             for piece in model.files.layout.pieces:

@@ -153,7 +153,32 @@ void init_copy(nb::module_& m) {
 void init_pread(nb::module_& m) {
   m.def("pread_records", &pread_records, "jobs"_a, "threads"_a = 4,
         "Read each job (fd, file_offset, nbytes, dst, dst_offset) into dst, on up to `threads` "
-        "threads, with the GIL released.");
+        "threads, with the GIL released. Direct-I/O fds (see set_direct) read whole aligned "
+        "blocks, through a bounce buffer where the job is unaligned.");
+  m.def("pread_scatter", &pread_scatter, "jobs"_a, "threads"_a = 4,
+        "For each job (fd, file_offset, nbytes, pieces): one read of the extent into aligned "
+        "scratch memory, then each piece (src_offset, nbytes, dst, dst_offset) copied from it; "
+        "on up to `threads` threads, with the GIL released.");
+  m.def("set_direct", &set_direct, "fd"_a, "enable"_a = true,
+        "Direct I/O for fd: O_DIRECT on Linux, F_NOCACHE on macOS. Returns whether reads now "
+        "bypass the page cache (False where the filesystem or platform has none).");
+  m.def("direct_fallbacks", &direct_fallbacks,
+        "How many fds went back to buffered reads because the filesystem refused a direct read.");
+  m.def("_fail_direct_reads", &fail_direct_reads, "n"_a,
+        "Test hook: the next n direct preads fail with EINVAL.");
+  m.def("page_cache_bytes", &page_cache_bytes, "fd"_a, "offset"_a = 0, "nbytes"_a = -1,
+        "Bytes of the file's range [offset, offset + nbytes) resident in the page cache (mincore); "
+        "nbytes < 0: to the end of the file.");
+  m.attr("DIRECT_ALIGN") = 4096;
+}
+
+void init_transcode(nb::module_& m) {
+  m.def("transcode_gguf", &transcode_gguf, "jobs"_a, "threads"_a = 1,
+        "Convert GGUF tensors to MLX's layout: each job is (type, rows, cols, src, src_offset, "
+        "weight, weight_offset, scales, scales_offset, biases, biases_offset). F32/F16/BF16 are "
+        "copied to weight; Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 become MLX affine quantization, group size 32 "
+        "(scales and biases float16), as mx.load gives them; MXFP4 becomes MLX's mxfp4 mode (uint8 "
+        "scales, no biases). The GIL is released.");
 }
 
 }  // namespace moe_l2
@@ -172,4 +197,5 @@ NB_MODULE(_native, m) {
   moe_l2::init_memory(m);
   moe_l2::init_copy(m);
   moe_l2::init_pread(m);
+  moe_l2::init_transcode(m);
 }

@@ -1,13 +1,20 @@
+// L3 reads: parallel pread of record pieces (pread_records), one read per record scattered into
+// its pieces (pread_scatter), direct I/O (O_DIRECT on Linux, F_NOCACHE on macOS) with aligned
+// bounce buffers and a buffered fallback, and a page-cache probe (mincore) for benchmarks.
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <system_error>
 #include <thread>
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #ifdef __APPLE__
@@ -28,13 +35,93 @@ namespace {
 // several threads at once (SSDs want a deep queue) and no single pread nears the OS limits.
 constexpr size_t kUnitBytes = size_t(8) << 20;
 
-struct Unit {
-  size_t job;
-  int fd;
-  uint64_t file_offset;
-  size_t nbytes;
-  std::byte* dst;
+// Direct reads use this alignment for file offsets, lengths and memory: the largest logical
+// block size in common use (512 and 4096 both divide it). A filesystem that wants more makes
+// the read fail with EINVAL, and the fd falls back to buffered reads.
+constexpr size_t kDirectAlign = 4096;
+
+std::atomic<int64_t> g_direct_fallbacks{0};
+std::atomic<int64_t> g_fail_direct{0};  // test hook: direct preads that fail with EINVAL
+
+size_t align_down(size_t v) { return v & ~(kDirectAlign - 1); }
+size_t align_up(size_t v) { return (v + kDirectAlign - 1) & ~(kDirectAlign - 1); }
+bool is_aligned(size_t v) { return (v & (kDirectAlign - 1)) == 0; }
+
+// ---------------------------------------------------------------------------------------
+// Aligned scratch memory (bounce buffers), cached between calls so that a miss does not pay
+// for fresh pages every time.
+
+struct Block {
+  std::byte* data = nullptr;
+  size_t nbytes = 0;
 };
+
+constexpr size_t kKeepBytes = size_t(256) << 20;
+constexpr size_t kKeepBlocks = 16;
+std::mutex g_blocks_lock;
+std::vector<Block> g_blocks;  // free blocks, oldest first
+
+Block take_block(size_t nbytes) {
+  // 1 MiB granularity, so that blocks fit the next similar request.
+  size_t want = std::max<size_t>((nbytes + (size_t(1) << 20) - 1) & ~((size_t(1) << 20) - 1), size_t(1) << 20);
+  {
+    std::lock_guard<std::mutex> lock(g_blocks_lock);
+    auto best = g_blocks.end();
+    for (auto it = g_blocks.begin(); it != g_blocks.end(); ++it) {
+      if (it->nbytes >= want && (best == g_blocks.end() || it->nbytes < best->nbytes)) {
+        best = it;
+      }
+    }
+    if (best != g_blocks.end()) {
+      Block b = *best;
+      g_blocks.erase(best);
+      return b;
+    }
+  }
+  void* p = nullptr;
+  if (posix_memalign(&p, kDirectAlign, want) != 0) {
+    return {};
+  }
+  return {static_cast<std::byte*>(p), want};
+}
+
+void give_block(Block b) {
+  if (b.data == nullptr) {
+    return;
+  }
+  std::vector<Block> drop;
+  {
+    std::lock_guard<std::mutex> lock(g_blocks_lock);
+    g_blocks.push_back(b);
+    size_t total = 0;
+    for (const Block& k : g_blocks) {
+      total += k.nbytes;
+    }
+    while (!g_blocks.empty() && (total > kKeepBytes || g_blocks.size() > kKeepBlocks)) {
+      total -= g_blocks.front().nbytes;
+      drop.push_back(g_blocks.front());
+      g_blocks.erase(g_blocks.begin());
+    }
+  }
+  for (Block& k : drop) {
+    free(k.data);
+  }
+}
+
+class Scratch {
+ public:
+  explicit Scratch(size_t nbytes) : block_(take_block(nbytes)) {}
+  ~Scratch() { give_block(block_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  std::byte* data() const { return block_.data; }
+  explicit operator bool() const { return block_.data != nullptr; }
+
+ private:
+  Block block_;
+};
+
+// ---------------------------------------------------------------------------------------
 
 // The file behind fd for error messages; best effort.
 std::string fd_name(int fd) {
@@ -53,44 +140,204 @@ std::string fd_name(int fd) {
   return "fd " + std::to_string(fd);
 }
 
-// Reads one unit completely: short reads continue where they stopped, EINTR retries.
-// Returns the error, or nothing on success.
-std::optional<OsError> read_unit(const Unit& u) {
-  size_t done = 0;
-  while (done < u.nbytes) {
-    ssize_t n = pread(u.fd, u.dst + done, u.nbytes - done, static_cast<off_t>(u.file_offset + done));
-    if (n > 0) {
-      done += size_t(n);
-      continue;
+// Whether reads through fd must be aligned (Linux O_DIRECT). macOS' F_NOCACHE takes any
+// offset and length, so its fds read like buffered ones here.
+bool fd_needs_alignment(int fd) {
+#if defined(__linux__) && defined(O_DIRECT)
+  int flags = fcntl(fd, F_GETFL);
+  return flags != -1 && (flags & O_DIRECT) != 0;
+#else
+  (void)fd;
+  return false;
+#endif
+}
+
+struct FdState {
+  int fd;
+  std::atomic<bool> direct;
+};
+
+// One FdState per distinct fd of a call, so that a fallback seen by one thread holds for all.
+class FdStates {
+ public:
+  FdState* get(int fd) {
+    for (auto& s : states_) {
+      if (s->fd == fd) {
+        return s.get();
+      }
     }
-    std::string where = "job " + std::to_string(u.job) + ": bytes [" +
-                        std::to_string(u.file_offset + done) + ", " +
-                        std::to_string(u.file_offset + u.nbytes) + ") of " + fd_name(u.fd);
-    if (n == 0) {
-      struct stat st;
-      std::string size = fstat(u.fd, &st) == 0 ? " (it has " + std::to_string(st.st_size) + " bytes)" : "";
-      return OsError(0, prefixed("pread_records", "unexpected end of file in " + where + size +
-                                                      ": truncated model file?"));
-    }
-    int err = errno;
-    if (err == EINTR) {
-      continue;
-    }
-    return OsError(err, prefixed("pread_records", "reading " + where + " failed: " +
-                                                      std::strerror(err)));
+    states_.push_back(std::make_unique<FdState>());
+    states_.back()->fd = fd;
+    states_.back()->direct.store(fd_needs_alignment(fd));
+    return states_.back().get();
   }
-  return std::nullopt;
+
+ private:
+  std::vector<std::unique_ptr<FdState>> states_;
+};
+
+// The filesystem refused a direct read: read through the page cache from now on.
+void fall_back_to_buffered(FdState& s) {
+  bool expected = true;
+  if (s.direct.compare_exchange_strong(expected, false)) {
+#if defined(__linux__) && defined(O_DIRECT)
+    int flags = fcntl(s.fd, F_GETFL);
+    if (flags != -1) {
+      fcntl(s.fd, F_SETFL, flags & ~O_DIRECT);
+    }
+#endif
+    g_direct_fallbacks.fetch_add(1);
+  }
+}
+
+bool take_injected_failure() {
+  int64_t left = g_fail_direct.load();
+  while (left > 0) {
+    if (g_fail_direct.compare_exchange_weak(left, left - 1)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Reads up to n bytes at off; stops early only at the end of the file. Short reads continue
+// where they stopped, EINTR retries. Returns the bytes read, or -errno.
+ssize_t pread_full(int fd, std::byte* buf, size_t n, size_t off, bool direct) {
+  size_t done = 0;
+  while (done < n) {
+    if (direct && take_injected_failure()) {
+      return -EINVAL;
+    }
+    ssize_t r = pread(fd, buf + done, n - done, static_cast<off_t>(off + done));
+    if (r > 0) {
+      done += size_t(r);
+      if (direct && !is_aligned(size_t(r))) {
+        break;  // a direct read stops short of a block only at the end of the file
+      }
+      continue;
+    }
+    if (r == 0) {
+      break;
+    }
+    if (errno == EINTR) {
+      continue;
+    }
+    return -errno;
+  }
+  return static_cast<ssize_t>(done);
+}
+
+// Read [file_offset, file_offset + nbytes) into dst; at least `need` bytes must exist in the file.
+struct Unit {
+  size_t job;
+  FdState* fd;
+  uint64_t file_offset;
+  size_t nbytes;
+  size_t need;
+  std::byte* dst;
+};
+
+std::optional<OsError> read_unit(const char* fn, const Unit& u) {
+  for (;;) {
+    bool direct = u.fd->direct.load(std::memory_order_relaxed);
+    ssize_t got;
+    if (!direct) {
+      got = pread_full(u.fd->fd, u.dst, u.nbytes, u.file_offset, false);
+    } else if (is_aligned(u.file_offset) && is_aligned(u.nbytes) &&
+               is_aligned(reinterpret_cast<uintptr_t>(u.dst))) {
+      got = pread_full(u.fd->fd, u.dst, u.nbytes, u.file_offset, true);
+    } else {
+      // Unaligned: read the covering blocks into a bounce buffer and copy the asked bytes.
+      size_t start = align_down(u.file_offset);
+      size_t end = align_up(u.file_offset + u.nbytes);
+      Scratch bounce(end - start);
+      if (!bounce) {
+        return OsError(ENOMEM, prefixed(fn, "no memory for a " + std::to_string(end - start) +
+                                                "-byte direct-read buffer"));
+      }
+      got = pread_full(u.fd->fd, bounce.data(), end - start, start, true);
+      if (got >= 0) {
+        size_t head = u.file_offset - start;
+        size_t n = size_t(got) > head ? std::min(size_t(got) - head, u.nbytes) : 0;
+        std::memcpy(u.dst, bounce.data() + head, n);
+        got = static_cast<ssize_t>(n);
+      }
+    }
+    if (got == -EINVAL && direct) {
+      fall_back_to_buffered(*u.fd);
+      continue;
+    }
+    if (got >= 0 && size_t(got) >= u.need) {
+      return std::nullopt;
+    }
+    size_t at = got >= 0 ? size_t(got) : 0;
+    std::string where = "job " + std::to_string(u.job) + ": bytes [" + std::to_string(u.file_offset + at) +
+                        ", " + std::to_string(u.file_offset + u.need) + ") of " + fd_name(u.fd->fd);
+    if (got >= 0) {
+      struct stat st;
+      std::string size =
+          fstat(u.fd->fd, &st) == 0 ? " (it has " + std::to_string(st.st_size) + " bytes)" : "";
+      return OsError(0, prefixed(fn, "unexpected end of file in " + where + size + ": truncated model file?"));
+    }
+    int err = int(-got);
+    return OsError(err, prefixed(fn, "reading " + where + " failed: " + std::strerror(err)));
+  }
+}
+
+// Runs work(i) for i in [0, n) on up to `threads` threads with the GIL released; returns the
+// first failure once every thread has stopped (no new item starts after a failure).
+std::optional<OsError> run_parallel(size_t n, int threads,
+                                    const std::function<std::optional<OsError>(size_t)>& work) {
+  std::optional<OsError> failure;
+  nb::gil_scoped_release unlocked;
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex failure_lock;
+  auto loop = [&] {
+    for (size_t i; !failed.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;) {
+      if (auto err = work(i)) {
+        std::lock_guard<std::mutex> lock(failure_lock);
+        if (!failure) {
+          failure = std::move(err);
+        }
+        failed.store(true, std::memory_order_relaxed);
+      }
+    }
+  };
+  size_t n_threads = std::min(n, size_t(threads));
+  if (n_threads <= 1) {
+    loop();
+  } else {
+    std::vector<std::thread> pool;
+    try {
+      for (size_t t = 1; t < n_threads; ++t) {
+        pool.emplace_back(loop);
+      }
+    } catch (const std::system_error&) {
+      // Out of threads: the ones started and this one share the work.
+    }
+    loop();
+    for (auto& t : pool) {
+      t.join();
+    }
+  }
+  return failure;
+}
+
+void check_threads(const char* fn, int threads) {
+  if (threads < 1) {
+    throw_value_error(fn, "threads must be >= 1, got " + std::to_string(threads));
+  }
 }
 
 }  // namespace
 
 void pread_records(const std::vector<ReadJob>& jobs, int threads) {
   const char* fn = "pread_records";
-  if (threads < 1) {
-    throw_value_error(fn, "threads must be >= 1, got " + std::to_string(threads));
-  }
+  check_threads(fn, threads);
   std::vector<std::shared_ptr<Region>> regions;  // kept mapped while the GIL is released
   std::vector<Unit> units;
+  FdStates fds;
   for (size_t j = 0; j < jobs.size(); ++j) {
     auto [fd, file_offset_in, nbytes_in, dst, dst_offset_in] = jobs[j];
     std::string what = "jobs[" + std::to_string(j) + "]";
@@ -107,49 +354,200 @@ void pread_records(const std::vector<ReadJob>& jobs, int threads) {
     dst->check_range(fn, dst_offset, nbytes);
     regions.push_back(dst->region(fn, true));
     std::byte* out = regions.back()->data + dst_offset;
+    FdState* state = fds.get(fd);
     for (size_t done = 0; done < nbytes; done += kUnitBytes) {
-      units.push_back({j, fd, file_offset + done, std::min(kUnitBytes, nbytes - done), out + done});
+      size_t n = std::min(kUnitBytes, nbytes - done);
+      units.push_back({j, state, file_offset + done, n, n, out + done});
     }
   }
+  if (auto failure = run_parallel(units.size(), threads, [&](size_t i) { return read_unit(fn, units[i]); })) {
+    throw *failure;
+  }
+}
 
+void pread_scatter(const std::vector<ScatterJob>& jobs, int threads) {
+  const char* fn = "pread_scatter";
+  check_threads(fn, threads);
+  struct Piece {
+    size_t src_off;
+    size_t nbytes;
+    std::byte* dst;
+  };
+  struct Job {
+    size_t scratch_off;  // where the job's first read block lies in the scratch memory
+    size_t head;         // bytes of that block before the job's file_offset
+    std::vector<Piece> pieces;
+  };
+  std::vector<std::shared_ptr<Region>> regions;
+  std::vector<Job> plan;
+  std::vector<Unit> units;
+  FdStates fds;
+  size_t total = 0;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const auto& [fd, file_offset_in, nbytes_in, pieces] = jobs[j];
+    std::string what = "jobs[" + std::to_string(j) + "]";
+    if (fd < 0) {
+      throw_value_error(fn, what + ": invalid file descriptor " + std::to_string(fd));
+    }
+    size_t file_offset = to_size(fn, (what + " file_offset").c_str(), file_offset_in);
+    size_t nbytes = to_size(fn, (what + " nbytes").c_str(), nbytes_in);
+    size_t end = checked_add(fn, file_offset, nbytes);
+    FdState* state = fds.get(fd);
+    // Direct fds read whole blocks, so that the reads go straight into the aligned scratch.
+    size_t start = state->direct ? align_down(file_offset) : file_offset;
+    size_t stop = state->direct ? align_up(end) : end;
+    Job job{total, file_offset - start, {}};
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      auto [src_off_in, n_in, dst, dst_off_in] = pieces[p];
+      std::string pw = what + " piece " + std::to_string(p);
+      if (dst == nullptr) {
+        throw_value_error(fn, pw + " has no destination");
+      }
+      size_t src_off = to_size(fn, (pw + " src_offset").c_str(), src_off_in);
+      size_t n = to_size(fn, (pw + " nbytes").c_str(), n_in);
+      size_t dst_off = to_size(fn, (pw + " dst_offset").c_str(), dst_off_in);
+      if (checked_add(fn, src_off, n) > nbytes) {
+        throw_value_error(fn, pw + ": bytes [" + std::to_string(src_off) + ", " + std::to_string(src_off + n) +
+                                  ") are outside the job's " + std::to_string(nbytes) + " bytes");
+      }
+      dst->check_range(fn, dst_off, n);
+      regions.push_back(dst->region(fn, true));
+      job.pieces.push_back({src_off, n, regions.back()->data + dst_off});
+    }
+    for (size_t done = 0; start + done < stop; done += kUnitBytes) {
+      size_t n = std::min(kUnitBytes, stop - start - done);
+      size_t need = std::min(n, end - (start + done));
+      units.push_back({j, state, start + done, n, need, reinterpret_cast<std::byte*>(total + done)});
+    }
+    total = checked_add(fn, total, align_up(stop - start));
+    plan.push_back(std::move(job));
+  }
+  if (units.empty()) {
+    return;
+  }
+  Scratch scratch(total);
+  if (!scratch) {
+    throw OsError(ENOMEM, prefixed(fn, "no memory for " + std::to_string(total) + " bytes of read buffer"));
+  }
+  std::vector<std::atomic<size_t>> remaining(plan.size());
+  for (auto& r : remaining) {
+    r.store(0);
+  }
+  for (Unit& u : units) {
+    u.dst = scratch.data() + reinterpret_cast<size_t>(u.dst);
+    remaining[u.job].fetch_add(1);
+  }
+  auto failure = run_parallel(units.size(), threads, [&](size_t i) -> std::optional<OsError> {
+    const Unit& u = units[i];
+    if (auto err = read_unit(fn, u)) {
+      return err;
+    }
+    // The thread that completes a job's last read scatters it, while others still read.
+    if (remaining[u.job].fetch_sub(1) == 1) {
+      const Job& job = plan[u.job];
+      const std::byte* src = scratch.data() + job.scratch_off + job.head;
+      for (const Piece& p : job.pieces) {
+        std::memcpy(p.dst, src + p.src_off, p.nbytes);
+      }
+    }
+    return std::nullopt;
+  });
+  if (failure) {
+    throw *failure;
+  }
+}
+
+bool set_direct(int fd, bool enable) {
+  const char* fn = "set_direct";
+  if (fd < 0) {
+    throw_value_error(fn, "invalid file descriptor " + std::to_string(fd));
+  }
+#if defined(__linux__) && defined(O_DIRECT)
+  int flags = fcntl(fd, F_GETFL);
+  if (flags == -1) {
+    int err = errno;
+    throw OsError(err, prefixed(fn, "fcntl(F_GETFL) on " + fd_name(fd) + " failed: " + std::strerror(err)));
+  }
+  int want = enable ? (flags | O_DIRECT) : (flags & ~O_DIRECT);
+  if (want != flags && fcntl(fd, F_SETFL, want) == -1) {
+    int err = errno;
+    if (enable && err == EINVAL) {
+      return false;  // the filesystem has no direct I/O (ramfs, some FUSE mounts, ...)
+    }
+    throw OsError(err, prefixed(fn, "fcntl(F_SETFL) on " + fd_name(fd) + " failed: " + std::strerror(err)));
+  }
+  return enable;
+#elif defined(__APPLE__)
+  if (fcntl(fd, F_NOCACHE, enable ? 1 : 0) == -1) {
+    int err = errno;
+    throw OsError(err, prefixed(fn, "fcntl(F_NOCACHE) on " + fd_name(fd) + " failed: " + std::strerror(err)));
+  }
+  return enable;
+#else
+  (void)enable;
+  return false;
+#endif
+}
+
+int64_t direct_fallbacks() { return g_direct_fallbacks.load(); }
+
+void fail_direct_reads(int64_t n) { g_fail_direct.store(std::max<int64_t>(n, 0)); }
+
+int64_t page_cache_bytes(int fd, int64_t offset_in, int64_t nbytes_in) {
+  const char* fn = "page_cache_bytes";
+  if (fd < 0) {
+    throw_value_error(fn, "invalid file descriptor " + std::to_string(fd));
+  }
+  size_t offset = to_size(fn, "offset", offset_in);
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int err = errno;
+    throw OsError(err, prefixed(fn, "fstat of " + fd_name(fd) + " failed: " + std::strerror(err)));
+  }
+  size_t size = size_t(st.st_size);
+  size_t end = nbytes_in < 0 ? size : std::min(size, checked_add(fn, offset, size_t(nbytes_in)));
+  if (offset >= end) {
+    return 0;
+  }
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  const size_t chunk = size_t(1) << 30;
+  size_t resident = 0;
   std::optional<OsError> failure;
   {
     nb::gil_scoped_release unlocked;
-    std::atomic<size_t> next{0};
-    std::atomic<bool> failed{false};
-    std::mutex failure_lock;
-    auto work = [&] {
-      for (size_t i; !failed.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < units.size();) {
-        if (auto err = read_unit(units[i])) {
-          std::lock_guard<std::mutex> lock(failure_lock);
-          if (!failure) {
-            failure = std::move(err);
+#ifdef __APPLE__
+    std::vector<char> vec;
+#else
+    std::vector<unsigned char> vec;
+#endif
+    for (size_t at = offset / page * page; at < end && !failure; at += chunk) {
+      size_t len = std::min(chunk, end - at);
+      void* addr = mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(at));
+      if (addr == MAP_FAILED) {
+        int err = errno;
+        failure = OsError(err, prefixed(fn, "mmap of " + fd_name(fd) + " failed: " + std::strerror(err)));
+        break;
+      }
+      vec.assign((len + page - 1) / page, 0);
+      if (mincore(addr, len, vec.data()) != 0) {
+        int err = errno;
+        failure = OsError(err, prefixed(fn, "mincore failed: " + std::string(std::strerror(err))));
+      } else {
+        for (size_t i = 0; i < vec.size(); ++i) {
+          if (vec[i] & 1) {
+            size_t lo = std::max(at + i * page, offset);
+            size_t hi = std::min(at + (i + 1) * page, end);
+            resident += hi > lo ? hi - lo : 0;
           }
-          failed.store(true, std::memory_order_relaxed);
         }
       }
-    };
-    size_t n_threads = std::min(units.size(), size_t(threads));
-    if (n_threads <= 1) {
-      work();
-    } else {
-      std::vector<std::thread> pool;
-      try {
-        for (size_t t = 1; t < n_threads; ++t) {
-          pool.emplace_back(work);
-        }
-      } catch (const std::system_error&) {
-        // Out of threads: the ones started and this one share the work.
-      }
-      work();
-      for (auto& t : pool) {
-        t.join();
-      }
+      munmap(addr, len);
     }
   }
   if (failure) {
     throw *failure;
   }
+  return int64_t(resident);
 }
 
 }  // namespace moe_l2

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -25,6 +26,37 @@ std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t 
 using ReadJob = std::tuple<int, int64_t, int64_t, Memory*, int64_t>;
 
 // Runs the reads on up to `threads` threads; raises the first failure once all have stopped.
+// Files opened for direct I/O (O_DIRECT) are read in aligned blocks, through an aligned bounce
+// buffer where the job is not aligned; a filesystem that refuses makes the fd buffered again.
 void pread_records(const std::vector<ReadJob>& jobs, int threads);
+
+// (src_offset, nbytes, dst, dst_offset): bytes [src_offset, +nbytes) of a job's extent go to dst.
+using ScatterPiece = std::tuple<int64_t, int64_t, Memory*, int64_t>;
+// (fd, file_offset, nbytes, pieces): one read of the extent, then its pieces copied out.
+using ScatterJob = std::tuple<int, int64_t, int64_t, std::vector<ScatterPiece>>;
+
+// One read per job (split into units across threads), into aligned scratch memory, then the
+// pieces are copied to their destinations: a packed record read in one go into pool rows.
+void pread_scatter(const std::vector<ScatterJob>& jobs, int threads);
+
+// Turns direct I/O on or off for fd (O_DIRECT on Linux, F_NOCACHE on macOS). Returns whether
+// reads now bypass the page cache: false where the filesystem or the platform has no direct I/O.
+bool set_direct(int fd, bool enable);
+// How many fds fell back to buffered reads because the filesystem refused a direct read.
+int64_t direct_fallbacks();
+// Test hook: the next n direct preads fail with EINVAL, as on a filesystem that refuses them.
+void fail_direct_reads(int64_t n);
+// Bytes of [offset, offset + nbytes) of fd's file that are in the page cache (mincore); nbytes < 0: to the end.
+int64_t page_cache_bytes(int fd, int64_t offset, int64_t nbytes);
+
+// (type, rows, cols, src, src_offset, weight, weight_offset, scales, scales_offset, biases,
+// biases_offset): one GGUF tensor of rows x cols elements, converted to MLX's layout. Float
+// types (F32, F16, BF16) are copied to weight; Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 become MLX
+// affine quantization with group size 32 (uint32-packed weight, float16 scales and biases), byte
+// for byte what mx.load gives for the types it reads; MXFP4 becomes MLX's "mxfp4" mode (packed
+// weight, uint8 scales; biases unused).
+using TranscodeJob = std::tuple<std::string, int64_t, int64_t, Memory*, int64_t, Memory*, int64_t, Memory*,
+                                int64_t, Memory*, int64_t>;
+void transcode_gguf(const std::vector<TranscodeJob>& jobs, int threads);
 
 }  // namespace moe_l2

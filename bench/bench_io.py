@@ -1,0 +1,274 @@
+"""L3 (model file) reads, measured side by side in one run (ratios: machines and disks are noisy).
+
+1. Raw sequential read speed of the model files (8 MiB reads, one stream, like dd), cold, buffered and direct.
+2. Miss cost per expert through the client's real read path (ExpertPool.fetch with no daemon): stacked
+   safetensors (one read per piece) vs packed (one read per expert), buffered vs direct I/O, cold (the files
+   dropped from the page cache with posix_fadvise(DONTNEED) before every fetch) and warm (files in the page
+   cache), one expert per fetch and a batch of --batch experts per fetch; each as time per expert, the bandwidth
+   it amounts to, and that bandwidth over the sequential read speed of (1).
+3. The page cache of an unrelated file before and after streaming every expert of a model larger than the
+   memory it may use, buffered vs direct. Run as root on Linux, the streaming process joins a memory cgroup
+   limited to --cgroup-mb (page cache counts against it), so that "larger than memory" holds on any machine;
+   elsewhere it reports how much of the model the stream left in the page cache.
+
+    python bench/bench_io.py [--model DIR] [--experts 64] [--layers 4] [--hidden 2048] [--moe-hidden 768]
+                             [--samples 40] [--batch 8] [--cgroup-mb 256] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from moe_l2 import _native
+from moe_l2.client.pool import ExpertPool
+from moe_l2.generator import make_model
+from moe_l2.model import ModelFiles
+from moe_l2.pack import pack
+from moe_l2.sizes import format_size
+
+MIB = 1 << 20
+
+
+def drop(paths) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached(path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _native.page_cache_bytes(fd)
+    finally:
+        os.close(fd)
+
+
+def warm(paths) -> None:
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(8 * MIB):
+                pass
+
+
+def sequential(paths, direct: bool, streams: int = 1) -> float:
+    """Bytes per second of reading the files front to back from a cold cache: 8 MiB reads, `streams` at a time."""
+    drop(paths)
+    block = 8 * MIB * streams
+    buf = _native.Buffer(block)
+    total = 0
+    start = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if direct:
+                _native.set_direct(fd, True)
+            size = os.fstat(fd).st_size
+            for off in range(0, size, block):
+                n = min(block, size - off)
+                _native.pread_records([(fd, off, n, buf, 0)], threads=streams)  # 8 MiB units over the threads
+                total += n
+        finally:
+            os.close(fd)
+    return total / (time.perf_counter() - start)
+
+
+def miss_cost(files: ModelFiles, direct: bool, cold: bool, batch: int, samples: int, seed: int) -> float:
+    """Median seconds per expert of ExpertPool.fetch of `batch` missing experts."""
+    rng = random.Random(seed)
+    pool = ExpertPool(files, capacity=files.n_experts, direct=direct)
+    if not cold:
+        warm(files.files)
+    per_expert = []
+    try:
+        for _ in range(samples):
+            layer = rng.randrange(files.n_layers)
+            experts = rng.sample(range(files.n_experts), batch)
+            if cold:
+                drop(files.files)
+            start = time.perf_counter()
+            pool.fetch(layer, experts)
+            per_expert.append((time.perf_counter() - start) / batch)
+            for e in experts:
+                pool.evict(layer, e)
+    finally:
+        pool.close()
+    return statistics.median(per_expert)
+
+
+STREAM = r"""
+import json, os, sys
+from moe_l2 import _native
+from moe_l2.client.pool import ExpertPool
+from moe_l2.model import ModelFiles
+
+model, unrelated, direct, cgroup = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+files = ModelFiles.open(model)
+pool = ExpertPool(files, capacity=files.top_k, direct=direct)
+paths = [unrelated, *files.files]
+
+def cached(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _native.page_cache_bytes(fd)
+    finally:
+        os.close(fd)
+
+for path in paths:
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+if cgroup:  # from here on, page cache this process brings in counts against the cgroup's limit
+    with open(cgroup, "w") as f:
+        f.write(str(os.getpid()))
+with open(unrelated, "rb") as f:
+    while f.read(8 << 20):
+        pass
+before = cached(unrelated)
+for layer in range(files.n_layers):
+    for start in range(0, files.n_experts, files.top_k):
+        pool.fetch(layer, list(range(start, min(files.n_experts, start + files.top_k))))
+after = cached(unrelated)
+print(json.dumps({"before": before, "after": after, "model_cached": sum(cached(p) for p in files.files),
+                  "unrelated": os.path.getsize(unrelated),
+                  "model": sum(os.path.getsize(p) for p in files.files)}))
+"""
+
+
+def make_cgroup(limit: int):
+    """A memory cgroup limited to `limit` bytes: (the file a process writes its pid to, cleanup), or None."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return None
+    name = f"moe-l2-bench-{os.getpid()}"
+    v1 = Path("/sys/fs/cgroup/memory")
+    v2 = Path("/sys/fs/cgroup")
+    try:
+        if (v1 / "memory.limit_in_bytes").exists():
+            group = v1 / name
+            group.mkdir()
+            (group / "memory.limit_in_bytes").write_text(str(limit))
+        elif "memory" in (v2 / "cgroup.controllers").read_text().split():
+            group = v2 / name
+            group.mkdir()
+            (group / "memory.max").write_text(str(limit))
+            (group / "memory.swap.max").write_text("0")
+        else:
+            return None
+    except OSError:
+        return None
+
+    def cleanup():
+        for _ in range(50):
+            try:
+                group.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+    return str(group / "cgroup.procs"), cleanup
+
+
+def page_cache_experiment(model: ModelFiles, work: Path, cgroup_mb: int) -> None:
+    unrelated = work / "unrelated.bin"
+    size = cgroup_mb * MIB // 2
+    with open(unrelated, "wb") as f:
+        for _ in range(size // MIB):
+            f.write(os.urandom(MIB))
+    model_bytes = sum(p.stat().st_size for p in model.files)
+    for direct in (False, True):
+        group = make_cgroup(cgroup_mb * MIB)
+        try:
+            out = subprocess.run([sys.executable, "-P", "-c", STREAM, str(model.path), str(unrelated),
+                                  "1" if direct else "0", group[0] if group else ""],
+                                 capture_output=True, text=True, check=True)
+        finally:
+            if group:
+                group[1]()
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        where = f"in a {cgroup_mb} MiB memory cgroup" if group else "without a memory limit (not root on Linux)"
+        print(f"  {'direct  ' if direct else 'buffered'}: streamed {format_size(r['model'])} of experts {where}: "
+              f"unrelated file cached {r['before'] / r['unrelated']:.0%} before, {r['after'] / r['unrelated']:.0%} "
+              f"after; model left in page cache: {format_size(r['model_cached'])} "
+              f"({r['model_cached'] / model_bytes:.0%})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="an mlx-lm MoE checkpoint to use (default: make one)")
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--moe-hidden", type=int, default=768)
+    parser.add_argument("--samples", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--cgroup-mb", type=int, default=256)
+    parser.add_argument("--keep", type=Path, help="keep the made and packed models in this directory")
+    args = parser.parse_args()
+    if not hasattr(os, "posix_fadvise"):
+        sys.exit("bench_io needs posix_fadvise (Linux) to read cold")
+
+    work = args.keep or Path(tempfile.mkdtemp(prefix="ml2io-", dir="/var/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        src = args.model
+        if src is None:
+            src = work / "stacked"
+            if not (src / "config.json").exists():
+                print(f"making a {args.layers}-layer x {args.experts}-expert 4-bit mixtral ({args.hidden}/"
+                      f"{args.moe_hidden}) in {src} ...", flush=True)
+                make_model(src, "mixtral", layers=args.layers, experts=args.experts, top_k=args.batch,
+                           hidden_size=args.hidden, moe_hidden_size=args.moe_hidden, bits=4)
+        stacked = ModelFiles.open(src)
+        packed_dir = work / "packed"
+        packed = ModelFiles.open(packed_dir) if (packed_dir / "config.json").exists() else \
+            pack(src, packed_dir, moe_l2_only=True, verify="none", progress=False)
+        print(f"model: {stacked.n_layers} MoE layers x {stacked.n_experts} experts, record "
+              f"{format_size(stacked.layout.nbytes)} ({len(stacked.layout.pieces)} pieces); files in {work} "
+              f"({shutil.disk_usage(work).free // MIB} MiB free there)\n")
+
+        seq = {}
+        for name, files in (("stacked", stacked), ("packed", packed)):
+            for direct, streams in ((False, 1), (True, 1), (True, 4)):
+                seq[name, direct, streams] = sequential(files.files, direct, streams)
+        print("1. sequential read of the files, 8 MiB reads, cold:")
+        for (name, direct, streams), speed in seq.items():
+            print(f"  {name:8s} {'direct  ' if direct else 'buffered'} {streams} stream{'s' if streams > 1 else ' '}"
+                  f" {speed / MIB:8.0f} MiB/s")
+        reference = max(seq.values())
+
+        rows = [("stacked", stacked, False), ("stacked", stacked, True), ("packed", packed, False),
+                ("packed", packed, True)]
+        print(f"\n2. miss cost per expert (median of {args.samples} fetches; MiB/s = record bytes / time; "
+              f"x seq = that over the best sequential speed, {reference / MIB:.0f} MiB/s):")
+        print(f"  {'':8s} {'':8s} " + "".join(f"{c:>28s}" for c in
+                                              ("cold 1", f"cold {args.batch}", "warm 1", f"warm {args.batch}")))
+        for name, files, direct in rows:
+            cells = []
+            for cold, batch in ((True, 1), (True, args.batch), (False, 1), (False, args.batch)):
+                t = miss_cost(files, direct, cold, batch, args.samples, seed=batch)
+                bw = files.layout.nbytes / t
+                cells.append(f"{t * 1e6:9.0f} us {bw / MIB:6.0f} MiB/s {bw / reference:4.2f}x")
+            print(f"  {name:8s} {'direct  ' if direct else 'buffered'} " + "".join(f"{c:>28s}" for c in cells))
+
+        print(f"\n3. page cache of an unrelated {args.cgroup_mb // 2} MiB file around streaming every expert:")
+        page_cache_experiment(packed, work, args.cgroup_mb)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
