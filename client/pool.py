@@ -2,14 +2,16 @@
 
 For a layer's batch of experts: L0 hits touch nothing; misses get rows (evicting experts outside the batch),
 are copied from L2 shared memory through the native seqlock copy, and whatever L2 lacks (or tore) is read
-from the model file with the native parallel pread. Only then does the slot table point at the new rows, so
-a row is never referenced before it holds its whole record.
+from the model file with the native parallel pread (one read per expert for packed models, converted to MLX's
+layout on the way for GGUF ones). Only then does the slot table point at the new rows, so a row is never
+referenced before it holds its whole record.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -30,6 +32,8 @@ class TierCounts:
     l3_reads: int = 0
     bytes_copied: int = 0  # from L2
     bytes_read: int = 0    # from the model files
+    copy_s: float = 0.0    # spent copying from L2
+    read_s: float = 0.0    # spent reading from the model files
 
     def add(self, other: "TierCounts") -> None:
         for name in self.__dataclass_fields__:
@@ -96,7 +100,9 @@ class LayerPool:
 
 class ExpertPool:
     def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = "lru",
-                 read_threads: int | None = None):
+                 read_threads: int | None = None, direct: bool | None = None):
+        """direct: read the model files with direct I/O (O_DIRECT / F_NOCACHE): True, False, or None for
+        the model's default (ModelFiles.direct_default: on for packed models)."""
         if not 1 <= capacity <= files.n_experts:
             raise ValueError(f"L0 capacity must be 1..{files.n_experts} experts per layer, got {capacity}")
         self.files = files
@@ -105,7 +111,7 @@ class ExpertPool:
         self.read_threads = read_threads or min(8, os.cpu_count() or 1)
         self.layers = [LayerPool(files, capacity, policy) for _ in range(files.n_layers)]
         self.counts = TierCounts()
-        self._fds = [os.open(path, os.O_RDONLY) for path in files.files]
+        self._fds = files.open_fds(direct)
 
     @property
     def nbytes(self) -> int:
@@ -148,9 +154,12 @@ class ExpertPool:
                                "or raise the L0 capacity")
         rows = lp.take_rows(missing, batch)
         try:
+            start = time.perf_counter()
             copied = self._copy_from_l2(layer, lp, missing, rows)
+            copied_at = time.perf_counter()
             unread = [(e, r) for e, r, ok in zip(missing, rows, copied) if not ok]
             self._read_from_l3(layer, lp, unread)
+            counts.copy_s, counts.read_s = copied_at - start, time.perf_counter() - copied_at
         except BaseException:
             lp._free.extend(rows)  # nothing was published: the rows hold no expert
             raise
@@ -176,14 +185,11 @@ class ExpertPool:
                                     lp.copy_pieces, experts, rows)
 
     def _read_from_l3(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> None:
-        jobs = []
-        for expert, row in todo:
-            for file_index, offset, nbytes, record_offset in self.files.extents(layer, expert):
-                piece = lp.piece_at(record_offset)
-                jobs.append((self._fds[file_index], offset, nbytes, lp.buffers[piece.key],
-                             row * piece.nbytes + record_offset - piece.offset))
-        if jobs:
-            _native.pread_records(jobs, threads=self.read_threads)
+        # Into the rows of each piece: stacked models piece by piece, packed ones in one read per expert
+        # scattered into the rows, GGUF ones converted to MLX's layout on the way (see ModelFiles.read_records).
+        if todo:
+            targets = [(expert, [(lp.buffers[p.key], row * p.nbytes) for p in lp.pieces]) for expert, row in todo]
+            self.files.read_records(self._fds, layer, targets, threads=self.read_threads)
 
     def close(self) -> None:
         for fd in self._fds:

@@ -1,0 +1,196 @@
+"""`moe-l2 generate`: run an mlx-lm MoE model with streamed experts, print the text and where experts came from."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from moe_l2.sizes import format_size
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", required=True, type=Path, help="mlx-lm model directory")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-': standard input)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    l0 = parser.add_mutually_exclusive_group()
+    l0.add_argument("--l0-slots", type=int, help="experts per layer kept in this process (default: a quarter "
+                                                 "of the experts, at least twice the experts per token)")
+    l0.add_argument("--l0-budget", help="memory for this process' experts over all layers, e.g. 2GiB")
+    daemon = parser.add_mutually_exclusive_group()
+    daemon.add_argument("--socket", default=None, help="moe-l2d address (default: the local runtime dir)")
+    daemon.add_argument("--no-daemon", action="store_true", help="read missing experts from the model files only")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    parser.add_argument("--ignore-chat-template", action="store_true",
+                        help="feed the prompt as is, without the tokenizer's chat template")
+    parser.add_argument("--trace-out", type=Path, help="append this run's routing to a trace file (.jsonl.gz)")
+    parser.add_argument("--trace-domain", default=None, help="domain label written into the trace")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text and summary")
+    return parser
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
+    """The prompt's token ids as mlx_lm.generate builds them (chat template when the tokenizer has one)."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return list(tokenizer.encode(text))
+
+
+def generate_streamed(lm, prompt_ids: list[int], max_tokens: int, *, temp: float = 0.0, on_text=None) -> dict:
+    """Generate with mlx-lm's own loop on a StreamedLM; returns the tokens, text and per-run numbers."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from moe_l2.client.pool import TierCounts
+
+    before = TierCounts()
+    before.add(lm.pool.counts)
+    stats_before = lm.stats.as_dict()
+    tokens, text, last = [], [], None
+    for response in stream_generate(lm.model, lm.tokenizer, mx.array(prompt_ids), max_tokens=max_tokens,
+                                    sampler=make_sampler(temp)):
+        tokens.append(response.token)
+        text.append(response.text)
+        if on_text is not None and response.text:
+            on_text(response.text)
+        last = response
+    counts = TierCounts()
+    counts.add(lm.pool.counts)
+    for name in counts.__dataclass_fields__:
+        setattr(counts, name, getattr(counts, name) - getattr(before, name))
+    stats = {k: v - stats_before[k] for k, v in lm.stats.as_dict().items()}
+    return {"tokens": tokens, "text": "".join(text), "counts": counts, "stats": stats,
+            "prompt_tokens": len(prompt_ids), "prompt_tps": last.prompt_tps if last else None,
+            "generation_tokens": len(tokens), "generation_tps": last.generation_tps if last else None,
+            "finish_reason": last.finish_reason if last else None}
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if str(args.prompt_file) == "-":
+        return sys.stdin.read()
+    return args.prompt_file.read_text(encoding="utf-8")
+
+
+def summary(result: dict, lm) -> dict:
+    """The run's numbers as one JSON-able dict."""
+    from moe_l2.client.mlx_lm import hit_rates, peak_rss_bytes
+    import mlx.core as mx
+
+    c = result["counts"]
+    rates = hit_rates(c)
+    client = lm.client
+    return {
+        "model": str(lm.files.path),
+        "text": result["text"],
+        "tokens": result["tokens"],
+        "finish_reason": result["finish_reason"],
+        "prompt_tokens": result["prompt_tokens"],
+        "prompt_tps": result["prompt_tps"],
+        "generation_tokens": result["generation_tokens"],
+        "generation_tps": result["generation_tps"],
+        "expert_lookups": rates["lookups"],
+        "l0_hits": c.l0_hits,
+        "l2_hits": c.l2_hits,
+        "l3_reads": c.l3_reads,
+        "l0_hit_rate": rates["l0"],
+        "l2_hit_rate": rates["l2"],
+        "l3_rate": rates["l3"],
+        "bytes_read": c.bytes_read,
+        "bytes_copied": c.bytes_copied,
+        "l0_slots": lm.pool.capacity,
+        "l0_bytes": lm.pool.nbytes,
+        "daemon": None if client is None else {"address": client.address, "attached": client.attached,
+                                               "attaches": client.attaches, "last_error": client.last_error},
+        "streaming": result["stats"],  # StreamStats over this run: calls, sync/fetch/copy/pread seconds
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_mlx_bytes": mx.get_peak_memory(),
+    }
+
+
+def _pct(x: float) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def render(s: dict) -> str:
+    if s["daemon"] is None:
+        daemon = "no daemon"
+    elif s["daemon"]["attached"]:
+        daemon = f"moe-l2d at {s['daemon']['address']}"
+    else:
+        daemon = f"moe-l2d not attached ({s['daemon']['last_error'] or 'no answer'})"
+    return "\n".join([
+        f"prompt {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tok/s; "
+        f"decode {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
+        f"experts: {s['expert_lookups']} lookups: L0 {_pct(s['l0_hit_rate'])}, L2 {_pct(s['l2_hit_rate'])}, "
+        f"L3 (disk) {_pct(s['l3_rate'])}; read from disk {format_size(s['bytes_read'])}, "
+        f"copied from L2 {format_size(s['bytes_copied'])}",
+        f"L0 {s['l0_slots']} experts per layer ({format_size(s['l0_bytes'])}); {daemon}",
+        f"peak memory: RSS {format_size(s['peak_rss_bytes'])}, MLX {format_size(s['peak_mlx_bytes'])}",
+    ])
+
+
+def run(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+
+    from moe_l2.client.mlx_lm import StreamedLM
+    from moe_l2.trace import TraceWriter
+
+    if args.max_tokens < 1:
+        print("moe-l2 generate: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        prompt = _read_prompt(args)
+    except OSError as exc:
+        print(f"moe-l2 generate: cannot read the prompt: {exc}", file=sys.stderr)
+        return 2
+    try:
+        lm = StreamedLM(args.model, l0_slots=args.l0_slots, l0_budget=args.l0_budget, socket=args.socket,
+                        daemon=not args.no_daemon, client_wait_s=2.0, record=args.trace_out is not None)
+    except (OSError, ValueError) as exc:
+        print(f"moe-l2 generate: {exc}", file=sys.stderr)
+        return 2
+    with lm:
+        if lm.client is not None and not lm.client.attached:
+            print(f"moe-l2 generate: not attached to moe-l2d at {lm.client.address} "
+                  f"({lm.client.last_error or 'no answer'}); reading experts from the model files",
+                  file=sys.stderr)
+        mx.random.seed(args.seed)
+        ids = encode_prompt(lm.tokenizer, prompt, not args.ignore_chat_template)
+        if not ids:
+            print("moe-l2 generate: the prompt is empty", file=sys.stderr)
+            return 2
+        show = None if args.json else (lambda text: print(text, end="", flush=True))
+        result = generate_streamed(lm, ids, args.max_tokens, temp=args.temp, on_text=show)
+        s = summary(result, lm)
+        if args.trace_out is not None:
+            # Every token the model processed: the prompt's, then each generated one fed back.
+            routed = lm.recorder.take()[: len(ids) + len(result["tokens"])]
+            f = lm.files
+            with TraceWriter(args.trace_out, model=f.path.name, n_layers=f.n_layers, n_experts=f.n_experts,
+                             top_k=f.top_k, append=True) as writer:
+                writer.write(routed, seq=f"generate-{time.time_ns()}", domain=args.trace_domain, prompt=prompt)
+            s["trace_out"] = str(args.trace_out)
+    if args.json:
+        print(json.dumps(s))
+    else:
+        print("\n")
+        print(render(s))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="moe-l2 generate",
+                                                   description="Generate text with streamed experts."))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""`moe-l2 generate` and `moe-l2 demo`, checked against the model loaded whole by mlx-lm."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import stream_generate
+
+from moe_l2 import generate
+from moe_l2.trace import read_traces
+
+from .test_daemon import stats, wait_for
+
+PROMPT = "Which experts does the router pick for this sentence?"
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> list[int]:
+    whole, tokenizer = load(str(model_dir))
+    ids = generate.encode_prompt(tokenizer, PROMPT)
+    return [r.token for r in stream_generate(whole, tokenizer, mx.array(ids), max_tokens=12)]
+
+
+def run_json(capsys, *args) -> dict:
+    assert generate.main([*args, "--max-tokens", "12", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_run_gives_the_whole_models_tokens_and_consistent_counts(capsys, model_dir, model_files, expected):
+    s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--no-daemon", "--l0-slots", "5")
+    assert s["tokens"] == expected
+    assert s["daemon"] is None and s["l0_slots"] == 5 and s["l2_hits"] == 0
+    assert s["l0_hits"] + s["l2_hits"] + s["l3_reads"] == s["expert_lookups"] > 0
+    assert s["l0_hit_rate"] + s["l2_hit_rate"] + s["l3_rate"] == pytest.approx(1.0)
+    assert s["bytes_read"] == s["l3_reads"] * model_files.layout.nbytes
+    assert s["prompt_tps"] > 0 and s["generation_tps"] > 0
+    assert s["peak_rss_bytes"] > s["l0_bytes"] > 0
+
+
+def test_text_mode_streams_the_text_then_one_summary(capsys, model_dir, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT)
+    s = run_json(capsys, "--model", str(model_dir), "--prompt-file", str(prompt_file), "--no-daemon")
+    assert generate.main(["--model", str(model_dir), "--prompt", PROMPT, "--no-daemon", "--max-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(s["text"])
+    summary = out[len(s["text"]):].strip().splitlines()
+    assert summary[0].startswith(f"prompt {s['prompt_tokens']} tokens") and "decode 12 tokens" in summary[0]
+    assert summary[1].startswith("experts: ") and "read from disk" in summary[1]
+    assert "no daemon" in summary[2]
+    assert summary[3].startswith("peak memory: RSS")
+
+
+def test_trace_out_records_every_processed_token(capsys, model_dir, model_files, tmp_path):
+    trace = tmp_path / "routing.jsonl.gz"
+    for _ in range(2):  # appends
+        s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--no-daemon", "--trace-out",
+                     str(trace), "--trace-domain", "questions")
+    lines = gzip.open(trace, "rt").read().splitlines()
+    assert len(lines) == 2
+    first, second = (json.loads(line) for line in lines)
+    assert first["experts"] == second["experts"]  # greedy: the same routing twice
+    assert (first["n_layers"], first["n_experts"], first["top_k"]) == (model_files.n_layers, model_files.n_experts,
+                                                                       model_files.top_k)
+    assert first["domain"] == "questions" and first["prompt"] == PROMPT and first["seq"] != second["seq"]
+    assert len(first["experts"]) == s["prompt_tokens"] + len(s["tokens"]) == s["prompt_tokens"] + 12
+    assert read_traces(trace).n_tokens == 2 * len(first["experts"])  # the project's reader takes it
+    for token in first["experts"]:
+        assert len(token) == model_files.n_layers
+        for chosen in token:
+            assert len(set(chosen)) == model_files.top_k and all(0 <= e < model_files.n_experts for e in chosen)
+
+
+def test_through_the_daemon_the_second_run_copies_from_l2(capsys, running_daemon, model_dir, model_files, expected):
+    args = ["--model", str(model_dir), "--prompt", PROMPT, "--socket", running_daemon.socket, "--l0-slots", "4"]
+    cold = run_json(capsys, *args)
+    wait_for(lambda: stats(running_daemon)["daemon"]["loads_in_flight"] == 0, what="loads")
+    warm = run_json(capsys, *args)
+    for s in (cold, warm):
+        assert s["tokens"] == expected
+        assert s["daemon"]["attached"] and s["daemon"]["address"] == running_daemon.socket
+    assert cold["l3_reads"] > 0
+    assert warm["l2_hits"] > 0 and warm["bytes_copied"] == warm["l2_hits"] * model_files.layout.nbytes
+
+
+def test_an_absent_daemon_means_reading_the_file(capsys, model_dir, tmp_path, expected):
+    assert generate.main(["--model", str(model_dir), "--prompt", PROMPT, "--socket",
+                          f"ipc://{tmp_path / 'nobody.sock'}", "--max-tokens", "12", "--json"]) == 0
+    out, err = capsys.readouterr()
+    s = json.loads(out)
+    assert s["tokens"] == expected
+    assert not s["daemon"]["attached"] and s["l3_reads"] > 0 and s["l2_hits"] == 0
+    assert "reading experts from the model files" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--l0-slots", "2"], "at least 4 slots"),
+    (["--l0-budget", "1KiB"], "a token needs 4"),
+    (["--max-tokens", "0"], "at least 1"),
+])
+def test_bad_arguments_are_refused(capsys, model_dir, args, message):
+    assert generate.main(["--model", str(model_dir), "--prompt", "hi", "--no-daemon", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_directory_that_is_no_model_is_refused(capsys, tmp_path):
+    assert generate.main(["--model", str(tmp_path), "--prompt", "hi", "--no-daemon"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path):
+    cmd = [sys.executable, "-m", "moe_l2.demo", "--cache-dir", str(tmp_path), "--max-tokens", "8"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "creating the demo model" in first.stderr
+    for line in ("tokens identical to the whole model: 3/3 prompts", "attached to the daemon: run 1 yes, run 2 yes",
+                 "shared memory cleaned up"):
+        assert line in first.stdout
+    table = {line[:26].strip(): line[26:].split() for line in first.stdout.splitlines() if len(line) > 26}
+    assert table["read from disk"][-2:] == ["0", "B"]  # warm: nothing from disk
+    assert table["L3 reads (model file)"][0] != "0.0%"
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0 and "creating the demo model" not in again.stderr  # made once
