@@ -27,6 +27,9 @@ from moe_l2.runtime import default_socket
 
 log = logging.getLogger("moe-l2.client")
 
+# How soon to say hello again when the socket could not even take the message.
+RETRY_S = 0.05
+
 
 @dataclass(frozen=True)
 class Attachment:
@@ -131,9 +134,11 @@ class L2Client:
                                          fingerprint=self.files.fingerprint, client=self.name)
                     if self._send(sock, msg):
                         pending = (msg.id, now)
+                        next_hello = now + self.heartbeat_s
                     else:
+                        # Not connected (yet): the ipc pipe of a daemon that just started takes a few ms.
                         self._detach("moe-l2d is not running")
-                    next_hello = now + self.heartbeat_s
+                        next_hello = now + min(self.heartbeat_s, RETRY_S)
                 self._flush_reports(sock)
                 if sock.poll(20):
                     while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from moe_l2 import _native
 from moe_l2.generator import make_model
 from moe_l2.model import ModelFiles
 
@@ -80,6 +82,12 @@ class DaemonProcess:
         self.proc.send_signal(sig)
         return self.proc.wait(timeout)
 
+    def unlink_leftovers(self) -> None:
+        """Segments a killed daemon left (its successor would reclaim them; a test may start none)."""
+        for state in self.runtime_dir.glob("moe-l2d-*.segments"):
+            for name in json.loads(state.read_text()):
+                _native.Segment.unlink(name)
+
     def kill9(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
@@ -102,6 +110,7 @@ def daemon_factory():
     yield start
     for daemon in started:
         daemon.stop()
+        daemon.unlink_leftovers()
     for directory in dirs:
         shutil.rmtree(directory, ignore_errors=True)
 
