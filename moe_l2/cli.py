@@ -1,4 +1,8 @@
-"""moe-l2: the command line for people who run moe-l2d and the models it serves."""
+"""moe-l2: the command line for people who run moe-l2d and the models it serves.
+
+Each subcommand lives in the module of its noun (generate.py, demo.py, pack.py, generator.py, ...), which
+exposes add_arguments(parser) and run(args); this file only assembles them and holds stats and verify.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ import json
 import random
 import sys
 
-from moe_l2 import generator, protocol
+from moe_l2 import demo, generate, generator, protocol
+from moe_l2 import pack as pack_cmd
 from moe_l2.runtime import default_socket
 from moe_l2.sizes import format_size
 
@@ -95,7 +100,7 @@ def cmd_verify(args) -> int:
         pool.close()
         if client is not None:
             client.close()
-    print(f"checked {args.samples} experts of {files.path}: {tiers['L2']} from L2 (shared memory), "
+    print(f"checked {args.samples} experts of {files.path} ({files.format}): {tiers['L2']} from L2 (shared memory), "
           f"{tiers['L3']} from L3 (model file); {mismatches} mismatches")
     return 1 if mismatches else 0
 
@@ -103,6 +108,14 @@ def cmd_verify(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-l2", description="Stats, verification and tools for moe-l2.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="the built-in demo: a small model, a daemon, a cold and a warm run")
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.run)
+
+    p = sub.add_parser("generate", help="generate text with an mlx-lm MoE model, its experts streamed")
+    generate.add_arguments(p)
+    p.set_defaults(func=generate.run)
 
     p = sub.add_parser("stats", help="hit rates, occupancy, loads and memory of the running daemon")
     p.add_argument("--socket", default=None, help="daemon address (default: the local runtime dir)")
@@ -117,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("pack", help="rewrite a checkpoint expert-major: one read per expert")
+    pack_cmd.add_arguments(p)
+    p.set_defaults(func=pack_cmd.run)
 
     p = sub.add_parser("make-model", help="write a random-weight mlx-lm MoE checkpoint")
     generator.configure_parser(p)
