@@ -32,6 +32,9 @@ class LayerStore:
         self._state = [FREE] * n_slots
         self._free = list(range(n_slots - 1, -1, -1))
         self.pins: dict[str, set[int]] = {"permanent": set(), "domain": set()}
+        self._pinned: set[int] = set()  # the union of the pin groups, kept up to date
+        if hasattr(policy, "set_capacity"):
+            policy.set_capacity(n_slots)
 
     def check_expert(self, expert: int) -> None:
         if not 0 <= expert < self.n_experts:
@@ -47,7 +50,7 @@ class LayerStore:
         return expert in self._slot_of
 
     def pinned(self, expert: int) -> bool:
-        return any(expert in group for group in self.pins.values())
+        return expert in self._pinned
 
     def access(self, expert: int, count: int = 1) -> None:
         self.policy.access(expert, count)
@@ -60,8 +63,8 @@ class LayerStore:
         if self._free:
             slot, evicted = self._free.pop(), -1
         else:
-            candidates = [e for e, s in self._slot_of.items()
-                          if self._state[s] == READY and not self.pinned(e)]
+            state, pinned = self._state, self._pinned
+            candidates = [e for e, s in self._slot_of.items() if state[s] == READY and e not in pinned]
             if not candidates:
                 return None
             evicted = self.policy.victim(candidates)
@@ -87,11 +90,9 @@ class LayerStore:
         pinned, refused = [], []
         for expert in experts:
             self.check_expert(expert)
-            if self.pinned(expert):
+            if self.pinned(expert) or self.pin_count < self.pin_limit:
                 self.pins[kind].add(expert)
-                pinned.append(expert)
-            elif self.pin_count < self.pin_limit:
-                self.pins[kind].add(expert)
+                self._pinned.add(expert)
                 pinned.append(expert)
             else:
                 refused.append(expert)
@@ -101,10 +102,24 @@ class LayerStore:
         for expert in experts:
             self.check_expert(expert)
             self.pins[kind].discard(expert)
+            if not any(expert in group for group in self.pins.values()):
+                self._pinned.discard(expert)
+
+    def set_domain_pins(self, experts: list[int], budget: int | None = None) -> list[int]:
+        """Replace the domain pins (the active prediction) by the first `budget` of `experts` (best first)
+        that the pin limit leaves room for; returns the experts pinned now, for the caller to load."""
+        for expert in experts:
+            self.check_expert(expert)
+        self.unpin(sorted(self.pins["domain"]), "domain")
+        room = self.pin_limit - self.pin_count
+        budget = room if budget is None else max(0, min(budget, room))
+        chosen = [e for e in dict.fromkeys(experts) if e not in self.pins["permanent"]][:budget]
+        pinned, _ = self.pin(chosen, "domain")
+        return pinned
 
     @property
     def pin_count(self) -> int:
-        return len(self.pins["permanent"] | self.pins["domain"])
+        return len(self._pinned)
 
     @property
     def resident(self) -> int:

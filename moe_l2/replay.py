@@ -1,0 +1,382 @@
+"""`moe-l2 replay`: run routing traces through the daemon's own slot store and eviction policies.
+
+Every layer gets a `moe_l2.daemon.store.LayerStore` with the policy under test, as the daemon builds them,
+and sees the trace's tokens as the daemon sees a client's reports: for each token the experts the router
+picked are looked up (hit: resident), the policy is told of every access, and the misses are loaded
+(reserve + commit, evicting what the policy names). Loads complete before the next token, so the numbers
+are the policy's, not the disk's. No shared memory is touched.
+
+Beside the chosen policy every capacity is also run with the comparison policies (LRU and LFU by default)
+and with Belady's MIN, the offline optimum, as the ceiling. `--hints` sends each sequence's prompt as a
+hint first, through the daemon's hint code (`moe_l2.profile.apply_hint`: predict the domain, pin its top
+experts within the pin budget and load them). Layers are independent, so they run on a process pool.
+
+Sequence order: `blocked` groups the sequences by domain (domains in name order, file order inside),
+`interleave` shuffles them with `--seed`. Results are deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from array import array
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+
+from .policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
+from .profile import (HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, MIN_CONFIDENCE, Profile, ProfileError,
+                      apply_hint, clear_hint)
+from .predictor import PredictorError
+from .trace import TraceError, TraceSet, read_traces
+
+ORDERS = ("interleave", "blocked")
+DEFAULT_FRACTIONS = (0.25, 0.375, 0.5)
+SWITCH_WINDOW = 32  # tokens after a domain switch whose hit rate is reported on its own
+
+
+class ReplayError(ValueError):
+    pass
+
+
+def order_sequences(sequences: list, order: str, seed: int = 0) -> list:
+    if order == "blocked":
+        domains = sorted({s.domain or "" for s in sequences})
+        return [s for d in domains for s in sequences if (s.domain or "") == d]
+    if order == "interleave":
+        out = list(sequences)
+        random.Random(seed).shuffle(out)
+        return out
+    raise ReplayError(f"unknown order {order!r}; choose {' or '.join(ORDERS)}")
+
+
+@dataclass(frozen=True)
+class HintPlan:
+    """What a client would send before each sequence, decided once for all layers: the domain per
+    sequence start (None: send nothing, the daemon keeps its current pins; "" : release the pins)."""
+
+    starts: tuple[int, ...]
+    domains: tuple[str | None, ...]
+
+
+def plan_hints(sequences: list, profile: Profile, source: str = "prompt") -> tuple[HintPlan, dict]:
+    """Predict each sequence's domain from its prompt, as the daemon's hint handler does."""
+    starts, domains = [], []
+    sent = correct = confident = 0
+    t = 0
+    for s in sequences:
+        starts.append(t)
+        t += s.n_tokens
+        domain = None
+        if source == "oracle":
+            domain = s.domain if s.domain in profile.domains else None
+            sent += domain is not None
+        elif s.prompt:
+            sent += 1
+            p = profile.predict(s.prompt)
+            if p.confidence >= MIN_CONFIDENCE:
+                domain = p.domain
+                confident += 1
+            correct += p.domain == s.domain
+        domains.append(domain)
+    return HintPlan(tuple(starts), tuple(domains)), {"hints_sent": sent, "confident": confident,
+                                                     "predicted_correctly": correct}
+
+
+@dataclass(frozen=True)
+class Task:
+    layer: int
+    slots: int
+    policy: str
+    batches: list
+    n_experts: int
+    hints: HintPlan | None = None
+    profile: Profile | None = None
+    prior: float = 0.0       # strength of the profile's all-domain prior seeded at start
+    hint_share: float = HINT_PIN_SHARE
+    hint_prior: float = HINT_PRIOR  # strength of the domain prior a hint adds
+    record_tokens: bool = False
+    hint_lift: float = HINT_MIN_LIFT
+
+
+def replay_layer(task: Task) -> dict:
+    """One layer, one capacity, one policy: the daemon's LayerStore over the layer's token batches."""
+    from .daemon.store import LayerStore  # the daemon's own store (moe_l2.daemon is the daemon/ folder)
+
+    batches = task.batches
+    if task.policy == "min":
+        policy = BeladyMIN(batches)
+    else:
+        policy = make_policy(task.policy, capacity=task.slots)
+    store = LayerStore(task.n_experts, task.slots, policy)
+    if task.profile is not None and task.prior > 0 and hasattr(policy, "set_prior"):
+        policy.set_prior(task.profile.shares(None, task.layer), task.prior)
+    hint_at = {}
+    if task.hints is not None:
+        hint_at = {t: d for t, d in zip(task.hints.starts, task.hints.domains) if d is not None}
+    at = getattr(policy, "at", None)
+    load_order = getattr(policy, "load_order", None)
+    slot, access, reserve, commit = store.slot, store.access, store.reserve, store.commit
+    hits = lookups = loads = preloads = 0
+    per_token = array("H", bytes(2 * len(batches))) if task.record_tokens else None
+    for t, batch in enumerate(batches):
+        if t in hint_at:
+            domain = hint_at[t]
+            pinned = apply_hint(store, task.profile, domain, task.layer, share=task.hint_share,
+                                prior=task.hint_prior, min_lift=task.hint_lift) if domain else (clear_hint(store) or [])
+            for e in pinned:
+                if not store.has(e):
+                    r = reserve(e)
+                    if r is not None:
+                        commit(r)
+                        preloads += 1
+        if at is not None:
+            at(t)
+        misses = [e for e in batch if slot(e) < 0]
+        h = len(batch) - len(misses)
+        hits += h
+        lookups += len(batch)
+        if per_token is not None:
+            per_token[t] = h
+        for e in batch:
+            access(e)
+        if load_order is not None:
+            misses = load_order(misses)
+        for e in misses:
+            r = reserve(e)
+            if r is not None:
+                commit(r)
+                loads += 1
+    return {"layer": task.layer, "slots": task.slots, "policy": task.policy, "hits": hits, "lookups": lookups,
+            "loads": loads, "preloads": preloads,
+            "per_token": per_token.tobytes() if per_token is not None else None}
+
+
+def parse_slots(text: str | None, n_experts: int) -> list[int]:
+    if not text:
+        values = sorted({max(1, round(f * n_experts)) for f in DEFAULT_FRACTIONS})
+    else:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise ReplayError(f"--slots takes integers separated by commas, e.g. 8,12,16; got {text!r}") from None
+    for v in values:
+        if not 1 <= v <= n_experts:
+            raise ReplayError(f"--slots {v}: a layer holds 1..{n_experts} experts")
+    return values
+
+
+def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, compare=("lru", "lfu"),
+           order: str = "interleave", seed: int = 0, profile: Profile | None = None, hints: str | None = None,
+           prior: float = 0.0, hint_share: float = HINT_PIN_SHARE, hint_prior: float = HINT_PRIOR,
+           hint_lift: float = HINT_MIN_LIFT,
+           layers: list[int] | None = None, jobs: int = 1, switch_window: int = SWITCH_WINDOW,
+           belady: bool = True) -> dict:
+    """Run the trace and return the results as a JSON-able dict (see `render` for the table).
+
+    hints: None, "prompt" (predict each sequence's domain from its prompt) or "oracle" (use the trace's
+    domain label: what a perfect predictor would give)."""
+    if policy not in POLICIES:
+        raise ReplayError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    for name in compare:
+        if name not in POLICIES:
+            raise ReplayError(f"unknown comparison policy {name!r}; choose from {', '.join(POLICIES)}")
+    if profile is not None:
+        profile.check_model(traces.n_layers, traces.n_experts, f"trace {traces.paths[0]}")
+    if hints and profile is None:
+        raise ReplayError("--hints needs --profile: the predictor and the domains' experts come from a profile")
+    sequences = order_sequences(traces.sequences, order, seed)
+    layers = list(range(traces.n_layers)) if layers is None else layers
+    for layer in layers:
+        if not 0 <= layer < traces.n_layers:
+            raise ReplayError(f"layer {layer} out of range 0..{traces.n_layers - 1}")
+    plan, hint_stats = (None, None)
+    if hints:
+        try:
+            plan, hint_stats = plan_hints(sequences, profile, hints)
+        except PredictorError as exc:
+            raise ReplayError(str(exc)) from None
+    streams = {layer: [tuple(token[layer]) for s in sequences for token in s.experts] for layer in layers}
+    names = [policy] + [c for c in compare if c != policy] + (["min"] if belady else [])
+    tasks = []
+    for n_slots in slots:
+        for name in names:
+            chosen = name == policy
+            for layer in layers:
+                tasks.append(Task(layer, n_slots, name, streams[layer], traces.n_experts,
+                                  hints=plan if chosen else None, profile=profile if chosen else None,
+                                  prior=prior if chosen else 0.0, hint_share=hint_share,
+                                  hint_prior=hint_prior, record_tokens=name in (policy, "lru"),
+                                  hint_lift=hint_lift))
+    if jobs > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn")) as pool:
+            results = list(pool.map(replay_layer, tasks, chunksize=1))
+    else:
+        results = [replay_layer(t) for t in tasks]
+    n_tokens = sum(s.n_tokens for s in sequences)
+    # Sequence starts that follow a sequence of another domain: the cold start hints are meant for.
+    starts, t, previous = [], 0, None
+    for s in sequences:
+        if previous is not None and s.domain != previous:
+            starts.append(t)
+        previous = s.domain
+        t += s.n_tokens
+    out = {
+        "traces": traces.paths, "model": traces.model, "n_layers": traces.n_layers,
+        "n_experts": traces.n_experts, "top_k": traces.top_k, "sequences": len(sequences), "tokens": n_tokens,
+        "order": order, "seed": seed, "policy": policy, "compare": [n for n in names if n != policy],
+        "profile": profile.path if profile is not None else None, "hints": hints, "hint_stats": hint_stats,
+        "prior": prior, "hint_share": hint_share, "hint_prior": hint_prior, "hint_lift": hint_lift,
+        "layers": layers,
+        "switch_window": switch_window, "domain_switches": len(starts), "capacities": [],
+    }
+    by_key = {(r["slots"], r["policy"], r["layer"]): r for r in results}
+    for n_slots in slots:
+        entry = {"slots": n_slots, "share": n_slots / traces.n_experts, "policies": {}}
+        for name in names:
+            rs = [by_key[(n_slots, name, layer)] for layer in layers]
+            hits, lookups = sum(r["hits"] for r in rs), sum(r["lookups"] for r in rs)
+            result = {
+                "hit_rate": hits / lookups if lookups else None, "hits": hits, "lookups": lookups,
+                "loads": sum(r["loads"] for r in rs), "preloads": sum(r["preloads"] for r in rs),
+                "per_layer": [r["hits"] / r["lookups"] if r["lookups"] else None for r in rs],
+            }
+            if rs[0]["per_token"] is not None:
+                total = array("l", [0]) * n_tokens
+                for r in rs:
+                    per = array("H")
+                    per.frombytes(r["per_token"])
+                    for i, h in enumerate(per):
+                        total[i] += h
+                sw_hits = sw_lookups = 0
+                for start in starts:
+                    for i in range(start, min(start + switch_window, n_tokens)):
+                        sw_hits += total[i]
+                        sw_lookups += sum(len(streams[layer][i]) for layer in layers)
+                result["switch_hit_rate"] = sw_hits / sw_lookups if sw_lookups else None
+            entry["policies"][name] = result
+        p, base, ceiling = (entry["policies"].get(n, {}).get("hit_rate") for n in (policy, "lru", "min"))
+        if None not in (p, base, ceiling) and ceiling > base and policy != "lru":
+            entry["gap_closed_vs_lru"] = (p - base) / (ceiling - base)
+        out["capacities"].append(entry)
+    return out
+
+
+def _pct(x) -> str:
+    return "    -" if x is None else f"{100 * x:5.1f}"
+
+
+def render(result: dict, per_layer: bool = True) -> str:
+    names = [result["policy"], *result["compare"]]
+    head = (f"{', '.join(os.path.basename(p) for p in result['traces'])}: {result['model']}, "
+            f"{result['n_layers']} layers x {result['n_experts']} experts, top-{result['top_k']}; "
+            f"{result['sequences']} sequences, {result['tokens']} tokens; order {result['order']}"
+            + (f" (seed {result['seed']})" if result["order"] == "interleave" else ""))
+    lines = [head]
+    if result["hints"]:
+        hs = result["hint_stats"]
+        lines.append(f"hints: {result['hints']} ({hs['hints_sent']} sent, {hs['confident']} confident, "
+                     f"{hs['predicted_correctly']} predicted correctly); profile {result['profile']}")
+    elif result["profile"]:
+        lines.append(f"profile {result['profile']} (prior strength {result['prior']:g})")
+    lines.append("")
+    lines.append("hit rate (%) per capacity" + " " * 4 + "slots = expert slots per layer")
+    cols = "".join(f"{n:>10}" for n in names)
+    lines.append(f"{'slots':>5} {'share':>6}{cols}{'gap closed':>12}{'switch ' + result['policy']:>18}"
+                 f"{'switch lru':>12}")
+    for entry in result["capacities"]:
+        ps = entry["policies"]
+        gap = entry.get("gap_closed_vs_lru")
+        row = "".join(f"{_pct(ps[n]['hit_rate']):>10}" for n in names)
+        sw = ps[result["policy"]].get("switch_hit_rate")
+        swl = ps.get("lru", {}).get("switch_hit_rate")
+        lines.append(f"{entry['slots']:>5} {100 * entry['share']:5.1f}%{row}"
+                     f"{'-' if gap is None else f'{100 * gap:.0f}%':>12}{_pct(sw):>18}{_pct(swl):>12}")
+    lines.append("")
+    lines.append(f"gap closed: share of the distance from LRU to MIN that {result['policy']} covers; "
+                 f"switch: hit rate over the first {result['switch_window']} tokens after each of the "
+                 f"{result['domain_switches']} domain switches")
+    if per_layer:
+        shown = [n for n in (result["policy"], "lru", "min") if n in names]
+        lines.append("")
+        lines.append("per layer hit rate (%): " + " / ".join(shown) + " at each capacity")
+        header = "layer" + "".join(f"{'slots ' + str(e['slots']):>22}" for e in result["capacities"])
+        lines.append(header)
+        for i, layer in enumerate(result["layers"]):
+            cells = []
+            for entry in result["capacities"]:
+                cells.append(" /".join(_pct(entry["policies"][n]["per_layer"][i]) for n in shown))
+            lines.append(f"{layer:>5}" + "".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, action="append", metavar="FILE",
+                        help="routing trace (JSON Lines, .gz or not); repeat to concatenate files of one model")
+    parser.add_argument("--slots", metavar="N[,N...]",
+                        help="expert slots per layer to try (default: 25%%, 37.5%% and 50%% of the experts)")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                        help=f"policy under test (default {DEFAULT_POLICY})")
+    parser.add_argument("--compare", default="lru,lfu",
+                        help="comparison policies, comma-separated (default lru,lfu); Belady's MIN always runs")
+    parser.add_argument("--profile", metavar="P.json", help="profile from moe-l2 profile (for --hints, --prior)")
+    parser.add_argument("--hints", action="store_true",
+                        help="send each sequence's prompt as a hint before its tokens (needs --profile)")
+    parser.add_argument("--oracle-hints", action="store_true",
+                        help="hint each sequence's true domain instead (what a perfect predictor would do)")
+    parser.add_argument("--prior", type=float, default=0.0, metavar="S",
+                        help="seed the policy's scores with the profile's expert shares at strength S")
+    parser.add_argument("--hint-share", type=float, default=HINT_PIN_SHARE, metavar="F",
+                        help=f"domain pins take at most this share of a layer's slots (default {HINT_PIN_SHARE})")
+    parser.add_argument("--hint-lift", type=float, default=HINT_MIN_LIFT, metavar="X",
+                        help=f"pin only experts the domain picks X times as often as the rest (default {HINT_MIN_LIFT:g})")
+    parser.add_argument("--hint-prior", type=float, default=HINT_PRIOR, metavar="S",
+                        help=f"strength of the domain prior a hint adds to the policy (default {HINT_PRIOR:g}; 0: none)")
+    parser.add_argument("--order", choices=ORDERS, default="interleave",
+                        help="interleave: shuffle sequences with --seed; blocked: group them by domain")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", metavar="L[,L...]", help="replay only these layers (default all)")
+    parser.add_argument("--sequences", type=int, metavar="N", help="use only the first N sequences of the trace")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (layers run in parallel)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        traces = read_traces(args.trace)
+        if args.sequences is not None:
+            if args.sequences < 1:
+                raise ReplayError("--sequences must be at least 1")
+            traces.sequences = traces.sequences[:args.sequences]
+        slots = parse_slots(args.slots, traces.n_experts)
+        profile = Profile.load(args.profile) if args.profile else None
+        layers = None
+        if args.layers:
+            try:
+                layers = [int(v) for v in args.layers.split(",") if v.strip()]
+            except ValueError:
+                raise ReplayError(f"--layers takes integers separated by commas, got {args.layers!r}") from None
+        compare = tuple(c.strip() for c in args.compare.split(",") if c.strip())
+        hints = "oracle" if args.oracle_hints else ("prompt" if args.hints else None)
+        result = replay(traces, slots=slots, policy=args.policy, compare=compare, order=args.order,
+                        seed=args.seed, profile=profile, hints=hints, prior=args.prior, layers=layers,
+                        jobs=max(1, args.jobs), hint_share=args.hint_share, hint_prior=args.hint_prior,
+                        hint_lift=args.hint_lift)
+    except (TraceError, ProfileError, ReplayError) as exc:
+        print(f"moe-l2 replay: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else render(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moe-l2 replay", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

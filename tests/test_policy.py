@@ -1,0 +1,117 @@
+"""The adaptive policy (the daemon's default), its hooks, and how the stores use it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from moe_l2.daemon.store import LayerStore
+from moe_l2.policy import DEFAULT_POLICY, LRU, AdaptiveLRFU, LFUDecay, make_policy
+from moe_l2.replay import Task, replay_layer
+
+
+def hit_rate(policy_name: str, batches, n_experts: int, slots: int) -> float:
+    r = replay_layer(Task(0, slots, policy_name, batches, n_experts))
+    return r["hits"] / r["lookups"]
+
+
+def skewed_with_scans(seed=0, tokens=3000, n_experts=32):
+    """A stable hot set plus bursts of one-off experts: frequency should win, LRU is flushed by bursts."""
+    rng = random.Random(seed)
+    out = []
+    for t in range(tokens):
+        if t % 50 < 10:
+            out.append(tuple(rng.sample(range(8, n_experts), 2)))
+        else:
+            out.append(tuple(rng.sample(range(8), 2)))
+    return out
+
+
+def drifting_working_set(seed=0, tokens=3000, n_experts=32):
+    """A small working set that moves every 60 tokens: recency should win, old counts mislead."""
+    rng = random.Random(seed)
+    out = []
+    for t in range(tokens):
+        base = (t // 60 * 5) % n_experts
+        out.append(tuple(rng.sample([(base + i) % n_experts for i in range(6)], 2)))
+    return out
+
+
+def test_default_policy_is_adaptive_and_the_store_tells_it_the_capacity():
+    assert DEFAULT_POLICY == "adaptive"
+    policy = make_policy(DEFAULT_POLICY)
+    LayerStore(16, 5, policy)
+    assert policy.capacity == 5
+    assert make_policy("adaptive", capacity=3).capacity == 3
+
+
+def test_adaptive_follows_frequency_when_frequency_wins():
+    batches = skewed_with_scans()
+    policy = AdaptiveLRFU(capacity=8)
+    for batch in batches:
+        for e in batch:
+            policy.access(e)
+    assert policy.half_life >= 1024
+    assert hit_rate("adaptive", batches, 32, 8) > hit_rate("lru", batches, 32, 8) + 0.02
+
+
+def test_adaptive_follows_recency_when_the_working_set_drifts():
+    batches = drifting_working_set()
+    policy = AdaptiveLRFU(capacity=6)
+    for batch in batches:
+        for e in batch:
+            policy.access(e)
+    assert policy.half_life <= 64
+    adaptive, lfu = hit_rate("adaptive", batches, 32, 6), hit_rate("lfu", batches, 32, 6)
+    assert adaptive > lfu + 0.05 and adaptive >= hit_rate("lru", batches, 32, 6) - 0.02
+
+
+def test_adaptive_learns_its_capacity_from_inserts_when_not_told():
+    # The client's L0 pool builds policies without a capacity: inserts and evictions show it.
+    policy = make_policy("adaptive")
+    for e in range(4):
+        policy.insert(e)
+    policy.evict(0)
+    policy.insert(5)
+    assert policy.capacity == 4
+
+
+def test_prior_ranks_experts_nobody_has_seen_yet():
+    policy = AdaptiveLRFU(capacity=4)
+    policy.set_prior([0.1, 0.5, 0.0, 0.4])
+    assert policy.victim([0, 1, 3]) == 0 and policy.victim([1, 2, 3]) == 2
+    # The prior is a past, not a pin: enough new traffic overrides it.
+    for _ in range(5000):
+        policy.access(0)
+    assert policy.victim([0, 1]) == 1
+
+
+def test_scores_stay_finite_over_long_runs():
+    policy = AdaptiveLRFU(capacity=4)
+    rng = random.Random(1)
+    for _ in range(60000):
+        policy.access(rng.randrange(16))
+    assert all(all(v == v and v < float("inf") for v in s.values()) for s in policy._scores)
+    assert policy.victim(range(16)) in range(16)
+
+
+def test_every_policy_runs_in_the_store_with_pins():
+    for name in ("adaptive", "lru", "lfu"):
+        store = LayerStore(16, 4, make_policy(name, 4))
+        store.pin([0], "permanent")
+        for e in range(16):
+            store.access(e)
+            r = store.reserve(e)
+            if r is not None:
+                store.commit(r)
+        assert store.slot(0) >= 0 and store.resident == 4
+
+
+def test_bad_half_lives_are_refused():
+    with pytest.raises(ValueError, match="positive"):
+        AdaptiveLRFU(half_lives=(0, 10))
+
+
+def test_lru_and_lfu_unchanged():
+    assert isinstance(make_policy("lru"), LRU) and isinstance(make_policy("lfu"), LFUDecay)
