@@ -10,7 +10,7 @@ from pathlib import Path
 from moe_l2.runtime import SOCKET_NAME, runtime_dir
 from moe_l2.sizes import parse_size
 
-from moe_l2.policy import POLICIES
+from moe_l2.policy import DEFAULT_POLICY, POLICIES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -23,7 +23,8 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: Path
     budget: int
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
+    profile: Path | None = None  # domain profile from `moe-l2 profile`, loaded and checked at start
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model directory to serve; repeat for several models")
     parser.add_argument("--budget", action="append", default=[], metavar="SIZE",
                         help="shared memory per model, e.g. 24GiB; once for all models or once per --model")
-    parser.add_argument("--policy", default=None, choices=sorted(POLICIES), help="eviction policy (default lru)")
+    parser.add_argument("--policy", default=None, choices=sorted(POLICIES),
+                        help=f"eviction policy (default {DEFAULT_POLICY})")
+    parser.add_argument("--profile", action="append", type=Path, default=[], metavar="FILE",
+                        help="domain profile (moe-l2 profile) for hints; once for all models or once per --model")
     parser.add_argument("--socket", help="ZeroMQ address to bind (default ipc://RUNTIME_DIR/moe-l2d.sock)")
     parser.add_argument("--runtime-dir", type=Path, help="directory for the socket and lock file")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=None)
@@ -90,13 +94,22 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"unknown key(s) in {args.config}: {', '.join(sorted(unknown))}")
-    default_policy = args.policy or table.get("policy", "lru")
+    default_policy = args.policy or table.get("policy", DEFAULT_POLICY)
     models = []
     for entry in table.get("model", []):
         if "path" not in entry or "budget" not in entry:
             raise ConfigError(f"every [[model]] in {args.config} needs a path and a budget")
+        profile = entry.get("profile")
+        if profile is not None and (not isinstance(profile, str) or not profile):
+            raise ConfigError(f"profile of {entry['path']} in {args.config} must be a file name")
         models.append(ModelConfig(Path(entry["path"]), _size(entry["budget"], f"budget of {entry['path']}"),
-                                  entry.get("policy", default_policy)))
+                                  entry.get("policy", default_policy), Path(profile) if profile else None))
+    profiles = getattr(args, "profile", None) or []
+    if profiles and not args.model:
+        raise ConfigError("--profile needs a --model to apply to (in a config file, set profile in [[model]])")
+    if profiles and len(profiles) not in (1, len(args.model)):
+        raise ConfigError(f"give --profile once, or once per --model ({len(args.model)} models, "
+                          f"{len(profiles)} profiles)")
     if args.model:
         if not args.budget:
             raise ConfigError("--budget is required with --model, e.g. --budget 8GiB")
@@ -104,7 +117,9 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
             raise ConfigError(f"give --budget once, or once per --model ({len(args.model)} models, "
                               f"{len(args.budget)} budgets)")
         budgets = args.budget * len(args.model) if len(args.budget) == 1 else args.budget
-        models += [ModelConfig(path, _size(b, "--budget"), default_policy) for path, b in zip(args.model, budgets)]
+        profiles = profiles * len(args.model) if len(profiles) == 1 else (profiles or [None] * len(args.model))
+        models += [ModelConfig(path, _size(b, "--budget"), default_policy, profile)
+                   for path, b, profile in zip(args.model, budgets, profiles)]
     elif args.budget:
         raise ConfigError("--budget needs a --model to apply to")
     if not models:

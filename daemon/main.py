@@ -15,6 +15,7 @@ import psutil
 
 from moe_l2 import _native
 from moe_l2.model import ModelFiles
+from moe_l2.profile import Profile, ProfileError
 from moe_l2.sizes import format_size
 
 from .config import ConfigError, DaemonConfig, build_parser, resolve
@@ -109,15 +110,22 @@ class Daemon:
                 files = ModelFiles.open(m.path)
             except (OSError, ValueError) as exc:
                 raise StartupError(f"cannot serve {m.path}: {exc}") from None
-            opened.append((m, files, plan_geometry(files, m.budget)))
-        fingerprints = [files.fingerprint for _, files, _ in opened]
+            profile = None
+            if m.profile is not None:
+                try:
+                    profile = Profile.load(m.profile)
+                    profile.check_model(files.n_layers, files.n_experts, str(m.path))
+                except ProfileError as exc:
+                    raise StartupError(f"cannot serve {m.path}: {exc}") from None
+            opened.append((m, files, plan_geometry(files, m.budget), profile))
+        fingerprints = [files.fingerprint for _, files, _, _ in opened]
         if len(set(fingerprints)) != len(fingerprints):
             raise StartupError("the same model is listed twice; serve each model once")
-        needed = sum(g.index_bytes + g.n_layers * g.data_bytes for _, _, g in opened)
+        needed = sum(g.index_bytes + g.n_layers * g.data_bytes for _, _, g, _ in opened)
         check_memory(needed)
-        for i, (m, files, geometry) in enumerate(opened):
+        for i, (m, files, geometry, profile) in enumerate(opened):
             self.models.append(ServedModel(i, files, geometry, instance=self.config.socket, epoch=self.epoch,
-                                           policy=m.policy, shm_mode=self.config.shm_mode))
+                                           policy=m.policy, shm_mode=self.config.shm_mode, profile=profile))
             self._write_state()
             g = geometry
             log.info("serving %s: %d layers x %d experts, %d slots per layer (%s of shared memory)",

@@ -16,7 +16,11 @@ from moe_l2.layout import META_CHECKSUM, META_EXPERT, META_SEQ, Geometry, IndexH
 from moe_l2.model import ModelFiles
 from moe_l2.sizes import format_size
 
-from moe_l2.policy import make_policy
+from moe_l2.policy import DEFAULT_POLICY, make_policy
+from moe_l2.predictor import PredictorError
+from moe_l2.profile import MIN_CONFIDENCE, Profile, apply_hint, clear_hint
+from moe_l2.protocol import ProtocolError
+
 from .stats import ModelCounters
 from .store import LayerStore, Reservation
 
@@ -41,18 +45,27 @@ def plan_geometry(files: ModelFiles, budget: int) -> Geometry:
 
 class ServedModel:
     def __init__(self, index: int, files: ModelFiles, geometry: Geometry, *, instance: str, epoch: int,
-                 policy: str = "lru", shm_mode: int = 0o600):
+                 policy: str = DEFAULT_POLICY, shm_mode: int = 0o600, profile: Profile | None = None):
         self.files = files
         self.geometry = geometry
         self.policy = policy
         self.lock = threading.Lock()
         self.counters = ModelCounters()
         self.index_name, self.data_names = segment_names(instance, index, files.n_layers)
-        self.stores = [LayerStore(files.n_experts, geometry.n_slots, make_policy(policy))
+        self.stores = [LayerStore(files.n_experts, geometry.n_slots, make_policy(policy, geometry.n_slots))
                        for _ in range(files.n_layers)]
+        if profile is not None:
+            profile.check_model(files.n_layers, files.n_experts, str(files.path))
+        self.profile = profile
+        self.active_domain: str | None = None
+        self.active_confidence: float | None = None
+        self.hints = 0
+        # Online statistics: the experts clients report looking up, per layer, per active domain ("" when
+        # no hint named one); `moe-l2 profile --from-daemon` turns them into a profile.
+        self.routing: dict[str, list[list[int]]] = {}
         self.index = None
         self.data: list = []
-        self.fds = [os.open(path, os.O_RDONLY) for path in files.files]
+        self.fds = files.open_fds()
         try:
             self._create_segments(epoch, shm_mode)
         except BaseException:
@@ -132,11 +145,24 @@ class ServedModel:
             self.index.seq_end_write(self.geometry.meta_offset(layer, r.slot) + META_SEQ)
             self.stores[layer].abort(r)
 
-    def report(self, layers: dict[int, list[list[int]]], loader) -> None:
+    def report(self, layers: dict[int, list[list[int]]], routed: dict[int, list[int]], loader) -> None:
+        """Fold a client's lookups into the policy and counters, load its misses, and count its routing
+        (every pick, L0 hits included; a client that sends no `routed` is counted by its L2 lookups)."""
         for layer, (hits, misses) in layers.items():
             store = self.check_layer(layer)
             for expert in (*hits, *misses):
                 store.check_expert(expert)
+        for layer, experts in routed.items():
+            store = self.check_layer(layer)
+            for expert in experts:
+                store.check_expert(expert)
+        picks = routed or {layer: [*hits, *misses] for layer, (hits, misses) in layers.items()}
+        with self.lock:
+            routing = self._routing_counts(self.active_domain or "")
+            for layer, experts in picks.items():
+                row = routing[layer]
+                for expert in experts:
+                    row[expert] += 1
         hits_total = misses_total = 0
         for layer, (hits, misses) in layers.items():
             with self.lock:
@@ -159,11 +185,59 @@ class ServedModel:
         with self.lock:
             store.unpin(experts, kind)
 
-    def describe(self) -> dict:
-        """The stats of this model: hit rate, per-layer occupancy, pins, loads, bytes."""
+    def _routing_counts(self, domain: str) -> list[list[int]]:
+        counts = self.routing.get(domain)
+        if counts is None:
+            counts = self.routing[domain] = [[0] * self.geometry.n_experts for _ in range(self.geometry.n_layers)]
+        return counts
+
+    def hint(self, text: str | None, domain: str | None, loader) -> dict:
+        """Predict (or take) the domain, pin its top experts per layer within the pin budget and load them.
+        No text and no domain: the domain is no longer active, its pins are released."""
+        if self.profile is None:
+            raise ProtocolError("NoProfile", f"moe-l2d has no domain profile for {self.files.path}, so it "
+                                             "cannot predict from a hint (start it with --profile); clients "
+                                             "keep working without hints")
+        confidence = 1.0
+        scores = {}
+        if domain:
+            if domain not in self.profile.domains:
+                raise ProtocolError("UnknownDomain", f"the profile of {self.files.path} has no domain {domain!r}; "
+                                                     f"it knows {', '.join(self.profile.domain_names) or 'none'}")
+        elif text:
+            try:
+                prediction = self.profile.predict(text)
+            except PredictorError as exc:
+                raise ProtocolError("NoPredictor", str(exc)) from None
+            domain, confidence, scores = prediction.domain, prediction.confidence, prediction.scores
+        self.hints += 1
+        if domain and confidence < MIN_CONFIDENCE:
+            # Too unsure to move pins: keep whatever the last confident hint set up.
+            return {"domain": domain, "confidence": confidence, "scores": scores, "applied": False,
+                    "active_domain": self.active_domain, "pinned": {}, "loads": 0}
+        pinned: dict[int, list[int]] = {}
+        loads = 0
+        for layer, store in enumerate(self.stores):
+            with self.lock:
+                pinned[layer] = apply_hint(store, self.profile, domain, layer) if domain else (clear_hint(store) or [])
+            loads += self.demand(layer, pinned[layer], loader)
+        self.active_domain, self.active_confidence = domain or None, confidence if domain else None
+        return {"domain": domain or None, "confidence": confidence if domain else None, "scores": scores,
+                "applied": True, "active_domain": self.active_domain, "pinned": pinned, "loads": loads}
+
+    def online_stats(self) -> dict:
         with self.lock:
-            layers = [{"resident": s.resident, "loading": s.loading, "pinned": s.pin_count}
+            return {d or "": [list(row) for row in counts] for d, counts in self.routing.items()}
+
+    def describe(self, routing: bool = False) -> dict:
+        """The stats of this model: hit rate, per-layer occupancy, pins, loads, bytes; with `routing`, the
+        online routing counts too."""
+        with self.lock:
+            layers = [{"resident": s.resident, "loading": s.loading, "pinned": s.pin_count,
+                       "permanent_pins": sorted(s.pins["permanent"]), "domain_pins": sorted(s.pins["domain"]),
+                       "experts": s.residents()}
                       for s in self.stores]
+            counts = {d: [list(row) for row in rows] for d, rows in self.routing.items()} if routing else None
         snap = self.counters.snapshot()
         snap.update({
             "path": str(self.files.path),
@@ -176,7 +250,16 @@ class ServedModel:
             "shm_bytes": self.shm_bytes,
             "loads_in_flight": sum(layer["loading"] for layer in layers),
             "layers": layers,
+            "profile": self.profile.path if self.profile is not None else None,
+            "domains": self.profile.domain_names if self.profile is not None else [],
+            "active_domain": self.active_domain,
+            "active_confidence": self.active_confidence,
+            "hints": self.hints,
         })
+        if counts is not None:
+            # Online statistics: per active domain ("" without one), per layer, how often clients' routers
+            # picked each expert. moe-l2 profile --from-daemon reads these.
+            snap["routing"] = counts
         return snap
 
     def close(self) -> None:

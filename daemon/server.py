@@ -131,19 +131,20 @@ class Server:
                 "loads_in_flight": self.loader.in_flight,
                 "shm_bytes": sum(m.shm_bytes for m in self.models.values()),
             },
-            models=[m.describe() for m in self.models.values()],
+            models=[m.describe(routing=req.routing) for m in self.models.values()],
         )
 
     def _hint(self, identity: bytes, req: protocol.Hint) -> bytes:
-        self._model(req.model)
-        raise ProtocolError("NoProfile", "this daemon has no domain profile for the model, so it cannot "
-                                         "predict from a hint; clients keep working without hints")
+        """Predict the domain of req.text (or take req.domain), pin and load its top experts; the reply names
+        the domain, the confidence and the experts pinned per layer. NoProfile without a profile."""
+        result = self._model(req.model).hint(req.text, req.domain, self.loader)
+        return protocol.encode_reply(req.id, **result)
 
     def _prefetch(self, identity: bytes, req: protocol.Prefetch) -> None:
         self._model(req.model).demand(req.layer, req.experts, self.loader)
 
     def _report(self, identity: bytes, req: protocol.Report) -> None:
-        self._model(req.model).report(req.layers, self.loader)
+        self._model(req.model).report(req.layers, req.routed, self.loader)
 
     def _pin_kind(self, kind: str) -> str:
         if kind not in protocol.PIN_KINDS:

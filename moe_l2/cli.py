@@ -11,8 +11,9 @@ import json
 import random
 import sys
 
-from moe_l2 import demo, generate, generator, protocol
+from moe_l2 import demo, generate, generator, predictor, protocol, replay
 from moe_l2 import pack as pack_cmd
+from moe_l2 import profile as profile_cmd
 from moe_l2.runtime import default_socket
 from moe_l2.sizes import format_size
 
@@ -134,6 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pack", help="rewrite a checkpoint expert-major: one read per expert")
     pack_cmd.add_arguments(p)
     p.set_defaults(func=pack_cmd.run)
+
+    p = sub.add_parser("replay", help="run routing traces through the daemon's store: hit rates vs LRU, LFU "
+                                      "and Belady's MIN")
+    replay.add_arguments(p)
+    p.set_defaults(func=replay.run)
+
+    p = sub.add_parser("profile", help="build a domain profile from traces or the daemon's statistics")
+    profile_cmd.add_arguments(p)
+    p.set_defaults(func=profile_cmd.run)
+
+    p = sub.add_parser("predict", help="name a prompt's domain with a profile's predictor")
+    predictor.add_arguments(p)
+    p.set_defaults(func=predictor.run)
 
     p = sub.add_parser("make-model", help="write a random-weight mlx-lm MoE checkpoint")
     generator.configure_parser(p)

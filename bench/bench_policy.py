@@ -1,0 +1,331 @@
+"""Cache policies, hints and the domain predictor on real routing traces: the numbers of docs/policy-report.md.
+
+Sections (each writes <results>/<section>.json and prints Markdown tables; --sections picks them):
+
+- main:        every trace x order (blocked, interleave seed 0) x capacity (25, 37.5, 50% of the experts):
+               hit rate of adaptive (the default), LRU, LFU and Belady's MIN, through `moe_l2.replay`, all
+               layers; per-layer wins; the PNG plot docs/policy-hit-rate.png.
+- hints:       held out: profiles built from one half of the sequences (even / odd positions in the file),
+               replayed on the other half, both ways, on every 6th layer. No hint vs profile prior vs hints from the predicted
+               domain vs hints from the true domain (oracle); hit rate overall and over the first 32 tokens
+               after each domain switch, and the disk loads it costs.
+- predictor:   held-out accuracy of the naive-Bayes predictor on the traces' prompts: 5-fold by prompt, and
+               leaving whole subjects out (the component of `seq` before its last '/').
+- sensitivity: the adaptive policy with other half-life grids and windows, on every 6th layer: how much the
+               result depends on its two parameters.
+
+    pip install matplotlib            # for the plot only; not a dependency of moe-l2
+    python bench/bench_policy.py [--traces ../shared/traces] [--sections main,hints,predictor,sensitivity]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from moe_l2 import policy as policies
+from moe_l2 import replay as rp
+from moe_l2.predictor import cross_validate
+from moe_l2.profile import Profile
+from moe_l2.trace import TraceSet, read_traces
+
+ROOT = Path(__file__).resolve().parents[1]
+FRACTIONS = (0.25, 0.375, 0.5)
+
+
+def slots_for(n_experts: int, fractions=FRACTIONS) -> list[int]:
+    return [max(1, round(f * n_experts)) for f in fractions]
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def subset(traces: TraceSet, sequences) -> TraceSet:
+    return TraceSet(traces.model, traces.n_layers, traces.n_experts, traces.top_k, list(sequences), traces.paths)
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+
+
+def section_main(traces_by_file: dict, jobs: int) -> dict:
+    out = {}
+    for name, traces in traces_by_file.items():
+        for order in ("blocked", "interleave"):
+            start = time.time()
+            result = rp.replay(traces, slots=slots_for(traces.n_experts), order=order, seed=0, jobs=jobs)
+            result["seconds"] = time.time() - start
+            out[f"{name}|{order}"] = result
+            print(f"  {name} {order}: {result['seconds']:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def report_main(results: dict) -> str:
+    lines = ["| trace | order | slots (share) | adaptive | LRU | LFU | MIN | gap closed vs LRU | vs best of LRU/LFU "
+             "| layers adaptive >= LRU and LFU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        name, order = key.split("|")
+        for c in r["capacities"]:
+            p = {n: c["policies"][n]["hit_rate"] for n in ("adaptive", "lru", "lfu", "min")}
+            best = max(p["lru"], p["lfu"])
+            gap_best = (p["adaptive"] - best) / (p["min"] - best) if p["min"] > best else None
+            per = {n: c["policies"][n]["per_layer"] for n in ("adaptive", "lru", "lfu")}
+            wins = sum(a >= max(l, f) for a, l, f in zip(per["adaptive"], per["lru"], per["lfu"]))
+            lines.append(f"| {name} | {order} | {c['slots']} ({100 * c['share']:.1f}%) | **{pct(p['adaptive'])}** | "
+                         f"{pct(p['lru'])} | {pct(p['lfu'])} | {pct(p['min'])} | "
+                         f"{100 * c['gap_closed_vs_lru']:.0f}% | {'-' if gap_best is None else f'{100 * gap_best:.0f}%'} "
+                         f"| {wins}/{len(per['adaptive'])} |")
+    lines.append("")
+    lines.append("| trace | order | slots | first 32 tokens after a domain switch: adaptive | LRU | switches |")
+    lines.append("|---|---|---|---|---|---|")
+    for key, r in results.items():
+        name, order = key.split("|")
+        for c in r["capacities"]:
+            lines.append(f"| {name} | {order} | {c['slots']} | {pct(c['policies']['adaptive']['switch_hit_rate'])} | "
+                         f"{pct(c['policies']['lru']['switch_hit_rate'])} | {r['domain_switches']} |")
+    return "\n".join(lines)
+
+
+def plot_main(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
+        return
+    keys = list(results)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
+    styles = {"min": ("k", "--", "Belady MIN (ceiling)"), "adaptive": ("tab:red", "-", "adaptive (default)"),
+              "lfu": ("tab:green", "-.", "LFU (decay)"), "lru": ("tab:blue", ":", "LRU")}
+    for ax, key in zip(axes[0], keys):
+        r = results[key]
+        xs = [100 * c["share"] for c in r["capacities"]]
+        for name, (color, style, label) in styles.items():
+            ys = [100 * c["policies"][name]["hit_rate"] for c in r["capacities"]]
+            ax.plot(xs, ys, color=color, linestyle=style, marker="o", label=label)
+        name, order = key.split("|")
+        ax.set_title(f"{name.split('.')[0]}, {order}", fontsize=10)
+        ax.set_xlabel("L2 capacity (% of a layer's experts)")
+        ax.set_xticks(xs)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("hit rate (%)")
+    axes[0][0].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+# ---- hints ----------------------------------------------------------------------------------------------
+
+HINT_CONFIGS = {
+    "no hint": {},
+    "profile prior at start": {"prior": 1.0},
+    "hints (predicted)": {"hints": "prompt"},
+    "hints (oracle)": {"hints": "oracle"},
+    "oracle, pins only (no prior)": {"hints": "oracle", "hint_prior": 0.0},
+    "oracle, prior only (no pins)": {"hints": "oracle", "hint_share": 0.0},
+    "oracle, pins of top experts without the lift rule": {"hints": "oracle", "hint_prior": 0.0, "hint_lift": 0.0},
+}
+
+
+def section_hints(traces_by_file: dict, jobs: int, layer_step: int) -> dict:
+    out = {}
+    for name, traces in traces_by_file.items():
+        has_prompts = any(s.prompt for s in traces.sequences)
+        halves = [traces.sequences[0::2], traces.sequences[1::2]]
+        layers = list(range(0, traces.n_layers, layer_step))
+        slots = slots_for(traces.n_experts, (0.25, 0.5))
+        for order in ("blocked", "interleave"):
+            for config, kw in HINT_CONFIGS.items():
+                if kw.get("hints") == "prompt" and not has_prompts:
+                    continue
+                agg = {}
+                for train, test in ((halves[0], halves[1]), (halves[1], halves[0])):
+                    profile = Profile.from_traces(subset(traces, train))
+                    r = rp.replay(subset(traces, test), slots=slots, order=order, seed=0, profile=profile,
+                                  compare=("lru",), belady=False, layers=layers, jobs=jobs, **kw)
+                    for c in r["capacities"]:
+                        a = agg.setdefault(c["slots"], {"hits": 0, "lookups": 0, "loads": 0, "preloads": 0,
+                                                        "switch": [], "lru": [], "lru_switch": [],
+                                                        "hint_stats": []})
+                        p = c["policies"]["adaptive"]
+                        for k in ("hits", "lookups", "loads", "preloads"):
+                            a[k] += p[k]
+                        a["switch"].append(p["switch_hit_rate"])
+                        a["lru"].append(c["policies"]["lru"]["hit_rate"])
+                        a["lru_switch"].append(c["policies"]["lru"]["switch_hit_rate"])
+                        a["hint_stats"].append(r["hint_stats"])
+                out[f"{name}|{order}|{config}"] = agg
+                print(f"  hints {name} {order} {config}", file=sys.stderr, flush=True)
+    return out
+
+
+def report_hints(results: dict) -> str:
+    lines = ["| trace | order | slots | configuration | hit rate | first 32 tokens after a switch | disk loads "
+             "(of which preloads) | LRU hit rate / after a switch |", "|---|---|---|---|---|---|---|---|"]
+    for key, agg in results.items():
+        name, order, config = key.split("|")
+        for slots, a in sorted(agg.items(), key=lambda kv: int(kv[0])):
+            sw = [x for x in a["switch"] if x is not None]
+            lsw = [x for x in a["lru_switch"] if x is not None]
+            lines.append(f"| {name} | {order} | {slots} | {config} | {pct(a['hits'] / a['lookups'])} | "
+                         f"{pct(sum(sw) / len(sw) if sw else None)} | {a['loads'] + a['preloads']} "
+                         f"({a['preloads']}) | {pct(sum(a['lru']) / len(a['lru']))} / "
+                         f"{pct(sum(lsw) / len(lsw) if lsw else None)} |")
+    return "\n".join(lines)
+
+
+# ---- predictor ------------------------------------------------------------------------------------------
+
+
+def section_predictor(traces_by_file: dict) -> dict:
+    out = {}
+    for name, traces in traces_by_file.items():
+        examples = [(s.prompt, s.domain, s.seq) for s in traces.sequences if s.prompt and s.domain]
+        if len({d for _, d, _ in examples}) < 2:
+            out[name] = None
+            continue
+        pairs = [(t, d) for t, d, _ in examples]
+        by_prompt = cross_validate(pairs, folds=5)
+        # The subject: the component of `seq` before the last one ("mmlu_dev/anatomy/True_False" -> "anatomy"),
+        # so that the dev and validation questions of a subject fall in the same fold.
+        subject = [(seq.split("/")[-2] if seq.count("/") >= 1 else seq) for _, _, seq in examples]
+        by_subject = cross_validate(pairs, folds=5, group=lambda i: subject[i])
+        model = Profile.from_traces(traces).predictor
+        start = time.perf_counter()
+        for t, _ in pairs:
+            model.predict(t)
+        per_prompt = (time.perf_counter() - start) / len(pairs)
+        out[name] = {"by_prompt": by_prompt, "by_subject": by_subject, "predict_seconds": per_prompt}
+    return out
+
+
+def report_predictor(results: dict) -> str:
+    lines = []
+    for name, r in results.items():
+        if r is None:
+            lines.append(f"{name}: no prompts, no predictor.")
+            continue
+        a, b = r["by_prompt"], r["by_subject"]
+        lines.append(f"{name}: {a['examples']} prompts; predicting one takes {1000 * r['predict_seconds']:.2f} ms.")
+        lines.append("")
+        lines.append("| held out | accuracy | majority class | share with confidence >= 0.5 | accuracy among those |")
+        lines.append("|---|---|---|---|---|")
+        for label, x in (("5-fold by prompt", a), ("5-fold by subject (unseen subjects)", b)):
+            lines.append(f"| {label} | {pct(x['accuracy'])} | {pct(x['majority_baseline'])} | "
+                         f"{pct(x['confident_share'])} | {pct(x['confident_accuracy'])} |")
+        lines.append("")
+        lines.append("| domain | prompts | accuracy by prompt | by subject |")
+        lines.append("|---|---|---|---|")
+        for d, v in a["per_domain"].items():
+            lines.append(f"| {d} | {v['n']} | {pct(v['accuracy'])} | {pct(b['per_domain'][d]['accuracy'])} |")
+    return "\n".join(lines)
+
+
+# ---- sensitivity ----------------------------------------------------------------------------------------
+
+VARIANTS = {
+    "default: h = 1,16,64,256,1024,4096; window 4096": {},
+    "window 1024": {"window": 1024.0},
+    "window 16384": {"window": 16384.0},
+    "h = 1,8,32,128,512,2048,8192": {"half_lives": (1.0, 8.0, 32.0, 128.0, 512.0, 2048.0, 8192.0)},
+    "h = 1,64,1024 only": {"half_lives": (1.0, 64.0, 1024.0)},
+    "fixed h = 128 (no adaptation)": {"half_lives": (128.0,)},
+}
+
+
+def section_sensitivity(traces_by_file: dict, jobs: int, layer_step: int) -> dict:
+    out = {}
+    base_init = policies.AdaptiveLRFU.__init__.__defaults__
+    try:
+        for variant, kw in VARIANTS.items():
+            policies.AdaptiveLRFU.__init__.__defaults__ = (
+                None, kw.get("half_lives", policies.AdaptiveLRFU.HALF_LIVES), kw.get("window", policies.AdaptiveLRFU.WINDOW))
+            for name, traces in traces_by_file.items():
+                layers = list(range(0, traces.n_layers, layer_step))
+                for order in ("blocked", "interleave"):
+                    # jobs=1: the spawned workers would not see the patched defaults.
+                    r = rp.replay(traces, slots=slots_for(traces.n_experts, (0.25, 0.5)), order=order, seed=0,
+                                  compare=("lru", "lfu"), belady=False, layers=layers, jobs=1)
+                    out[f"{variant}|{name}|{order}"] = {
+                        c["slots"]: {n: c["policies"][n]["hit_rate"] for n in ("adaptive", "lru", "lfu")}
+                        for c in r["capacities"]}
+            print(f"  sensitivity {variant}", file=sys.stderr, flush=True)
+    finally:
+        policies.AdaptiveLRFU.__init__.__defaults__ = base_init
+    return out
+
+
+def report_sensitivity(results: dict) -> str:
+    cols = sorted({tuple(k.split("|")[1:]) for k in results})
+    head = "| variant | " + " | ".join(f"{n.split('.')[0]} {o} {s}" for n, o in cols
+                                         for s in sorted(next(v for k, v in results.items()
+                                                              if k.endswith(f"|{n}|{o}")), key=int)) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    variants = list(dict.fromkeys(k.split("|")[0] for k in results))
+    for variant in variants + ["LRU", "LFU"]:
+        cells = []
+        for n, o in cols:
+            src = results[f"{variants[0]}|{n}|{o}"] if variant in ("LRU", "LFU") else results[f"{variant}|{n}|{o}"]
+            for s in sorted(src, key=int):
+                key = variant.lower() if variant in ("LRU", "LFU") else "adaptive"
+                cells.append(pct(src[s][key]))
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- driver ---------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces",
+                        help="folder of *.jsonl.gz traces (default ../shared/traces beside the repo)")
+    parser.add_argument("--sections", default="main,hints,predictor,sensitivity")
+    parser.add_argument("--results", type=Path, default=Path(tempfile.gettempdir()) / "moe-l2-bench-policy",
+                        help="where each section's JSON goes (and --report-only reads it)")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "policy-hit-rate.png")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--layer-step", type=int, default=6,
+                        help="the hints and sensitivity sections replay every Nth layer (default 6)")
+    parser.add_argument("--report-only", action="store_true", help="print the tables of saved results")
+    args = parser.parse_args()
+    files = sorted(args.traces.glob("*.jsonl.gz"))
+    if not files and not args.report_only:
+        print(f"no traces in {args.traces}", file=sys.stderr)
+        return 1
+    traces = {} if args.report_only else {f.name: read_traces(f) for f in files}
+    args.results.mkdir(parents=True, exist_ok=True)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    runners = {
+        "main": (lambda: section_main(traces, args.jobs), report_main),
+        "hints": (lambda: section_hints(traces, args.jobs, args.layer_step), report_hints),
+        "predictor": (lambda: section_predictor(traces), report_predictor),
+        "sensitivity": (lambda: section_sensitivity(traces, args.jobs, args.layer_step), report_sensitivity),
+    }
+    for section in sections:
+        compute, report = runners[section]
+        path = args.results / f"{section}.json"
+        if args.report_only:
+            data = json.loads(path.read_text())
+        else:
+            start = time.time()
+            data = compute()
+            path.write_text(json.dumps(data, indent=1))
+            print(f"{section}: {time.time() - start:.0f} s", file=sys.stderr)
+        print(f"\n## {section}\n")
+        print(report(data))
+        if section == "main":
+            plot_main(data, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

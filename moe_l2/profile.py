@@ -1,0 +1,478 @@
+"""Domain profiles: what routing traces (or a daemon's online statistics) say about a model's experts.
+
+A profile is one JSON file (``moe-l2 profile --traces FILE... --out P.json``), format ``moe-l2-profile``
+version 1::
+
+    {
+      "format": "moe-l2-profile", "version": 1,
+      "model": "gpt-oss-20b", "n_layers": 24, "n_experts": 32, "top_k": 4,
+      "sources": ["gpt-oss-20b.jsonl.gz"],            # traces or "daemon:<socket>" it was built from
+      "domains": {                                    # one entry per domain label of the traces
+        "math": {"sequences": 23, "tokens": 6539,
+                 "counts": [[...n_experts ints...], ...one list per layer]},   # router picks per expert
+        ...
+      },
+      "unlabelled": {"sequences": 0, "tokens": 0, "counts": [[...]]},          # traffic without a domain
+      "backbone": [[3, 17], ...],       # per layer: experts hot in every domain (derived, informative)
+      "specificity": [0.08, ...],       # per layer: I(domain; expert) / H(expert), 0..1 (derived)
+      "predictor": {"kind": "naive-bayes", "alpha": 0.1, "docs": {...}, "counts": {...}} or null
+    }
+
+Counts are the source of truth (they add up across traces and daemons); ``backbone`` and ``specificity`` are
+recomputed from them on load and written for people and other tools:
+
+- an expert's *share* at a layer is its count over the layer's picks (so shares sum to 1 per layer);
+- *backbone*: experts whose share is at least ``BACKBONE_FACTOR`` times the uniform share ``1/n_experts``
+  in every domain with at least ``MIN_DOMAIN_TOKENS`` tokens;
+- *specificity*: the mutual information between the domain and the picked expert, divided by the entropy
+  of the picked expert; 0 when the domain does not change the layer's routing.
+
+On a ``hint`` the daemon predicts the domain (or takes the one given) and, per layer (`apply_hint`), pins
+the domain's most frequent experts that are specific to it (picked at least ``HINT_MIN_LIFT`` times as
+often as by the rest of the traffic), at most ``HINT_PIN_SHARE`` of the slots and within the store's pin
+limit, loads them, and adds the domain's shares to the eviction policy's scores (``HINT_PRIOR``).
+docs/policy-report.md measures each part.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .predictor import NaiveBayes, Prediction, PredictorError
+
+FORMAT = "moe-l2-profile"
+VERSION = 1
+BACKBONE_FACTOR = 1.5
+MIN_DOMAIN_TOKENS = 32
+# Domain pins take at most this share of a layer's slots (and never more than the store's pin limit).
+HINT_PIN_SHARE = 0.25
+# A prediction below this confidence changes nothing: the daemon keeps its current pins.
+MIN_CONFIDENCE = 0.35
+# Only experts the domain picks at least this many times more often (by share) than the rest of the traffic
+# are pinned: pinning experts that are hot everywhere only takes room from the sequence's own working set.
+HINT_MIN_LIFT = 4.0
+# A hint adds the domain's expert shares to the policy's scores with this strength (1: as much weight as
+# the layer's whole decayed history), so the domain's experts win ties for the cache without being pinned.
+HINT_PRIOR = 1.0
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used: names the file and what is wrong."""
+
+
+def _zeros(n_layers: int, n_experts: int) -> list[list[int]]:
+    return [[0] * n_experts for _ in range(n_layers)]
+
+
+@dataclass
+class DomainStats:
+    sequences: int = 0
+    tokens: int = 0
+    counts: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class Profile:
+    model: str
+    n_layers: int
+    n_experts: int
+    top_k: int
+    domains: dict[str, DomainStats] = field(default_factory=dict)
+    unlabelled: DomainStats | None = None
+    predictor: NaiveBayes | None = None
+    sources: list[str] = field(default_factory=list)
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.unlabelled is None:
+            self.unlabelled = DomainStats(0, 0, _zeros(self.n_layers, self.n_experts))
+        self._derive()
+
+    # ---- building -------------------------------------------------------------------------------------
+
+    @classmethod
+    def empty(cls, model: str, n_layers: int, n_experts: int, top_k: int) -> "Profile":
+        return cls(model, n_layers, n_experts, top_k)
+
+    def stats_for(self, domain: str | None) -> DomainStats:
+        if not domain:
+            return self.unlabelled
+        if domain not in self.domains:
+            self.domains[domain] = DomainStats(0, 0, _zeros(self.n_layers, self.n_experts))
+        return self.domains[domain]
+
+    def add_sequence(self, experts, domain: str | None) -> None:
+        """Count one sequence's routing (experts[t][l] -> ids); call `refresh()` after a batch of these."""
+        stats = self.stats_for(domain)
+        stats.sequences += 1
+        stats.tokens += len(experts)
+        counts = stats.counts
+        for token in experts:
+            for layer, picked in enumerate(token):
+                row = counts[layer]
+                for e in picked:
+                    row[e] += 1
+
+    def add_counts(self, domain: str | None, counts: list[list[int]], tokens: int = 0) -> None:
+        stats = self.stats_for(domain)
+        stats.tokens += tokens
+        for layer, row in enumerate(counts):
+            acc = stats.counts[layer]
+            for e, n in enumerate(row):
+                acc[e] += n
+
+    @classmethod
+    def from_traces(cls, traces, *, predictor: bool = True) -> "Profile":
+        """A profile from a moe_l2.trace.TraceSet (or any iterable of TraceSequence of one model)."""
+        sequences = list(getattr(traces, "sequences", traces))
+        if not sequences:
+            raise ProfileError("no sequences to build a profile from")
+        first = sequences[0]
+        profile = cls(first.model, first.n_layers, first.n_experts, first.top_k,
+                      sources=[os.path.basename(p) for p in getattr(traces, "paths", [])])
+        for s in sequences:
+            profile.add_sequence(s.experts, s.domain)
+        if predictor:
+            examples = [(s.prompt, s.domain) for s in sequences if s.prompt and s.domain]
+            if len({d for _, d in examples}) >= 2:
+                profile.predictor = NaiveBayes.train(examples)
+        profile.refresh()
+        return profile
+
+    def refresh(self) -> None:
+        self._derive()
+
+    # ---- derived numbers -----------------------------------------------------------------------------
+
+    def _derive(self) -> None:
+        L, E = self.n_layers, self.n_experts
+        overall = _zeros(L, E)
+        for stats in (*self.domains.values(), self.unlabelled):
+            for layer in range(L):
+                row, acc = stats.counts[layer], overall[layer]
+                for e in range(E):
+                    acc[e] += row[e]
+        self._overall = overall
+        big = {d: s for d, s in self.domains.items() if s.tokens >= MIN_DOMAIN_TOKENS and any(map(any, s.counts))}
+        self.backbone: list[list[int]] = []
+        self.specificity: list[float] = []
+        for layer in range(L):
+            shares = {d: _shares(s.counts[layer]) for d, s in big.items()}
+            if shares:
+                self.backbone.append([e for e in range(E)
+                                      if all(sh[e] >= BACKBONE_FACTOR / E for sh in shares.values())])
+            else:
+                self.backbone.append([])
+            self.specificity.append(_specificity([s.counts[layer] for s in big.values()]))
+
+    @property
+    def domain_names(self) -> list[str]:
+        return sorted(self.domains)
+
+    def shares(self, domain: str | None, layer: int) -> list[float]:
+        """Share of the layer's picks per expert, for a domain (None: all traffic)."""
+        if domain is None:
+            return _shares(self._overall[layer])
+        if domain not in self.domains:
+            raise ProfileError(f"profile {self.path or self.model} has no domain {domain!r}; it knows "
+                               f"{', '.join(self.domain_names) or 'none'}")
+        return _shares(self.domains[domain].counts[layer])
+
+    def lift(self, domain: str, layer: int) -> list[float]:
+        """Per expert: its share of the domain's picks over its share of all other traffic's picks (inf when
+        only the domain uses it, 1.0 when it is used alike, 0 when the domain never picks it)."""
+        own = self.domains[domain].counts[layer] if domain in self.domains else None
+        if own is None:
+            raise ProfileError(f"profile {self.path or self.model} has no domain {domain!r}")
+        rest = [a - b for a, b in zip(self._overall[layer], own)]
+        own_share, rest_share = _shares(own), _shares(rest)
+        if not any(rest):
+            return [1.0 if x > 0 else 0.0 for x in own_share]
+        return [(o / r if r > 0 else (math.inf if o > 0 else 0.0)) for o, r in zip(own_share, rest_share)]
+
+    def top_experts(self, domain: str | None, layer: int, n: int) -> list[int]:
+        shares = self.shares(domain, layer)
+        ranked = sorted(range(self.n_experts), key=lambda e: (-shares[e], e))
+        return [e for e in ranked[:max(0, n)] if shares[e] > 0]
+
+    def predict(self, text: str) -> Prediction:
+        if self.predictor is None:
+            raise PredictorError(f"profile {self.path or self.model} has no predictor (its traces had no "
+                                 "prompts with domain labels); hint with a domain name instead")
+        return self.predictor.predict(text)
+
+    # ---- file format -----------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        def stats(s: DomainStats) -> dict:
+            return {"sequences": s.sequences, "tokens": s.tokens, "counts": s.counts}
+
+        return {
+            "format": FORMAT, "version": VERSION, "model": self.model, "n_layers": self.n_layers,
+            "n_experts": self.n_experts, "top_k": self.top_k, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                       time.gmtime()),
+            "sources": self.sources,
+            "domains": {d: stats(s) for d, s in sorted(self.domains.items())},
+            "unlabelled": stats(self.unlabelled),
+            "backbone": self.backbone,
+            "specificity": [round(x, 6) for x in self.specificity],
+            "predictor": self.predictor.to_json() if self.predictor else None,
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
+        os.replace(tmp, path)
+        self.path = str(path)
+
+    @classmethod
+    def from_json(cls, data, where: str = "profile") -> "Profile":
+        def fail(why: str):
+            raise ProfileError(f"{where}: {why}")
+
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            fail(f"not a moe-l2 profile (no \"format\": \"{FORMAT}\"); make one with moe-l2 profile")
+        if data.get("version") != VERSION:
+            fail(f"profile version {data.get('version')!r} is not supported; this moe-l2 reads version {VERSION}"
+                 " (rebuild it with this release's moe-l2 profile)")
+        dims = {}
+        for key in ("n_layers", "n_experts", "top_k"):
+            v = data.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                fail(f"{key} must be a positive integer, got {v!r}")
+            dims[key] = v
+        model = data.get("model")
+        if not isinstance(model, str):
+            fail("model must be a string")
+        L, E = dims["n_layers"], dims["n_experts"]
+
+        def stats(obj, name: str) -> DomainStats:
+            if not isinstance(obj, Mapping):
+                fail(f"{name} must be an object with sequences, tokens and counts")
+            seqs, toks, counts = obj.get("sequences", 0), obj.get("tokens", 0), obj.get("counts")
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (seqs, toks)):
+                fail(f"{name}: sequences and tokens must be non-negative integers")
+            if (not isinstance(counts, list) or len(counts) != L
+                    or not all(isinstance(row, list) and len(row) == E for row in counts)):
+                fail(f"{name}: counts must be {L} lists (layers) of {E} integers (experts)")
+            for row in counts:
+                for n in row:
+                    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                        fail(f"{name}: counts must be non-negative integers, found {n!r}")
+            return DomainStats(seqs, toks, [list(r) for r in counts])
+
+        domains = data.get("domains", {})
+        if not isinstance(domains, Mapping):
+            fail("domains must map a domain name to its counts")
+        parsed = {str(d): stats(s, f"domain {d!r}") for d, s in domains.items()}
+        unlabelled = stats(data["unlabelled"], "unlabelled") if data.get("unlabelled") is not None else None
+        predictor = None
+        if data.get("predictor") is not None:
+            try:
+                predictor = NaiveBayes.from_json(data["predictor"])
+            except PredictorError as exc:
+                fail(str(exc))
+        sources = data.get("sources", [])
+        return cls(model, L, E, dims["top_k"], parsed, unlabelled, predictor,
+                   [str(s) for s in sources] if isinstance(sources, list) else [], where)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Profile":
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ProfileError(f"profile {path} is not UTF-8 text (a JSON file from moe-l2 profile)") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"profile {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+        profile = cls.from_json(data, str(path))
+        profile.path = str(path)
+        return profile
+
+    def check_model(self, n_layers: int, n_experts: int, what: str) -> None:
+        if (self.n_layers, self.n_experts) != (n_layers, n_experts):
+            raise ProfileError(f"profile {self.path or self.model} describes {self.model} with {self.n_layers} "
+                               f"layers x {self.n_experts} experts, but {what} has {n_layers} x {n_experts}")
+
+
+def _shares(row: list[int]) -> list[float]:
+    total = sum(row)
+    return [n / total for n in row] if total else [0.0] * len(row)
+
+
+def _entropy(row: Iterable[float]) -> float:
+    return -sum(p * math.log(p) for p in row if p > 0)
+
+
+def _specificity(rows: list[list[int]]) -> float:
+    """I(domain; expert) / H(expert) for the per-domain count rows of one layer."""
+    if len(rows) < 2:
+        return 0.0
+    totals = [sum(r) for r in rows]
+    grand = sum(totals)
+    if not grand:
+        return 0.0
+    merged = [sum(col) for col in zip(*rows)]
+    h = _entropy(n / grand for n in merged)
+    if h <= 0:
+        return 0.0
+    h_cond = sum(t / grand * _entropy(n / t for n in r) for r, t in zip(rows, totals) if t)
+    return max(0.0, min(1.0, (h - h_cond) / h))
+
+
+def hint_budget(store, share: float = HINT_PIN_SHARE) -> int:
+    """How many domain pins a layer store may take for a hint: a share of its slots, within the pin room
+    that permanent pins leave under the store's pin limit."""
+    room = store.pin_limit - len(store.pins["permanent"])
+    return max(0, min(room, int(share * store.n_slots)))
+
+
+def apply_hint(store, profile: Profile, domain: str, layer: int, *, share: float = HINT_PIN_SHARE,
+               prior: float = HINT_PRIOR, min_lift: float = HINT_MIN_LIFT) -> list[int]:
+    """Point one layer store at a domain: replace its domain pins by the domain's most frequent experts
+    that are specific to it (lift >= `min_lift`, within `hint_budget`), and with `prior` > 0 add the
+    domain's shares to the policy's scores. Returns the experts now domain-pinned; the caller loads the
+    ones not resident. The daemon's hint and `moe-l2 replay --hints` both go through here."""
+    budget = hint_budget(store, share)
+    uniform = 1.0 / profile.n_experts
+    shares = profile.shares(domain, layer)
+    # Only experts the domain uses more than uniformly are worth a pin.
+    permanent = store.pins["permanent"]
+    lift = profile.lift(domain, layer)
+    wanted = [e for e in profile.top_experts(domain, layer, profile.n_experts)
+              if shares[e] > uniform and e not in permanent and lift[e] >= min_lift][:budget]
+    pinned = store.set_domain_pins(wanted, budget)
+    if prior > 0 and hasattr(store.policy, "set_prior"):
+        store.policy.set_prior(shares, prior)
+    return pinned
+
+
+def clear_hint(store) -> None:
+    store.set_domain_pins([], 0)
+
+
+# ---- moe-l2 profile ---------------------------------------------------------------------------------------
+
+
+def summarize(profile: Profile) -> str:
+    lines = [f"profile of {profile.model}: {profile.n_layers} layers x {profile.n_experts} experts, "
+             f"top-{profile.top_k}; sources: {', '.join(profile.sources) or '-'}"]
+    total = sum(s.tokens for s in profile.domains.values()) + profile.unlabelled.tokens
+    lines.append(f"{len(profile.domains)} domains, {total} tokens"
+                 + (f" ({profile.unlabelled.tokens} unlabelled)" if profile.unlabelled.tokens else ""))
+    for d in profile.domain_names:
+        s = profile.domains[d]
+        lines.append(f"  {d:<16} {s.sequences:6d} sequences {s.tokens:8d} tokens")
+    spec = profile.specificity
+    if spec:
+        lines.append("specificity per layer (I(domain; expert) / H(expert)): "
+                     + " ".join(f"{x:.3f}" for x in spec))
+        lines.append(f"backbone experts per layer: {' '.join(str(len(b)) for b in profile.backbone)}")
+    if profile.predictor is not None:
+        lines.append(f"predictor: {profile.predictor.kind} over {len(profile.predictor.domains)} domains, "
+                     f"{sum(profile.predictor.docs.values())} prompts")
+    else:
+        lines.append("predictor: none (no prompts with domain labels); hints must name a domain")
+    return "\n".join(lines)
+
+
+def profile_from_daemon(socket: str, model: str | None, base: Profile | None = None,
+                        timeout_s: float = 5.0) -> Profile:
+    """A profile from a running daemon's online statistics (what its clients reported), optionally added
+    to a base profile (whose predictor it keeps)."""
+    from . import protocol
+    from .client.connection import request
+
+    reply = request(socket, protocol.Stats(id=1, routing=True), timeout_s=timeout_s)
+    if not reply.ok:
+        raise ProfileError(f"the daemon refused: {reply.ename}: {reply.evalue}")
+    models = reply.payload.get("models", [])
+    if model is not None:
+        real = os.path.realpath(model)
+        models = [m for m in models if m.get("fingerprint") == model or os.path.realpath(m.get("path", "")) == real]
+    if len(models) != 1:
+        served = ", ".join(m.get("path", "?") for m in reply.payload.get("models", []))
+        raise ProfileError(f"choose one of the served models with --model (served: {served or 'none'})"
+                           if models or model is None else f"the daemon does not serve {model} (served: {served})")
+    m = models[0]
+    routing = m.get("routing")
+    if routing is None:
+        raise ProfileError("this daemon does not report online statistics (upgrade moe-l2d)")
+    if base is not None:
+        base.check_model(m["n_layers"], m["n_experts"], f"served model {m['path']}")
+        profile = base
+    else:
+        profile = Profile(os.path.basename(str(m["path"]).rstrip("/")), m["n_layers"], m["n_experts"], 1)
+    for domain, counts in routing.items():
+        if len(counts) != profile.n_layers or any(len(row) != profile.n_experts for row in counts):
+            raise ProfileError("the daemon's statistics do not match the model's shape")
+        profile.add_counts(domain or None, counts)
+    profile.sources = [*profile.sources, f"daemon:{socket}"]
+    profile.refresh()
+    return profile
+
+
+def add_arguments(parser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--traces", nargs="+", metavar="FILE", help="routing traces of one model")
+    src.add_argument("--from-daemon", action="store_true",
+                     help="use the running daemon's online statistics (what its clients reported)")
+    src.add_argument("--show", metavar="P.json", help="print a summary of a profile")
+    parser.add_argument("--out", metavar="P.json", help="where to write the profile")
+    parser.add_argument("--socket", default=None, help="daemon address for --from-daemon")
+    parser.add_argument("--model", default=None, help="with --from-daemon: the served model (path or fingerprint)")
+    parser.add_argument("--base", metavar="P.json",
+                        help="with --from-daemon: add the online counts to this profile (keeps its predictor)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    parser.add_argument("--no-predictor", action="store_true", help="do not train a domain predictor")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run(args) -> int:
+    from .trace import TraceError, read_traces
+    from .runtime import default_socket
+
+    try:
+        if args.show:
+            profile = Profile.load(args.show)
+        else:
+            if not args.out:
+                raise ProfileError("--out P.json is required")
+            if args.traces:
+                profile = Profile.from_traces(read_traces(args.traces), predictor=not args.no_predictor)
+            else:
+                base = Profile.load(args.base) if args.base else None
+                profile = profile_from_daemon(args.socket or default_socket(), args.model, base, args.timeout)
+            profile.save(args.out)
+    except (TraceError, ProfileError) as exc:
+        print(f"moe-l2 profile: {exc}", file=sys.stderr)
+        return 2
+    except TimeoutError as exc:
+        print(f"moe-l2 profile: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"moe-l2 profile: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        data = profile.to_json()
+        data.pop("predictor")
+        for d in data["domains"].values():
+            d.pop("counts")
+        data["unlabelled"].pop("counts")
+        print(json.dumps(data, indent=1))
+    else:
+        print(summarize(profile))
+        if not args.show:
+            print(f"wrote {args.out}")
+    return 0
