@@ -111,9 +111,10 @@ class L2Client:
             time.sleep(0.02)
         return self.attachment is not None
 
-    def report(self, layer: int, hits: list[int], misses: list[int]) -> None:
-        """Queue what one lookup found in L2; returns at once (the daemon loads the misses)."""
-        self._reports.put((layer, hits, misses))
+    def report(self, layer: int, hits: list[int], misses: list[int], routed: list[int]) -> None:
+        """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
+        loads the misses and counts the picks)."""
+        self._reports.put((layer, hits, misses, routed))
 
     def _run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -169,16 +170,19 @@ class L2Client:
 
     def _flush_reports(self, sock) -> None:
         layers: dict[int, list[list[int]]] = collections.defaultdict(lambda: [[], []])
+        routed: dict[int, list[int]] = collections.defaultdict(list)
         try:
             while True:
-                layer, hits, misses = self._reports.get_nowait()
-                layers[layer][0].extend(hits)
-                layers[layer][1].extend(misses)
+                layer, hits, misses, picks = self._reports.get_nowait()
+                if hits or misses:
+                    layers[layer][0].extend(hits)
+                    layers[layer][1].extend(misses)
+                routed[layer].extend(picks)
         except queue.Empty:
             pass
-        if layers and self.attachment is not None:
+        if routed and self.attachment is not None:
             self._send(sock, protocol.Report(id=next(self._ids), model=self.files.fingerprint,
-                                             layers=dict(layers)))
+                                             layers=dict(layers), routed=dict(routed)))
 
     def _on_hello(self, reply: protocol.Reply) -> None:
         if not reply.ok:

@@ -133,9 +133,14 @@ class ExpertPool:
         self.layers[layer].evict(expert)
 
     def fetch(self, layer: int, experts) -> TierCounts:
-        """Make every expert of the batch resident in L0; returns where each one came from."""
+        """Make every expert of the batch resident in L0; returns where each one came from.
+
+        `experts` are the router's picks (repeats allowed); the daemon is told all of them, L0 hits
+        included, for its routing statistics, and which ones it had or lacked in L2.
+        """
         lp = self.layers[layer]
-        batch = {int(e) for e in experts}
+        picks = [int(e) for e in experts]
+        batch = set(picks)
         for expert in batch:
             if not 0 <= expert < self.files.n_experts:
                 raise IndexError(f"expert {expert} out of range 0..{self.files.n_experts - 1}")
@@ -146,6 +151,8 @@ class ExpertPool:
             lp.policy.access(expert)
         if not missing:
             self.counts.add(counts)
+            if self.client is not None:
+                self.client.report(layer, [], [], picks)
             return counts
         pinned_outside = len(lp.pinned - batch)
         if len(batch) + pinned_outside > self.capacity:
@@ -172,7 +179,7 @@ class ExpertPool:
         self.counts.add(counts)
         if self.client is not None:
             self.client.report(layer, [e for e, ok in zip(missing, copied) if ok],
-                               [e for e, ok in zip(missing, copied) if not ok])
+                               [e for e, ok in zip(missing, copied) if not ok], picks)
         return counts
 
     def _copy_from_l2(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int]) -> list[bool]:

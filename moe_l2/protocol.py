@@ -49,6 +49,10 @@ _VALIDATORS = {
                 for k, p in v.items()),
         "a map layer -> [hit experts, missed experts]",
     ),
+    "layer_experts": (
+        lambda v: isinstance(v, dict) and all(isinstance(k, int) and _is_int_list(p) for k, p in v.items()),
+        "a map layer -> expert ids",
+    ),
     dict: (lambda v: isinstance(v, dict), "a map"),
     "str_or_none": (lambda v: v is None or isinstance(v, str), "a string or nil"),
 }
@@ -61,6 +65,7 @@ class Message:
     TYPE: ClassVar[str] = ""
     FIELDS: ClassVar[dict[str, Any]] = {}
     REPLIES: ClassVar[bool] = True
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()  # fields a request may leave out (their defaults apply)
 
     id: int = field(default=0, kw_only=True)
 
@@ -83,8 +88,12 @@ class Hello(Message):
 
 @dataclass(frozen=True)
 class Stats(Message):
+    """The daemon's numbers; `routing` adds the online routing counts (large: one per layer and expert)."""
+
     TYPE = "stats"
-    FIELDS = {}
+    FIELDS = {"routing": bool}
+    OPTIONAL = ("routing",)
+    routing: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,13 +119,16 @@ class Prefetch(Message):
 
 @dataclass(frozen=True)
 class Report(Message):
-    """What a client's lookups found in L2: per layer the experts it copied and the ones it missed."""
+    """What a client's lookups found in L2 (per layer the experts it copied and the ones it missed), and
+    every expert its router picked, L0 hits included (per layer, one id per pick), for online statistics."""
 
     TYPE = "report"
-    FIELDS = {"model": str, "layers": "layer_lists"}
+    FIELDS = {"model": str, "layers": "layer_lists", "routed": "layer_experts"}
+    OPTIONAL = ("routed",)
     REPLIES = False
     model: str = ""
     layers: dict[int, list[list[int]]] = field(default_factory=dict)
+    routed: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -175,7 +187,7 @@ def decode_request(frame: bytes) -> Message:
     for name, ftype in cls.FIELDS.items():
         valid, what = _VALIDATORS[ftype]
         if name not in body:
-            _check(ftype == "str_or_none", "BadField", f"{mtype}: missing field {name!r}")
+            _check(ftype == "str_or_none" or name in cls.OPTIONAL, "BadField", f"{mtype}: missing field {name!r}")
             continue
         _check(valid(body[name]), "BadField", f"{mtype}: field {name!r} must be {what}")
         values[name] = body[name]

@@ -9,10 +9,12 @@ from moe_l2.protocol import ProtocolError
 MESSAGES = [
     protocol.Hello(id=1, model="/models/q", fingerprint="ab" * 16, client="host:1:x"),
     protocol.Stats(id=2),
+    protocol.Stats(id=10, routing=True),
     protocol.Hint(id=3, model="fp", text="integrate x^2 dx", domain=None),
     protocol.Hint(id=4, model="fp", text=None, domain="math"),
     protocol.Prefetch(id=5, model="fp", layer=2, experts=[1, 5, 7]),
     protocol.Report(id=6, model="fp", layers={0: [[1, 2], [3]], 11: [[], [4, 5]]}),
+    protocol.Report(id=11, model="fp", layers={0: [[], [3]]}, routed={0: [3, 7, 7], 1: [2]}),
     protocol.Pin(id=7, model="fp", layer=1, experts=[0, 3], kind="domain"),
     protocol.Unpin(id=8, model="fp", layer=1, experts=[3], kind="permanent"),
     protocol.Bye(id=9, client="host:1:x"),
@@ -26,6 +28,12 @@ def test_request_round_trip(message):
 
 def test_every_request_type_is_covered():
     assert {m.TYPE for m in MESSAGES} == set(protocol.REQUESTS)
+
+
+def test_optional_fields_may_be_left_out():
+    assert protocol.decode_request(_raw(v=1, type="stats", id=3)) == protocol.Stats(id=3)
+    report = protocol.decode_request(_raw(v=1, type="report", id=4, model="m", layers={}))
+    assert report == protocol.Report(id=4, model="m")
 
 
 def test_reply_round_trip():
@@ -50,6 +58,8 @@ def _raw(**body):
     (_raw(v=1, type="prefetch", id=1, model="m", layer=0, experts=[1, "x"]), "BadField", "experts"),
     (_raw(v=1, type="report", id=1, model="m", layers={0: [[1]]}), "BadField", "layers"),
     (_raw(v=1, type="stats", id="x"), "BadField", "id"),
+    (_raw(v=1, type="stats", id=1, routing="yes"), "BadField", "routing"),
+    (_raw(v=1, type="report", id=1, model="m", layers={}, routed={0: [1, None]}), "BadField", "routed"),
     (b"\x00" * (protocol.MAX_FRAME_BYTES + 1), "FrameTooLarge", "limit"),
 ])
 def test_bad_frames_are_refused_with_a_reason(frame, ename, words):
