@@ -10,6 +10,7 @@ from pathlib import Path
 from moe_l2.runtime import SOCKET_NAME, runtime_dir
 from moe_l2.sizes import parse_size
 
+from moe_l2.model import DIRECT_IO
 from moe_l2.policy import DEFAULT_POLICY, POLICIES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -25,6 +26,7 @@ class ModelConfig:
     budget: int
     policy: str = DEFAULT_POLICY
     profile: Path | None = None  # domain profile from `moe-l2 profile`, loaded and checked at start
+    direct_io: bool | None = None  # None: the model's default (on for packed models)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="shared memory per model, e.g. 24GiB; once for all models or once per --model")
     parser.add_argument("--policy", default=None, choices=sorted(POLICIES),
                         help=f"eviction policy (default {DEFAULT_POLICY})")
+    parser.add_argument("--direct-io", choices=sorted(DIRECT_IO), default=None,
+                        help="read model files with O_DIRECT / F_NOCACHE: auto (default: for packed models), "
+                             "on, off")
     parser.add_argument("--profile", action="append", type=Path, default=[], metavar="FILE",
                         help="domain profile (moe-l2 profile) for hints; once for all models or once per --model")
     parser.add_argument("--socket", help="ZeroMQ address to bind (default ipc://RUNTIME_DIR/moe-l2d.sock)")
@@ -80,6 +85,12 @@ def _load_toml(path: Path) -> dict:
         raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
 
 
+def _direct_io(value, what: str) -> bool | None:
+    if value not in DIRECT_IO:
+        raise ConfigError(f"{what} must be one of {', '.join(DIRECT_IO)}, got {value!r}")
+    return DIRECT_IO[value]
+
+
 def _size(text, what: str) -> int:
     try:
         return parse_size(text)
@@ -90,11 +101,12 @@ def _size(text, what: str) -> int:
 def resolve(args: argparse.Namespace) -> DaemonConfig:
     """Merge the TOML file (if any) with the flags; flags win."""
     table = _load_toml(args.config) if args.config else {}
-    known = {"model", "socket", "runtime_dir", "log_level", "shm_mode", "loader_threads", "policy"}
+    known = {"model", "socket", "runtime_dir", "log_level", "shm_mode", "loader_threads", "policy", "direct_io"}
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"unknown key(s) in {args.config}: {', '.join(sorted(unknown))}")
     default_policy = args.policy or table.get("policy", DEFAULT_POLICY)
+    default_direct = _direct_io(args.direct_io or table.get("direct_io", "auto"), "direct_io")
     models = []
     for entry in table.get("model", []):
         if "path" not in entry or "budget" not in entry:
@@ -102,8 +114,10 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
         profile = entry.get("profile")
         if profile is not None and (not isinstance(profile, str) or not profile):
             raise ConfigError(f"profile of {entry['path']} in {args.config} must be a file name")
+        direct = _direct_io(entry["direct_io"], f"direct_io of {entry['path']}") if "direct_io" in entry \
+            else default_direct
         models.append(ModelConfig(Path(entry["path"]), _size(entry["budget"], f"budget of {entry['path']}"),
-                                  entry.get("policy", default_policy), Path(profile) if profile else None))
+                                  entry.get("policy", default_policy), Path(profile) if profile else None, direct))
     profiles = getattr(args, "profile", None) or []
     if profiles and not args.model:
         raise ConfigError("--profile needs a --model to apply to (in a config file, set profile in [[model]])")
@@ -118,7 +132,7 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
                               f"{len(args.budget)} budgets)")
         budgets = args.budget * len(args.model) if len(args.budget) == 1 else args.budget
         profiles = profiles * len(args.model) if len(profiles) == 1 else (profiles or [None] * len(args.model))
-        models += [ModelConfig(path, _size(b, "--budget"), default_policy, profile)
+        models += [ModelConfig(path, _size(b, "--budget"), default_policy, profile, default_direct)
                    for path, b, profile in zip(args.model, budgets, profiles)]
     elif args.budget:
         raise ConfigError("--budget needs a --model to apply to")

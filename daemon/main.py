@@ -125,7 +125,8 @@ class Daemon:
         check_memory(needed)
         for i, (m, files, geometry, profile) in enumerate(opened):
             self.models.append(ServedModel(i, files, geometry, instance=self.config.socket, epoch=self.epoch,
-                                           policy=m.policy, shm_mode=self.config.shm_mode, profile=profile))
+                                           policy=m.policy, shm_mode=self.config.shm_mode, profile=profile,
+                                           direct_io=m.direct_io))
             self._write_state()
             g = geometry
             log.info("serving %s: %d layers x %d experts, %d slots per layer (%s of shared memory)",

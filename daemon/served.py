@@ -45,7 +45,8 @@ def plan_geometry(files: ModelFiles, budget: int) -> Geometry:
 
 class ServedModel:
     def __init__(self, index: int, files: ModelFiles, geometry: Geometry, *, instance: str, epoch: int,
-                 policy: str = DEFAULT_POLICY, shm_mode: int = 0o600, profile: Profile | None = None):
+                 policy: str = DEFAULT_POLICY, shm_mode: int = 0o600, profile: Profile | None = None,
+                 direct_io: bool | None = None):
         self.files = files
         self.geometry = geometry
         self.policy = policy
@@ -65,7 +66,10 @@ class ServedModel:
         self.routing: dict[str, list[list[int]]] = {}
         self.index = None
         self.data: list = []
-        self.fds = files.open_fds()
+        self.fds = files.open_fds(direct_io)
+        # Linux can tell whether the filesystem took O_DIRECT; macOS' F_NOCACHE cannot be queried.
+        self.direct_io = ModelFiles.direct_fds(self.fds) if hasattr(os, "O_DIRECT") else \
+            (files.direct_default if direct_io is None else direct_io)
         try:
             self._create_segments(epoch, shm_mode)
         except BaseException:
@@ -247,6 +251,8 @@ class ServedModel:
             "n_experts": self.geometry.n_experts,
             "slots_per_layer": self.geometry.n_slots,
             "record_bytes": self.geometry.record_bytes,
+            "format": self.files.format,
+            "direct_io": self.direct_io,
             "shm_bytes": self.shm_bytes,
             "loads_in_flight": sum(layer["loading"] for layer in layers),
             "layers": layers,

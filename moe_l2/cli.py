@@ -71,7 +71,7 @@ def cmd_stats(args) -> int:
 def cmd_verify(args) -> int:
     from moe_l2.client.connection import L2Client
     from moe_l2.client.pool import ExpertPool
-    from moe_l2.model import ModelFiles
+    from moe_l2.model import DIRECT_IO, ModelFiles
 
     try:
         files = ModelFiles.open(args.model)
@@ -83,7 +83,7 @@ def cmd_verify(args) -> int:
         print(f"moe-l2 verify: not attached to moe-l2d ({client.last_error or 'no answer'}); "
               "checking the pread path only", file=sys.stderr)
     rng = random.Random(args.seed)
-    pool = ExpertPool(files, capacity=1, client=client)
+    pool = ExpertPool(files, capacity=1, client=client, direct=DIRECT_IO[args.direct_io])
     mismatches = 0
     tiers = {"L2": 0, "L3": 0}
     try:
@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model directory")
     p.add_argument("--socket", default=None)
     p.add_argument("--no-daemon", action="store_true", help="check the pread path only")
+    p.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
+                   help="read the model files with O_DIRECT / F_NOCACHE (auto: for packed models)")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_verify)

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     daemon = parser.add_mutually_exclusive_group()
     daemon.add_argument("--socket", default=None, help="moe-l2d address (default: the local runtime dir)")
     daemon.add_argument("--no-daemon", action="store_true", help="read missing experts from the model files only")
+    parser.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
+                        help="read missing experts with O_DIRECT / F_NOCACHE (auto: for packed models)")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument("--ignore-chat-template", action="store_true",
@@ -141,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from moe_l2.client.mlx_lm import StreamedLM
+    from moe_l2.model import DIRECT_IO
     from moe_l2.trace import TraceWriter
 
     if args.max_tokens < 1:
@@ -153,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         lm = StreamedLM(args.model, l0_slots=args.l0_slots, l0_budget=args.l0_budget, socket=args.socket,
-                        daemon=not args.no_daemon, client_wait_s=2.0, record=args.trace_out is not None)
+                        daemon=not args.no_daemon, client_wait_s=2.0, record=args.trace_out is not None,
+                        direct=DIRECT_IO[args.direct_io])
     except (OSError, ValueError) as exc:
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 2

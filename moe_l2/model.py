@@ -244,6 +244,10 @@ def _hash_part(h, data: bytes) -> None:
     h.update(data)
 
 
+# The --direct-io choices of the daemon and the clients, as open_fds(direct=...) takes them.
+DIRECT_IO = {"auto": None, "on": True, "off": False}
+
+
 class ModelFiles:
     """A MoE model's files, config, MoE layers and expert records (safetensors, packed or GGUF).
 

@@ -266,3 +266,30 @@ def test_the_daemon_loads_a_packed_model_with_direct_reads(models, daemon_factor
     finally:
         pool.close()
         client.close()
+
+
+@linux
+@pytest.mark.parametrize("flag, packed_direct, stacked_direct", [("auto", True, False), ("on", True, True),
+                                                                 ("off", False, False)])
+def test_the_daemon_direct_io_flag_chooses_per_model(models, daemon_factory, flag, packed_direct, stacked_direct):
+    stacked, packed = models
+    daemon = daemon_factory([stacked.path, packed.path], str(budget_for(packed, 2)), "--direct-io", flag)
+    direct = {m["format"]: m["direct_io"] for m in stats(daemon)["models"]}
+    assert direct == {"safetensors": stacked_direct, "packed": packed_direct}
+    for layer in range(packed.n_layers):  # and the reads through those fds are exact
+        from moe_l2 import protocol
+        from moe_l2.client.connection import request
+
+        request(daemon.socket, protocol.Prefetch(id=1, model=packed.fingerprint, layer=layer, experts=[0, 1]))
+    wait_for(lambda: stats(daemon)["models"][1]["loads_done"] == 2 * packed.n_layers, what="loads")
+    assert stats(daemon)["models"][1]["load_errors"] == 0
+
+
+def test_a_bad_direct_io_value_is_refused_at_start(models, tmp_path):
+    import subprocess
+
+    stacked, _ = models
+    result = subprocess.run([sys.executable, "-P", "-m", "moe_l2.daemon.main", "--model", str(stacked.path),
+                             "--budget", "1G", "--direct-io", "maybe", "--runtime-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--direct-io" in result.stderr
