@@ -89,9 +89,11 @@ class Daemon:
         env = dict(os.environ, MOE_L2_RUNTIME_DIR=str(self.dir))
         env.pop("NOTIFY_SOCKET", None)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "moe_l2.daemon.main", "--model", str(self.model),
-                                          "--budget", str(self.budget), "--runtime-dir", str(self.dir),
-                                          "--socket", self.socket], stdout=log, stderr=log, env=env)
+            # -P: a source checkout in the working directory must not shadow the installed package.
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.daemon.main",
+                                          "--model", str(self.model), "--budget", str(self.budget),
+                                          "--runtime-dir", str(self.dir), "--socket", self.socket],
+                                         stdout=log, stderr=log, env=env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

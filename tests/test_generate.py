@@ -116,7 +116,7 @@ def test_a_directory_that_is_no_model_is_refused(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
-    cmd = [sys.executable, "-m", "moe_l2.demo", "--cache-dir", str(tmp_path), "--max-tokens", "8"]
+    cmd = [sys.executable, "-P", "-m", "moe_l2.demo", "--cache-dir", str(tmp_path), "--max-tokens", "8"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "creating the demo model" in first.stderr

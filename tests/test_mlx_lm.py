@@ -319,7 +319,7 @@ def big_experts_model(tmp_path_factory):
 
 
 def probe(path, mode) -> dict:
-    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(path), mode], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-P", "-c", MEMORY_PROBE, str(path), mode], capture_output=True, text=True,
                          timeout=240)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
