@@ -142,13 +142,8 @@ class Pin(Message):
 
 
 @dataclass(frozen=True)
-class Unpin(Message):
+class Unpin(Pin):
     TYPE = "unpin"
-    FIELDS = {"model": str, "layer": int, "experts": "int_list", "kind": str}
-    model: str = ""
-    layer: int = 0
-    experts: list[int] = field(default_factory=list)
-    kind: str = "permanent"
 
 
 @dataclass(frozen=True)

@@ -304,23 +304,7 @@ std::optional<OsError> run_parallel(size_t n, int threads,
       }
     }
   };
-  size_t n_threads = std::min(n, size_t(threads));
-  if (n_threads <= 1) {
-    loop();
-  } else {
-    std::vector<std::thread> pool;
-    try {
-      for (size_t t = 1; t < n_threads; ++t) {
-        pool.emplace_back(loop);
-      }
-    } catch (const std::system_error&) {
-      // Out of threads: the ones started and this one share the work.
-    }
-    loop();
-    for (auto& t : pool) {
-      t.join();
-    }
-  }
+  run_on_threads(std::min(n, size_t(threads)), loop);
   return failure;
 }
 

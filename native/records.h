@@ -4,12 +4,31 @@
 
 #include <cstdint>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "memory.h"
 
 namespace moe_l2 {
+
+// Runs `loop` on this thread and up to n_threads - 1 more (each pulls work until none is left).
+// Out of threads, the ones started and this one share the work.
+template <typename Loop>
+void run_on_threads(size_t n_threads, Loop&& loop) {
+  std::vector<std::thread> pool;
+  try {
+    for (size_t t = 1; t < n_threads; ++t) {
+      pool.emplace_back(loop);
+    }
+  } catch (const std::system_error&) {
+  }
+  loop();
+  for (auto& t : pool) {
+    t.join();
+  }
+}
 
 // (src_off, nbytes, dst): one piece of a record and the pool memory whose rows receive it.
 using CopyPiece = std::tuple<int64_t, int64_t, Memory*>;

@@ -302,18 +302,7 @@ void transcode_gguf(const std::vector<TranscodeJob>& jobs_in, int threads) {
       transcode_rows(jobs[items[i].job], items[i].begin, items[i].end);
     }
   };
-  size_t n_threads = std::min(items.size(), size_t(threads));
-  std::vector<std::thread> pool;
-  try {
-    for (size_t t = 1; t < n_threads; ++t) {
-      pool.emplace_back(loop);
-    }
-  } catch (const std::system_error&) {
-  }
-  loop();
-  for (auto& t : pool) {
-    t.join();
-  }
+  run_on_threads(std::min(items.size(), size_t(threads)), loop);
 }
 
 }  // namespace moe_l2
