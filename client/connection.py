@@ -92,6 +92,7 @@ class L2Client:
         self.attaches = 0
         self.last_error = ""
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
+        self._hints: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="moe-l2-client", daemon=True)
@@ -115,6 +116,11 @@ class L2Client:
         """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
         loads the misses and counts the picks)."""
         self._reports.put((layer, hits, misses, routed))
+
+    def hint(self, text: str) -> None:
+        """Tell the daemon what the next prompt is about (it may preload and pin that domain's experts);
+        returns at once. A daemon without a profile ignores it."""
+        self._hints.put(text)
 
     def _run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -141,6 +147,7 @@ class L2Client:
                         self._detach("moe-l2d is not running")
                         next_hello = now + min(self.heartbeat_s, RETRY_S)
                 self._flush_reports(sock)
+                self._flush_hints(sock)
                 if sock.poll(20):
                     while True:
                         try:
@@ -154,7 +161,9 @@ class L2Client:
                             pending = None
                             self._on_hello(reply)
                         elif not reply.ok:
-                            log.warning("moe-l2d refused a message: %s: %s", reply.ename, reply.evalue)
+                            # Hints to a daemon without a profile are refused by design: not worth a warning.
+                            level = logging.DEBUG if reply.ename == "NoProfile" else logging.WARNING
+                            log.log(level, "moe-l2d refused a message: %s: %s", reply.ename, reply.evalue)
             self._flush_reports(sock)
             self._send(sock, protocol.Bye(id=next(self._ids), client=self.name))
         finally:
@@ -183,6 +192,15 @@ class L2Client:
         if routed and self.attachment is not None:
             self._send(sock, protocol.Report(id=next(self._ids), model=self.files.fingerprint,
                                              layers=dict(layers), routed=dict(routed)))
+
+    def _flush_hints(self, sock) -> None:
+        try:
+            while True:
+                text = self._hints.get_nowait()
+                if self.attachment is not None:
+                    self._send(sock, protocol.Hint(id=next(self._ids), model=self.files.fingerprint, text=text))
+        except queue.Empty:
+            pass
 
     def _on_hello(self, reply: protocol.Reply) -> None:
         if not reply.ok:

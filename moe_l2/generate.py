@@ -166,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"moe-l2 generate: not attached to moe-l2d at {lm.client.address} "
                   f"({lm.client.last_error or 'no answer'}); reading experts from the model files",
                   file=sys.stderr)
+        if lm.client is not None:
+            lm.client.hint(prompt)  # the daemon preloads the prompt's domain while we prefill
         mx.random.seed(args.seed)
         ids = encode_prompt(lm.tokenizer, prompt, not args.ignore_chat_template)
         if not ids:

@@ -190,3 +190,16 @@ def test_apply_hint_pins_only_experts_the_domain_favours(tmp_path):
     pinned = apply_hint(store, profile, "alpha", 0, share=1.0)
     assert store.pins["permanent"] == {0} and len(pinned) == 3 and 0 not in pinned  # pin limit 4
     assert all(e < 8 for e in pinned) and store.pin_count == 4
+
+
+def test_a_client_hint_reaches_the_daemon_without_waiting(daemon_factory, model_dir, model_files, toy_profile):
+    from moe_l2.client.connection import L2Client
+
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, 8)), "--profile", toy_profile.path)
+    client = L2Client(model_files, daemon.socket, wait_s=5)
+    try:
+        client.hint("what is the integral of this derivative")  # queued; the IO thread sends it
+        wait_for(lambda: stats(daemon)["models"][0]["active_domain"] == "alpha", what="the hint")
+        assert stats(daemon)["models"][0]["hints"] == 1
+    finally:
+        client.close()
