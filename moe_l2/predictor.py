@@ -6,7 +6,9 @@ counts), predicting in well under a millisecond. Its confidence is the posterior
 domain, computed from the log-likelihoods divided by a temperature (the average number of features of a
 prompt, so that long prompts do not make it overconfident).
 
-An embedding backend (sentence embeddings + nearest centroid) is optional: see `moe_l2.embed`.
+An embedding backend (sentence embeddings + nearest centroid, kind "embedding") is optional, behind the
+``embed`` extra: see `moe_l2.embedding`. `train_predictor` and `predictor_from_json` pick the backend by kind
+and import the embedding one only when asked for it.
 """
 
 from __future__ import annotations
@@ -142,6 +144,33 @@ class NaiveBayes:
         return cls(counts, docs, float(alpha))
 
 
+KINDS = ("naive-bayes", "embedding")
+
+
+def predictor_class(kind: str):
+    """The predictor class of a kind (the embedding one imported on demand; its heavy dependencies are
+    imported only when it trains or predicts)."""
+    if kind == NaiveBayes.kind:
+        return NaiveBayes
+    if kind == "embedding":
+        from .embedding import EmbeddingCentroid
+
+        return EmbeddingCentroid
+    raise PredictorError(f"unknown predictor kind {kind!r} (known: {', '.join(KINDS)})")
+
+
+def train_predictor(examples: Iterable[tuple[str, str]], kind: str = NaiveBayes.kind):
+    return predictor_class(kind).train(examples)
+
+
+def predictor_from_json(data):
+    kind = data.get("kind") if isinstance(data, Mapping) else None
+    if kind not in KINDS:
+        raise PredictorError(f"unknown predictor kind {kind if kind is not None else data!r} "
+                             f"(known: {', '.join(KINDS)})")
+    return predictor_class(kind).from_json(data)
+
+
 def cross_validate(examples: list[tuple[str, str]], folds: int = 5, *, group=None, seed: int = 0,
                    train=NaiveBayes.train) -> dict:
     """Accuracy of `train` on held-out prompts: examples are split into `folds` folds (whole groups at a
@@ -198,6 +227,8 @@ def add_arguments(parser) -> None:
                              "profile was built from other traces)")
     parser.add_argument("--cross-validate", nargs="+", metavar="TRACE",
                         help="train on folds of these traces' prompts and report held-out accuracy (no profile)")
+    parser.add_argument("--predictor", choices=KINDS, default=NaiveBayes.kind,
+                        help="with --cross-validate: the backend to train (embedding needs the embed extra)")
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
@@ -222,7 +253,9 @@ def run(args) -> int:
             examples = [(s.prompt, s.domain) for s in traces.sequences if s.prompt and s.domain]
             if len({d for _, d in examples}) < 2:
                 return fail("the traces need prompts of at least two domains")
-            result = cross_validate(examples, args.folds, seed=args.seed)
+            kind = getattr(args, "predictor", NaiveBayes.kind)
+            result = cross_validate(examples, args.folds, seed=args.seed,
+                                    train=lambda ex: train_predictor(ex, kind))
             if args.json:
                 print(json.dumps(result, indent=1))
             else:

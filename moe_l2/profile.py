@@ -18,6 +18,10 @@ version 1::
       "predictor": {"kind": "naive-bayes", "alpha": 0.1, "docs": {...}, "counts": {...}} or null
     }
 
+The predictor may instead be ``{"kind": "embedding", "encoder": "all-MiniLM-L6-v2", "temperature": 0.05,
+"docs": {...}, "centroids": {domain: [384 floats]}}`` (``moe-l2 profile --predictor embedding``; predicting
+with it needs the ``embed`` extra, see moe_l2/embedding.py).
+
 Counts are the source of truth (they add up across traces and daemons); ``backbone`` and ``specificity`` are
 recomputed from them on load and written for people and other tools:
 
@@ -45,7 +49,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .predictor import NaiveBayes, Prediction, PredictorError
+from .predictor import KINDS, NaiveBayes, Prediction, PredictorError, predictor_from_json, train_predictor
 
 FORMAT = "moe-l2-profile"
 VERSION = 1
@@ -86,7 +90,7 @@ class Profile:
     top_k: int
     domains: dict[str, DomainStats] = field(default_factory=dict)
     unlabelled: DomainStats | None = None
-    predictor: NaiveBayes | None = None
+    predictor: NaiveBayes | None = None  # or moe_l2.embedding.EmbeddingCentroid
     sources: list[str] = field(default_factory=list)
     path: str = ""
 
@@ -129,8 +133,9 @@ class Profile:
                 acc[e] += n
 
     @classmethod
-    def from_traces(cls, traces, *, predictor: bool = True) -> "Profile":
-        """A profile from a moe_l2.trace.TraceSet (or any iterable of TraceSequence of one model)."""
+    def from_traces(cls, traces, *, predictor: bool | str = True) -> "Profile":
+        """A profile from a moe_l2.trace.TraceSet (or any iterable of TraceSequence of one model). `predictor`:
+        False for none, True for the default (naive Bayes) or a kind of `moe_l2.predictor.KINDS`."""
         sequences = list(getattr(traces, "sequences", traces))
         if not sequences:
             raise ProfileError("no sequences to build a profile from")
@@ -142,7 +147,8 @@ class Profile:
         if predictor:
             examples = [(s.prompt, s.domain) for s in sequences if s.prompt and s.domain]
             if len({d for _, d in examples}) >= 2:
-                profile.predictor = NaiveBayes.train(examples)
+                kind = predictor if isinstance(predictor, str) else NaiveBayes.kind
+                profile.predictor = train_predictor(examples, kind)
         profile.refresh()
         return profile
 
@@ -277,7 +283,7 @@ class Profile:
         predictor = None
         if data.get("predictor") is not None:
             try:
-                predictor = NaiveBayes.from_json(data["predictor"])
+                predictor = predictor_from_json(data["predictor"])
             except PredictorError as exc:
                 fail(str(exc))
         sources = data.get("sources", [])
@@ -436,6 +442,9 @@ def add_arguments(parser) -> None:
                         help="with --from-daemon: add the online counts to this profile (keeps its predictor)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     parser.add_argument("--no-predictor", action="store_true", help="do not train a domain predictor")
+    parser.add_argument("--predictor", choices=KINDS, default=NaiveBayes.kind,
+                        help="domain predictor to train: naive-bayes (default, no dependency) or embedding "
+                             "(sentence embeddings; needs pip install 'moe-l2[embed]')")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -450,12 +459,13 @@ def run(args) -> int:
             if not args.out:
                 raise ProfileError("--out P.json is required")
             if args.traces:
-                profile = Profile.from_traces(read_traces(args.traces), predictor=not args.no_predictor)
+                profile = Profile.from_traces(read_traces(args.traces),
+                                              predictor=False if args.no_predictor else args.predictor)
             else:
                 base = Profile.load(args.base) if args.base else None
                 profile = profile_from_daemon(args.socket or default_socket(), args.model, base, args.timeout)
             profile.save(args.out)
-    except (TraceError, ProfileError) as exc:
+    except (TraceError, ProfileError, PredictorError) as exc:
         print(f"moe-l2 profile: {exc}", file=sys.stderr)
         return 2
     except TimeoutError as exc:

