@@ -106,17 +106,29 @@ def cmd_verify(args) -> int:
     return 1 if mismatches else 0
 
 
+# Subcommands whose module has add_arguments(parser) and run(args), in the order --help lists them.
+COMMANDS = [
+    ("demo", demo, "the built-in demo: a small model, a daemon, a cold and a warm run"),
+    ("generate", generate, "generate text with an mlx-lm MoE model, its experts streamed"),
+    ("pack", pack_cmd, "rewrite a checkpoint expert-major: one read per expert"),
+    ("replay", replay, "run routing traces through the daemon's store: hit rates vs LRU, LFU and Belady's MIN"),
+    ("profile", profile_cmd, "build a domain profile from traces or the daemon's statistics"),
+    ("predict", predictor, "name a prompt's domain with a profile's predictor"),
+]
+
+
+def _add_commands(sub, commands) -> None:
+    for name, module, help_text in commands:
+        p = sub.add_parser(name, help=help_text)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-l2", description="Stats, verification and tools for moe-l2.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="the built-in demo: a small model, a daemon, a cold and a warm run")
-    demo.add_arguments(p)
-    p.set_defaults(func=demo.run)
-
-    p = sub.add_parser("generate", help="generate text with an mlx-lm MoE model, its experts streamed")
-    generate.add_arguments(p)
-    p.set_defaults(func=generate.run)
+    _add_commands(sub, COMMANDS)
 
     p = sub.add_parser("stats", help="hit rates, occupancy, loads and memory of the running daemon")
     p.add_argument("--socket", default=None, help="daemon address (default: the local runtime dir)")
@@ -133,23 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_verify)
-
-    p = sub.add_parser("pack", help="rewrite a checkpoint expert-major: one read per expert")
-    pack_cmd.add_arguments(p)
-    p.set_defaults(func=pack_cmd.run)
-
-    p = sub.add_parser("replay", help="run routing traces through the daemon's store: hit rates vs LRU, LFU "
-                                      "and Belady's MIN")
-    replay.add_arguments(p)
-    p.set_defaults(func=replay.run)
-
-    p = sub.add_parser("profile", help="build a domain profile from traces or the daemon's statistics")
-    profile_cmd.add_arguments(p)
-    p.set_defaults(func=profile_cmd.run)
-
-    p = sub.add_parser("predict", help="name a prompt's domain with a profile's predictor")
-    predictor.add_arguments(p)
-    p.set_defaults(func=predictor.run)
 
     p = sub.add_parser("make-model", help="write a random-weight mlx-lm MoE checkpoint")
     generator.configure_parser(p)
