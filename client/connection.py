@@ -29,6 +29,8 @@ log = logging.getLogger("moe-l2.client")
 
 # How soon to say hello again when the socket could not even take the message.
 RETRY_S = 0.05
+# Expert ids per report frame: at most ~5 bytes each in msgpack, far below protocol.MAX_FRAME_BYTES.
+MAX_REPORT_IDS = 50_000
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,9 @@ class L2Client:
     def report(self, layer: int, hits: list[int], misses: list[int], routed: list[int]) -> None:
         """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
         loads the misses and counts the picks)."""
-        self._reports.put((layer, hits, misses, routed))
+        self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS]))
+        for start in range(MAX_REPORT_IDS, len(routed), MAX_REPORT_IDS):  # a long prefill, pick by pick
+            self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS]))
 
     def hint(self, text: str) -> None:
         """Tell the daemon what the next prompt is about (it may preload and pin that domain's experts);
@@ -178,20 +182,26 @@ class L2Client:
             return False
 
     def _flush_reports(self, sock) -> None:
-        layers: dict[int, list[list[int]]] = collections.defaultdict(lambda: [[], []])
-        routed: dict[int, list[int]] = collections.defaultdict(list)
-        try:
-            while True:
-                layer, hits, misses, picks = self._reports.get_nowait()
-                if hits or misses:
-                    layers[layer][0].extend(hits)
-                    layers[layer][1].extend(misses)
-                routed[layer].extend(picks)
-        except queue.Empty:
-            pass
-        if routed and self.attachment is not None:
-            self._send(sock, protocol.Report(id=next(self._ids), model=self.files.fingerprint,
-                                             layers=dict(layers), routed=dict(routed)))
+        """Send the queued reports, merged, in frames well under the daemon's frame limit."""
+        while True:
+            layers: dict[int, list[list[int]]] = collections.defaultdict(lambda: [[], []])
+            routed: dict[int, list[int]] = collections.defaultdict(list)
+            ids = 0
+            try:
+                while ids < MAX_REPORT_IDS:
+                    layer, hits, misses, picks = self._reports.get_nowait()
+                    if hits or misses:
+                        layers[layer][0].extend(hits)
+                        layers[layer][1].extend(misses)
+                    routed[layer].extend(picks)
+                    ids += len(hits) + len(misses) + len(picks)
+            except queue.Empty:
+                pass
+            if routed and self.attachment is not None:
+                self._send(sock, protocol.Report(id=next(self._ids), model=self.files.fingerprint,
+                                                 layers=dict(layers), routed=dict(routed)))
+            if ids < MAX_REPORT_IDS:
+                return
 
     def _flush_hints(self, sock) -> None:
         try:

@@ -187,3 +187,16 @@ def test_client_without_daemon_serves_from_the_file_and_attaches_when_it_starts(
     finally:
         pool.close()
         client.close()
+
+
+def test_a_flood_of_reports_is_split_into_frames_the_daemon_accepts(running_daemon, model_files):
+    """A long prefill reported pick by pick must not become one frame over the daemon's limit."""
+    client = L2Client(model_files, running_daemon.socket, wait_s=5)
+    picks = [e % model_files.n_experts for e in range(2_000_000)]  # 2 MB of ids in one frame
+    try:
+        client.report(0, [], [], picks)
+    finally:
+        client.close()
+    reply = request(running_daemon.socket, protocol.Stats(id=1, routing=True))
+    assert reply.payload["daemon"]["errors"] == 0  # nothing refused as too large
+    assert sum(reply.payload["models"][0]["routing"][""][0]) == len(picks)
