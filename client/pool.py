@@ -9,7 +9,6 @@ referenced before it holds its whole record.
 
 from __future__ import annotations
 
-import bisect
 import os
 import time
 from dataclasses import dataclass
@@ -53,7 +52,6 @@ class LayerPool:
         self._table = self._table_buffer.view().cast("i")
         self.table = self._table_buffer.array(0, [files.n_experts], mx.int32)
         self.copy_pieces = [(p.offset, p.nbytes, self.buffers[p.key]) for p in self.pieces]
-        self._piece_starts = [p.offset for p in self.pieces]
         self.row_of: dict[int, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self.pinned: set[int] = set()
@@ -67,27 +65,25 @@ class LayerPool:
                 rows.append(self._free.pop())
                 continue
             candidates = [e for e in self.row_of if e not in batch and e not in self.pinned]
-            victim = self.policy.victim(candidates)
-            self.policy.evict(victim)
-            self._table[victim] = -1
-            rows.append(self.row_of.pop(victim))
+            rows.append(self._drop(self.policy.victim(candidates)))
         return rows
 
-    def evict(self, expert: int) -> None:
+    def _drop(self, expert: int) -> int:
+        """Take the expert out of L0; returns the row it held."""
         row = self.row_of.pop(expert)
         self._table[expert] = -1
         self.policy.evict(expert)
         self.pinned.discard(expert)
-        self._free.append(row)
+        return row
+
+    def evict(self, expert: int) -> None:
+        self._free.append(self._drop(expert))
 
     def publish(self, experts: list[int], rows: list[int]) -> None:
         for expert, row in zip(experts, rows):
             self.row_of[expert] = row
             self._table[expert] = row
             self.policy.insert(expert)
-
-    def piece_at(self, record_offset: int):
-        return self.pieces[bisect.bisect_right(self._piece_starts, record_offset) - 1]
 
     def record(self, expert: int) -> bytes:
         """The expert's record as L0 holds it, laid out like ModelFiles.read_record (for verification)."""

@@ -117,8 +117,6 @@ def daemon_factory():
 
 def quarter_budget(files: ModelFiles) -> str:
     """A budget whose slots hold a quarter of each layer's experts."""
-    from moe_l2.layout import Geometry
-
     return str(budget_for(files, max(1, files.n_experts // 4)))
 
 

@@ -4,7 +4,6 @@ are written atomically and resumably, and are served by a real daemon and client
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
