@@ -57,27 +57,33 @@ def test_pread_only_pool_returns_file_bytes(any_model):
         pool.close()
 
 
-def test_every_tier_returns_file_bytes_through_a_daemon(any_model, daemon_factory):
-    daemon = daemon_factory([any_model.path], str(budget_for(any_model, any_model.n_experts)))
-    client = L2Client(any_model, daemon.socket, wait_s=5)
+def assert_every_tier_exact(files: ModelFiles, daemon) -> None:
+    """Every expert cold (L3, reported to the daemon), then warm (copied from L2), then from L0: exact bytes."""
+    client = L2Client(files, daemon.socket, wait_s=5)
     assert client.attached
-    pool = ExpertPool(any_model, capacity=2, client=client)
+    pool = ExpertPool(files, capacity=2, client=client)
     try:
-        experts = list(range(any_model.n_experts))
-        for layer in range(any_model.n_layers):
+        experts = list(range(files.n_experts))
+        for layer in range(files.n_layers):
             for pair in zip(experts[::2], experts[1::2]):
-                assert pool.fetch(layer, list(pair)).l3_reads == 2  # cold: L3, reported to the daemon
-                assert_resident_exact(pool, any_model, layer, pair)
-        wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == any_model.n_layers * any_model.n_experts,
+                assert pool.fetch(layer, list(pair)).l3_reads == 2
+                assert_resident_exact(pool, files, layer, pair)
+        wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == files.n_layers * files.n_experts,
                  what="demand loads")
-        for layer in range(any_model.n_layers):
+        for layer in range(files.n_layers):
             for pair in zip(experts[::2], experts[1::2]):
-                assert pool.fetch(layer, list(pair)).l2_hits == 2  # warm: copied from shared memory
-                assert_resident_exact(pool, any_model, layer, pair)
+                assert pool.fetch(layer, list(pair)).l2_hits == 2
+                assert_resident_exact(pool, files, layer, pair)
                 assert pool.fetch(layer, list(pair)).l0_hits == 2
+        assert stats(daemon)["models"][0]["load_errors"] == 0
     finally:
         pool.close()
         client.close()
+
+
+def test_every_tier_returns_file_bytes_through_a_daemon(any_model, daemon_factory):
+    assert_every_tier_exact(any_model, daemon_factory([any_model.path],
+                                                      str(budget_for(any_model, any_model.n_experts))))
 
 
 def test_pool_arrays_are_mlx_arrays_seen_through_the_slot_table(model_files):

@@ -12,13 +12,12 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from moe_l2 import _native
-from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
 from moe_l2.gguf import make_gguf_model, transcode_reference
 from moe_l2.model import ModelFiles
 
 from .conftest import budget_for
-from .test_daemon import stats, wait_for
+from .test_client import assert_every_tier_exact
 
 PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "MXFP4": 4}
@@ -211,27 +210,7 @@ def test_pool_arrays_run_gather_qmm_exactly_like_the_whole_tensor(gguf_model):
 
 def test_the_daemon_converts_once_into_l2(gguf_model, daemon_factory):
     files = gguf_model("mixed-dense-first")
-    daemon = daemon_factory([files.path], str(budget_for(files, files.n_experts)))
-    client = L2Client(files, daemon.socket, wait_s=5)
-    assert client.attached
-    pool = ExpertPool(files, capacity=2, client=client)
-    try:
-        experts = list(range(files.n_experts))
-        for layer in range(files.n_layers):
-            for pair in zip(experts[::2], experts[1::2]):
-                assert pool.fetch(layer, list(pair)).l3_reads == 2
-                for e in pair:
-                    assert pool.layers[layer].record(e) == files.read_record(layer, e)
-        wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == files.n_layers * files.n_experts, what="loads")
-        for layer in range(files.n_layers):
-            for pair in zip(experts[::2], experts[1::2]):
-                assert pool.fetch(layer, list(pair)).l2_hits == 2
-                for e in pair:
-                    assert pool.layers[layer].record(e) == files.read_record(layer, e)
-        assert stats(daemon)["models"][0]["load_errors"] == 0
-    finally:
-        pool.close()
-        client.close()
+    assert_every_tier_exact(files, daemon_factory([files.path], str(budget_for(files, files.n_experts))))
 
 
 def test_verify_checks_gguf_models(gguf_model):
