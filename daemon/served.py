@@ -152,15 +152,12 @@ class ServedModel:
     def report(self, layers: dict[int, list[list[int]]], routed: dict[int, list[int]], loader) -> None:
         """Fold a client's lookups into the policy and counters, load its misses, and count its routing
         (every pick, L0 hits included; a client that sends no `routed` is counted by its L2 lookups)."""
-        for layer, (hits, misses) in layers.items():
-            store = self.check_layer(layer)
-            for expert in (*hits, *misses):
-                store.check_expert(expert)
-        for layer, experts in routed.items():
+        lookups = {layer: [*hits, *misses] for layer, (hits, misses) in layers.items()}
+        for layer, experts in (*lookups.items(), *routed.items()):  # all checked before anything changes
             store = self.check_layer(layer)
             for expert in experts:
                 store.check_expert(expert)
-        picks = routed or {layer: [*hits, *misses] for layer, (hits, misses) in layers.items()}
+        picks = routed or lookups
         with self.lock:
             routing = self._routing_counts(self.active_domain or "")
             for layer, experts in picks.items():
@@ -170,7 +167,7 @@ class ServedModel:
         hits_total = misses_total = 0
         for layer, (hits, misses) in layers.items():
             with self.lock:
-                for expert in (*hits, *misses):
+                for expert in lookups[layer]:
                     self.stores[layer].access(expert)
             hits_total += len(hits)
             misses_total += len(misses)
