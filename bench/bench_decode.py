@@ -26,10 +26,12 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
+from moe_l2.client.connection import wait_idle
+from moe_l2.client.generation import encode_prompt
 from moe_l2.client.mlx_lm import StreamedLM
-from moe_l2.demo import Daemon, full_budget
-from moe_l2.generate import encode_prompt
+from moe_l2.daemon.process import DaemonProcess
 from moe_l2.generator import make_model
+from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
 
 MODEL = dict(arch="qwen3_moe", layers=6, experts=32, top_k=4, hidden_size=128, moe_hidden_size=128, bits=4, seed=11)
@@ -90,9 +92,10 @@ def main(argv=None) -> int:
         warm = f"streamed, L0 {quarter}/{files.n_experts}, warm L2"
         pread = f"streamed, L0 {quarter}/{files.n_experts}, pread only"
         runs = {"whole model": [], "streamed, every expert in L0": [], warm: [], pread: []}
-        with Daemon(path, full_budget(files)) as daemon:
+        every_expert = Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, files.n_experts)
+        with DaemonProcess.serving([path], every_expert) as daemon:
             streamed(path, ids, args.tokens, l0_slots=quarter, socket=daemon.socket)  # fills L2
-            daemon.wait_idle()
+            wait_idle(daemon.socket)
             for _ in range(args.repeats):
                 runs["whole model"].append(decode(whole, tokenizer, ids, args.tokens))
                 runs["streamed, every expert in L0"].append(

@@ -22,6 +22,7 @@ from pathlib import Path
 from moe_l2 import _native, protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
+from moe_l2.daemon.process import DaemonProcess
 from moe_l2.generator import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.sizes import format_size
@@ -49,20 +50,6 @@ def best_of(fn, repeat: int) -> float:
     return min(times)
 
 
-def start_daemon(model: Path, runtime: Path) -> tuple[subprocess.Popen, str]:
-    socket = f"ipc://{runtime / 'moe-l2d.sock'}"
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.daemon.main", "--model", str(model),
-                             "--budget", "4GiB", "--runtime-dir", str(runtime), "--log-level", "warning"])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if request(socket, protocol.Stats(id=1), timeout_s=0.5).ok:
-                return proc, socket
-        except TimeoutError:
-            pass
-    raise RuntimeError("moe-l2d did not start")
-
-
 def percentiles(samples: list[float]) -> tuple[float, float]:
     ordered = sorted(samples)
     return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -83,7 +70,8 @@ def main() -> None:
     files = ModelFiles.open(model)
     record = files.layout.nbytes
     print(f"model: 2 layers x {args.experts} experts, record {format_size(record)}, batch {args.batch}")
-    daemon, socket = start_daemon(model, work)
+    daemon = DaemonProcess.serving([model], "4GiB", "--log-level", "warning", runtime_dir=work).start()
+    socket = daemon.socket
     try:
         for layer in range(files.n_layers):
             request(socket, protocol.Prefetch(id=1, model=files.fingerprint, layer=layer,
@@ -166,8 +154,7 @@ def main() -> None:
         pool.close()
         client.close()
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(30)
+        daemon.cleanup()
 
 
 if __name__ == "__main__":

@@ -82,6 +82,14 @@ def request(address: str, message: protocol.Message, timeout_s: float = 5.0) -> 
         sock.close(0)
 
 
+def wait_idle(address: str, timeout_s: float = 10.0) -> None:
+    """Until the daemon has no loads in flight (those that earlier misses and prefetches asked for)."""
+    deadline = time.monotonic() + timeout_s
+    while (time.monotonic() < deadline
+           and request(address, protocol.Stats(id=1)).payload["daemon"]["loads_in_flight"]):
+        time.sleep(0.05)
+
+
 class L2Client:
     def __init__(self, files: ModelFiles, address: str | None = None, *, heartbeat_s: float = 1.0,
                  timeout_s: float = 2.0, wait_s: float = 1.0):

@@ -14,6 +14,7 @@ import time
 import psutil
 
 from moe_l2 import _native
+from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
 from moe_l2.profile import Profile, ProfileError
 from moe_l2.sizes import format_size
@@ -21,7 +22,7 @@ from moe_l2.sizes import format_size
 from .config import ConfigError, DaemonConfig, build_parser, resolve
 from .loader import Loader
 from .notify import sd_notify
-from .served import ServedModel, plan_geometry
+from .served import ServedModel
 from .server import Server
 
 log = logging.getLogger("moe-l2d")
@@ -117,7 +118,11 @@ class Daemon:
                     profile.check_model(files.n_layers, files.n_experts, str(m.path))
                 except ProfileError as exc:
                     raise StartupError(f"cannot serve {m.path}: {exc}") from None
-            opened.append((m, files, plan_geometry(files, m.budget), profile))
+            try:
+                geometry = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, m.budget)
+            except BudgetError as exc:
+                raise StartupError(f"cannot serve {m.path}: {exc}") from None
+            opened.append((m, files, geometry, profile))
         fingerprints = [files.fingerprint for _, files, _, _ in opened]
         if len(set(fingerprints)) != len(fingerprints):
             raise StartupError("the same model is listed twice; serve each model once")

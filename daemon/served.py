@@ -14,7 +14,6 @@ import threading
 from moe_l2 import _native
 from moe_l2.layout import META_CHECKSUM, META_EXPERT, META_SEQ, Geometry, IndexHeader, segment_names
 from moe_l2.model import ModelFiles
-from moe_l2.sizes import format_size
 
 from moe_l2.policy import DEFAULT_POLICY, make_policy
 from moe_l2.predictor import PredictorError
@@ -25,22 +24,6 @@ from .stats import ModelCounters
 from .store import LayerStore, Reservation
 
 log = logging.getLogger("moe-l2d.model")
-
-
-class BudgetError(ValueError):
-    pass
-
-
-def plan_geometry(files: ModelFiles, budget: int) -> Geometry:
-    """As many slots per layer as the budget pays for (index segment included), at most one per expert."""
-    probe = Geometry(files.n_layers, files.n_experts, files.n_experts, files.layout.nbytes)
-    per_slot = files.n_layers * probe.slot_stride
-    n_slots = min(files.n_experts, max(0, budget - probe.index_bytes) // per_slot)
-    if n_slots < 1:
-        raise BudgetError(
-            f"budget {format_size(budget)} is too small for {files.path}: one slot per layer takes "
-            f"{format_size(per_slot + probe.index_bytes)}; raise --budget")
-    return Geometry(files.n_layers, files.n_experts, n_slots, files.layout.nbytes)
 
 
 class ServedModel:

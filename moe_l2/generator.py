@@ -8,16 +8,14 @@ models, which this project never fetches.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import json
-import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
-__all__ = ["ARCHS", "Arch", "make_model", "configure_parser", "run", "main"]
+__all__ = ["ARCHS", "Arch", "make_model"]
 
 # Head size of every generated attention layer; hidden sizes must be multiples of it.
 _HEAD_DIM = 32
@@ -467,58 +465,3 @@ def make_model(
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
     say(f"wrote {out}")
     return out
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the make-model options to parser (for `moe-l2 make-model`)."""
-    parser.add_argument("--arch", required=True, choices=sorted(ARCHS), help="mlx-lm architecture")
-    parser.add_argument("--layers", type=int, required=True, help="decoder layers")
-    parser.add_argument("--experts", type=int, required=True, help="routed experts per MoE layer")
-    parser.add_argument("--top-k", type=int, required=True, help="experts per token")
-    parser.add_argument("--hidden-size", type=int, required=True, help="model width (multiple of 32)")
-    parser.add_argument("--moe-hidden-size", type=int, required=True, help="width of one expert")
-    parser.add_argument(
-        "--bits", type=int, required=True, choices=(4, 8, 16), help="4/8: affine quantized, 16: float16"
-    )
-    parser.add_argument("--out", required=True, type=Path, help="output directory (created; must be empty)")
-    parser.add_argument("--per-expert", action="store_true", help="one tensor per expert instead of stacked")
-    parser.add_argument("--shards", type=int, default=1, help="number of safetensors files")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    parser.add_argument(
-        "--vocab-size", type=int, default=None, help=f"tokenizer and model vocabulary (default {_DEFAULT_VOCAB})"
-    )
-    return parser
-
-
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Make the model that args (from configure_parser) describe; bad values exit via parser.error."""
-    try:
-        make_model(
-            args.out,
-            args.arch,
-            args.layers,
-            args.experts,
-            args.top_k,
-            args.hidden_size,
-            args.moe_hidden_size,
-            args.bits,
-            per_expert=args.per_expert,
-            shards=args.shards,
-            seed=args.seed,
-            vocab_size=args.vocab_size,
-            progress=lambda msg: print(msg, file=sys.stderr),
-        )
-    except ValueError as e:
-        parser.error(str(e))
-    return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`moe-l2 make-model ...`: argv holds the options after the subcommand."""
-    parser = configure_parser(
-        argparse.ArgumentParser(
-            prog="moe-l2 make-model",
-            description="Write a random-weight mlx-lm MoE checkpoint for tests and benchmarks.",
-        )
-    )
-    return run(parser.parse_args(argv), parser)

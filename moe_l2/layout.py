@@ -16,6 +16,8 @@ import mmap
 import struct
 from dataclasses import dataclass
 
+from moe_l2.sizes import format_size
+
 MAGIC = b"MOEL2IDX"
 LAYOUT_VERSION = 1
 SLOT_META_BYTES = 16
@@ -36,6 +38,10 @@ def page_size() -> int:
     return mmap.PAGESIZE
 
 
+class BudgetError(ValueError):
+    pass
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Sizes of one model's segments; everything else follows from these."""
@@ -44,6 +50,23 @@ class Geometry:
     n_experts: int
     n_slots: int
     record_bytes: int
+
+    @classmethod
+    def for_budget(cls, n_layers: int, n_experts: int, record_bytes: int, budget: int) -> "Geometry":
+        """As many slots per layer as the budget pays for (index segment included), at most one per expert."""
+        probe = cls(n_layers, n_experts, n_experts, record_bytes)
+        per_slot = n_layers * probe.slot_stride
+        n_slots = min(n_experts, max(0, budget - probe.index_bytes) // per_slot)
+        if n_slots < 1:
+            raise BudgetError(f"budget {format_size(budget)} is too small: one slot per layer takes "
+                              f"{format_size(per_slot + probe.index_bytes)}; raise --budget")
+        return cls(n_layers, n_experts, n_slots, record_bytes)
+
+    @classmethod
+    def budget_for(cls, n_layers: int, n_experts: int, record_bytes: int, n_slots: int) -> int:
+        """The smallest budget that buys `n_slots` slots per layer: the inverse of `for_budget`."""
+        probe = cls(n_layers, n_experts, n_experts, record_bytes)  # for_budget's worst-case index
+        return probe.index_bytes + n_slots * n_layers * probe.slot_stride
 
     @property
     def slot_stride(self) -> int:

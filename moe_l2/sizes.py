@@ -1,4 +1,4 @@
-"""Byte sizes as people write them ("24GiB", "512M", "1.5G") and as we print them."""
+"""Byte sizes as people write them ("24GiB", "512M", "1.5G") and as we print them; shares as percentages."""
 
 from __future__ import annotations
 
@@ -31,3 +31,10 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_pct(rate: float | None, digits: int = 1, sign: bool = True) -> str:
+    """A share as a percentage ("37.5%"); "-" when there is nothing to divide."""
+    if rate is None:
+        return "-"
+    return f"{100 * rate:.{digits}f}{'%' if sign else ''}"

@@ -12,7 +12,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import stream_generate
 
-from moe_l2 import generate
+from moe_l2.cli import main as moe_l2_main
+from moe_l2.client.generation import encode_prompt
 from moe_l2.trace import read_traces
 
 from .test_daemon import stats, wait_for
@@ -23,12 +24,12 @@ PROMPT = "Which experts does the router pick for this sentence?"
 @pytest.fixture(scope="module")
 def expected(model_dir) -> list[int]:
     whole, tokenizer = load(str(model_dir))
-    ids = generate.encode_prompt(tokenizer, PROMPT)
+    ids = encode_prompt(tokenizer, PROMPT)
     return [r.token for r in stream_generate(whole, tokenizer, mx.array(ids), max_tokens=12)]
 
 
 def run_json(capsys, *args) -> dict:
-    assert generate.main([*args, "--max-tokens", "12", "--json"]) == 0
+    assert moe_l2_main(["generate", *args, "--max-tokens", "12", "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -47,7 +48,7 @@ def test_text_mode_streams_the_text_then_one_summary(capsys, model_dir, tmp_path
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(PROMPT)
     s = run_json(capsys, "--model", str(model_dir), "--prompt-file", str(prompt_file), "--no-daemon")
-    assert generate.main(["--model", str(model_dir), "--prompt", PROMPT, "--no-daemon", "--max-tokens", "12"]) == 0
+    assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-daemon", "--max-tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(s["text"])
     summary = out[len(s["text"]):].strip().splitlines()
@@ -90,7 +91,7 @@ def test_through_the_daemon_the_second_run_copies_from_l2(capsys, running_daemon
 
 
 def test_an_absent_daemon_means_reading_the_file(capsys, model_dir, tmp_path, expected):
-    assert generate.main(["--model", str(model_dir), "--prompt", PROMPT, "--socket",
+    assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--socket",
                           f"ipc://{tmp_path / 'nobody.sock'}", "--max-tokens", "12", "--json"]) == 0
     out, err = capsys.readouterr()
     s = json.loads(out)
@@ -105,18 +106,18 @@ def test_an_absent_daemon_means_reading_the_file(capsys, model_dir, tmp_path, ex
     (["--max-tokens", "0"], "at least 1"),
 ])
 def test_bad_arguments_are_refused(capsys, model_dir, args, message):
-    assert generate.main(["--model", str(model_dir), "--prompt", "hi", "--no-daemon", *args]) == 2
+    assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", "hi", "--no-daemon", *args]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_a_directory_that_is_no_model_is_refused(capsys, tmp_path):
-    assert generate.main(["--model", str(tmp_path), "--prompt", "hi", "--no-daemon"]) == 2
+    assert moe_l2_main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--no-daemon"]) == 2
     assert "no config.json" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
-    cmd = [sys.executable, "-P", "-m", "moe_l2.demo", "--cache-dir", str(tmp_path), "--max-tokens", "8"]
+    cmd = [sys.executable, "-P", "-m", "moe_l2.cli", "demo", "--cache-dir", str(tmp_path), "--max-tokens", "8"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "creating the demo model" in first.stderr

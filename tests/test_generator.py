@@ -7,7 +7,8 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from moe_l2.generator import ARCHS, main, make_model
+from moe_l2.cli import main as moe_l2_main
+from moe_l2.generator import ARCHS, make_model
 
 DIMS = dict(layers=3, experts=4, top_k=2, hidden_size=64, moe_hidden_size=64)
 PROMPT = "The morning was"
@@ -192,21 +193,19 @@ def test_refuses_non_empty_dir(tmp_path):
 
 def test_cli(tmp_path, capsys):
     out = tmp_path / "cli"
-    argv = ["--arch", "mixtral", "--layers", "2", "--experts", "4", "--top-k", "2", "--hidden-size", "64",
+    argv = ["make-model", "--arch", "mixtral", "--layers", "2", "--experts", "4", "--top-k", "2", "--hidden-size", "64",
             "--moe-hidden-size", "64", "--bits", "8", "--out", str(out), "--per-expert", "--shards", "2",
             "--seed", "1"]
-    assert main(argv) == 0
+    assert moe_l2_main(argv) == 0
     assert (out / "model-00002-of-00002.safetensors").is_file()
     assert "wrote" in capsys.readouterr().err
 
     bad = argv[:]
     bad[bad.index("--top-k") + 1] = "9"
     bad[bad.index("--out") + 1] = str(tmp_path / "bad")
-    with pytest.raises(SystemExit) as exc:
-        main(bad)
-    assert exc.value.code == 2
+    assert moe_l2_main(bad) == 2
     assert "top_k must be between 1 and experts (4), got 9" in capsys.readouterr().err
 
     with pytest.raises(SystemExit):
-        main(argv[:-2] + ["--bits", "5"])
+        moe_l2_main(argv[:-2] + ["--bits", "5"])
     assert "invalid choice" in capsys.readouterr().err

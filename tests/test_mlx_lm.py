@@ -289,7 +289,7 @@ MEMORY_PROBE = r"""
 import json, sys
 import psutil
 from moe_l2.client.mlx_lm import StreamedLM, peak_rss_bytes
-from moe_l2.generate import encode_prompt, generate_streamed
+from moe_l2.client.generation import encode_prompt, generate_streamed
 from mlx_lm import load
 import mlx.core as mx
 from mlx_lm.generate import stream_generate

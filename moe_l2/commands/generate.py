@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from moe_l2.sizes import format_size
+from moe_l2.sizes import format_pct, format_size
+
+HELP = "generate text with an mlx-lm MoE model, its experts streamed"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -34,43 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--trace-domain", default=None, help="domain label written into the trace")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text and summary")
     return parser
-
-
-def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
-    """The prompt's token ids as mlx_lm.generate builds them (chat template when the tokenizer has one)."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-    return list(tokenizer.encode(text))
-
-
-def generate_streamed(lm, prompt_ids: list[int], max_tokens: int, *, temp: float = 0.0, on_text=None) -> dict:
-    """Generate with mlx-lm's own loop on a StreamedLM; returns the tokens, text and per-run numbers."""
-    import mlx.core as mx
-    from mlx_lm.generate import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    from moe_l2.client.pool import TierCounts
-
-    before = TierCounts()
-    before.add(lm.pool.counts)
-    stats_before = lm.stats.as_dict()
-    tokens, text, last = [], [], None
-    for response in stream_generate(lm.model, lm.tokenizer, mx.array(prompt_ids), max_tokens=max_tokens,
-                                    sampler=make_sampler(temp)):
-        tokens.append(response.token)
-        text.append(response.text)
-        if on_text is not None and response.text:
-            on_text(response.text)
-        last = response
-    counts = TierCounts()
-    counts.add(lm.pool.counts)
-    for name in counts.__dataclass_fields__:
-        setattr(counts, name, getattr(counts, name) - getattr(before, name))
-    stats = {k: v - stats_before[k] for k, v in lm.stats.as_dict().items()}
-    return {"tokens": tokens, "text": "".join(text), "counts": counts, "stats": stats,
-            "prompt_tokens": len(prompt_ids), "prompt_tps": last.prompt_tps if last else None,
-            "generation_tokens": len(tokens), "generation_tps": last.generation_tps if last else None,
-            "finish_reason": last.finish_reason if last else None}
 
 
 def _read_prompt(args) -> str:
@@ -117,10 +82,6 @@ def summary(result: dict, lm) -> dict:
     }
 
 
-def _pct(x: float) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
 def render(s: dict) -> str:
     if s["daemon"] is None:
         daemon = "no daemon"
@@ -131,8 +92,8 @@ def render(s: dict) -> str:
     return "\n".join([
         f"prompt {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tok/s; "
         f"decode {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
-        f"experts: {s['expert_lookups']} lookups: L0 {_pct(s['l0_hit_rate'])}, L2 {_pct(s['l2_hit_rate'])}, "
-        f"L3 (disk) {_pct(s['l3_rate'])}; read from disk {format_size(s['bytes_read'])}, "
+        f"experts: {s['expert_lookups']} lookups: L0 {format_pct(s['l0_hit_rate'])}, L2 {format_pct(s['l2_hit_rate'])}, "
+        f"L3 (disk) {format_pct(s['l3_rate'])}; read from disk {format_size(s['bytes_read'])}, "
         f"copied from L2 {format_size(s['bytes_copied'])}",
         f"L0 {s['l0_slots']} experts per layer ({format_size(s['l0_bytes'])}); {daemon}",
         f"peak memory: RSS {format_size(s['peak_rss_bytes'])}, MLX {format_size(s['peak_mlx_bytes'])}",
@@ -142,6 +103,7 @@ def render(s: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
+    from moe_l2.client.generation import encode_prompt, generate_streamed
     from moe_l2.client.mlx_lm import StreamedLM
     from moe_l2.model import DIRECT_IO
     from moe_l2.trace import TraceWriter
@@ -190,13 +152,3 @@ def run(args: argparse.Namespace) -> int:
         print("\n")
         print(render(s))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(prog="moe-l2 generate",
-                                                   description="Generate text with streamed experts."))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

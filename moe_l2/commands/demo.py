@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+HELP = "the built-in demo: a small model, a daemon, a cold and a warm run"
 
 DEMO_NAME = "demo-qwen3-moe-v1"
 # Small enough to run in about a minute on two CPU cores (MLX's CPU float16 kernels are slow).
@@ -71,107 +71,10 @@ def ensure_demo_model(cache_dir: Path | None = None, out=sys.stderr) -> Path:
     return path
 
 
-class Daemon:
-    """A private moe-l2d in a subprocess, on its own runtime dir and socket."""
-
-    def __init__(self, model: Path, budget: int, log_path: Path | None = None):
-        self.dir = Path(tempfile.mkdtemp(prefix="ml2-demo-", dir="/tmp" if os.path.isdir("/tmp") else None))
-        self.socket = f"ipc://{self.dir / 'moe-l2d.sock'}"
-        self.log_path = log_path or self.dir / "moe-l2d.log"
-        self.model = model
-        self.budget = budget
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 60.0) -> "Daemon":
-        from moe_l2 import protocol
-        from moe_l2.client.connection import request
-
-        env = dict(os.environ, MOE_L2_RUNTIME_DIR=str(self.dir))
-        env.pop("NOTIFY_SOCKET", None)
-        with open(self.log_path, "ab") as log:
-            # -P: a source checkout in the working directory must not shadow the installed package.
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.daemon.main",
-                                          "--model", str(self.model), "--budget", str(self.budget),
-                                          "--runtime-dir", str(self.dir), "--socket", self.socket],
-                                         stdout=log, stderr=log, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moe-l2d exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if request(self.socket, protocol.Stats(id=1), timeout_s=0.5).ok:
-                    return self
-            except TimeoutError:
-                pass
-        self.stop()
-        raise RuntimeError(f"moe-l2d did not answer within {timeout_s:g} s:\n{self.log()}")
-
-    def stats(self) -> dict:
-        from moe_l2 import protocol
-        from moe_l2.client.connection import request
-
-        return request(self.socket, protocol.Stats(id=1)).payload
-
-    def wait_idle(self, timeout_s: float = 10.0) -> None:
-        """Until the loads that clients' misses asked for are done."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.stats()["daemon"]["loads_in_flight"]:
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return self.proc.returncode
-
-    def __enter__(self) -> "Daemon":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def full_budget(files) -> int:
-    """Shared memory for every expert of every layer (see daemon.served.plan_geometry)."""
-    from moe_l2.layout import Geometry
-
-    g = Geometry(files.n_layers, files.n_experts, files.n_experts, files.layout.nbytes)
-    return g.index_bytes + files.n_experts * files.n_layers * g.slot_stride
-
-
-def leftover_segments(socket: str, n_layers: int) -> list[str]:
-    """The daemon's segments that still exist (a clean stop unlinks them all)."""
-    from moe_l2 import _native
-    from moe_l2.layout import segment_names
-
-    index, data = segment_names(socket, 0, n_layers)
-    left = []
-    for name in (index, *data):
-        try:
-            _native.Segment.open(name, readonly=True).close()
-        except (OSError, ValueError):
-            continue
-        left.append(name)
-    return left
-
-
 def _run_prompts(model: Path, socket: str | None, l0_slots: int | None, max_tokens: int) -> dict:
     from moe_l2.client.mlx_lm import StreamedLM
     from moe_l2.client.pool import TierCounts
-    from moe_l2.generate import encode_prompt, generate_streamed
+    from moe_l2.client.generation import encode_prompt, generate_streamed
 
     counts = TierCounts()
     tokens, texts = [], []
@@ -198,7 +101,7 @@ def _whole_model_tokens(model: Path, max_tokens: int) -> list[list[int]]:
     from mlx_lm import load
     from mlx_lm.generate import stream_generate
 
-    from moe_l2.generate import encode_prompt
+    from moe_l2.client.generation import encode_prompt
 
     whole, tokenizer = load(str(model))
     return [[r.token for r in stream_generate(whole, tokenizer, mx.array(encode_prompt(tokenizer, p)),
@@ -207,13 +110,13 @@ def _whole_model_tokens(model: Path, max_tokens: int) -> list[list[int]]:
 
 def render_table(cold: dict, warm: dict) -> str:
     from moe_l2.client.mlx_lm import hit_rates
-    from moe_l2.sizes import format_size
+    from moe_l2.sizes import format_pct, format_size
 
     def rows(run):
         c = run["counts"]
         rates = hit_rates(c)
-        return [f"{rates['lookups']}", f"{100 * rates['l0']:.1f}%", f"{100 * rates['l2']:.1f}%",
-                f"{100 * rates['l3']:.1f}%", format_size(c.bytes_read), format_size(c.bytes_copied),
+        return [f"{rates['lookups']}", format_pct(rates["l0"]), format_pct(rates["l2"]),
+                format_pct(rates["l3"]), format_size(c.bytes_read), format_size(c.bytes_copied),
                 f"{run['prompt_tps']:.1f}", f"{run['generation_tps']:.1f}"]
 
     labels = ["expert lookups", "L0 hits (this process)", "L2 hits (shared memory)", "L3 reads (model file)",
@@ -224,6 +127,9 @@ def render_table(cold: dict, warm: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_l2.client.connection import wait_idle
+    from moe_l2.daemon.process import DaemonProcess
+    from moe_l2.layout import Geometry
     from moe_l2.model import ModelFiles
 
     if args.max_tokens < 1:
@@ -234,11 +140,13 @@ def run(args: argparse.Namespace) -> int:
     files = ModelFiles.open(model)
     print(f"demo model: {model}\n  {files.model_type}, {files.n_layers} MoE layers x {files.n_experts} experts "
           f"(top {files.top_k}), {files.layout.nbytes} bytes per expert")
-    daemon = Daemon(model, full_budget(files))
+    every_expert = Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, files.n_experts)
+    daemon = DaemonProcess.serving([model], every_expert)
     print("starting moe-l2d for it ...", flush=True)
     try:
         daemon.start()
     except RuntimeError as exc:
+        daemon.cleanup()
         print(f"moe-l2 demo: cannot start moe-l2d: {exc}", file=sys.stderr)
         return 1
     try:
@@ -246,16 +154,12 @@ def run(args: argparse.Namespace) -> int:
         print("run 1 (L2 cold: experts come from the model file, and the daemon loads what was missed) ...",
               flush=True)
         cold = _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens)
-        daemon.wait_idle()
+        wait_idle(daemon.socket)
         print("run 2 (L2 warm: a fresh process, its L0 empty, finds the experts in shared memory) ...", flush=True)
         warm = _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens)
     finally:
         code = daemon.stop()
-    left = leftover_segments(daemon.socket, files.n_layers)
-    for name in left:
-        from moe_l2 import _native
-
-        _native.Segment.unlink(name)
+        left = daemon.cleanup()
 
     print("checking against the model loaded whole ...", flush=True)
     whole = _whole_model_tokens(model, args.max_tokens)
@@ -277,12 +181,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"done in {time.perf_counter() - started:.1f} s")
     ok = all(same) and cold["attached"] and warm["attached"] and not left and code == 0
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(prog="moe-l2 demo", description=__doc__.splitlines()[0]))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Generation with streamed experts through mlx-lm's own loop: the prompt as mlx-lm encodes it, and one run's
+tokens, text and tier counts. Shared by `moe-l2 generate`, the demo, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from moe_l2.client.pool import TierCounts
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
+    """The prompt's token ids as mlx_lm.generate builds them (chat template when the tokenizer has one)."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return list(tokenizer.encode(text))
+
+
+def generate_streamed(lm, prompt_ids: list[int], max_tokens: int, *, temp: float = 0.0, on_text=None) -> dict:
+    """Generate with mlx-lm's own loop on a StreamedLM; returns the tokens, text and per-run numbers."""
+    before = TierCounts()
+    before.add(lm.pool.counts)
+    stats_before = lm.stats.as_dict()
+    tokens, text, last = [], [], None
+    for response in stream_generate(lm.model, lm.tokenizer, mx.array(prompt_ids), max_tokens=max_tokens,
+                                    sampler=make_sampler(temp)):
+        tokens.append(response.token)
+        text.append(response.text)
+        if on_text is not None and response.text:
+            on_text(response.text)
+        last = response
+    counts = TierCounts()
+    counts.add(lm.pool.counts)
+    for name in counts.__dataclass_fields__:
+        setattr(counts, name, getattr(counts, name) - getattr(before, name))
+    stats = {k: v - stats_before[k] for k, v in lm.stats.as_dict().items()}
+    return {"tokens": tokens, "text": "".join(text), "counts": counts, "stats": stats,
+            "prompt_tokens": len(prompt_ids), "prompt_tps": last.prompt_tps if last else None,
+            "generation_tokens": len(tokens), "generation_tps": last.generation_tps if last else None,
+            "finish_reason": last.finish_reason if last else None}

@@ -1,0 +1,135 @@
+"""DaemonProcess: moe-l2d in a subprocess, started as systemd starts it, for the demo, benchmarks and tests.
+
+Ready means the daemon said READY=1 on its $NOTIFY_SOCKET (daemon/notify.py), which it does only once it
+serves: no polling, and a start that fails is reported with the daemon's own log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from moe_l2 import _native
+from moe_l2.runtime import default_socket
+
+
+def short_tempdir(prefix: str = "ml2-") -> Path:
+    # An ipc:// path must fit sun_path (104 bytes on macOS); a default temp dir can be longer.
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp" if os.path.isdir("/tmp") else None))
+
+
+class DaemonProcess:
+    """`moe-l2d ARGS --runtime-dir DIR` in a subprocess; DIR is a fresh private directory unless given."""
+
+    def __init__(self, args: list[str], runtime_dir: Path | None = None, log_path: Path | None = None):
+        self.owns_dir = runtime_dir is None
+        self.runtime_dir = short_tempdir() if runtime_dir is None else Path(runtime_dir)
+        self.args = [*args, "--runtime-dir", str(self.runtime_dir)]
+        self.socket = args[args.index("--socket") + 1] if "--socket" in args else default_socket(self.runtime_dir)
+        self.log_path = log_path or self.runtime_dir / "daemon.log"
+        self.proc: subprocess.Popen | None = None
+        self.segments: list[str] = []
+
+    @classmethod
+    def serving(cls, models, budget: int | str, *extra: str, **kwargs) -> "DaemonProcess":
+        args = [a for m in models for a in ("--model", str(m))] + ["--budget", str(budget), *extra]
+        return cls(args, **kwargs)
+
+    def start(self, timeout: float = 60.0) -> "DaemonProcess":
+        notify_path = self.runtime_dir / "notify"
+        notify_path.unlink(missing_ok=True)
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(str(notify_path))
+        notify.settimeout(0.2)
+        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), MOE_L2_RUNTIME_DIR=str(self.runtime_dir))
+        with open(self.log_path, "ab") as log:
+            # -P: a source checkout in the working directory must not shadow the installed package.
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.daemon.main", *self.args],
+                                         stdout=log, stderr=log, env=env)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    if b"READY=1" in notify.recv(4096):
+                        self.segments = self._listed_segments()
+                        return self
+                except TimeoutError:
+                    pass
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"moe-l2d exited with {self.proc.returncode}:\n{self.log()}")
+            self.stop(signal.SIGKILL)
+            raise RuntimeError(f"moe-l2d not ready after {timeout:g} s:\n{self.log()}")
+        finally:
+            notify.close()
+            notify_path.unlink(missing_ok=True)
+
+    def _listed_segments(self) -> list[str]:
+        names = []
+        for state in self.runtime_dir.glob("moe-l2d-*.segments"):
+            try:
+                names += [n for n in json.loads(state.read_text()) if isinstance(n, str)]
+            except (OSError, ValueError):
+                continue
+        return names
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        """Signal the daemon and wait for it; returns its exit status (None if never started)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def leftover_segments(self) -> list[str]:
+        """The daemon's segments that still exist (a clean stop unlinks them all)."""
+        left = []
+        for name in dict.fromkeys(self.segments + self._listed_segments()):
+            try:
+                _native.Segment.open(name, readonly=True).close()
+            except (OSError, ValueError):
+                continue
+            left.append(name)
+        return left
+
+    def unlink_leftovers(self) -> list[str]:
+        """Unlink what a killed daemon left (its successor would reclaim it; a caller may start none)."""
+        left = self.leftover_segments()
+        for name in left:
+            _native.Segment.unlink(name)
+        return left
+
+    def cleanup(self) -> list[str]:
+        """Stop, unlink leftovers and remove a private runtime dir; returns the segments that were left."""
+        self.stop()
+        left = self.unlink_leftovers()
+        if self.owns_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        return left
+
+    def __enter__(self) -> "DaemonProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
