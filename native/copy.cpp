@@ -11,8 +11,8 @@ namespace moe_l2 {
 
 namespace {
 
-// Per-slot metadata in the index segment (see DESIGN.md): {int32 expert, uint32 seq,
-// uint32 checksum, pad}.
+// Per-slot metadata in the index segment (docs/architecture.md, "Shared memory"):
+// {int32 expert, uint32 seq, uint32 checksum, pad}.
 constexpr size_t kMetaSize = 16;
 constexpr size_t kMetaExpert = 0;
 constexpr size_t kMetaSeq = 4;

@@ -34,7 +34,8 @@ void run_on_threads(size_t n_threads, Loop&& loop) {
 using CopyPiece = std::tuple<int64_t, int64_t, Memory*>;
 
 // Seqlock-checked copy of records from the L2 shared-memory store. Result i is true iff the
-// record of experts[i] was present and copied without a concurrent write (see DESIGN.md).
+// record of experts[i] was present and copied without a concurrent write (docs/architecture.md,
+// "Native module": the reader side of the seqlock).
 std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t slot_of_off,
                                int64_t meta_off, int64_t n_experts, int64_t n_slots,
                                int64_t slot_stride, const std::vector<CopyPiece>& pieces,
