@@ -16,13 +16,13 @@ from moe_l2.layout import META_CHECKSUM, META_EXPERT, META_SEQ, Geometry, IndexH
 from moe_l2.model import ModelFiles
 from moe_l2.sizes import format_size
 
-from moe_l2.policy import DEFAULT_POLICY, make_policy
-from moe_l2.predictor import PredictorError
-from moe_l2.profile import MIN_CONFIDENCE, Profile, apply_hint, clear_hint
+from moe_l2.cache.policy import DEFAULT_POLICY, make_policy
+from moe_l2.cache.predictor import PredictorError
+from moe_l2.cache.profile import MIN_CONFIDENCE, Profile, apply_hint, clear_hint
+from moe_l2.cache.store import LayerStore, Reservation
 from moe_l2.protocol import ProtocolError
 
 from .stats import ModelCounters
-from .store import LayerStore, Reservation
 
 log = logging.getLogger("moe-l2d.model")
 

@@ -11,9 +11,10 @@ import json
 import random
 import sys
 
-from moe_l2 import demo, generate, generator, predictor, protocol, replay
+from moe_l2 import demo, generate, generator, protocol
 from moe_l2 import pack as pack_cmd
-from moe_l2 import profile as profile_cmd
+from moe_l2.cache import predictor, replay
+from moe_l2.cache import profile as profile_cmd
 from moe_l2.runtime import default_socket
 from moe_l2.sizes import format_size
 

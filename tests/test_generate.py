@@ -13,7 +13,7 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 
 from moe_l2 import generate
-from moe_l2.trace import read_traces
+from moe_l2.cache.trace import read_traces
 
 from .test_daemon import stats, wait_for
 

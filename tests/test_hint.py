@@ -11,8 +11,8 @@ import pytest
 
 from moe_l2 import protocol
 from moe_l2.client.connection import request
-from moe_l2.profile import Profile, apply_hint, hint_budget
-from moe_l2.trace import read_traces
+from moe_l2.cache.profile import Profile, apply_hint, hint_budget
+from moe_l2.cache.trace import read_traces
 
 from .conftest import budget_for
 from .test_daemon import stats, wait_for
@@ -178,8 +178,8 @@ def test_hint_budget_leaves_room_for_demand():
 
 
 def test_apply_hint_pins_only_experts_the_domain_favours(tmp_path):
-    from moe_l2.daemon.store import LayerStore
-    from moe_l2.policy import make_policy
+    from moe_l2.cache.store import LayerStore
+    from moe_l2.cache.policy import make_policy
 
     path = synthetic_trace(tmp_path / "t.jsonl.gz", n_layers=1, n_experts=16, top_k=2, seqs=4, tokens=50)
     profile = Profile.from_traces(read_traces(path))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from moe_l2.daemon.store import LayerStore
-from moe_l2.policy import LRU, LFUDecay, make_policy
+from moe_l2.cache.store import LayerStore
+from moe_l2.cache.policy import LRU, LFUDecay, make_policy
 
 
 def fill(store, expert):

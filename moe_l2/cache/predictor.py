@@ -7,7 +7,7 @@ domain, computed from the log-likelihoods divided by a temperature (the average 
 prompt, so that long prompts do not make it overconfident).
 
 An embedding backend (sentence embeddings + nearest centroid, kind "embedding") is optional, behind the
-``embed`` extra: see `moe_l2.embedding`. `train_predictor` and `predictor_from_json` pick the backend by kind
+``embed`` extra: see `moe_l2.cache.embedding`. `train_predictor` and `predictor_from_json` pick the backend by kind
 and import the embedding one only when asked for it.
 """
 

@@ -90,7 +90,7 @@ class Profile:
     top_k: int
     domains: dict[str, DomainStats] = field(default_factory=dict)
     unlabelled: DomainStats | None = None
-    predictor: NaiveBayes | None = None  # or moe_l2.embedding.EmbeddingCentroid
+    predictor: NaiveBayes | None = None  # or moe_l2.cache.embedding.EmbeddingCentroid
     sources: list[str] = field(default_factory=list)
     path: str = ""
 
@@ -134,8 +134,8 @@ class Profile:
 
     @classmethod
     def from_traces(cls, traces, *, predictor: bool | str = True) -> "Profile":
-        """A profile from a moe_l2.trace.TraceSet (or any iterable of TraceSequence of one model). `predictor`:
-        False for none, True for the default (naive Bayes) or a kind of `moe_l2.predictor.KINDS`."""
+        """A profile from a moe_l2.cache.trace.TraceSet (or any iterable of TraceSequence of one model). `predictor`:
+        False for none, True for the default (naive Bayes) or a kind of `moe_l2.cache.predictor.KINDS`."""
         sequences = list(getattr(traces, "sequences", traces))
         if not sequences:
             raise ProfileError("no sequences to build a profile from")
@@ -397,8 +397,8 @@ def profile_from_daemon(socket: str, model: str | None, base: Profile | None = N
                         timeout_s: float = 5.0) -> Profile:
     """A profile from a running daemon's online statistics (what its clients reported), optionally added
     to a base profile (whose predictor it keeps)."""
-    from . import protocol
-    from .client.connection import request
+    from moe_l2 import protocol
+    from moe_l2.client.connection import request
 
     reply = request(socket, protocol.Stats(id=1, routing=True), timeout_s=timeout_s)
     if not reply.ok:
@@ -450,7 +450,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from .trace import TraceError, read_traces
-    from .runtime import default_socket
+    from moe_l2.runtime import default_socket
 
     try:
         if args.show:

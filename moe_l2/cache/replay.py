@@ -1,6 +1,6 @@
 """`moe-l2 replay`: run routing traces through the daemon's own slot store and eviction policies.
 
-Every layer gets a `moe_l2.daemon.store.LayerStore` with the policy under test, as the daemon builds them,
+Every layer gets a `moe_l2.cache.store.LayerStore` with the policy under test, as the daemon builds them,
 and sees the trace's tokens as the daemon sees a client's reports: for each token the experts the router
 picked are looked up (hit: resident), the policy is told of every access, and the misses are loaded
 (reserve + commit, evicting what the policy names). Loads complete before the next token, so the numbers
@@ -8,7 +8,7 @@ are the policy's, not the disk's. No shared memory is touched.
 
 Beside the chosen policy every capacity is also run with the comparison policies (LRU and LFU by default)
 and with Belady's MIN, the offline optimum, as the ceiling. `--hints` sends each sequence's prompt as a
-hint first, through the daemon's hint code (`moe_l2.profile.apply_hint`: predict the domain, pin its top
+hint first, through the daemon's hint code (`moe_l2.cache.profile.apply_hint`: predict the domain, pin its top
 experts within the pin budget and load them). Layers are independent, so they run on a process pool.
 
 Sequence order: `blocked` groups the sequences by domain (domains in name order, file order inside),
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 
 from .policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
+from .store import LayerStore
 from .profile import (HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, MIN_CONFIDENCE, Profile, ProfileError,
                       apply_hint, clear_hint)
 from .predictor import PredictorError
@@ -104,8 +105,6 @@ class Task:
 
 def replay_layer(task: Task) -> dict:
     """One layer, one capacity, one policy: the daemon's LayerStore over the layer's token batches."""
-    from .daemon.store import LayerStore  # the daemon's own store (moe_l2.daemon is the daemon/ folder)
-
     batches = task.batches
     if task.policy == "min":
         policy = BeladyMIN(batches)
