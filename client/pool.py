@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from moe_l2 import _native
-from moe_l2.model import ModelFiles
 from moe_l2.cache.policy import make_policy
+from moe_l2.model import ModelFiles
 
 
 class PoolTooSmall(ValueError):

@@ -14,8 +14,8 @@ import time
 import psutil
 
 from moe_l2 import _native
-from moe_l2.model import ModelFiles
 from moe_l2.cache.profile import Profile, ProfileError
+from moe_l2.model import ModelFiles
 from moe_l2.sizes import format_size
 
 from .config import ConfigError, DaemonConfig, build_parser, resolve
