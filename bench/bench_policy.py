@@ -30,7 +30,7 @@ from pathlib import Path
 
 from moe_l2.cache import policy as policies
 from moe_l2.cache import replay as rp
-from moe_l2.cache.predictor import cross_validate
+from moe_l2.cache.prediction import cross_validate
 from moe_l2.cache.profile import Profile
 from moe_l2.cache.trace import TraceSet, read_traces
 

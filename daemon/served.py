@@ -13,7 +13,7 @@ import threading
 
 from moe_l2 import _native
 from moe_l2.cache.policy import DEFAULT_POLICY, make_policy
-from moe_l2.cache.predictor import PredictorError
+from moe_l2.cache.prediction import PredictorError
 from moe_l2.cache.profile import MIN_CONFIDENCE, Profile
 from moe_l2.cache.store import LayerStore, Reservation
 from moe_l2.layout import META_CHECKSUM, META_EXPERT, META_SEQ, Geometry, IndexHeader, segment_names

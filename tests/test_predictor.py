@@ -12,7 +12,7 @@ import pytest
 
 from moe_l2.cache import embedding as emb
 from moe_l2.cache import predictor as pr
-from moe_l2.cache.predictor import NaiveBayes, PredictorError, cross_validate, features
+from moe_l2.cache.prediction import NaiveBayes, PredictorError, cross_validate, features
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.trace import read_traces
 

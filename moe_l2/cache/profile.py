@@ -49,7 +49,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .predictor import KINDS, NaiveBayes, Prediction, PredictorError, predictor_from_json, train_predictor
+from .embedding import EmbeddingCentroid
+from .prediction import NaiveBayes, Prediction, PredictorError
 
 FORMAT = "moe-l2-profile"
 VERSION = 1
@@ -61,6 +62,31 @@ MIN_CONFIDENCE = 0.35
 
 class ProfileError(ValueError):
     """A profile that cannot be used: names the file and what is wrong."""
+
+
+# The predictor kinds a profile can hold. Importing the embedding one is cheap: its encoder and the encoder's
+# heavy dependencies load only when it trains or predicts.
+_PREDICTORS = {NaiveBayes.kind: NaiveBayes, EmbeddingCentroid.kind: EmbeddingCentroid}
+KINDS = tuple(_PREDICTORS)
+
+
+def predictor_class(kind: str):
+    """The predictor class of a kind."""
+    if kind not in _PREDICTORS:
+        raise PredictorError(f"unknown predictor kind {kind!r} (known: {', '.join(KINDS)})")
+    return _PREDICTORS[kind]
+
+
+def train_predictor(examples: Iterable[tuple[str, str]], kind: str = NaiveBayes.kind):
+    return predictor_class(kind).train(examples)
+
+
+def predictor_from_json(data):
+    kind = data.get("kind") if isinstance(data, Mapping) else None
+    if kind not in KINDS:
+        raise PredictorError(f"unknown predictor kind {kind if kind is not None else data!r} "
+                             f"(known: {', '.join(KINDS)})")
+    return predictor_class(kind).from_json(data)
 
 
 def _zeros(n_layers: int, n_experts: int) -> list[list[int]]:
@@ -82,7 +108,7 @@ class Profile:
     top_k: int
     domains: dict[str, DomainStats] = field(default_factory=dict)
     unlabelled: DomainStats | None = None
-    predictor: NaiveBayes | None = None  # or moe_l2.cache.embedding.EmbeddingCentroid
+    predictor: NaiveBayes | EmbeddingCentroid | None = None
     sources: list[str] = field(default_factory=list)
     path: str = ""
 
@@ -127,7 +153,7 @@ class Profile:
     @classmethod
     def from_traces(cls, traces, *, predictor: bool | str = True) -> "Profile":
         """A profile from a moe_l2.cache.trace.TraceSet (or any iterable of TraceSequence of one model). `predictor`:
-        False for none, True for the default (naive Bayes) or a kind of `moe_l2.cache.predictor.KINDS`."""
+        False for none, True for the default (naive Bayes) or a kind of `KINDS`."""
         sequences = list(getattr(traces, "sequences", traces))
         if not sequences:
             raise ProfileError("no sequences to build a profile from")

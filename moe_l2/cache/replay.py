@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 
 from .policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
-from .predictor import PredictorError
+from .prediction import PredictorError
 from .profile import MIN_CONFIDENCE, Profile, ProfileError
 from .store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, LayerStore
 from .trace import TraceError, TraceSet, read_traces
