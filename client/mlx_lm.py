@@ -173,11 +173,11 @@ class StreamedSwitch(nn.Module):
         pool = fw.pool
         lp = pool.layers[self.layer]
         top_k = indices.shape[-1]
-        if indices.size == top_k and len(lp.row_of) == pool.files.n_experts and fw.recorder is None:
+        if indices.size == top_k and lp.holds_all() and fw.recorder is None:
             # One token, every expert of the layer resident (so L0 holds them all and never refills a row):
             # nothing to fetch, so no sync. The router picks top_k distinct experts, all of them L0 hits.
             stats.resident_calls += 1
-            pool.counts.l0_hits += top_k
+            pool.count_l0_hits(top_k)
             return self._whole(x, indices, pool)
         t0 = time.perf_counter()
         chosen = np.asarray(indices)  # the one device-to-host sync of this layer
@@ -187,10 +187,10 @@ class StreamedSwitch(nn.Module):
 
         experts = np.unique(chosen).tolist()
         if self._is_last():
-            if fw.tail is not None and len(lp.row_of.keys() | set(experts)) > pool.capacity:
+            if fw.tail is not None and not lp.has_room_for(experts):
                 mx.eval(fw.tail)  # about to evict rows the previous forward's output may still read
             fw.tail = None
-        if len(lp.pinned | set(experts)) <= pool.capacity:
+        if lp.fits(experts):
             self._fetch(experts)
             out = self._whole(x, indices, pool)
         else:
@@ -229,7 +229,7 @@ class StreamedSwitch(nn.Module):
         """The batch in pieces that each fit L0, each evaluated before the next piece's experts are fetched."""
         arrays = pool.arrays(self.layer)
         lp = pool.layers[self.layer]
-        free = pool.capacity - len(lp.pinned)
+        free, pinned = lp.unpinned_rows, lp.pins()
         n_tokens, top_k = chosen.shape
         x = mx.expand_dims(x, (-2, -3)).reshape(n_tokens, 1, 1, x.shape[-1])
         outs = []
@@ -240,10 +240,10 @@ class StreamedSwitch(nn.Module):
             order = np.argsort(flat, kind="stable")
             by_expert = flat[order]
             pieces = []
-            for group in _groups(np.unique(flat).tolist(), free, lp.pinned):
+            for group in _groups(np.unique(flat).tolist(), free, pinned):
                 self._fetch(group)
                 lo, hi = np.searchsorted(by_expert, [group[0], group[-1] + 1])
-                rows = np.array([lp.row_of[e] for e in by_expert[lo:hi].tolist()], dtype=np.uint32)
+                rows = np.array(lp.rows_for(by_expert[lo:hi].tolist()), dtype=np.uint32)
                 by_row = np.argsort(rows, kind="stable")  # sorted_indices promises ascending pool rows
                 pairs = order[lo:hi][by_row]
                 pieces.append(pairs)
@@ -254,10 +254,10 @@ class StreamedSwitch(nn.Module):
             out = mx.concatenate(outs, axis=0)[mx.array(inverse)]
             return mx.unflatten(out, 0, indices.shape).squeeze(-2)
         # Few pairs: unsorted like mlx-lm, in runs of whole tokens.
-        for run in _token_runs(chosen, free, lp.pinned):
+        for run in _token_runs(chosen, free, pinned):
             part = chosen[run.start:run.stop]
             self._fetch(np.unique(part).tolist())
-            idx = np.array([[lp.row_of[e] for e in row] for row in part.tolist()], dtype=np.uint32)
+            idx = np.array(lp.rows_for(part.reshape(-1).tolist()), dtype=np.uint32).reshape(part.shape)
             out = self._experts(arrays, x[run.start:run.stop], mx.array(idx), False)
             mx.eval(out)
             outs.append(out)

@@ -192,7 +192,8 @@ def test_pinned_experts_leave_fewer_rows_and_outputs_stay_exact(model_dir, model
         assert greedy(lm.model, lm.tokenizer, ids, 12) == expected
         assert lm.stats.chunked_calls > 0
         for layer in range(model_files.n_layers):
-            assert {0, 1} <= set(lm.pool.layers[layer].row_of)
+            assert lm.pool.layers[layer].pins() == {0, 1}
+            assert lm.pool.layers[layer].holds(0) and lm.pool.layers[layer].holds(1)
 
 
 def test_cold_then_warm_daemon_gives_the_same_tokens(running_daemon, model_dir, model_files):
