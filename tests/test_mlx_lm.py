@@ -16,7 +16,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from moe_l2 import _native
-from moe_l2.client.mlx_lm import StreamedLM, StreamedSwitch, l0_slots_for
+from moe_l2.client.mlx_lm import StreamedLM, l0_slots_for
+from moe_l2.client.switch import StreamedSwitch
 from moe_l2.generator import make_model
 from moe_l2.layout import segment_names
 from moe_l2.model import ModelFiles
