@@ -7,9 +7,6 @@ from .prediction import NaiveBayes, PredictorError, cross_validate
 from .profile import KINDS, train_predictor
 
 
-# ---- moe-l2 predict ---------------------------------------------------------------------------------------
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("text", nargs="*", help="prompt text (read from stdin when absent and no --eval)")
     parser.add_argument("--profile", metavar="P.json", help="profile whose predictor names the domain")
