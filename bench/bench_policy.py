@@ -3,7 +3,7 @@
 Sections (each writes <results>/<section>.json and prints Markdown tables; --sections picks them):
 
 - main:        every trace x order (blocked, interleave seed 0) x capacity (25, 37.5, 50% of the experts):
-               hit rate of adaptive (the default), LRU, LFU and Belady's MIN, through `moe_l2.replay`, all
+               hit rate of adaptive (the default), LRU, LFU and Belady's MIN, through `moe_l2.cache.replay`, all
                layers; per-layer wins; the PNG plot docs/policy-hit-rate.png.
 - hints:       held out: profiles built from one half of the sequences (even / odd positions in the file),
                replayed on the other half, both ways, on every 6th layer. No hint vs profile prior vs hints from the predicted
@@ -28,11 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_l2 import policy as policies
-from moe_l2 import replay as rp
-from moe_l2.predictor import cross_validate
-from moe_l2.profile import Profile
-from moe_l2.trace import TraceSet, read_traces
+from moe_l2.cache import policy as policies
+from moe_l2.cache import replay as rp
+from moe_l2.cache.prediction import cross_validate
+from moe_l2.cache.profile import Profile
+from moe_l2.cache.trace import TraceSet, read_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 FRACTIONS = (0.25, 0.375, 0.5)

@@ -13,8 +13,9 @@ import statistics
 import time
 from pathlib import Path
 
-from moe_l2.predictor import PredictorError, train_predictor
-from moe_l2.trace import read_traces
+from moe_l2.cache.prediction import PredictorError
+from moe_l2.cache.profile import train_predictor
+from moe_l2.cache.trace import read_traces
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "gpt-oss-20b.jsonl.gz"
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 from moe_l2 import _native
+from moe_l2.cache.policy import make_policy
 from moe_l2.model import ModelFiles
-from moe_l2.policy import make_policy
 
 
 class PoolTooSmall(ValueError):
@@ -40,8 +40,12 @@ class TierCounts:
 
 
 class LayerPool:
+    """One layer of L0: `capacity` rows per record piece, which expert holds which row, the pins and the
+    eviction policy. Callers go through the methods; only the pool changes its bookkeeping."""
+
     def __init__(self, files: ModelFiles, capacity: int, policy: str):
         self.capacity = capacity
+        self.n_experts = files.n_experts
         self.record_bytes = files.layout.nbytes
         self.pieces = files.layout.pieces
         self.buffers = {p.key: _native.Buffer(capacity * p.nbytes) for p in self.pieces}
@@ -52,10 +56,47 @@ class LayerPool:
         self._table = self._table_buffer.view().cast("i")
         self.table = self._table_buffer.array(0, [files.n_experts], mx.int32)
         self.copy_pieces = [(p.offset, p.nbytes, self.buffers[p.key]) for p in self.pieces]
-        self.row_of: dict[int, int] = {}
+        self._row_of: dict[int, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
-        self.pinned: set[int] = set()
-        self.policy = make_policy(policy)
+        self._pinned: set[int] = set()
+        self._policy = make_policy(policy)
+
+    def holds(self, expert: int) -> bool:
+        return expert in self._row_of
+
+    def holds_all(self) -> bool:
+        """Every expert of the layer is resident: L0 never refills a row of this layer again."""
+        return len(self._row_of) == self.n_experts
+
+    def fits(self, experts) -> bool:
+        """The batch can be resident at once, beside the pinned experts outside it."""
+        return len(self._pinned | set(experts)) <= self.capacity
+
+    def has_room_for(self, experts) -> bool:
+        """Making the batch resident evicts nothing."""
+        return len(self._row_of.keys() | set(experts)) <= self.capacity
+
+    def rows_for(self, experts) -> list[int]:
+        """The rows of resident experts (repeats allowed), to remap router picks to pool rows."""
+        row_of = self._row_of
+        return [row_of[e] for e in experts]
+
+    def pins(self) -> frozenset[int]:
+        """The pinned experts."""
+        return frozenset(self._pinned)
+
+    @property
+    def unpinned_rows(self) -> int:
+        """Rows left to experts that are not pinned."""
+        return self.capacity - len(self._pinned)
+
+    def pin(self, experts) -> None:
+        """Keep resident experts in L0 until they are evicted by name (`evict`)."""
+        self._pinned.update(experts)
+
+    def access(self, experts) -> None:
+        for expert in experts:
+            self._policy.access(expert)
 
     def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
         """Rows for experts not in L0, evicting residents outside the batch (the forward in flight)."""
@@ -64,16 +105,20 @@ class LayerPool:
             if self._free:
                 rows.append(self._free.pop())
                 continue
-            candidates = [e for e in self.row_of if e not in batch and e not in self.pinned]
-            rows.append(self._drop(self.policy.victim(candidates)))
+            candidates = [e for e in self._row_of if e not in batch and e not in self._pinned]
+            rows.append(self._drop(self._policy.victim(candidates)))
         return rows
+
+    def release(self, rows: list[int]) -> None:
+        """Give back rows from `take_rows` that were never published (they hold no expert)."""
+        self._free.extend(rows)
 
     def _drop(self, expert: int) -> int:
         """Take the expert out of L0; returns the row it held."""
-        row = self.row_of.pop(expert)
+        row = self._row_of.pop(expert)
         self._table[expert] = -1
-        self.policy.evict(expert)
-        self.pinned.discard(expert)
+        self._policy.evict(expert)
+        self._pinned.discard(expert)
         return row
 
     def evict(self, expert: int) -> None:
@@ -81,13 +126,13 @@ class LayerPool:
 
     def publish(self, experts: list[int], rows: list[int]) -> None:
         for expert, row in zip(experts, rows):
-            self.row_of[expert] = row
+            self._row_of[expert] = row
             self._table[expert] = row
-            self.policy.insert(expert)
+            self._policy.insert(expert)
 
     def record(self, expert: int) -> bytes:
         """The expert's record as L0 holds it, laid out like ModelFiles.read_record (for verification)."""
-        row = self.row_of[expert]
+        row = self._row_of[expert]
         out = bytearray(self.record_bytes)
         for p in self.pieces:
             out[p.offset:p.offset + p.nbytes] = self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes]
@@ -106,8 +151,17 @@ class ExpertPool:
         self.client = client
         self.read_threads = read_threads or min(8, os.cpu_count() or 1)
         self.layers = [LayerPool(files, capacity, policy) for _ in range(files.n_layers)]
-        self.counts = TierCounts()
+        self._counts = TierCounts()
         self._fds = files.open_fds(direct)
+
+    @property
+    def counts(self) -> TierCounts:
+        """Where the experts of every lookup so far came from (a copy)."""
+        return replace(self._counts)
+
+    def count_l0_hits(self, n: int) -> None:
+        """Count L0 hits that the caller served without a fetch (it knew the experts resident)."""
+        self._counts.l0_hits += n
 
     @property
     def nbytes(self) -> int:
@@ -122,7 +176,7 @@ class ExpertPool:
 
     def pin(self, layer: int, experts: list[int]) -> None:
         self.fetch(layer, experts)
-        self.layers[layer].pinned.update(experts)
+        self.layers[layer].pin(experts)
 
     def evict(self, layer: int, expert: int) -> None:
         """Drop an expert from L0 (the caller knows no queued computation still reads it)."""
@@ -141,20 +195,18 @@ class ExpertPool:
             if not 0 <= expert < self.files.n_experts:
                 raise IndexError(f"expert {expert} out of range 0..{self.files.n_experts - 1}")
         counts = TierCounts()
-        missing = sorted(e for e in batch if e not in lp.row_of)
+        missing = sorted(e for e in batch if not lp.holds(e))
         counts.l0_hits = len(batch) - len(missing)
-        for expert in batch:
-            lp.policy.access(expert)
+        lp.access(batch)
         if not missing:
-            self.counts.add(counts)
+            self._counts.add(counts)
             if self.client is not None:
                 self.client.report(layer, [], [], picks)
             return counts
-        pinned_outside = len(lp.pinned - batch)
-        if len(batch) + pinned_outside > self.capacity:
+        if not lp.fits(batch):
             raise PoolTooSmall(f"layer {layer}: a batch of {len(batch)} experts does not fit an L0 pool of "
-                               f"{self.capacity} experts ({pinned_outside} pinned); fetch fewer tokens at once "
-                               "or raise the L0 capacity")
+                               f"{self.capacity} experts ({len(lp.pins() - batch)} pinned); fetch fewer tokens "
+                               "at once or raise the L0 capacity")
         rows = lp.take_rows(missing, batch)
         try:
             start = time.perf_counter()
@@ -164,7 +216,7 @@ class ExpertPool:
             self._read_from_l3(layer, lp, unread)
             counts.copy_s, counts.read_s = copied_at - start, time.perf_counter() - copied_at
         except BaseException:
-            lp._free.extend(rows)  # nothing was published: the rows hold no expert
+            lp.release(rows)  # nothing was published: the rows hold no expert
             raise
         lp.publish(missing, rows)
         record = self.files.layout.nbytes
@@ -172,7 +224,7 @@ class ExpertPool:
         counts.l3_reads = len(unread)
         counts.bytes_copied = counts.l2_hits * record
         counts.bytes_read = counts.l3_reads * record
-        self.counts.add(counts)
+        self._counts.add(counts)
         if self.client is not None:
             self.client.report(layer, [e for e, ok in zip(missing, copied) if ok],
                                [e for e, ok in zip(missing, copied) if not ok], picks)

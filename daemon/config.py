@@ -10,8 +10,8 @@ from pathlib import Path
 from moe_l2.runtime import SOCKET_NAME, runtime_dir
 from moe_l2.sizes import parse_size
 
+from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
 from moe_l2.model import DIRECT_IO
-from moe_l2.policy import DEFAULT_POLICY, POLICIES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

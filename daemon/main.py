@@ -14,9 +14,9 @@ import time
 import psutil
 
 from moe_l2 import _native
+from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
-from moe_l2.profile import Profile, ProfileError
 from moe_l2.sizes import format_size
 
 from .config import ConfigError, DaemonConfig, build_parser, resolve

@@ -12,16 +12,15 @@ import os
 import threading
 
 from moe_l2 import _native
+from moe_l2.cache.policy import DEFAULT_POLICY, make_policy
+from moe_l2.cache.prediction import PredictorError
+from moe_l2.cache.profile import MIN_CONFIDENCE, Profile
+from moe_l2.cache.store import LayerStore, Reservation
 from moe_l2.layout import META_CHECKSUM, META_EXPERT, META_SEQ, Geometry, IndexHeader, segment_names
 from moe_l2.model import ModelFiles
-
-from moe_l2.policy import DEFAULT_POLICY, make_policy
-from moe_l2.predictor import PredictorError
-from moe_l2.profile import MIN_CONFIDENCE, Profile, apply_hint, clear_hint
 from moe_l2.protocol import ProtocolError
 
 from .stats import ModelCounters
-from .store import LayerStore, Reservation
 
 log = logging.getLogger("moe-l2d.model")
 
@@ -203,7 +202,7 @@ class ServedModel:
         loads = 0
         for layer, store in enumerate(self.stores):
             with self.lock:
-                pinned[layer] = apply_hint(store, self.profile, domain, layer) if domain else (clear_hint(store) or [])
+                pinned[layer] = store.apply_hint(self.profile, domain, layer)
             loads += self.demand(layer, pinned[layer], loader)
         self.active_domain, self.active_confidence = domain or None, confidence if domain else None
         return {"domain": domain or None, "confidence": confidence if domain else None, "scores": scores,
@@ -218,7 +217,7 @@ class ServedModel:
         online routing counts too."""
         with self.lock:
             layers = [{"resident": s.resident, "loading": s.loading, "pinned": s.pin_count,
-                       "permanent_pins": sorted(s.pins["permanent"]), "domain_pins": sorted(s.pins["domain"]),
+                       "permanent_pins": s.pins("permanent"), "domain_pins": s.pins("domain"),
                        "experts": s.residents()}
                       for s in self.stores]
             counts = {d: [list(row) for row in rows] for d, rows in self.routing.items()} if routing else None

@@ -115,6 +115,50 @@ def test_a_batch_larger_than_the_pool_is_refused_not_corrupted(model_files):
         pool.close()
 
 
+def test_layer_pool_methods_follow_the_slot_table(model_files):
+    """What the switch layer asks a LayerPool (residents, rows, room, pins), checked against the slot table the
+    device reads; and the pool's counters."""
+    pool = ExpertPool(model_files, capacity=4)
+    try:
+        lp = pool.layers[0]
+        assert not lp.holds(3) and lp.has_room_for(range(4)) and lp.fits(range(4)) and not lp.fits(range(5))
+        pool.fetch(0, [3, 9, 3])
+        assert lp.holds(3) and lp.holds(9) and not lp.holds(4) and not lp.holds_all()
+        table = pool.table(0).tolist()
+        assert lp.rows_for([9, 3, 9]) == [table[9], table[3], table[9]] and table[9] != table[3]
+        assert lp.has_room_for([3, 9, 1, 2]) and not lp.has_room_for([1, 2, 4])  # two rows are free
+        pool.pin(0, [3])
+        assert lp.pins() == {3} and lp.unpinned_rows == 3
+        assert lp.fits([3, 0, 1, 2]) and lp.fits([0, 1, 2]) and not lp.fits([0, 1, 2, 4])  # 3 keeps its row
+        pool.fetch(0, [0, 1, 2])  # a full pool: evicts 9, never the pinned 3
+        assert lp.holds(3) and not lp.holds(9) and pool.table(0)[9].item() == -1
+        pool.evict(0, 3)
+        assert not lp.holds(3) and lp.pins() == set() and lp.unpinned_rows == 4
+        (row,) = lp.take_rows([5], {5})
+        assert row == table[3]  # the row the eviction freed
+        lp.release([row])
+        assert lp.take_rows([5], {5}) == [row] and all(lp.holds(e) for e in (0, 1, 2))  # free again: no eviction
+        lp.release([row])
+        assert_resident_exact(pool, model_files, 0, [0, 1, 2])
+
+        before = pool.counts
+        pool.count_l0_hits(5)
+        after = pool.counts
+        assert after.l0_hits == before.l0_hits + 5 and after.l3_reads == before.l3_reads == 5
+        after.l0_hits += 100  # a copy: the pool's own counts are unchanged
+        assert pool.counts.l0_hits == before.l0_hits + 5
+    finally:
+        pool.close()
+    whole = ExpertPool(model_files, capacity=model_files.n_experts)
+    try:
+        whole.fetch(1, range(model_files.n_experts - 1))
+        assert not whole.layers[1].holds_all()
+        whole.fetch(1, [model_files.n_experts - 1])
+        assert whole.layers[1].holds_all() and not whole.layers[0].holds_all()
+    finally:
+        whole.close()
+
+
 def start_hammers(files: ModelFiles, socket: str, seconds: float, n: int = 3) -> list[subprocess.Popen]:
     procs = [subprocess.Popen([sys.executable, str(HAMMER), str(files.path), socket, str(seconds), str(seed)],
                               stdout=subprocess.PIPE, text=True) for seed in range(n)]

@@ -14,7 +14,7 @@ from mlx_lm.generate import stream_generate
 
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.generation import encode_prompt
-from moe_l2.trace import read_traces
+from moe_l2.cache.trace import read_traces
 
 from .test_daemon import stats, wait_for
 

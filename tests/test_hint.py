@@ -10,9 +10,11 @@ import sys
 import pytest
 
 from moe_l2 import protocol
+from moe_l2.cache.policy import make_policy
+from moe_l2.cache.profile import Profile
+from moe_l2.cache.store import LayerStore
+from moe_l2.cache.trace import read_traces
 from moe_l2.client.connection import request
-from moe_l2.profile import Profile, apply_hint, hint_budget
-from moe_l2.trace import read_traces
 
 from .conftest import budget_for
 from .test_daemon import stats, wait_for
@@ -163,33 +165,30 @@ def test_profile_flags_and_toml(tmp_path):
         load("--config", str(toml))
 
 
-class FakeStore:
-    pin_limit = 4
-    n_slots = 8
-
-    def __init__(self):
-        self.pins = {"permanent": {1}, "domain": set()}
-
-
 def test_hint_budget_leaves_room_for_demand():
-    store = FakeStore()
-    assert hint_budget(store) == 2          # a quarter of 8 slots
-    assert hint_budget(store, share=1.0) == 3  # never past the pin limit (4) less the permanent pin
+    store = LayerStore(16, 8, make_policy("lru"))
+    store.pin([1], "permanent")
+    assert store.hint_budget() == 2          # a quarter of 8 slots
+    assert store.hint_budget(share=1.0) == 3  # never past the pin limit (4) less the permanent pin
+    store.pin([2, 3], "domain")
+    assert store.hint_budget(share=1.0) == 3  # domain pins are what a hint replaces: they leave room
+    assert store.hint_budget(share=-1.0) == 0
 
 
 def test_apply_hint_pins_only_experts_the_domain_favours(tmp_path):
-    from moe_l2.daemon.store import LayerStore
-    from moe_l2.policy import make_policy
-
     path = synthetic_trace(tmp_path / "t.jsonl.gz", n_layers=1, n_experts=16, top_k=2, seqs=4, tokens=50)
     profile = Profile.from_traces(read_traces(path))
     store = LayerStore(16, 8, make_policy("adaptive", 8))
-    pinned = apply_hint(store, profile, "beta", 0)
-    assert len(pinned) == 2 and all(e >= 8 for e in pinned) and store.pins["domain"] == set(pinned)
+    pinned = store.apply_hint(profile, "beta", 0)
+    assert len(pinned) == 2 and all(e >= 8 for e in pinned) and store.pins("domain") == sorted(pinned)
     store.pin([0], "permanent")
-    pinned = apply_hint(store, profile, "alpha", 0, share=1.0)
-    assert store.pins["permanent"] == {0} and len(pinned) == 3 and 0 not in pinned  # pin limit 4
+    pinned = store.apply_hint(profile, "alpha", 0, share=1.0)
+    assert store.pins("permanent") == [0] and len(pinned) == 3 and 0 not in pinned  # pin limit 4
     assert all(e < 8 for e in pinned) and store.pin_count == 4
+    for no_domain in (None, ""):
+        assert store.apply_hint(profile, no_domain, 0) == []  # releases the domain pins, keeps the rest
+        assert store.pins("domain") == [] and store.pins("permanent") == [0] and store.pin_count == 1
+        store.apply_hint(profile, "alpha", 0)
 
 
 def test_a_client_hint_reaches_the_daemon_without_waiting(daemon_factory, model_dir, model_files, toy_profile):

@@ -16,7 +16,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from moe_l2 import _native
-from moe_l2.client.mlx_lm import StreamedLM, StreamedSwitch, l0_slots_for
+from moe_l2.client.mlx_lm import StreamedLM, l0_slots_for
+from moe_l2.client.switch import StreamedSwitch
 from moe_l2.generator import make_model
 from moe_l2.layout import segment_names
 from moe_l2.model import ModelFiles
@@ -192,7 +193,8 @@ def test_pinned_experts_leave_fewer_rows_and_outputs_stay_exact(model_dir, model
         assert greedy(lm.model, lm.tokenizer, ids, 12) == expected
         assert lm.stats.chunked_calls > 0
         for layer in range(model_files.n_layers):
-            assert {0, 1} <= set(lm.pool.layers[layer].row_of)
+            assert lm.pool.layers[layer].pins() == {0, 1}
+            assert lm.pool.layers[layer].holds(0) and lm.pool.layers[layer].holds(1)
 
 
 def test_cold_then_warm_daemon_gives_the_same_tokens(running_daemon, model_dir, model_files):

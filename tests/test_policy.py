@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from moe_l2.daemon.store import LayerStore
-from moe_l2.policy import DEFAULT_POLICY, LRU, AdaptiveLRFU, LFUDecay, make_policy
-from moe_l2.replay import Task, replay_layer
+from moe_l2.cache.policy import DEFAULT_POLICY, LRU, AdaptiveLRFU, LFUDecay, make_policy
+from moe_l2.cache.replay import Task, replay_layer
+from moe_l2.cache.store import LayerStore
 
 
 def hit_rate(policy_name: str, batches, n_experts: int, slots: int) -> float:

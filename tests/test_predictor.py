@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from moe_l2 import embedding as emb
-from moe_l2 import predictor as pr
-from moe_l2.predictor import NaiveBayes, PredictorError, cross_validate, features
-from moe_l2.profile import Profile, ProfileError
-from moe_l2.trace import read_traces
+from moe_l2.cache import embedding as emb
+from moe_l2.cache import predictor as pr
+from moe_l2.cache.prediction import NaiveBayes, PredictorError, cross_validate, features
+from moe_l2.cache.profile import Profile, ProfileError
+from moe_l2.cache.trace import read_traces
 
 from .test_replay import shared_trace, synthetic_trace
 
@@ -114,7 +114,7 @@ def test_held_out_accuracy_on_the_shared_traces_beats_the_majority_class():
     assert result["accuracy"] > result["majority_baseline"] + 0.15
 
 
-# ---- the optional embedding backend (moe_l2.embedding, the embed extra) --------------------------------
+# ---- the optional embedding backend (moe_l2.cache.embedding, the embed extra) --------------------------------
 
 
 def unit(i: int) -> list[float]:

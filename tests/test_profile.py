@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from moe_l2 import profile as pf
-from moe_l2.profile import Profile, ProfileError
-from moe_l2.trace import read_traces
+from moe_l2.cache import profile as pf
+from moe_l2.cache.profile import Profile, ProfileError
+from moe_l2.cache.trace import read_traces
 
 from .test_replay import synthetic_trace
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from moe_l2 import replay as rp
-from moe_l2.policy import BeladyMIN
-from moe_l2.profile import Profile
-from moe_l2.trace import TraceError, TraceSet, TraceWriter, iter_traces, read_traces
+from moe_l2.cache import replay as rp
+from moe_l2.cache.policy import BeladyMIN
+from moe_l2.cache.profile import Profile
+from moe_l2.cache.trace import TraceError, TraceSet, TraceWriter, iter_traces, read_traces
 
 # CI lays the shared folder beside the repository checkout; so does a developer's machine.
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from moe_l2.daemon.store import LayerStore
-from moe_l2.policy import LRU, LFUDecay, make_policy
+from moe_l2.cache.policy import LRU, LFUDecay, make_policy
+from moe_l2.cache.store import LayerStore
 
 
 def fill(store, expert):
@@ -52,11 +52,13 @@ def test_pins_are_never_evicted_and_capped():
     store = LayerStore(8, 4, LRU())
     pinned, refused = store.pin([0, 1, 2], "permanent")
     assert pinned == [0, 1] and refused == [2]  # half the slots at most
+    assert store.pins("permanent") == [0, 1] and store.pins("domain") == []
     for e in (0, 1, 2, 3):
         fill(store, e)
     for e in (4, 5, 6):
         assert fill(store, e).evicted not in (0, 1)
     store.unpin([0], "permanent")
+    assert store.pins("permanent") == [1] and store.pin_count == 1
     store.access(1)
     assert fill(store, 7).evicted in (0, 6, 5)
 

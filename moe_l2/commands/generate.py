@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_l2.client.generation import encode_prompt, generate_streamed
     from moe_l2.client.mlx_lm import StreamedLM
     from moe_l2.model import DIRECT_IO
-    from moe_l2.trace import TraceWriter
+    from moe_l2.cache.trace import TraceWriter
 
     if args.max_tokens < 1:
         print("moe-l2 generate: --max-tokens must be at least 1", file=sys.stderr)

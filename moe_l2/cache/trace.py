@@ -1,4 +1,4 @@
-"""Routing traces: read and write the format of DESIGN.md's traces/README.md.
+"""Routing traces: read and write the format of the shared folder's traces/README.md (beside the design page).
 
 A trace is gzip'd (or plain) JSON Lines, one sequence (a prompt and its generation) per line::
 
@@ -102,7 +102,7 @@ def parse_sequence(obj, where: str, *, check: bool = True) -> TraceSequence:
     missing = [k for k in ("model", "n_layers", "n_experts", "experts") if k not in obj]
     if missing:
         raise TraceError(f"{where}: missing field(s) {', '.join(missing)} (see the trace format in "
-                         "moe_l2/trace.py)")
+                         "moe_l2/cache/trace.py)")
     model = obj["model"]
     if not isinstance(model, str) or not model:
         raise TraceError(f"{where}: model must be a non-empty string")

@@ -18,7 +18,7 @@ import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-from .predictor import Prediction, PredictorError
+from .prediction import Prediction, PredictorError
 
 INSTALL = "pip install 'moe-l2[embed]'"
 ENCODER = "all-MiniLM-L6-v2"

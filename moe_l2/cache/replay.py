@@ -1,6 +1,6 @@
 """`moe-l2 replay`: run routing traces through the daemon's own slot store and eviction policies.
 
-Every layer gets a `moe_l2.daemon.store.LayerStore` with the policy under test, as the daemon builds them,
+Every layer gets a `moe_l2.cache.store.LayerStore` with the policy under test, as the daemon builds them,
 and sees the trace's tokens as the daemon sees a client's reports: for each token the experts the router
 picked are looked up (hit: resident), the policy is told of every access, and the misses are loaded
 (reserve + commit, evicting what the policy names). Loads complete before the next token, so the numbers
@@ -8,7 +8,7 @@ are the policy's, not the disk's. No shared memory is touched.
 
 Beside the chosen policy every capacity is also run with the comparison policies (LRU and LFU by default)
 and with Belady's MIN, the offline optimum, as the ceiling. `--hints` sends each sequence's prompt as a
-hint first, through the daemon's hint code (`moe_l2.profile.apply_hint`: predict the domain, pin its top
+hint first, through the daemon's hint code (`LayerStore.apply_hint`: predict the domain, pin its top
 experts within the pin budget and load them). Layers are independent, so they run on a process pool.
 
 Sequence order: `blocked` groups the sequences by domain (domains in name order, file order inside),
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 
 from .policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
-from .profile import (HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, MIN_CONFIDENCE, Profile, ProfileError,
-                      apply_hint, clear_hint)
-from .predictor import PredictorError
+from .prediction import PredictorError
+from .profile import MIN_CONFIDENCE, Profile, ProfileError
+from .store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, LayerStore
 from .trace import TraceError, TraceSet, read_traces
 
 ORDERS = ("interleave", "blocked")
@@ -103,9 +103,7 @@ class Task:
 
 
 def replay_layer(task: Task) -> dict:
-    """One layer, one capacity, one policy: the daemon's LayerStore over the layer's token batches."""
-    from .daemon.store import LayerStore  # the daemon's own store (moe_l2.daemon is the daemon/ folder)
-
+    """One layer, one capacity, one policy: the daemon's own LayerStore over the layer's token batches."""
     batches = task.batches
     if task.policy == "min":
         policy = BeladyMIN(batches)
@@ -125,8 +123,8 @@ def replay_layer(task: Task) -> dict:
     for t, batch in enumerate(batches):
         if t in hint_at:
             domain = hint_at[t]
-            pinned = apply_hint(store, task.profile, domain, task.layer, share=task.hint_share,
-                                prior=task.hint_prior, min_lift=task.hint_lift) if domain else (clear_hint(store) or [])
+            pinned = store.apply_hint(task.profile, domain, task.layer, share=task.hint_share,
+                                      prior=task.hint_prior, min_lift=task.hint_lift)
             for e in pinned:
                 if not store.has(e):
                     r = reserve(e)

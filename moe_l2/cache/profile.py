@@ -20,7 +20,7 @@ version 1::
 
 The predictor may instead be ``{"kind": "embedding", "encoder": "all-MiniLM-L6-v2", "temperature": 0.05,
 "docs": {...}, "centroids": {domain: [384 floats]}}`` (``moe-l2 profile --predictor embedding``; predicting
-with it needs the ``embed`` extra, see moe_l2/embedding.py).
+with it needs the ``embed`` extra, see moe_l2/cache/embedding.py).
 
 Counts are the source of truth (they add up across traces and daemons); ``backbone`` and ``specificity`` are
 recomputed from them on load and written for people and other tools:
@@ -31,10 +31,10 @@ recomputed from them on load and written for people and other tools:
 - *specificity*: the mutual information between the domain and the picked expert, divided by the entropy
   of the picked expert; 0 when the domain does not change the layer's routing.
 
-On a ``hint`` the daemon predicts the domain (or takes the one given) and, per layer (`apply_hint`), pins
-the domain's most frequent experts that are specific to it (picked at least ``HINT_MIN_LIFT`` times as
-often as by the rest of the traffic), at most ``HINT_PIN_SHARE`` of the slots and within the store's pin
-limit, loads them, and adds the domain's shares to the eviction policy's scores (``HINT_PRIOR``).
+On a ``hint`` the daemon predicts the domain (or takes the one given; a prediction below ``MIN_CONFIDENCE``
+changes nothing) and points every layer's store at it (`moe_l2.cache.store.LayerStore.apply_hint`): it pins
+the domain's most frequent experts that are specific to it, loads them, and adds the domain's shares to the
+eviction policy's scores.
 docs/policy-report.md measures each part.
 """
 
@@ -49,26 +49,44 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .predictor import KINDS, NaiveBayes, Prediction, PredictorError, predictor_from_json, train_predictor
+from .embedding import EmbeddingCentroid
+from .prediction import NaiveBayes, Prediction, PredictorError
 
 FORMAT = "moe-l2-profile"
 VERSION = 1
 BACKBONE_FACTOR = 1.5
 MIN_DOMAIN_TOKENS = 32
-# Domain pins take at most this share of a layer's slots (and never more than the store's pin limit).
-HINT_PIN_SHARE = 0.25
 # A prediction below this confidence changes nothing: the daemon keeps its current pins.
 MIN_CONFIDENCE = 0.35
-# Only experts the domain picks at least this many times more often (by share) than the rest of the traffic
-# are pinned: pinning experts that are hot everywhere only takes room from the sequence's own working set.
-HINT_MIN_LIFT = 4.0
-# A hint adds the domain's expert shares to the policy's scores with this strength (1: as much weight as
-# the layer's whole decayed history), so the domain's experts win ties for the cache without being pinned.
-HINT_PRIOR = 1.0
 
 
 class ProfileError(ValueError):
     """A profile that cannot be used: names the file and what is wrong."""
+
+
+# The predictor kinds a profile can hold. Importing the embedding one is cheap: its encoder and the encoder's
+# heavy dependencies load only when it trains or predicts.
+_PREDICTORS = {NaiveBayes.kind: NaiveBayes, EmbeddingCentroid.kind: EmbeddingCentroid}
+KINDS = tuple(_PREDICTORS)
+
+
+def predictor_class(kind: str):
+    """The predictor class of a kind."""
+    if kind not in _PREDICTORS:
+        raise PredictorError(f"unknown predictor kind {kind!r} (known: {', '.join(KINDS)})")
+    return _PREDICTORS[kind]
+
+
+def train_predictor(examples: Iterable[tuple[str, str]], kind: str = NaiveBayes.kind):
+    return predictor_class(kind).train(examples)
+
+
+def predictor_from_json(data):
+    kind = data.get("kind") if isinstance(data, Mapping) else None
+    if kind not in KINDS:
+        raise PredictorError(f"unknown predictor kind {kind if kind is not None else data!r} "
+                             f"(known: {', '.join(KINDS)})")
+    return predictor_class(kind).from_json(data)
 
 
 def _zeros(n_layers: int, n_experts: int) -> list[list[int]]:
@@ -90,7 +108,7 @@ class Profile:
     top_k: int
     domains: dict[str, DomainStats] = field(default_factory=dict)
     unlabelled: DomainStats | None = None
-    predictor: NaiveBayes | None = None  # or moe_l2.embedding.EmbeddingCentroid
+    predictor: NaiveBayes | EmbeddingCentroid | None = None
     sources: list[str] = field(default_factory=list)
     path: str = ""
 
@@ -134,8 +152,8 @@ class Profile:
 
     @classmethod
     def from_traces(cls, traces, *, predictor: bool | str = True) -> "Profile":
-        """A profile from a moe_l2.trace.TraceSet (or any iterable of TraceSequence of one model). `predictor`:
-        False for none, True for the default (naive Bayes) or a kind of `moe_l2.predictor.KINDS`."""
+        """A profile from a moe_l2.cache.trace.TraceSet (or any iterable of TraceSequence of one model). `predictor`:
+        False for none, True for the default (naive Bayes) or a kind of `KINDS`."""
         sequences = list(getattr(traces, "sequences", traces))
         if not sequences:
             raise ProfileError("no sequences to build a profile from")
@@ -337,37 +355,6 @@ def _specificity(rows: list[list[int]]) -> float:
     return max(0.0, min(1.0, (h - h_cond) / h))
 
 
-def hint_budget(store, share: float = HINT_PIN_SHARE) -> int:
-    """How many domain pins a layer store may take for a hint: a share of its slots, within the pin room
-    that permanent pins leave under the store's pin limit."""
-    room = store.pin_limit - len(store.pins["permanent"])
-    return max(0, min(room, int(share * store.n_slots)))
-
-
-def apply_hint(store, profile: Profile, domain: str, layer: int, *, share: float = HINT_PIN_SHARE,
-               prior: float = HINT_PRIOR, min_lift: float = HINT_MIN_LIFT) -> list[int]:
-    """Point one layer store at a domain: replace its domain pins by the domain's most frequent experts
-    that are specific to it (lift >= `min_lift`, within `hint_budget`), and with `prior` > 0 add the
-    domain's shares to the policy's scores. Returns the experts now domain-pinned; the caller loads the
-    ones not resident. The daemon's hint and `moe-l2 replay --hints` both go through here."""
-    budget = hint_budget(store, share)
-    uniform = 1.0 / profile.n_experts
-    shares = profile.shares(domain, layer)
-    # Only experts the domain uses more than uniformly are worth a pin.
-    permanent = store.pins["permanent"]
-    lift = profile.lift(domain, layer)
-    wanted = [e for e in profile.top_experts(domain, layer, profile.n_experts)
-              if shares[e] > uniform and e not in permanent and lift[e] >= min_lift][:budget]
-    pinned = store.set_domain_pins(wanted, budget)
-    if prior > 0 and hasattr(store.policy, "set_prior"):
-        store.policy.set_prior(shares, prior)
-    return pinned
-
-
-def clear_hint(store) -> None:
-    store.set_domain_pins([], 0)
-
-
 # ---- moe-l2 profile ---------------------------------------------------------------------------------------
 
 
@@ -397,8 +384,8 @@ def profile_from_daemon(socket: str, model: str | None, base: Profile | None = N
                         timeout_s: float = 5.0) -> Profile:
     """A profile from a running daemon's online statistics (what its clients reported), optionally added
     to a base profile (whose predictor it keeps)."""
-    from . import protocol
-    from .client.connection import request
+    from moe_l2 import protocol
+    from moe_l2.client.connection import request
 
     reply = request(socket, protocol.Stats(id=1, routing=True), timeout_s=timeout_s)
     if not reply.ok:
@@ -450,7 +437,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from .trace import TraceError, read_traces
-    from .runtime import default_socket
+    from moe_l2.runtime import default_socket
 
     try:
         if args.show:

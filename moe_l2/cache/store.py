@@ -1,14 +1,27 @@
-"""One MoE layer's slot store: which expert sits in which slot, pins, loads in flight, the policy.
+"""One MoE layer's slot store: which expert sits in which slot, pins, hints, loads in flight, the policy.
 
-Pure bookkeeping, no shared memory: the served model mirrors the decisions into the index segment, and
-`moe-l2 replay` runs the same code over traces.
+Pure bookkeeping, no shared memory: the daemon's served model mirrors the decisions into the index segment,
+and `moe-l2 replay` runs the same code over traces. Only the store touches its pins, and `_pin_room` is the
+one place that says how many more the pin limit allows (docs/architecture.md, "Policies, profiles and hints").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 FREE, LOADING, READY = 0, 1, 2
+# Domain pins take at most this share of a layer's slots (and never more than the store's pin limit).
+HINT_PIN_SHARE = 0.25
+# Only experts the domain picks at least this many times more often (by share) than the rest of the traffic
+# are pinned: pinning experts that are hot everywhere only takes room from the sequence's own working set.
+HINT_MIN_LIFT = 4.0
+# A hint adds the domain's expert shares to the policy's scores with this strength (1: as much weight as
+# the layer's whole decayed history), so the domain's experts win ties for the cache without being pinned.
+HINT_PRIOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -31,7 +44,7 @@ class LayerStore:
         self._expert_in = [-1] * n_slots
         self._state = [FREE] * n_slots
         self._free = list(range(n_slots - 1, -1, -1))
-        self.pins: dict[str, set[int]] = {"permanent": set(), "domain": set()}
+        self._pins: dict[str, set[int]] = {"permanent": set(), "domain": set()}
         self._pinned: set[int] = set()  # the union of the pin groups, kept up to date
         if hasattr(policy, "set_capacity"):
             policy.set_capacity(n_slots)
@@ -90,8 +103,8 @@ class LayerStore:
         pinned, refused = [], []
         for expert in experts:
             self.check_expert(expert)
-            if self.pinned(expert) or self.pin_count < self.pin_limit:
-                self.pins[kind].add(expert)
+            if self.pinned(expert) or self._pin_room(self._pinned) > 0:
+                self._pins[kind].add(expert)
                 self._pinned.add(expert)
                 pinned.append(expert)
             else:
@@ -101,20 +114,46 @@ class LayerStore:
     def unpin(self, experts: list[int], kind: str) -> None:
         for expert in experts:
             self.check_expert(expert)
-            self.pins[kind].discard(expert)
-            if not any(expert in group for group in self.pins.values()):
+            self._pins[kind].discard(expert)
+            if not any(expert in group for group in self._pins.values()):
                 self._pinned.discard(expert)
 
-    def set_domain_pins(self, experts: list[int], budget: int | None = None) -> list[int]:
-        """Replace the domain pins (the active prediction) by the first `budget` of `experts` (best first)
-        that the pin limit leaves room for; returns the experts pinned now, for the caller to load."""
-        for expert in experts:
-            self.check_expert(expert)
-        self.unpin(sorted(self.pins["domain"]), "domain")
-        room = self.pin_limit - self.pin_count
-        budget = room if budget is None else max(0, min(budget, room))
-        chosen = [e for e in dict.fromkeys(experts) if e not in self.pins["permanent"]][:budget]
-        pinned, _ = self.pin(chosen, "domain")
+    def pins(self, kind: str) -> list[int]:
+        """The experts pinned as `kind` ("permanent" or "domain"), sorted."""
+        return sorted(self._pins[kind])
+
+    def _pin_room(self, staying: set[int]) -> int:
+        """How many more experts the pin limit lets in beside `staying`, the pins that stay."""
+        return max(0, self.pin_limit - len(staying))
+
+    def hint_budget(self, share: float = HINT_PIN_SHARE) -> int:
+        """How many domain pins a hint may take: a share of the slots, within the pin room that the
+        permanent pins leave."""
+        return max(0, min(self._pin_room(self._pins["permanent"]), int(share * self.n_slots)))
+
+    def apply_hint(self, profile: Profile, domain: str | None, layer: int, *, share: float = HINT_PIN_SHARE,
+                   prior: float = HINT_PRIOR, min_lift: float = HINT_MIN_LIFT) -> list[int]:
+        """Point this store (MoE layer `layer` of the profile's model) at a domain: replace the domain pins by
+        the domain's most frequent experts that are specific to it (lift >= `min_lift`, within
+        `hint_budget`), and with `prior` > 0 add the domain's shares to the policy's scores. No domain (None
+        or ""): release the domain pins. Returns the experts now domain-pinned; the caller loads the ones not
+        resident. The daemon's hint and `moe-l2 replay --hints` both go through here."""
+        wanted: list[int] = []
+        if domain:
+            budget = self.hint_budget(share)
+            uniform = 1.0 / profile.n_experts
+            shares = profile.shares(domain, layer)
+            lift = profile.lift(domain, layer)
+            # Only experts the domain uses more than uniformly are worth a pin.
+            permanent = self._pins["permanent"]
+            wanted = [e for e in profile.top_experts(domain, layer, profile.n_experts)
+                      if shares[e] > uniform and e not in permanent and lift[e] >= min_lift][:budget]
+            for expert in wanted:
+                self.check_expert(expert)
+        self.unpin(sorted(self._pins["domain"]), "domain")
+        pinned, _ = self.pin(wanted, "domain")
+        if domain and prior > 0 and hasattr(self.policy, "set_prior"):
+            self.policy.set_prior(shares, prior)
         return pinned
 
     @property
