@@ -7,6 +7,7 @@ import argparse
 import importlib
 import sys
 
+from moe_l2 import __version__
 from moe_l2.runtime import default_socket
 
 # Subcommand -> module in moe_l2/commands, in the order --help lists them.
@@ -25,6 +26,7 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-l2", description="The moe-l2 expert cache: run, inspect and tune it.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"moe_l2.commands.{module_name}")

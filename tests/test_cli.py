@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 
+from moe_l2 import __version__ as moe_l2_version
 from moe_l2 import protocol
 from moe_l2.client.connection import request
 
@@ -91,3 +92,24 @@ def test_make_model_cli_writes_a_loadable_checkpoint(tmp_path):
     assert (files.n_layers, files.n_experts, files.top_k) == (2, 4, 2)
     bad = moe_l2("make-model", "--arch", "mixtral", "--top-k", "9", "--experts", "4", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "top" in bad.stderr
+
+
+def test_every_option_of_every_command_has_help_text():
+    import argparse
+
+    from moe_l2.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [f"moe-l2 {name} {'/'.join(a.option_strings) or a.dest}"
+               for name, p in sub.choices.items() for a in p._actions if not a.help]
+    assert not missing, "options without help text: " + ", ".join(missing)
+    assert len(sub.choices) >= 9
+
+
+def test_version_and_short_prompt_flag():
+    result = moe_l2("--version")
+    assert result.returncode == 0 and result.stdout.split() == ["moe-l2", moe_l2_version]
+    from moe_l2.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "--model", "m", "-p", "hi"]).prompt == "hi"

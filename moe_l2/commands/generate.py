@@ -16,7 +16,7 @@ HELP = "generate text with an mlx-lm MoE model, its experts streamed"
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, type=Path, help="mlx-lm model directory")
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("-p", "--prompt", help="the prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-': standard input)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
     l0 = parser.add_mutually_exclusive_group()
