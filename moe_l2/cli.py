@@ -31,7 +31,8 @@ def render_stats(reply: dict) -> str:
     lines = [
         f"moe-l2d {d['version']}  pid {d['pid']}  up {d['uptime_s']:.0f} s  socket {d['socket']}",
         f"clients {d['clients']}  loads in flight {d['loads_in_flight']}  shared memory "
-        f"{format_size(d['shm_bytes'])}  RSS {format_size(d['rss_bytes'])}  requests {d['requests']} "
+        f"{format_size(d['shm_bytes'])} (locked {format_size(d['shm_locked_bytes'])}, unlocked "
+        f"{format_size(d['shm_unlocked_bytes'])})  RSS {format_size(d['rss_bytes'])}  requests {d['requests']} "
         f"(refused {d['errors']})",
     ]
     for m in reply["models"]:
