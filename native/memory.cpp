@@ -295,18 +295,15 @@ Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mod
                                         "': " + errno_text(err) + space_hint(err)));
   };
 
-  // shm_open applies the umask on both systems; the caller's mode (e.g. group access) is meant
-  // as given.
+  // The caller's mode (e.g. group access) is meant as given. Linux's shm_open applies the
+  // umask, so the mode is set again; macOS' shm_open ignores the umask and its shared-memory
+  // objects have no fchmod, so there the mode is already exact.
   struct stat st;
   if (fstat(fd, &st) != 0) {
     fail("stat", errno);
   }
   if ((st.st_mode & 0777) != mode && fchmod(fd, static_cast<mode_t>(mode)) != 0) {
-#ifdef __linux__
     fail("set the mode of", errno);
-#endif
-    // macOS has no fchmod for shared-memory objects: there the umask stays applied (the
-    // service files set it to 007).
   }
   if (ftruncate(fd, static_cast<off_t>(nbytes)) != 0) {
     fail("size (" + std::to_string(nbytes) + " bytes)", errno);

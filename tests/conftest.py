@@ -42,8 +42,9 @@ def model_files(model_dir) -> ModelFiles:
 class DaemonProcess:
     """moe-l2d as systemd would run it: a subprocess that says READY=1 on $NOTIFY_SOCKET when serving."""
 
-    def __init__(self, args: list[str], runtime_dir: Path):
+    def __init__(self, args: list[str], runtime_dir: Path, wrapper: tuple[str, ...] = ()):
         self.args = args
+        self.wrapper = wrapper  # a command that runs the daemon, e.g. with fewer capabilities or other limits
         self.runtime_dir = runtime_dir
         self.socket = f"ipc://{runtime_dir / 'moe-l2d.sock'}"
         self.proc: subprocess.Popen | None = None
@@ -57,7 +58,7 @@ class DaemonProcess:
         notify.settimeout(0.2)
         env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), MOE_L2_RUNTIME_DIR=str(self.runtime_dir))
         with open(self.stderr_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.daemon.main", *self.args],
+            self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-P", "-m", "moe_l2.daemon.main", *self.args],
                                          stdout=log, stderr=log, env=env)
         deadline = time.monotonic() + timeout
         try:
