@@ -26,13 +26,19 @@ def _pct(rate: float | None) -> str:
     return "-" if rate is None else f"{rate * 100:.1f}%"
 
 
+def _locking(d: dict) -> str:
+    # A daemon from before locking (still running after an upgrade) does not report it.
+    if "shm_locked_bytes" not in d:
+        return ""
+    return f" (locked {format_size(d['shm_locked_bytes'])}, unlocked {format_size(d['shm_unlocked_bytes'])})"
+
+
 def render_stats(reply: dict) -> str:
     d = reply["daemon"]
     lines = [
         f"moe-l2d {d['version']}  pid {d['pid']}  up {d['uptime_s']:.0f} s  socket {d['socket']}",
         f"clients {d['clients']}  loads in flight {d['loads_in_flight']}  shared memory "
-        f"{format_size(d['shm_bytes'])} (locked {format_size(d['shm_locked_bytes'])}, unlocked "
-        f"{format_size(d['shm_unlocked_bytes'])})  RSS {format_size(d['rss_bytes'])}  requests {d['requests']} "
+        f"{format_size(d['shm_bytes'])}{_locking(d)}  RSS {format_size(d['rss_bytes'])}  requests {d['requests']} "
         f"(refused {d['errors']})",
     ]
     for m in reply["models"]:
