@@ -94,6 +94,12 @@ def test_stats_count_locked_shm_and_the_table_shows_it(running_daemon):
                            text=True, timeout=60)
     assert table.returncode == 0, table.stderr
     assert "(locked " in table.stdout and "unlocked 0 B)" in table.stdout
+    # A daemon from before locking reports neither figure; the table leaves them out.
+    from moe_l2.cli import render_stats
+
+    payload = request(running_daemon.socket, protocol.Stats(id=1)).payload
+    del payload["daemon"]["shm_locked_bytes"], payload["daemon"]["shm_unlocked_bytes"]
+    assert "locked" not in render_stats(payload)
 
 
 def test_unlink_with_an_owner_leaves_another_users_segment(name):
