@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -108,6 +109,25 @@ def open_private_file(dir_fd: int, name: str, flags: int) -> int:
     return fd
 
 
+def check_tcp_address_free(address: str) -> None:
+    """A TCP address has no directory to keep a lock in: before any segment is made, see that nobody listens on
+    it, so that a daemon on the same address with another runtime dir is met here, not in shared memory."""
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            None if host == "*" else host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (OSError, ValueError):
+        return  # an interface name or the like: ZeroMQ's own bind reports what is wrong
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is no owner
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(f"another process (another moe-l2d with a different runtime dir?) listens on "
+                                   f"{address}; stop it first or choose another --socket") from None
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig):
         self.config = config
@@ -153,6 +173,8 @@ class Daemon:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+        if self.config.socket.startswith("tcp://"):
+            check_tcp_address_free(self.config.socket)
 
     def _reclaim(self) -> None:
         """Unlink the segments a crashed predecessor listed; macOS cannot list /dev/shm, so it keeps a list.

@@ -164,3 +164,20 @@ def test_two_daemons_on_one_socket_meet_at_the_lock_whatever_their_runtime_dirs(
     assert all(segment_exists(n) for n in live)
     reply = request(first.socket, protocol.Stats(id=1))
     assert reply.ok and reply.payload["daemon"]["pid"] == first.proc.pid
+
+
+def test_two_daemons_on_one_tcp_address_are_refused_before_shared_memory(daemon_factory, dirs, model_dir,
+                                                                          model_files):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    budget = str(budget_for(model_files, 2))
+    first = daemon_factory([model_dir], budget, "--socket", address)
+    live = json.loads(next(first.runtime_dir.glob("moe-l2d-*.segments")).read_text())
+    with pytest.raises(RuntimeError, match=f"listens on {address}; stop it first"):
+        daemon_factory([model_dir], budget, "--socket", address, runtime_dir=dirs())
+    assert all(segment_exists(n) for n in live)
+    reply = request(address, protocol.Stats(id=1))
+    assert reply.ok and reply.payload["daemon"]["pid"] == first.proc.pid
