@@ -40,6 +40,9 @@ MIB = 1 << 20
 
 
 def drop(paths) -> None:
+    if not hasattr(os, "posix_fadvise"):
+        raise SystemExit("bench_io measures cold reads and drops the page cache with posix_fadvise, which this "
+                         "system lacks (macOS); run it on Linux")
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:

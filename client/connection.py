@@ -23,7 +23,7 @@ import zmq
 from moe_l2 import _native, protocol
 from moe_l2.layout import Geometry, IndexHeader
 from moe_l2.model import ModelFiles
-from moe_l2.runtime import default_socket
+from moe_l2.runtime import default_socket, no_daemon_message
 
 log = logging.getLogger("moe-l2.client")
 
@@ -90,6 +90,9 @@ def wait_idle(address: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+_WARNED_NO_DAEMON: set[str] = set()
+
+
 class L2Client:
     def __init__(self, files: ModelFiles, address: str | None = None, *, heartbeat_s: float = 1.0,
                  timeout_s: float = 2.0, wait_s: float = 1.0):
@@ -107,8 +110,10 @@ class L2Client:
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="moe-l2-client", daemon=True)
         self._thread.start()
-        if wait_s > 0:
-            self.wait_attached(wait_s)
+        if wait_s > 0 and not self.wait_attached(wait_s) and self.address not in _WARNED_NO_DAEMON:
+            # Once per address and process: a client running from disk only must not go unnoticed.
+            _WARNED_NO_DAEMON.add(self.address)
+            log.warning("%s", no_daemon_message(self.address))
 
     @property
     def attached(self) -> bool:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
+from pathlib import Path
+from stat import S_ISREG
 
 import psutil
 
@@ -34,11 +38,23 @@ class StartupError(RuntimeError):
 
 def check_memory(needed: int) -> None:
     """Refuse a budget the machine cannot back, instead of dying of SIGBUS on a full /dev/shm later."""
-    available = psutil.virtual_memory().available
-    if needed > available:
+    memory = psutil.virtual_memory()
+    if sys.platform == "darwin":
+        # macOS counts inactive and purgeable pages out of `available`, though it hands them out on demand;
+        # the budget is refused only past physical memory, and warned about past available + inactive.
+        if needed > memory.total:
+            raise StartupError(f"the models need {format_size(needed)} of shared memory but this Mac has "
+                               f"{format_size(memory.total)} of memory; lower the budget")
+        reclaimable = memory.available + memory.inactive
+        if needed > reclaimable:
+            log.warning("the models need %s of shared memory and only %s is free or inactive: macOS will "
+                        "compress or swap other memory (or these segments) to make room; lower the budget "
+                        "if the machine slows down", format_size(needed), format_size(reclaimable))
+        return
+    if needed > memory.available:
         raise StartupError(f"the models need {format_size(needed)} of shared memory but only "
-                           f"{format_size(available)} of memory is available; lower --budget")
-    if os.path.isdir("/dev/shm"):  # Linux; macOS keeps POSIX shm in kernel memory, checked above
+                           f"{format_size(memory.available)} of memory is available; lower --budget")
+    if sys.platform.startswith("linux"):  # POSIX shm is the tmpfs /dev/shm, with its own size limit
         stat = os.statvfs("/dev/shm")
         free = stat.f_bavail * stat.f_frsize
         if needed > free:
@@ -47,30 +63,107 @@ def check_memory(needed: int) -> None:
                                "(e.g. mount -o remount,size=32G /dev/shm)")
 
 
+def open_private_dir(path: Path) -> int:
+    """An fd of `path` (made 0700 when missing) that the daemon may keep its lock and segment list in: a real
+    directory, owned by the daemon's user, writable by nobody else. Anything else could be a directory another
+    local user prepared, with links that make a root daemon overwrite or chmod files it never meant to
+    (docs/architecture.md, "Runtime directory")."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"cannot create runtime directory {path}: {exc.strerror}; "
+                           "set --runtime-dir or $MOE_L2_RUNTIME_DIR") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise StartupError(f"runtime directory {path} is a symbolic link: check where it points and who "
+                               "made it, then give the real directory as --runtime-dir (or the socket's)") from None
+        raise StartupError(f"cannot open runtime directory {path}: {exc.strerror}") from None
+    info = os.fstat(fd)
+    uid = os.geteuid()
+    if info.st_uid != uid:
+        problem = (f"belongs to uid {info.st_uid}, not to this daemon's user (uid {uid}); if you did not create "
+                   f"it, another user did: remove it (rm -r {path}) and start again, or choose a directory of "
+                   "this user's with --runtime-dir")
+    elif info.st_mode & 0o022:
+        problem = (f"is writable by other users (mode {stat_mode(info.st_mode)}); make it private with "
+                   f"chmod go-w {path}")
+    else:
+        return fd
+    os.close(fd)
+    raise StartupError(f"runtime directory {path} {problem}")
+
+
+def stat_mode(mode: int) -> str:
+    return f"{mode & 0o7777:04o}"
+
+
+def open_private_file(dir_fd: int, name: str, flags: int) -> int:
+    """Open `name` in the runtime directory without following a link, and check it is this user's own file."""
+    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    info = os.fstat(fd)
+    if not S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        os.close(fd)
+        raise StartupError(f"{name} in the runtime directory is not a private file of this daemon's user "
+                           f"(uid {info.st_uid}, mode {stat_mode(info.st_mode)}); remove it and start again")
+    return fd
+
+
+def check_tcp_address_free(address: str) -> None:
+    """A TCP address has no directory to keep a lock in: before any segment is made, see that nobody listens on
+    it, so that a daemon on the same address with another runtime dir is met here, not in shared memory."""
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            None if host == "*" else host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (OSError, ValueError):
+        return  # an interface name or the like: ZeroMQ's own bind reports what is wrong
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is no owner
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(f"another process (another moe-l2d with a different runtime dir?) listens on "
+                                   f"{address}; stop it first or choose another --socket") from None
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig):
         self.config = config
+        # The segment names (moe_l2.layout.segment_names), the lock and the segment list are all keyed by the
+        # socket address, and the lock lives beside an ipc:// socket: two daemons on one socket meet at the
+        # lock, whatever their --runtime-dir, before either touches shared memory.
         self.tag = hashlib.sha1(config.socket.encode()).hexdigest()[:8]
         self.epoch = time.time_ns()
         self.models: list[ServedModel] = []
         self.loader: Loader | None = None
         self.server: Server | None = None
+        self._dir_fd: int | None = None
         self._lock_fd: int | None = None
         self._stop = False
 
     @property
-    def _state_path(self):
-        return self.config.runtime_dir / f"moe-l2d-{self.tag}.segments"
+    def state_dir(self) -> Path:
+        """Where the lock and the segment list live: an ipc:// socket's directory, else the runtime dir."""
+        if self.config.socket.startswith("ipc://"):
+            return Path(os.path.abspath(self.config.socket[len("ipc://"):])).parent
+        return self.config.runtime_dir
+
+    @property
+    def _state_name(self) -> str:
+        return f"moe-l2d-{self.tag}.segments"
 
     def _acquire_lock(self) -> None:
-        directory = self.config.runtime_dir
+        directory = self.state_dir
+        self._dir_fd = open_private_dir(directory)
+        name = f"moe-l2d-{self.tag}.lock"
         try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = open_private_file(self._dir_fd, name, os.O_RDWR | os.O_CREAT)
         except OSError as exc:
-            raise StartupError(f"cannot create runtime directory {directory}: {exc.strerror}; "
-                               "set --runtime-dir or $MOE_L2_RUNTIME_DIR") from None
-        path = directory / f"moe-l2d-{self.tag}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            raise StartupError(f"cannot open the lock file {directory / name}: {exc.strerror}; if it is a "
+                               "symbolic link, remove it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -81,26 +174,54 @@ class Daemon:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+        if self.config.socket.startswith("tcp://"):
+            check_tcp_address_free(self.config.socket)
 
     def _reclaim(self) -> None:
-        """Unlink the segments a crashed predecessor listed; macOS cannot list /dev/shm, so it keeps a list."""
+        """Unlink the segments a crashed predecessor listed; macOS cannot list /dev/shm, so it keeps a list.
+
+        Only names with this daemon's tag, and only segments this daemon's user owns: a list that someone
+        else wrote must not make a root daemon unlink other daemons' segments."""
         try:
-            names = json.loads(self._state_path.read_text())
+            fd = open_private_file(self._dir_fd, self._state_name, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        except (OSError, StartupError) as exc:
+            log.warning("ignoring the segment list %s: %s", self.state_dir / self._state_name, exc)
+            return
+        try:
+            with os.fdopen(fd, "rb") as f:
+                names = json.loads(f.read())
         except (OSError, ValueError):
             return
-        for name in names:
-            if isinstance(name, str) and name.startswith("/ml2") and _native.Segment.unlink(name):
-                log.info("reclaimed shared-memory segment %s left by an earlier daemon", name)
+        prefix = f"/ml2{self.tag}."
+        for name in names if isinstance(names, list) else []:
+            if not (isinstance(name, str) and name.startswith(prefix)):
+                log.warning("not reclaiming %r from the segment list: not a segment of this daemon", name)
+                continue
+            try:
+                if _native.Segment.unlink(name, owner=os.geteuid()):
+                    log.info("reclaimed shared-memory segment %s left by an earlier daemon", name)
+            except (OSError, ValueError) as exc:
+                log.warning("not reclaiming %s: %s", name, exc)
 
     def _write_state(self) -> None:
+        """Replace the segment list atomically; 0600 whatever the umask: a group member must not be able to
+        make the next daemon unlink things."""
         names = json.dumps([n for m in self.models for n in m.segment_names]).encode()
-        # 0600 whatever the umask: a group member must not be able to make the next daemon unlink things.
-        fd = os.open(self._state_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        partial = f"{self._state_name}.{os.getpid()}"
+        try:
+            os.unlink(partial, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=self._dir_fd)
         try:
             os.fchmod(fd, 0o600)
             os.write(fd, names)
         finally:
             os.close(fd)
+        os.replace(partial, self._state_name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
 
     def start(self) -> None:
         self._acquire_lock()
@@ -136,11 +257,21 @@ class Daemon:
             g = geometry
             log.info("serving %s: %d layers x %d experts, %d slots per layer (%s of shared memory)",
                      files.path, g.n_layers, g.n_experts, g.n_slots, format_size(self.models[-1].shm_bytes))
+        self._warn_unlocked()
         self.loader = Loader(self.config.loader_threads)
         try:
             self.server = Server(self.config.socket, self.models, self.loader, self.epoch)
         except Exception as exc:
             raise StartupError(f"cannot bind {self.config.socket}: {exc}") from None
+
+    def _warn_unlocked(self) -> None:
+        """Once per start: segments whose pages could not be locked can be swapped or compressed."""
+        unlocked = [s for m in self.models for s in (m.index, *m.data) if not s.locked]
+        if unlocked:
+            log.warning("%s (and %d more); %s of shared memory is committed but not locked, so the system may "
+                        "swap or compress it: allow locking with LimitMEMLOCK=infinity (systemd) or a larger "
+                        "ulimit -l, or run the daemon as root (see systemd/README.md)", unlocked[0].lock_error,
+                        len(unlocked) - 1, format_size(sum(s.nbytes for s in unlocked)))
 
     def request_stop(self, *_) -> None:
         self._stop = True
@@ -152,6 +283,9 @@ class Daemon:
 
     def stop(self) -> None:
         if self._lock_fd is None:
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+                self._dir_fd = None
             return  # never started: the socket, state file and segments belong to someone else
         sd_notify("STOPPING=1")
         if self.server is not None:
@@ -161,14 +295,18 @@ class Daemon:
         for model in self.models:
             model.close()
         self.models = []
-        self._state_path.unlink(missing_ok=True)
+        try:
+            os.unlink(self._state_name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
         if self.config.socket.startswith("ipc://"):
             try:
                 os.unlink(self.config.socket[len("ipc://"):])
             except OSError:
                 pass
         os.close(self._lock_fd)
-        self._lock_fd = None
+        os.close(self._dir_fd)
+        self._lock_fd = self._dir_fd = None
         log.info("moe-l2d stopped; segments unlinked")
 
 

@@ -20,7 +20,8 @@ def sd_notify(state: str) -> bool:
     if address.startswith("@"):  # abstract namespace
         address = "\0" + address[1:]
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        # Python creates sockets close-on-exec everywhere (PEP 446); SOCK_CLOEXEC is Linux-only.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             sock.connect(address)
             sock.sendall(state.encode())
     except OSError as exc:

@@ -29,11 +29,17 @@ def short_tempdir(prefix: str = "ml2-") -> Path:
 class DaemonProcess:
     """`moe-l2d ARGS --runtime-dir DIR` in a subprocess; DIR is a fresh private directory unless given."""
 
-    def __init__(self, args: list[str], runtime_dir: Path | None = None, log_path: Path | None = None):
+    def __init__(self, args: list[str], runtime_dir: Path | None = None, log_path: Path | None = None,
+                 wrapper: tuple[str, ...] = ()):
         self.owns_dir = runtime_dir is None
+        # The notify socket and the log live here; it is also the daemon's --runtime-dir unless args name one
+        # (a test may aim the daemon at a directory under attack and keep its own files apart).
         self.runtime_dir = short_tempdir() if runtime_dir is None else Path(runtime_dir)
-        self.args = [*args, "--runtime-dir", str(self.runtime_dir)]
-        self.socket = args[args.index("--socket") + 1] if "--socket" in args else default_socket(self.runtime_dir)
+        self.args = list(args) if "--runtime-dir" in args else [*args, "--runtime-dir", str(self.runtime_dir)]
+        daemon_dir = Path(self.args[self.args.index("--runtime-dir") + 1])
+        self.socket = args[args.index("--socket") + 1] if "--socket" in args else default_socket(daemon_dir)
+        self.env_runtime_dir = str(daemon_dir)
+        self.wrapper = tuple(wrapper)  # a command that runs the daemon, e.g. with other limits or another uid
         self.log_path = log_path or self.runtime_dir / "daemon.log"
         self.proc: subprocess.Popen | None = None
         self.segments: list[str] = []
@@ -49,10 +55,10 @@ class DaemonProcess:
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(notify_path))
         notify.settimeout(0.2)
-        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), MOE_L2_RUNTIME_DIR=str(self.runtime_dir))
+        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), MOE_L2_RUNTIME_DIR=self.env_runtime_dir)
         with open(self.log_path, "ab") as log:
             # -P: a source checkout in the working directory must not shadow the installed package.
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.daemon.main", *self.args],
+            self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-P", "-m", "moe_l2.daemon.main", *self.args],
                                          stdout=log, stderr=log, env=env)
         deadline = time.monotonic() + timeout
         try:
@@ -73,7 +79,10 @@ class DaemonProcess:
 
     def _listed_segments(self) -> list[str]:
         names = []
-        for state in self.runtime_dir.glob("moe-l2d-*.segments"):
+        dirs = {self.runtime_dir, Path(self.env_runtime_dir)}
+        if self.socket.startswith("ipc://"):
+            dirs.add(Path(self.socket[len("ipc://"):]).parent)  # the daemon keeps its list beside its socket
+        for state in (p for d in dirs for p in d.glob("moe-l2d-*.segments")):
             try:
                 names += [n for n in json.loads(state.read_text()) if isinstance(n, str)]
             except (OSError, ValueError):

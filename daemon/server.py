@@ -18,6 +18,7 @@ from moe_l2.protocol import ProtocolError
 
 from .loader import Loader
 from .served import ServedModel
+from .stats import shm_lock_figures
 
 log = logging.getLogger("moe-l2d.server")
 
@@ -130,6 +131,7 @@ class Server:
                 "clients": self.attached_clients(), "requests": self.requests, "errors": self.errors,
                 "loads_in_flight": self.loader.in_flight,
                 "shm_bytes": sum(m.shm_bytes for m in self.models.values()),
+                **shm_lock_figures(self.models.values()),
             },
             models=[m.describe(routing=req.routing) for m in self.models.values()],
         )

@@ -1,31 +1,63 @@
-"""Where the daemon's socket lives: the same answer for the daemon, its clients and the CLI."""
+"""Where the daemon's socket lives: the same answer for the daemon, its clients and the CLI.
+
+Every process of a user must resolve the same directory, whatever shell, ssh session, sudo or cron job it
+runs in, so nothing here depends on $TMPDIR: macOS sets it to a per-user folder in GUI shells only, and it
+is unset (hence /tmp) under ssh, sudo and cron (docs/architecture.md, "Runtime directory").
+"""
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 SOCKET_NAME = "moe-l2d.sock"
 # Where the service files in systemd/ put the machine-wide daemon (systemd, then launchd).
 SYSTEM_DIRS = (Path("/run/moe-l2"), Path("/usr/local/var/run/moe-l2"))
+# The last resort: a fixed place, not $TMPDIR. The daemon refuses it unless it owns it (daemon/main.py).
+FALLBACK_PARENT = Path("/tmp")
+
+
+def resolve_runtime_dir() -> tuple[Path, str]:
+    """The runtime directory and where the answer came from (for messages):
+    $MOE_L2_RUNTIME_DIR, else systemd's $RUNTIME_DIRECTORY, else the system daemon's directory when its socket
+    is there, else $XDG_RUNTIME_DIR/moe-l2, else /run/user/UID/moe-l2 when the login manager made that
+    directory (the same place as $XDG_RUNTIME_DIR, for the cron jobs and sudo shells that lack the variable),
+    else /tmp/moe-l2-UID."""
+    if os.environ.get("MOE_L2_RUNTIME_DIR"):
+        return Path(os.environ["MOE_L2_RUNTIME_DIR"]), "$MOE_L2_RUNTIME_DIR"
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        # systemd may list several directories separated by ':'; ours is the first.
+        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0]), "$RUNTIME_DIRECTORY"
+    for directory in SYSTEM_DIRS:
+        if (directory / SOCKET_NAME).exists():
+            return directory, "the system daemon's socket"
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "moe-l2", "$XDG_RUNTIME_DIR"
+    uid = os.getuid()
+    run_user = Path(f"/run/user/{uid}")
+    try:
+        if run_user.is_dir() and run_user.stat().st_uid == uid:
+            return run_user / "moe-l2", f"{run_user} (the login manager's runtime dir)"
+    except OSError:
+        pass
+    return FALLBACK_PARENT / f"moe-l2-{uid}", "the fallback (no $MOE_L2_RUNTIME_DIR or $XDG_RUNTIME_DIR)"
 
 
 def runtime_dir() -> Path:
-    """$MOE_L2_RUNTIME_DIR, else systemd's $RUNTIME_DIRECTORY, else the system daemon's directory when its
-    socket is there, else $XDG_RUNTIME_DIR/moe-l2, else the temp dir."""
-    if os.environ.get("MOE_L2_RUNTIME_DIR"):
-        return Path(os.environ["MOE_L2_RUNTIME_DIR"])
-    if os.environ.get("RUNTIME_DIRECTORY"):
-        # systemd may list several directories separated by ':'; ours is the first.
-        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
-    for directory in SYSTEM_DIRS:
-        if (directory / SOCKET_NAME).exists():
-            return directory
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(os.environ["XDG_RUNTIME_DIR"]) / "moe-l2"
-    return Path(tempfile.gettempdir()) / f"moe-l2-{os.getuid()}"
+    return resolve_runtime_dir()[0]
 
 
 def default_socket(directory: Path | None = None) -> str:
     return f"ipc://{(directory or runtime_dir()) / SOCKET_NAME}"
+
+
+def no_daemon_message(address: str) -> str:
+    """What a client that expected a daemon at `address` and found none tells its user, and what to do."""
+    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
+        found = f"no moe-l2d socket at {address[len('ipc://'):]}"
+    else:
+        found = f"no moe-l2d answered on {address}"
+    directory, source = resolve_runtime_dir()
+    return (f"{found}; reading experts from the model files only. The runtime dir {directory} came from {source}: "
+            "if moe-l2d runs, point this process at it with --socket, or set MOE_L2_RUNTIME_DIR to the daemon's "
+            f"runtime dir (the system daemon's: {' or '.join(str(d) for d in SYSTEM_DIRS)})")

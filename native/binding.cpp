@@ -126,12 +126,21 @@ void init_memory(nb::module_& m) {
 
   nb::class_<Segment, Memory>(m, "Segment", "A mapped POSIX shared-memory object.")
       .def_static("create", &Segment::create, "name"_a, "nbytes"_a, "mode"_a = 0600,
-                  "Create (O_EXCL) and map read-write a segment of nbytes, reserving its pages.")
+                  nb::call_guard<nb::gil_scoped_release>(),
+                  "Create (O_EXCL) and map read-write a segment of nbytes, reserving its pages, "
+                  "then lock them in memory (mlock) or, where that is not permitted, touch every "
+                  "page; see locked and lock_error. Releases the GIL.")
       .def_static("open", &Segment::open, "name"_a, "readonly"_a = true,
                   "Map an existing segment; its size comes from the object.")
-      .def_static("unlink", &Segment::unlink, "name"_a,
-                  "Remove a segment's name; False if there was none. Mappings stay valid.")
+      .def_static("unlink", &Segment::unlink, "name"_a, "owner"_a = -1,
+                  "Remove a segment's name; False if there was none. Mappings stay valid. With "
+                  "owner (a uid), only a segment fstat says that uid owns; PermissionError for "
+                  "another's.")
       .def_prop_ro("name", &Segment::name)
+      .def_prop_ro("locked", &Segment::locked,
+                   "Whether create() locked the pages in memory (False for opened segments).")
+      .def_prop_ro("lock_error", &Segment::lock_error,
+                   "Why create() could not lock the pages; empty when it did or for opened segments.")
       .def_prop_ro("closed", &Segment::closed)
       .def("close", &Segment::close,
            "Drop this object's mapping (idempotent); the memory is unmapped once no view uses it.")

@@ -295,16 +295,15 @@ Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mod
                                         "': " + errno_text(err) + space_hint(err)));
   };
 
-  // shm_open applies the umask; the caller's mode (e.g. group access) is meant as given.
+  // The caller's mode (e.g. group access) is meant as given. Linux's shm_open applies the
+  // umask, so the mode is set again; macOS' shm_open ignores the umask and its shared-memory
+  // objects have no fchmod, so there the mode is already exact.
   struct stat st;
   if (fstat(fd, &st) != 0) {
     fail("stat", errno);
   }
   if ((st.st_mode & 0777) != mode && fchmod(fd, static_cast<mode_t>(mode)) != 0) {
-#ifdef __linux__
     fail("set the mode of", errno);
-#endif
-    // macOS has no fchmod for shared-memory objects: there the umask stays applied.
   }
   if (ftruncate(fd, static_cast<off_t>(nbytes)) != 0) {
     fail("size (" + std::to_string(nbytes) + " bytes)", errno);
@@ -325,7 +324,25 @@ Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mod
     fail("map", errno);
   }
   ::close(fd);
-  return Segment(name, std::make_shared<Mapping>(addr, nbytes), false);
+  Segment segment(name, std::make_shared<Mapping>(addr, nbytes), false);
+  // Neither system wires shared memory by itself: tmpfs pages can be swapped, macOS pages
+  // compressed or swapped. Lock them where the limits allow (root, CAP_IPC_LOCK, or a
+  // large enough RLIMIT_MEMLOCK); otherwise commit every page now by touching it, so that the
+  // memory is at least taken, and accounted, at start (docs/architecture.md, "Shared memory").
+  if (mlock(addr, nbytes) == 0) {
+    segment.locked_ = true;
+  } else {
+    int lock_err = errno;
+    segment.lock_error_ = prefixed(fn, "cannot lock the " + std::to_string(nbytes) +
+                                           " bytes of segment '" + name + "' in memory: " +
+                                           errno_text(lock_err));
+    volatile std::byte* bytes = static_cast<std::byte*>(addr);
+    size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    for (size_t off = 0; off < nbytes; off += page) {
+      bytes[off] = std::byte{0};  // fresh pages are zero: this commits them without changing them
+    }
+  }
+  return segment;
 }
 
 Segment Segment::open(const std::string& name, bool readonly) {
@@ -361,9 +378,33 @@ Segment Segment::open(const std::string& name, bool readonly) {
   return Segment(name, std::make_shared<Mapping>(addr, nbytes), readonly);
 }
 
-bool Segment::unlink(const std::string& name) {
+bool Segment::unlink(const std::string& name, int64_t owner) {
   const char* fn = "Segment.unlink";
   check_name(fn, name);
+  if (owner >= 0) {
+    int fd = shm_open(name.c_str(), O_RDONLY, 0);
+    if (fd < 0) {
+      int err = errno;
+      if (err == ENOENT) {
+        return false;
+      }
+      throw OsError(err, prefixed(fn, "cannot open shared-memory segment '" + name +
+                                          "' to check its owner: " + errno_text(err) +
+                                          open_hint(err, false)));
+    }
+    struct stat st;
+    int err = fstat(fd, &st) == 0 ? 0 : errno;
+    ::close(fd);
+    if (err != 0) {
+      throw OsError(err, prefixed(fn, "cannot stat shared-memory segment '" + name + "': " +
+                                          errno_text(err)));
+    }
+    if (static_cast<int64_t>(st.st_uid) != owner) {
+      throw OsError(EPERM, prefixed(fn, "shared-memory segment '" + name + "' belongs to uid " +
+                                            std::to_string(st.st_uid) + ", not to uid " +
+                                            std::to_string(owner) + ": left in place"));
+    }
+  }
   if (shm_unlink(name.c_str()) == 0) {
     return true;
   }

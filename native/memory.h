@@ -91,11 +91,19 @@ class Buffer : public Memory {
 // A POSIX shared-memory object mapped into this process.
 class Segment : public Memory {
  public:
+  // Creates, sizes and maps the segment, then locks its pages in memory (mlock) or, where
+  // that is not permitted, touches every page so that the memory is committed now; see
+  // locked() and lock_error(). Runs without the GIL.
   static Segment create(const std::string& name, int64_t nbytes, unsigned mode);
   static Segment open(const std::string& name, bool readonly);
-  static bool unlink(const std::string& name);
+  // Removes the name; false if there was none. owner >= 0: only a segment that fstat says
+  // belongs to that uid, otherwise a PermissionError and the name stays.
+  static bool unlink(const std::string& name, int64_t owner = -1);
 
   const std::string& name() const { return name_; }
+  // Whether create() locked the pages (false for opened segments), and why not.
+  bool locked() const { return locked_; }
+  const std::string& lock_error() const { return lock_error_; }
   bool closed() const { return region_ == nullptr; }
   // Drops this object's mapping; the memory is unmapped once no view or running call uses it.
   void close() { region_.reset(); }
@@ -106,6 +114,8 @@ class Segment : public Memory {
       : Memory(std::move(region), readonly), name_(std::move(name)) {}
 
   std::string name_;
+  bool locked_ = false;
+  std::string lock_error_;
 };
 
 }  // namespace moe_l2

@@ -65,7 +65,9 @@ def test_unit_service_contract(unit):
     service = unit["Service"]
     assert one(service, "Type") == "notify"
     assert one(service, "NotifyAccess") == "main"
-    assert one(service, "Restart") == "on-failure"
+    # Restarted after crashes and kills, never after a start-up error it logged (the plist's KeepAlive agrees).
+    assert one(service, "Restart") == "on-abnormal"
+    assert one(service, "LimitMEMLOCK") == "infinity"  # the daemon mlock()s its segments
     assert one(service, "RuntimeDirectory") == "moe-l2"
     assert one(service, "RuntimeDirectoryMode") == "0750"
     assert one(service, "RuntimeDirectoryPreserve") == "restart"  # the crashed daemon's segment list
@@ -105,7 +107,8 @@ def test_plist(plist):
     assert argv[argv.index("--config") + 1] == "/usr/local/etc/moe-l2/moe-l2d.toml"
     assert argv[argv.index("--runtime-dir") + 1].startswith("/")
     assert plist["RunAtLoad"] is True
-    assert plist["KeepAlive"] == {"SuccessfulExit": False}
+    # Relaunched after a crash, not every 10 s after a configuration error (SuccessfulExit = false would).
+    assert plist["KeepAlive"] == {"Crashed": True}
     assert plist["ProcessType"] in {"Standard", "Interactive", "Adaptive"}  # never throttled
     assert plist["StandardOutPath"].startswith("/")
     assert plist["StandardErrorPath"].startswith("/")
@@ -180,3 +183,60 @@ def test_systemd_analyze_verify(tmp_path, unit):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert UNIT.name not in output, output
+
+
+# launchd.plist(5): the keys this plist may use and the type launchd reads each as (plutil -lint checks the
+# syntax; launchd ignores a key of the wrong type, which would silently drop e.g. the account or the umask).
+LAUNCHD_KEYS = {
+    "Label": str, "ProgramArguments": list, "UserName": str, "GroupName": str, "Umask": int, "RunAtLoad": bool,
+    "KeepAlive": (bool, dict), "ExitTimeOut": int, "ProcessType": str, "SoftResourceLimits": dict,
+    "HardResourceLimits": dict, "StandardOutPath": str, "StandardErrorPath": str, "WorkingDirectory": str,
+    "EnvironmentVariables": dict, "ThrottleInterval": int, "Nice": int, "LowPriorityIO": bool,
+}
+KEEPALIVE_KEYS = {"SuccessfulExit": bool, "Crashed": bool, "NetworkState": bool, "PathState": dict,
+                  "OtherJobEnabled": dict, "AfterInitialDemand": dict}
+RESOURCE_KEYS = {"Core", "CPU", "Data", "FileSize", "MemoryLock", "NumberOfFiles", "NumberOfProcesses",
+                 "ResidentSetSize", "Stack"}
+
+
+def test_plist_lints_as_launchd_reads_it():
+    raw = PLIST.read_bytes()
+    assert raw.startswith(b'<?xml version="1.0" encoding="UTF-8"?>\n<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN"')
+    plist = plistlib.loads(raw, fmt=plistlib.FMT_XML)  # strict XML plist: what plutil -lint accepts
+    assert isinstance(plist, dict)
+    for key, value in plist.items():
+        assert key in LAUNCHD_KEYS, f"{key} is not a launchd.plist key this file should use"
+        assert isinstance(value, LAUNCHD_KEYS[key]), f"{key} is a {type(value).__name__}"
+        assert not (isinstance(value, bool) and LAUNCHD_KEYS[key] is int), f"{key} must be an <integer>"
+    assert {"Label", "ProgramArguments"} <= set(plist)  # launchd requires both (no Program key here)
+    assert plist["Label"] == PLIST.stem
+    assert plist["ProgramArguments"] and all(isinstance(a, str) and a for a in plist["ProgramArguments"])
+    assert 0 <= plist["Umask"] <= 0o777
+    if isinstance(plist["KeepAlive"], dict):
+        for key, value in plist["KeepAlive"].items():
+            assert key in KEEPALIVE_KEYS and isinstance(value, KEEPALIVE_KEYS[key]), (key, value)
+    for limits in (plist.get("SoftResourceLimits", {}), plist.get("HardResourceLimits", {})):
+        for key, value in limits.items():
+            assert key in RESOURCE_KEYS and isinstance(value, int) and not isinstance(value, bool), (key, value)
+    assert plist["ProcessType"] in {"Background", "Standard", "Adaptive", "Interactive"}
+    assert plistlib.loads(plistlib.dumps(plist)) == plist  # round-trips: no value plistlib had to guess at
+
+
+@pytest.mark.skipif(shutil.which("plutil") is None, reason="plutil is macOS' own plist checker")
+def test_plutil_lint():
+    result = subprocess.run(["plutil", "-lint", str(PLIST)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_daemon_exits_by_itself_only_with_statuses_the_service_managers_do_not_restart(tmp_path):
+    """Start-up errors end in exit statuses (1, 2), never in a signal: Restart=on-abnormal and KeepAlive.Crashed
+    leave them down instead of relaunching a daemon that will fail again."""
+    import sys
+
+    bad_flag = subprocess.run([sys.executable, "-P", "-m", "moe_l2.daemon.main", "--budget", "1GiB"],
+                              capture_output=True, text=True, timeout=60)
+    assert bad_flag.returncode == 2
+    missing = subprocess.run([sys.executable, "-P", "-m", "moe_l2.daemon.main", "--model", "/nonexistent",
+                              "--budget", "1GiB", "--runtime-dir", str(tmp_path / "rt")], capture_output=True,
+                             text=True, timeout=60)
+    assert missing.returncode == 1 and "cannot serve /nonexistent" in missing.stderr

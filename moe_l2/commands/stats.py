@@ -22,12 +22,19 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.2f} ms"
 
 
+def _locking(d: dict) -> str:
+    # A daemon from before locking (still running after an upgrade) does not report it.
+    if "shm_locked_bytes" not in d:
+        return ""
+    return f" (locked {format_size(d['shm_locked_bytes'])}, unlocked {format_size(d['shm_unlocked_bytes'])})"
+
+
 def render(reply: dict) -> str:
     d = reply["daemon"]
     lines = [
         f"moe-l2d {d['version']}  pid {d['pid']}  up {d['uptime_s']:.0f} s  socket {d['socket']}",
         f"clients {d['clients']}  loads in flight {d['loads_in_flight']}  shared memory "
-        f"{format_size(d['shm_bytes'])}  RSS {format_size(d['rss_bytes'])}  requests {d['requests']} "
+        f"{format_size(d['shm_bytes'])}{_locking(d)}  RSS {format_size(d['rss_bytes'])}  requests {d['requests']} "
         f"(refused {d['errors']})",
     ]
     for m in reply["models"]:
