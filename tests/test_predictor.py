@@ -11,7 +11,7 @@ import time
 import pytest
 
 from moe_l2.cache import embedding as emb
-from moe_l2.cache import predictor as pr
+from moe_l2.commands import predict as pr
 from moe_l2.cache.prediction import NaiveBayes, PredictorError, cross_validate, features
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.trace import read_traces

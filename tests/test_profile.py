@@ -8,6 +8,7 @@ import json
 import pytest
 
 from moe_l2.cache import profile as pf
+from moe_l2.commands import profile as profile_cmd
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.trace import read_traces
 
@@ -93,8 +94,8 @@ def test_unreadable_profiles(tmp_path):
 
 def run_cli(*argv) -> int:
     parser = argparse.ArgumentParser()
-    pf.add_arguments(parser)
-    return pf.run(parser.parse_args(list(argv)))
+    profile_cmd.add_arguments(parser)
+    return profile_cmd.run(parser.parse_args(list(argv)))
 
 
 def test_profile_command(tmp_path, capsys):

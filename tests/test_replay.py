@@ -15,6 +15,7 @@ from moe_l2.cache import replay as rp
 from moe_l2.cache.policy import BeladyMIN
 from moe_l2.cache.profile import Profile
 from moe_l2.cache.trace import TraceError, TraceSet, TraceWriter, iter_traces, read_traces
+from moe_l2.commands import replay as replay_cmd
 
 # CI lays the shared folder beside the repository checkout; so does a developer's machine.
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
@@ -176,7 +177,7 @@ def test_belady_evicts_the_farthest_next_use():
 
 def args_for(**kw) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    rp.add_arguments(parser)
+    replay_cmd.add_arguments(parser)
     argv = []
     for key, value in kw.items():
         flag = "--" + key.replace("_", "-")
@@ -238,10 +239,10 @@ def test_hints_preload_the_domain_and_help_after_switches(tmp_path):
 
 def test_replay_command_prints_a_table_and_json(tmp_path, capsys):
     path = synthetic_trace(tmp_path / "t.jsonl.gz", seqs=4, tokens=20)
-    assert rp.run(args_for(trace=[path], slots="2,4", jobs=1, order="blocked")) == 0
+    assert replay_cmd.run(args_for(trace=[path], slots="2,4", jobs=1, order="blocked")) == 0
     out = capsys.readouterr().out
     assert "hit rate (%) per capacity" in out and "per layer hit rate" in out and "order blocked" in out
-    assert rp.run(args_for(trace=[path], slots="2", jobs=1, json=True, compare="lru")) == 0
+    assert replay_cmd.run(args_for(trace=[path], slots="2", jobs=1, json=True, compare="lru")) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["capacities"][0]["policies"]) == {"adaptive", "lru", "min"}
 
@@ -256,7 +257,7 @@ def test_replay_command_prints_a_table_and_json(tmp_path, capsys):
 ])
 def test_replay_command_errors(tmp_path, capsys, kw, words):
     path = synthetic_trace(tmp_path / "t.jsonl.gz", seqs=2, tokens=5)
-    assert rp.run(args_for(trace=[path], jobs=1, **kw)) == 2
+    assert replay_cmd.run(args_for(trace=[path], jobs=1, **kw)) == 2
     assert words in capsys.readouterr().err
 
 
@@ -264,7 +265,7 @@ def test_replay_refuses_a_profile_of_another_model(tmp_path, capsys):
     path = synthetic_trace(tmp_path / "t.jsonl.gz", seqs=2, tokens=5)
     other = synthetic_trace(tmp_path / "o.jsonl.gz", n_experts=16, seqs=2, tokens=5)
     Profile.from_traces(read_traces(other)).save(tmp_path / "p.json")
-    assert rp.run(args_for(trace=[path], jobs=1, profile=tmp_path / "p.json")) == 2
+    assert replay_cmd.run(args_for(trace=[path], jobs=1, profile=tmp_path / "p.json")) == 2
     assert "2 layers x 16 experts" in capsys.readouterr().err
 
 

@@ -1,5 +1,125 @@
-"""`moe-l2 replay`."""
+"""`moe-l2 replay`: routing traces through the daemon's slot store and policies (moe_l2.cache.replay), with
+LRU, LFU and Belady's MIN beside; a table or JSON."""
 
-from moe_l2.cache.replay import add_arguments, run  # noqa: F401
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
+from moe_l2.cache.profile import Profile, ProfileError
+from moe_l2.cache.replay import ORDERS, ReplayError, parse_slots, replay
+from moe_l2.cache.store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR
+from moe_l2.cache.trace import TraceError, read_traces
+from moe_l2.sizes import format_pct
 
 HELP = "run routing traces through the daemon's store: hit rates vs LRU, LFU and Belady's MIN"
+
+
+def _pct(x) -> str:
+    return f"{format_pct(x, sign=False):>5}"
+
+
+def render(result: dict, per_layer: bool = True) -> str:
+    names = [result["policy"], *result["compare"]]
+    head = (f"{', '.join(os.path.basename(p) for p in result['traces'])}: {result['model']}, "
+            f"{result['n_layers']} layers x {result['n_experts']} experts, top-{result['top_k']}; "
+            f"{result['sequences']} sequences, {result['tokens']} tokens; order {result['order']}"
+            + (f" (seed {result['seed']})" if result["order"] == "interleave" else ""))
+    lines = [head]
+    if result["hints"]:
+        hs = result["hint_stats"]
+        lines.append(f"hints: {result['hints']} ({hs['hints_sent']} sent, {hs['confident']} confident, "
+                     f"{hs['predicted_correctly']} predicted correctly); profile {result['profile']}")
+    elif result["profile"]:
+        lines.append(f"profile {result['profile']} (prior strength {result['prior']:g})")
+    lines.append("")
+    lines.append("hit rate (%) per capacity" + " " * 4 + "slots = expert slots per layer")
+    cols = "".join(f"{n:>10}" for n in names)
+    lines.append(f"{'slots':>5} {'share':>6}{cols}{'gap closed':>12}{'switch ' + result['policy']:>18}"
+                 f"{'switch lru':>12}")
+    for entry in result["capacities"]:
+        ps = entry["policies"]
+        gap = entry.get("gap_closed_vs_lru")
+        row = "".join(f"{_pct(ps[n]['hit_rate']):>10}" for n in names)
+        sw = ps[result["policy"]].get("switch_hit_rate")
+        swl = ps.get("lru", {}).get("switch_hit_rate")
+        lines.append(f"{entry['slots']:>5} {100 * entry['share']:5.1f}%{row}"
+                     f"{'-' if gap is None else f'{100 * gap:.0f}%':>12}{_pct(sw):>18}{_pct(swl):>12}")
+    lines.append("")
+    lines.append(f"gap closed: share of the distance from LRU to MIN that {result['policy']} covers; "
+                 f"switch: hit rate over the first {result['switch_window']} tokens after each of the "
+                 f"{result['domain_switches']} domain switches")
+    if per_layer:
+        shown = [n for n in (result["policy"], "lru", "min") if n in names]
+        lines.append("")
+        lines.append("per layer hit rate (%): " + " / ".join(shown) + " at each capacity")
+        header = "layer" + "".join(f"{'slots ' + str(e['slots']):>22}" for e in result["capacities"])
+        lines.append(header)
+        for i, layer in enumerate(result["layers"]):
+            cells = []
+            for entry in result["capacities"]:
+                cells.append(" /".join(_pct(entry["policies"][n]["per_layer"][i]) for n in shown))
+            lines.append(f"{layer:>5}" + "".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, action="append", metavar="FILE",
+                        help="routing trace (JSON Lines, .gz or not); repeat to concatenate files of one model")
+    parser.add_argument("--slots", metavar="N[,N...]",
+                        help="expert slots per layer to try (default: 25%%, 37.5%% and 50%% of the experts)")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                        help=f"policy under test (default {DEFAULT_POLICY})")
+    parser.add_argument("--compare", default="lru,lfu",
+                        help="comparison policies, comma-separated (default lru,lfu); Belady's MIN always runs")
+    parser.add_argument("--profile", metavar="P.json", help="profile from moe-l2 profile (for --hints, --prior)")
+    parser.add_argument("--hints", action="store_true",
+                        help="send each sequence's prompt as a hint before its tokens (needs --profile)")
+    parser.add_argument("--oracle-hints", action="store_true",
+                        help="hint each sequence's true domain instead (what a perfect predictor would do)")
+    parser.add_argument("--prior", type=float, default=0.0, metavar="S",
+                        help="seed the policy's scores with the profile's expert shares at strength S")
+    parser.add_argument("--hint-share", type=float, default=HINT_PIN_SHARE, metavar="F",
+                        help=f"domain pins take at most this share of a layer's slots (default {HINT_PIN_SHARE})")
+    parser.add_argument("--hint-lift", type=float, default=HINT_MIN_LIFT, metavar="X",
+                        help=f"pin only experts the domain picks X times as often as the rest (default {HINT_MIN_LIFT:g})")
+    parser.add_argument("--hint-prior", type=float, default=HINT_PRIOR, metavar="S",
+                        help=f"strength of the domain prior a hint adds to the policy (default {HINT_PRIOR:g}; 0: none)")
+    parser.add_argument("--order", choices=ORDERS, default="interleave",
+                        help="interleave: shuffle sequences with --seed; blocked: group them by domain")
+    parser.add_argument("--seed", type=int, default=0, help="shuffle seed for --order interleave (default 0)")
+    parser.add_argument("--layers", metavar="L[,L...]", help="replay only these layers (default all)")
+    parser.add_argument("--sequences", type=int, metavar="N", help="use only the first N sequences of the trace")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (layers run in parallel)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        traces = read_traces(args.trace)
+        if args.sequences is not None:
+            if args.sequences < 1:
+                raise ReplayError("--sequences must be at least 1")
+            traces.sequences = traces.sequences[:args.sequences]
+        slots = parse_slots(args.slots, traces.n_experts)
+        profile = Profile.load(args.profile) if args.profile else None
+        layers = None
+        if args.layers:
+            try:
+                layers = [int(v) for v in args.layers.split(",") if v.strip()]
+            except ValueError:
+                raise ReplayError(f"--layers takes integers separated by commas, got {args.layers!r}") from None
+        compare = tuple(c.strip() for c in args.compare.split(",") if c.strip())
+        hints = "oracle" if args.oracle_hints else ("prompt" if args.hints else None)
+        result = replay(traces, slots=slots, policy=args.policy, compare=compare, order=args.order,
+                        seed=args.seed, profile=profile, hints=hints, prior=args.prior, layers=layers,
+                        jobs=max(1, args.jobs), hint_share=args.hint_share, hint_prior=args.hint_prior,
+                        hint_lift=args.hint_lift)
+    except (TraceError, ProfileError, ReplayError) as exc:
+        print(f"moe-l2 replay: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else render(result))
+    return 0
