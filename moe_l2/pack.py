@@ -40,14 +40,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from moe_l2.model import _DTYPES, INDEX_NAME, PACK_ALIGN, PACK_MARKER, ModelFiles, _read_header
+from moe_l2.model.files import ModelFiles
+from moe_l2.model.packed import PACK_MARKER
+from moe_l2.model.records import PACK_ALIGN
+from moe_l2.model.safetensors import DTYPES, INDEX_NAME, read_header
 from moe_l2.sizes import format_size, parse_size
 
 __all__ = ["PackError", "pack", "add_arguments", "run"]
 
 _CHUNK = 64 << 20  # bytes read and written at a time
 _HF_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
-_SAFETENSORS_CODE = {mlx: code for code, (mlx, _) in _DTYPES.items()}
+_SAFETENSORS_CODE = {mlx: code for code, (mlx, _) in DTYPES.items()}
 
 
 class PackError(ValueError):
@@ -144,7 +147,7 @@ def _mlx_lm_check(src: Path, original: dict, candidates: dict) -> tuple[Optional
 
 
 def _plan(files: ModelFiles, name, max_shard: int, source_meta: dict) -> tuple[list[_Shard], dict]:
-    headers = [_read_header(f, i) for i, f in enumerate(files.files)]
+    headers = [read_header(f, i) for i, f in enumerate(files.files)]
     expert_names = files.expert_tensor_names()
     dense = sorted((n, t) for h in headers for n, t in h.tensors.items() if n not in expert_names)
     layout = files.layout
@@ -284,12 +287,12 @@ def _write_shard(files: ModelFiles, src_fds: list[int], out: Path, shard: _Shard
         stride = layout.span
         chunk = max(1, _CHUNK // stride)
         for layer, _ in shard.layers:
-            places = files._places[layer]
             for e0 in range(0, files.n_experts, chunk):
                 e1 = min(files.n_experts, e0 + chunk)
                 buf = bytearray((e1 - e0) * stride)
-                for p in layout.pieces:
-                    where = places[p.key][e0:e1]
+                extents = [files.extents(layer, e) for e in range(e0, e1)]
+                for i, p in enumerate(layout.pieces):
+                    where = [x[i][:2] for x in extents]
                     contiguous = all(w == (where[0][0], where[0][1] + i * p.nbytes) for i, w in enumerate(where))
                     if contiguous:  # a stacked tensor: the chunk's slices in one read
                         data = _pread(src_fds[where[0][0]], where[0][1], (e1 - e0) * p.nbytes)
@@ -380,9 +383,9 @@ def pack(model, out, *, max_shard_bytes: int = 5 << 30, moe_l2_only: bool = Fals
     if verify not in ("none", "sample", "full"):
         raise PackError(f"verify must be none, sample or full, not {verify!r}")
 
-    headers = [_read_header(f, i) for i, f in enumerate(files.files)]
-    original = {n: (t.shape, _DTYPES[t.dtype][0]) for h in headers for n, t in h.tensors.items()
-                if t.dtype in _DTYPES}
+    headers = [read_header(f, i) for i, f in enumerate(files.files)]
+    original = {n: (t.shape, DTYPES[t.dtype][0]) for h in headers for n, t in h.tensors.items()
+                if t.dtype in DTYPES}
     dense = {n: v for n, v in original.items() if n not in files.expert_tensor_names()}
     namings = {"mlx": _naming(files, None)}
     if not namings["mlx"][1]:

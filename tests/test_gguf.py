@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from moe_l2 import _native
 from moe_l2.client.pool import ExpertPool
-from moe_l2.gguf import make_gguf_model, transcode_reference
+from moe_l2.generator import make_gguf_model
+from moe_l2.model.gguf import transcode_reference
 from moe_l2.model import ModelFiles
 
 from .conftest import budget_for
@@ -142,7 +143,7 @@ def test_records_dequantize_to_ggufs_own_values(gguf_model, name):
 @pytest.mark.parametrize("name", ["mixed-dense-first", "q5_0", "q5_1", "mxfp4", "bf16"])
 def test_native_transcode_matches_the_numpy_reference_on_many_threads(gguf_model, name):
     files = gguf_model(name)
-    g = files._gguf
+    g = files.reader
     for src in g.sources[0]:
         with open(files.files[src.file], "rb") as f:
             f.seek(src.start)
@@ -239,7 +240,7 @@ def test_split_models_and_directories(tmp_path, gguf_model):
     for path in (first, first.parent):
         split = ModelFiles.open(path)
         assert len(split.files) == 4 and split.layout == whole.layout
-        assert {s.file for layer in split._gguf.sources for s in layer} != {0}  # experts in several files
+        assert {s.file for layer in split.reader.sources for s in layer} != {0}  # experts in several files
         for layer in range(split.n_layers):
             for e in range(split.n_experts):
                 assert split.read_record(layer, e) == whole.read_record(layer, e)
@@ -309,7 +310,7 @@ def test_fingerprint_follows_the_file(tmp_path):
 def test_long_metadata_arrays_are_skipped_not_parsed(tmp_path):
     from gguf import GGUFWriter
 
-    from moe_l2.gguf import _reader_class
+    from moe_l2.model.gguf import _reader_class
 
     path = tmp_path / "vocab.gguf"
     w = GGUFWriter(path, "qwen3moe")

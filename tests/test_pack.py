@@ -232,7 +232,7 @@ def test_bad_outputs_and_inputs_are_refused(sources, tmp_path, packed):
     _, out = packed("mixtral-4bit")
     with pytest.raises(PackError, match="already packed"):
         pack(out.path, tmp_path / "again", progress=False)
-    from moe_l2.gguf import make_gguf_model
+    from moe_l2.generator import make_gguf_model
 
     with pytest.raises(PackError, match="GGUF models are served as they are"):
         pack(make_gguf_model(tmp_path / "g" / "m.gguf"), tmp_path / "g-out", progress=False)
