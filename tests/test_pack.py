@@ -16,8 +16,8 @@ from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
 from moe_l2.generator import make_model
 from moe_l2.model import PACK_ALIGN, PACK_MARKER, ModelFiles
-from moe_l2 import pack as pack_module
-from moe_l2.pack import PackError, pack
+from moe_l2.model import packer
+from moe_l2.model.packer import PackError, pack
 
 from .conftest import budget_for
 from .test_daemon import stats, wait_for
@@ -161,7 +161,7 @@ def test_architectures_whose_sanitize_cannot_restack_are_refused_unless_moe_l2_o
 def test_an_interrupted_pack_looks_incomplete_and_the_next_run_resumes(sources, tmp_path, monkeypatch):
     src = sources("mixtral-4bit")
     out = tmp_path / "out"
-    real, real_shard = pack_module._write_all, pack_module._write_shard
+    real, real_shard = packer._write_all, packer._write_shard
     state = {"shards": 0, "writes": 0}
 
     def shard(*args):
@@ -176,8 +176,8 @@ def test_an_interrupted_pack_looks_incomplete_and_the_next_run_resumes(sources, 
             raise KeyboardInterrupt("power cut")
         real(fd, data)
 
-    monkeypatch.setattr(pack_module, "_write_shard", shard)
-    monkeypatch.setattr(pack_module, "_write_all", dying)
+    monkeypatch.setattr(packer, "_write_shard", shard)
+    monkeypatch.setattr(packer, "_write_all", dying)
     with pytest.raises(KeyboardInterrupt):
         pack(src, out, max_shard_bytes=100_000, progress=False)
     names = sorted(p.name for p in out.iterdir())
@@ -194,7 +194,7 @@ def test_an_interrupted_pack_looks_incomplete_and_the_next_run_resumes(sources, 
         load(str(out))
     kept = {n: (out / n).stat().st_mtime_ns for n in complete}
 
-    monkeypatch.setattr(pack_module, "_write_all", real)
+    monkeypatch.setattr(packer, "_write_all", real)
     files = pack(src, out, max_shard_bytes=100_000, progress=False)
     assert {n: (out / n).stat().st_mtime_ns for n in complete} == kept  # resumed, not rewritten
     assert not list(out.glob("*.partial"))

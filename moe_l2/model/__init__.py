@@ -4,7 +4,8 @@
 - ``safetensors``: mlx-lm checkpoints, experts stacked or one tensor per expert (read piece by piece);
 - ``packed``: checkpoints written by ``moe-l2 pack``, one page-aligned extent per record (one read);
 - ``gguf``: llama.cpp files, records converted to MLX's layout;
-- ``files``: ``ModelFiles``, the model's identity, which opens the right reader and delegates to it.
+- ``files``: ``ModelFiles``, the model's identity, which opens the right reader and delegates to it;
+- ``packer``: ``pack``, which writes a packed copy of a checkpoint.
 """
 
 from moe_l2.model.files import DIRECT_IO, ModelFiles

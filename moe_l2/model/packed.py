@@ -1,4 +1,4 @@
-"""Packed checkpoints, written by ``moe-l2 pack`` (moe_l2/pack.py): per-expert tensors laid out
+"""Packed checkpoints, written by ``moe-l2 pack`` (moe_l2/model/packer.py): per-expert tensors laid out
 expert-major, each record one contiguous extent at a page-aligned file offset with its pieces at their
 record offsets, so that a record is one read, direct-I/O friendly (docs/formats.md, "Packed checkpoints").
 
