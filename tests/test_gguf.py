@@ -3,8 +3,10 @@ checked against mx.load and against gguf's dequantization, through the client's 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -212,6 +214,52 @@ def test_pool_arrays_run_gather_qmm_exactly_like_the_whole_tensor(gguf_model):
 def test_the_daemon_converts_once_into_l2(gguf_model, daemon_factory):
     files = gguf_model("mixed-dense-first")
     assert_every_tier_exact(files, daemon_factory([files.path], str(budget_for(files, files.n_experts))))
+
+
+# The daemon's loader, run alone in a fresh process: every expert of every layer into its slots, then the slots
+# compared with the reference conversion and MLX's allocator counters read. The daemon must never touch MLX's
+# allocator (on macOS that would start a Metal device), so its conversion scratch is plain host memory.
+_DAEMON_SLOT_LOADS = """
+import json, sys, time
+import mlx.core as mx
+from moe_l2.daemon.loader import Loader
+from moe_l2.daemon.served import ServedModel, plan_geometry
+from moe_l2.model import ModelFiles
+
+files = ModelFiles.open(sys.argv[1])
+served = ServedModel(0, files, plan_geometry(files, int(sys.argv[2])), instance=sys.argv[3], epoch=1)
+loader = Loader(threads=3)
+try:
+    for layer in range(files.n_layers):
+        served.demand(layer, range(files.n_experts), loader)
+    deadline = time.monotonic() + 60
+    while loader.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loader.shutdown()
+    g, same = served.geometry, []
+    for layer in range(files.n_layers):
+        for e in range(files.n_experts):
+            slot = served.index.load_i32(g.slot_of_offset(layer) + 4 * e)
+            start = slot * g.slot_stride
+            same.append(slot >= 0 and bytes(served.data[layer].view()[start:start + files.layout.nbytes])
+                        == files.read_record(layer, e))
+    print(json.dumps({"same": same, "errors": served.counters.load_errors,
+                      "active": mx.get_active_memory(), "peak": mx.get_peak_memory()}))
+finally:
+    served.close()
+"""
+
+
+@pytest.mark.parametrize("name", ["mixed-dense-first", "mxfp4"])
+def test_the_daemon_converts_into_slots_without_mlx_memory(gguf_model, name, tmp_path):
+    files = gguf_model(name)
+    result = subprocess.run([sys.executable, "-P", "-c", _DAEMON_SLOT_LOADS, str(files.path),
+                             str(budget_for(files, files.n_experts)), str(tmp_path / "instance")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    assert got["errors"] == 0 and got["same"] == [True] * (files.n_layers * files.n_experts)
+    assert (got["active"], got["peak"]) == (0, 0)
 
 
 def test_verify_checks_gguf_models(gguf_model):

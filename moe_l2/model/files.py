@@ -150,8 +150,8 @@ class ModelFiles:
 
         targets: [(expert, memory, offset, room)]: the whole record laid out at offset of memory (a
         Segment), with room bytes there (the slot stride). A packed record is one read of its padded
-        extent; a GGUF record is read raw into scratch memory and converted into the slot, so that L2
-        holds MLX's layout."""
+        extent; a GGUF record is read raw into host scratch memory and converted into the slot, so that
+        L2 holds MLX's layout and the daemon never touches MLX's allocator."""
         for expert, *_ in targets:
             self._check(layer, expert)
         self.reader.read_into_slots(fds, layer, targets, threads)

@@ -367,7 +367,7 @@ def is_gguf(path: Path) -> bool:
 
 
 class GGUFReader(RecordReader):
-    """A GGUF model's records: each projection's raw slice read into scratch memory, then converted
+    """A GGUF model's records: each projection's raw slice read into host scratch memory, then converted
     into MLX's layout in place (native ``transcode_gguf``)."""
 
     def __init__(self, path: Path):
@@ -416,12 +416,13 @@ class GGUFReader(RecordReader):
         self._transcode(fds, layer, targets, threads)
 
     def _scratch(self, nbytes: int):
-        """Per-thread scratch memory for raw bytes, grown as needed."""
+        """Per-thread scratch memory for raw bytes, grown as needed. Plain host memory, not MLX's allocator:
+        the daemon converts too, and must never start a GPU device (docs/architecture.md)."""
         from moe_l2 import _native
 
         buf = getattr(self._tls, "scratch", None)
         if buf is None or buf.nbytes < nbytes:
-            buf = self._tls.scratch = _native.Buffer(max(nbytes, 2 * buf.nbytes if buf is not None else 0))
+            buf = self._tls.scratch = _native.HostBuffer(max(nbytes, 2 * buf.nbytes if buf is not None else 0))
         return buf
 
     def _transcode(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
