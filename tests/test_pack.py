@@ -3,7 +3,9 @@ are written atomically and resumably, and are served by a real daemon and client
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from moe_l2 import _native
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
 from moe_l2.generator import make_model
@@ -201,6 +204,37 @@ def test_an_interrupted_pack_looks_incomplete_and_the_next_run_resumes(sources, 
     source = ModelFiles.open(src)
     assert all(files.read_record(layer, e) == source.read_record(layer, e)
                for layer in range(source.n_layers) for e in range(source.n_experts))
+
+
+# fcntl commands that Linux refuses (EINVAL), as filesystems without F_FULLFSYNC or F_NOCACHE do on macOS.
+_REFUSED_FCNTL = 0x7FFF0000
+
+
+def test_written_files_leave_the_page_cache_and_every_sync_path_writes_the_same_pack(sources, tmp_path,
+                                                                                     monkeypatch):
+    src = sources("mixtral-4bit")
+    blob = tmp_path / "blob"
+    blob.write_bytes(os.urandom(4 << 20))
+    packer._copy_atomic(blob, tmp_path / "copy")
+    fd = os.open(tmp_path / "copy", os.O_RDONLY)
+    try:
+        resident = _native.page_cache_bytes(fd)
+    finally:
+        os.close(fd)
+    if hasattr(os, "posix_fadvise"):
+        assert resident == 0  # written back by the fsync, then dropped
+    assert (tmp_path / "copy").read_bytes() == blob.read_bytes()
+    pack(src, tmp_path / "linux", max_shard_bytes=100_000, progress=False, verify="none")
+
+    # The macOS path: no fadvise, F_NOCACHE on the write fd, F_FULLFSYNC, both refused here: the pack is the same.
+    monkeypatch.delattr(os, "posix_fadvise", raising=False)
+    monkeypatch.setattr(fcntl, "F_FULLFSYNC", _REFUSED_FCNTL, raising=False)
+    monkeypatch.setattr(fcntl, "F_NOCACHE", _REFUSED_FCNTL, raising=False)
+    pack(src, tmp_path / "macos", max_shard_bytes=100_000, progress=False, verify="none")
+    written = sorted(p.name for p in (tmp_path / "linux").iterdir())
+    assert written == sorted(p.name for p in (tmp_path / "macos").iterdir()) and "config.json" in written
+    for name in written:
+        assert (tmp_path / "linux" / name).read_bytes() == (tmp_path / "macos" / name).read_bytes(), name
 
 
 def test_a_shard_left_by_a_pack_of_another_source_is_rewritten(sources, tmp_path):

@@ -23,14 +23,17 @@ Before writing, pack runs the architecture's sanitize on shape-only stand-ins to
 will stack the per-expert names back; some architectures' sanitize stacks only some pieces
 (qwen3_moe: the unquantized ``weight`` only), and pack then refuses unless ``--moe-l2-only``.
 
-Atomicity: every file is written as ``NAME.partial``, fsynced, then renamed; ``config.json`` is
-written last, so an interrupted pack leaves no directory that mlx-lm or moe-l2 would take for a
-model. Running the same pack again resumes: shards already in place whose size and header match the
-plan (which names the source's fingerprint) are kept.
+Atomicity: every file is written as ``NAME.partial``, fsynced (``F_FULLFSYNC`` on macOS, where plain
+fsync leaves the data in the drive's cache), its pages dropped from the page cache (a pack is written
+once and read later, by direct I/O by default), then renamed; ``config.json`` is written last, so an
+interrupted pack leaves no directory that mlx-lm or moe-l2 would take for a model. Running the same
+pack again resumes: shards already in place whose size and header match the plan (which names the
+source's fingerprint) are kept.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -250,18 +253,36 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _full_fsync(fd: int) -> None:
+    """Data on stable storage: macOS' fsync stops at the drive's cache, F_FULLFSYNC flushes it too.
+    Filesystems that refuse F_FULLFSYNC (network, FUSE) get a plain fsync."""
+    if hasattr(fcntl, "F_FULLFSYNC"):
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError:
+            pass
+    os.fsync(fd)
+
+
 class _Atomic:
-    """A file written as NAME.partial, fsynced, then renamed into place."""
+    """A file written as NAME.partial, fsynced, then renamed into place, leaving none of its pages in the
+    page cache: the pack is read later (by direct I/O by default) and would only push out other data."""
 
     def __init__(self, final: Path):
         self.final = final
         self.partial = final.with_name(final.name + ".partial")
         self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if not hasattr(os, "posix_fadvise") and hasattr(fcntl, "F_NOCACHE"):
+            try:  # macOS: no fadvise; writes through this fd are not kept in the unified buffer cache
+                fcntl.fcntl(self.fd, fcntl.F_NOCACHE, 1)
+            except OSError:
+                pass  # a hint: the file is written all the same
 
     def finish(self) -> None:
-        os.fsync(self.fd)
+        _full_fsync(self.fd)
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the copy need not stay in the page cache
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written back above, so dropped
         os.close(self.fd)
         self.fd = -1
         os.replace(self.partial, self.final)
