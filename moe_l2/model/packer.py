@@ -117,11 +117,20 @@ def _sanitized(model, shapes: dict) -> dict:
     return {k: (tuple(v.shape), str(v.dtype)) for k, v in weights.items()}
 
 
-def _mlx_lm_check(src: Path, original: dict, candidates: dict) -> tuple[Optional[str], str]:
-    """Which candidate naming mlx-lm's sanitize turns into what it makes of the original checkpoint.
+class _NoMlxLmModel(Exception):
+    """mlx-lm cannot build the model: there is no mlx-lm loading to keep compatible with."""
+
+
+class _NotLoadable(Exception):
+    """No candidate naming would load with mlx_lm.load; the message says why the first one fails."""
+
+
+def _mlx_lm_naming(src: Path, original: dict, candidates: dict) -> str:
+    """The label of the first candidate naming that mlx-lm's sanitize turns into what it makes of the
+    original checkpoint; _NoMlxLmModel or _NotLoadable when there is none.
 
     original / candidates[label]: {tensor name: (shape, mlx dtype)}, shape-only stand-ins (lazy zeros,
-    never evaluated). Returns (label or None, why none fits; "" when mlx-lm could not be asked)."""
+    never evaluated)."""
     try:
         from mlx_lm.utils import _get_classes, load_config
 
@@ -130,12 +139,12 @@ def _mlx_lm_check(src: Path, original: dict, candidates: dict) -> tuple[Optional
         model = model_class(args_class.from_dict(config))
         want = _sanitized(model, original)
     except Exception as e:  # noqa: BLE001 - mlx-lm cannot build this model: nothing to keep compatible with
-        return None, f"mlx-lm cannot build this model ({type(e).__name__}: {e})"
+        raise _NoMlxLmModel(f"mlx-lm cannot build this model ({type(e).__name__}: {e})") from e
     why = ""
     for label, shapes in candidates.items():
         got = _sanitized(model, shapes)
         if got == want:
-            return label, ""
+            return label
         if why:
             continue  # report why the first (canonical) naming fails
         arch = config.get("model_type")
@@ -145,7 +154,7 @@ def _mlx_lm_check(src: Path, original: dict, candidates: dict) -> tuple[Optional
         else:
             changed = sorted(k for k in want if got.get(k) != want[k])
             why = f"mlx-lm's {arch} sanitize does not rebuild {', '.join(changed[:3])}"
-    return None, why
+    raise _NotLoadable(why)
 
 
 def _plan(files: ModelFiles, name, max_shard: int, source_meta: dict) -> tuple[list[_Shard], dict]:
@@ -418,13 +427,15 @@ def pack(model, out, *, max_shard_bytes: int = 5 << 30, moe_l2_only: bool = Fals
                 for p in files.layout.pieces:
                     shapes[name(layer, e, p.key)] = (p.shape, p.dtype)
         candidates[label] = shapes
-    label, why = _mlx_lm_check(src, original, candidates)
-    if label is None:
-        if why.startswith("mlx-lm cannot build"):
-            print(f"moe-l2 pack: note: {why}; the packed copy is named like the checkpoint", file=sys.stderr)
-        elif not moe_l2_only:
-            raise PackError(f"{src}: a packed copy would not load with mlx_lm.load: {why}. Pass --moe-l2-only "
-                            "to pack it for moe-l2 alone (moe-l2d, the client pool and moe-l2 verify read it)")
+    try:
+        label = _mlx_lm_naming(src, original, candidates)
+    except _NoMlxLmModel as e:
+        print(f"moe-l2 pack: note: {e}; the packed copy is named like the checkpoint", file=sys.stderr)
+        label = "mlx"
+    except _NotLoadable as e:
+        if not moe_l2_only:
+            raise PackError(f"{src}: a packed copy would not load with mlx_lm.load: {e}. Pass --moe-l2-only to "
+                            "pack it for moe-l2 alone (moe-l2d, the client pool and moe-l2 verify read it)") from None
         label = "mlx"
     name = namings[label][0]
     source_meta = {k: v for k, v in headers[0].metadata.items() if isinstance(v, str) and not k.startswith("moe_l2")}
