@@ -33,7 +33,7 @@ from moe_l2 import _native
 from moe_l2.client.pool import ExpertPool
 from moe_l2.generator import make_model
 from moe_l2.model import ModelFiles
-from moe_l2.pack import pack
+from moe_l2.model.packer import pack
 from moe_l2.sizes import format_size
 
 MIB = 1 << 20

@@ -241,10 +241,10 @@ class ExpertPool:
 
     def _read_from_l3(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> None:
         # Into the rows of each piece: stacked models piece by piece, packed ones in one read per expert
-        # scattered into the rows, GGUF ones converted to MLX's layout on the way (see ModelFiles.read_records).
+        # scattered into the rows, GGUF ones converted to MLX's layout on the way (see ModelFiles.read_into_rows).
         if todo:
             targets = [(expert, [(lp.buffers[p.key], row * p.nbytes) for p in lp.pieces]) for expert, row in todo]
-            self.files.read_records(self._fds, layer, targets, threads=self.read_threads)
+            self.files.read_into_rows(self._fds, layer, targets, threads=self.read_threads)
 
     def close(self) -> None:
         for fd in self._fds:

@@ -39,7 +39,7 @@ class Loader:
             base = reservation.slot * stride
             # Straight into the slot: a packed record in one read (direct I/O where the fds have it), a GGUF
             # record converted to MLX's layout on the way, so that L2 holds what clients copy as is.
-            model.files.read_records(model.fds, layer, [(reservation.expert, (data, base, stride))], threads=1)
+            model.files.read_into_slots(model.fds, layer, [(reservation.expert, data, base, stride)], threads=1)
             view = data.view()
             checksum = 0
             for piece in model.files.layout.pieces:

@@ -1,9 +1,10 @@
-"""Write small, real mlx-lm MoE checkpoints with random weights.
+"""Write small, real mlx-lm MoE checkpoints (and GGUF MoE models) with random weights.
 
 The models are built with mlx-lm's own classes (``mlx_lm.models.<arch>``), so
 they load with ``mlx_lm.load`` and generate with ``mlx_lm.generate``; only the
-weights are random. Tests and benchmarks use them in place of downloaded
-models, which this project never fetches.
+weights are random. GGUF models (``make_gguf_model``) are written with the gguf
+package's own writer and quantizers. Tests and benchmarks use them in place of
+downloaded models, which this project never fetches.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Optional
 
-__all__ = ["ARCHS", "Arch", "make_model"]
+__all__ = ["ARCHS", "Arch", "make_model", "make_gguf_model"]
 
 # Head size of every generated attention layer; hidden sizes must be multiples of it.
 _HEAD_DIM = 32
@@ -465,3 +466,78 @@ def make_model(
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
     say(f"wrote {out}")
     return out
+
+
+def make_gguf_model(path, *, arch: str = "qwen3moe", layers: int = 2, experts: int = 8, top_k: int = 2,
+                    hidden_size: int = 64, moe_hidden_size: int = 64, types="Q4_0", dense_layers: int = 0,
+                    expert_bias: bool = False, split_max_tensors: int = 0, vocab_size: int = 32,
+                    seed: int = 0) -> Path:
+    """Write a random-weight GGUF (llama.cpp) MoE model with gguf's own writer and quantizers; returns its path.
+
+    types: one GGUF type name for every expert tensor, or {"gate": ..., "up": ..., "down": ...}.
+    The first `dense_layers` blocks have a dense FFN (ffn_gate/ffn_up/ffn_down) instead of experts.
+    split_max_tensors > 0 writes a split model (name-00001-of-0000N.gguf); the first file is returned.
+    """
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(types, str):
+        types = {"gate": types, "up": types, "down": types}
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
+    writer.add_name("moe-l2 test model")
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden_size)
+    writer.add_feed_forward_length(2 * moe_hidden_size)
+    writer.add_expert_feed_forward_length(moe_hidden_size)
+    writer.add_head_count(max(1, hidden_size // 32))
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(top_k)
+    writer.add_leading_dense_block_count(dense_layers)
+    writer.add_layer_norm_rms_eps(1e-6)
+
+    def add(name: str, shape: tuple, type_name: str) -> None:
+        data = (rng.standard_normal(shape) * 0.5).astype(np.float32)
+        qtype = GGMLQuantizationType[type_name]
+        if type_name == "F32":
+            writer.add_tensor(name, data)
+        elif type_name == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            try:
+                raw = quants.quantize(data, qtype)
+            except NotImplementedError:  # gguf has no quantizer for it: random blocks (unsupported-type tests)
+                raw = rng.integers(0, 256, size=quants.quant_shape_to_byte_shape(shape, qtype), dtype=np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+
+    add("token_embd.weight", (vocab_size, hidden_size), "F16")
+    add("output_norm.weight", (hidden_size,), "F32")
+    for b in range(layers):
+        add(f"blk.{b}.attn_norm.weight", (hidden_size,), "F32")
+        if b < dense_layers:
+            add(f"blk.{b}.ffn_gate.weight", (2 * moe_hidden_size, hidden_size), "F16")
+            add(f"blk.{b}.ffn_up.weight", (2 * moe_hidden_size, hidden_size), "F16")
+            add(f"blk.{b}.ffn_down.weight", (hidden_size, 2 * moe_hidden_size), "F16")
+            continue
+        add(f"blk.{b}.ffn_gate_inp.weight", (experts, hidden_size), "F32")
+        add(f"blk.{b}.ffn_gate_exps.weight", (experts, moe_hidden_size, hidden_size), types["gate"])
+        add(f"blk.{b}.ffn_up_exps.weight", (experts, moe_hidden_size, hidden_size), types["up"])
+        add(f"blk.{b}.ffn_down_exps.weight", (experts, hidden_size, moe_hidden_size), types["down"])
+        if expert_bias:
+            add(f"blk.{b}.ffn_gate_exps.bias", (experts, moe_hidden_size), "F32")
+            add(f"blk.{b}.ffn_up_exps.bias", (experts, moe_hidden_size), "F32")
+            add(f"blk.{b}.ffn_down_exps.bias", (experts, hidden_size), "F32")
+    add("output.weight", (vocab_size, hidden_size), "F16")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if split_max_tensors:
+        first = sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))
+        if first:
+            return first[0]
+    return path
+

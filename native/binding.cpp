@@ -124,6 +124,14 @@ void init_memory(nb::module_& m) {
         return "<moe_l2._native.Buffer nbytes=" + std::to_string(self.nbytes()) + ">";
       });
 
+  nb::class_<HostBuffer, Memory>(m, "HostBuffer",
+                                 "Plain host memory (anonymous pages), page-aligned and zero-filled, "
+                                 "outside MLX's allocator: scratch that starts no GPU device.")
+      .def(nb::init<int64_t>(), "nbytes"_a)
+      .def("__repr__", [](const HostBuffer& self) {
+        return "<moe_l2._native.HostBuffer nbytes=" + std::to_string(self.nbytes()) + ">";
+      });
+
   nb::class_<Segment, Memory>(m, "Segment", "A mapped POSIX shared-memory object.")
       .def_static("create", &Segment::create, "name"_a, "nbytes"_a, "mode"_a = 0600,
                   nb::call_guard<nb::gil_scoped_release>(),

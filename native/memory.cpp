@@ -416,4 +416,30 @@ bool Segment::unlink(const std::string& name, int64_t owner) {
                                       errno_text(err) + open_hint(err, false)));
 }
 
+// ---------------------------------------------------------------------------------------
+// HostBuffer
+
+namespace {
+
+// Anonymous pages: page-aligned and zero-filled by the kernel, and never seen by MLX, so that
+// using them starts no Metal or CUDA device.
+std::shared_ptr<Region> map_host(int64_t nbytes_in) {
+  const char* fn = "HostBuffer";
+  size_t nbytes = to_size(fn, "nbytes", nbytes_in);
+  if (nbytes == 0) {
+    throw_value_error(fn, "nbytes must be > 0");
+  }
+  void* addr = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANON, -1, 0);
+  if (addr == MAP_FAILED) {
+    int err = errno;
+    throw OsError(err, prefixed(fn, "cannot map " + std::to_string(nbytes) +
+                                        " bytes of memory: " + errno_text(err)));
+  }
+  return std::make_shared<Mapping>(addr, nbytes);
+}
+
+}  // namespace
+
+HostBuffer::HostBuffer(int64_t nbytes) : Memory(map_host(nbytes), false) {}
+
 }  // namespace moe_l2

@@ -1,5 +1,5 @@
 // Byte ranges the native module copies into and out of: C++-owned buffers that back MLX
-// arrays, and mapped POSIX shared-memory segments.
+// arrays, plain host memory, and mapped POSIX shared-memory segments.
 #pragma once
 
 #include <cstddef>
@@ -86,6 +86,14 @@ class Buffer : public Memory {
   mlx::core::array array(int64_t offset, const std::vector<int64_t>& shape,
                          mlx::core::Dtype dtype) const;
   std::string describe() const override { return "buffer"; }
+};
+
+// Page-aligned, zero-filled memory mapped from the OS, outside MLX's allocator: scratch for a
+// process that must never start a GPU device (the daemon; see docs/architecture.md).
+class HostBuffer : public Memory {
+ public:
+  explicit HostBuffer(int64_t nbytes);
+  std::string describe() const override { return "host buffer"; }
 };
 
 // A POSIX shared-memory object mapped into this process.

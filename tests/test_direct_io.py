@@ -13,7 +13,7 @@ from moe_l2 import _native
 from moe_l2.client.pool import ExpertPool
 from moe_l2.generator import make_model
 from moe_l2.model import ModelFiles
-from moe_l2.pack import pack
+from moe_l2.model.packer import pack
 
 from .conftest import budget_for
 from .test_daemon import stats, wait_for

@@ -3,8 +3,10 @@ checked against mx.load and against gguf's dequantization, through the client's 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -13,7 +15,8 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from moe_l2 import _native
 from moe_l2.client.pool import ExpertPool
-from moe_l2.gguf import make_gguf_model, transcode_reference
+from moe_l2.generator import make_gguf_model
+from moe_l2.model.gguf import transcode_reference
 from moe_l2.model import ModelFiles
 
 from .conftest import budget_for
@@ -142,7 +145,7 @@ def test_records_dequantize_to_ggufs_own_values(gguf_model, name):
 @pytest.mark.parametrize("name", ["mixed-dense-first", "q5_0", "q5_1", "mxfp4", "bf16"])
 def test_native_transcode_matches_the_numpy_reference_on_many_threads(gguf_model, name):
     files = gguf_model(name)
-    g = files._gguf
+    g = files.reader
     for src in g.sources[0]:
         with open(files.files[src.file], "rb") as f:
             f.seek(src.start)
@@ -213,6 +216,52 @@ def test_the_daemon_converts_once_into_l2(gguf_model, daemon_factory):
     assert_every_tier_exact(files, daemon_factory([files.path], str(budget_for(files, files.n_experts))))
 
 
+# The daemon's loader, run alone in a fresh process: every expert of every layer into its slots, then the slots
+# compared with the reference conversion and MLX's allocator counters read. The daemon must never touch MLX's
+# allocator (on macOS that would start a Metal device), so its conversion scratch is plain host memory.
+_DAEMON_SLOT_LOADS = """
+import json, sys, time
+import mlx.core as mx
+from moe_l2.daemon.loader import Loader
+from moe_l2.daemon.served import ServedModel, plan_geometry
+from moe_l2.model import ModelFiles
+
+files = ModelFiles.open(sys.argv[1])
+served = ServedModel(0, files, plan_geometry(files, int(sys.argv[2])), instance=sys.argv[3], epoch=1)
+loader = Loader(threads=3)
+try:
+    for layer in range(files.n_layers):
+        served.demand(layer, range(files.n_experts), loader)
+    deadline = time.monotonic() + 60
+    while loader.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loader.shutdown()
+    g, same = served.geometry, []
+    for layer in range(files.n_layers):
+        for e in range(files.n_experts):
+            slot = served.index.load_i32(g.slot_of_offset(layer) + 4 * e)
+            start = slot * g.slot_stride
+            same.append(slot >= 0 and bytes(served.data[layer].view()[start:start + files.layout.nbytes])
+                        == files.read_record(layer, e))
+    print(json.dumps({"same": same, "errors": served.counters.load_errors,
+                      "active": mx.get_active_memory(), "peak": mx.get_peak_memory()}))
+finally:
+    served.close()
+"""
+
+
+@pytest.mark.parametrize("name", ["mixed-dense-first", "mxfp4"])
+def test_the_daemon_converts_into_slots_without_mlx_memory(gguf_model, name, tmp_path):
+    files = gguf_model(name)
+    result = subprocess.run([sys.executable, "-P", "-c", _DAEMON_SLOT_LOADS, str(files.path),
+                             str(budget_for(files, files.n_experts)), str(tmp_path / "instance")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    assert got["errors"] == 0 and got["same"] == [True] * (files.n_layers * files.n_experts)
+    assert (got["active"], got["peak"]) == (0, 0)
+
+
 def test_verify_checks_gguf_models(gguf_model):
     files = gguf_model("q4_1")
     result = subprocess.run(["moe-l2", "verify", "--model", str(files.path), "--no-daemon", "--samples", "30"],
@@ -239,7 +288,7 @@ def test_split_models_and_directories(tmp_path, gguf_model):
     for path in (first, first.parent):
         split = ModelFiles.open(path)
         assert len(split.files) == 4 and split.layout == whole.layout
-        assert {s.file for layer in split._gguf.sources for s in layer} != {0}  # experts in several files
+        assert {s.file for layer in split.reader.sources for s in layer} != {0}  # experts in several files
         for layer in range(split.n_layers):
             for e in range(split.n_experts):
                 assert split.read_record(layer, e) == whole.read_record(layer, e)
@@ -309,7 +358,7 @@ def test_fingerprint_follows_the_file(tmp_path):
 def test_long_metadata_arrays_are_skipped_not_parsed(tmp_path):
     from gguf import GGUFWriter
 
-    from moe_l2.gguf import _reader_class
+    from moe_l2.model.gguf import _reader_class
 
     path = tmp_path / "vocab.gguf"
     w = GGUFWriter(path, "qwen3moe")

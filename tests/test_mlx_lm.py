@@ -143,7 +143,7 @@ def test_switch_mlp_models_stream_too(switch_mlp_model):
 def test_a_pack_that_only_moe_l2_can_load_streams_exactly(model_dir, model_files, tmp_path):
     """mlx-lm's qwen3_moe sanitize stacks only unquantized per-expert weights, so mlx_lm.load refuses this
     packed 4-bit checkpoint; the streamed loader never hands expert tensors to sanitize and loads it."""
-    from moe_l2.pack import pack
+    from moe_l2.model.packer import pack
 
     packed = pack(model_dir, tmp_path / "packed", moe_l2_only=True, progress=False)
     assert packed.format == "packed"

@@ -97,6 +97,27 @@ def test_buffer_array_bounds_are_checked():
         buf.array(0, [2**31 - 1] * 3, mx.float32)
 
 
+# --- HostBuffer -------------------------------------------------------------------------
+
+
+def test_host_buffer_is_zeroed_page_aligned_memory_that_native_reads_fill(tmp_path):
+    path = tmp_path / "data"
+    payload = os.urandom(3 * PAGE + 5)
+    path.write_bytes(payload)
+    buf = native.HostBuffer(4 * PAGE)
+    assert isinstance(buf, native.Memory) and not isinstance(buf, native.Buffer)
+    assert buf.nbytes == 4 * PAGE and buf.address % PAGE == 0 and not buf.readonly
+    assert bytes(buf.view()) == bytes(buf.nbytes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        native.pread_records([(fd, 0, len(payload), buf, 7)], threads=2)
+    finally:
+        os.close(fd)
+    assert bytes(buf.view()[7:7 + len(payload)]) == payload
+    with pytest.raises(ValueError, match=r"\[HostBuffer\] nbytes must be > 0"):
+        native.HostBuffer(0)
+
+
 # --- Segment ----------------------------------------------------------------------------
 
 

@@ -3,7 +3,10 @@ are written atomically and resumably, and are served by a real daemon and client
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -12,12 +15,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from moe_l2 import _native
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
 from moe_l2.generator import make_model
 from moe_l2.model import PACK_ALIGN, PACK_MARKER, ModelFiles
-from moe_l2 import pack as pack_module
-from moe_l2.pack import PackError, pack
+from moe_l2.model import packer
+from moe_l2.model.packer import PackError, pack
 
 from .conftest import budget_for
 from .test_daemon import stats, wait_for
@@ -158,10 +162,23 @@ def test_architectures_whose_sanitize_cannot_restack_are_refused_unless_moe_l2_o
             assert out.read_record(layer, e) == files.read_record(layer, e)
 
 
+def test_a_model_mlx_lm_cannot_build_is_packed_under_its_own_names_with_a_note(sources, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(sources("mixtral-4bit"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "moe_l2_unknown_arch"}))
+    out = pack(src, tmp_path / "out", progress=False)
+    assert "note: mlx-lm cannot build this model" in capsys.readouterr().err
+    files = ModelFiles.open(src)
+    assert out.format == "packed" and out.model_type == "moe_l2_unknown_arch"
+    assert all(out.read_record(layer, e) == files.read_record(layer, e)
+               for layer in range(files.n_layers) for e in range(files.n_experts))
+
+
 def test_an_interrupted_pack_looks_incomplete_and_the_next_run_resumes(sources, tmp_path, monkeypatch):
     src = sources("mixtral-4bit")
     out = tmp_path / "out"
-    real, real_shard = pack_module._write_all, pack_module._write_shard
+    real, real_shard = packer._write_all, packer._write_shard
     state = {"shards": 0, "writes": 0}
 
     def shard(*args):
@@ -176,8 +193,8 @@ def test_an_interrupted_pack_looks_incomplete_and_the_next_run_resumes(sources, 
             raise KeyboardInterrupt("power cut")
         real(fd, data)
 
-    monkeypatch.setattr(pack_module, "_write_shard", shard)
-    monkeypatch.setattr(pack_module, "_write_all", dying)
+    monkeypatch.setattr(packer, "_write_shard", shard)
+    monkeypatch.setattr(packer, "_write_all", dying)
     with pytest.raises(KeyboardInterrupt):
         pack(src, out, max_shard_bytes=100_000, progress=False)
     names = sorted(p.name for p in out.iterdir())
@@ -194,13 +211,44 @@ def test_an_interrupted_pack_looks_incomplete_and_the_next_run_resumes(sources, 
         load(str(out))
     kept = {n: (out / n).stat().st_mtime_ns for n in complete}
 
-    monkeypatch.setattr(pack_module, "_write_all", real)
+    monkeypatch.setattr(packer, "_write_all", real)
     files = pack(src, out, max_shard_bytes=100_000, progress=False)
     assert {n: (out / n).stat().st_mtime_ns for n in complete} == kept  # resumed, not rewritten
     assert not list(out.glob("*.partial"))
     source = ModelFiles.open(src)
     assert all(files.read_record(layer, e) == source.read_record(layer, e)
                for layer in range(source.n_layers) for e in range(source.n_experts))
+
+
+# fcntl commands that Linux refuses (EINVAL), as filesystems without F_FULLFSYNC or F_NOCACHE do on macOS.
+_REFUSED_FCNTL = 0x7FFF0000
+
+
+def test_written_files_leave_the_page_cache_and_every_sync_path_writes_the_same_pack(sources, tmp_path,
+                                                                                     monkeypatch):
+    src = sources("mixtral-4bit")
+    blob = tmp_path / "blob"
+    blob.write_bytes(os.urandom(4 << 20))
+    packer._copy_atomic(blob, tmp_path / "copy")
+    fd = os.open(tmp_path / "copy", os.O_RDONLY)
+    try:
+        resident = _native.page_cache_bytes(fd)
+    finally:
+        os.close(fd)
+    if hasattr(os, "posix_fadvise"):
+        assert resident == 0  # written back by the fsync, then dropped
+    assert (tmp_path / "copy").read_bytes() == blob.read_bytes()
+    pack(src, tmp_path / "linux", max_shard_bytes=100_000, progress=False, verify="none")
+
+    # The macOS path: no fadvise, F_NOCACHE on the write fd, F_FULLFSYNC, both refused here: the pack is the same.
+    monkeypatch.delattr(os, "posix_fadvise", raising=False)
+    monkeypatch.setattr(fcntl, "F_FULLFSYNC", _REFUSED_FCNTL, raising=False)
+    monkeypatch.setattr(fcntl, "F_NOCACHE", _REFUSED_FCNTL, raising=False)
+    pack(src, tmp_path / "macos", max_shard_bytes=100_000, progress=False, verify="none")
+    written = sorted(p.name for p in (tmp_path / "linux").iterdir())
+    assert written == sorted(p.name for p in (tmp_path / "macos").iterdir()) and "config.json" in written
+    for name in written:
+        assert (tmp_path / "linux" / name).read_bytes() == (tmp_path / "macos" / name).read_bytes(), name
 
 
 def test_a_shard_left_by_a_pack_of_another_source_is_rewritten(sources, tmp_path):
@@ -232,7 +280,7 @@ def test_bad_outputs_and_inputs_are_refused(sources, tmp_path, packed):
     _, out = packed("mixtral-4bit")
     with pytest.raises(PackError, match="already packed"):
         pack(out.path, tmp_path / "again", progress=False)
-    from moe_l2.gguf import make_gguf_model
+    from moe_l2.generator import make_gguf_model
 
     with pytest.raises(PackError, match="GGUF models are served as they are"):
         pack(make_gguf_model(tmp_path / "g" / "m.gguf"), tmp_path / "g-out", progress=False)
@@ -291,7 +339,7 @@ def test_the_daemon_and_the_client_serve_a_packed_model_byte_for_byte(packed, da
 def test_pack_and_verify_from_the_command_line(sources, tmp_path):
     src = sources("mixtral-4bit")
     out = tmp_path / "packed"
-    result = subprocess.run([sys.executable, "-P", "-m", "moe_l2.pack", "--model", str(src), "--out", str(out),
+    result = subprocess.run([sys.executable, "-P", "-m", "moe_l2.cli", "pack", "--model", str(src), "--out", str(out),
                              "--max-shard-size", "64KiB"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"packed {src} -> {out}" in result.stdout and "one 8.0 KiB extent per expert" in result.stdout
@@ -300,10 +348,10 @@ def test_pack_and_verify_from_the_command_line(sources, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "(packed)" in verify.stdout and "0 mismatches" in verify.stdout
-    again = subprocess.run([sys.executable, "-P", "-m", "moe_l2.pack", "--model", str(src), "--out", str(out),
+    again = subprocess.run([sys.executable, "-P", "-m", "moe_l2.cli", "pack", "--model", str(src), "--out", str(out),
                             "--quiet"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already holds a model" in again.stderr
-    bad = subprocess.run([sys.executable, "-P", "-m", "moe_l2.pack", "--model", str(src), "--out", str(out),
+    bad = subprocess.run([sys.executable, "-P", "-m", "moe_l2.cli", "pack", "--model", str(src), "--out", str(out),
                           "--max-shard-size", "lots"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--max-shard-size" in bad.stderr
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from moe_l2.cache import profile as pf
 from moe_l2.commands import profile as profile_cmd
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.trace import read_traces

@@ -20,6 +20,8 @@ that names it. The conversion happens once per read: the daemon converts on the 
 memory holds MLX layout, so clients copy it as is), the client converts on its pread fallback path,
 both with the native ``transcode_gguf``. ``transcode_reference`` is the numpy version, the ground
 truth of ``ModelFiles.read_record`` and ``moe-l2 verify``.
+
+``parse`` reads the headers with the gguf package; ``GGUFReader`` reads the records (docs/formats.md, "GGUF").
 """
 
 from __future__ import annotations
@@ -29,13 +31,17 @@ import json
 import re
 import struct
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-__all__ = ["SUPPORTED_TYPES", "Source", "GGUFModel", "parse", "transcode_reference", "make_gguf_model"]
+from moe_l2.model.records import RecordLayout, RecordReader, hash_part, pread_plain
+
+__all__ = ["SUPPORTED_TYPES", "GROUP_SIZE", "Source", "GGUFModel", "is_gguf", "parse", "piece_specs",
+           "transcode_reference", "GGUFReader"]
 
 # GGUF type -> (bits, block elements, block bytes, MLX quantization mode)
 _QUANT = {"Q4_0": (4, 32, 18, "affine"), "Q4_1": (4, 32, 20, "affine"), "Q5_0": (5, 32, 22, "affine"),
@@ -192,9 +198,10 @@ def _reader_class():
     """gguf's GGUFReader, made to skip over long metadata arrays (token lists, merges) instead of building a
     numpy view per element, which takes GGUFReader seconds for a real vocabulary. Nothing here needs them:
     they are in the fingerprint through the header bytes."""
-    from gguf import GGUFReader, GGUFValueType
+    import gguf
+    from gguf import GGUFValueType
 
-    class LeanReader(GGUFReader):
+    class LeanReader(gguf.GGUFReader):
         def _get_field_parts(self, orig_offs, raw_type):
             if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
                 return super()._get_field_parts(orig_offs, raw_type)
@@ -352,78 +359,92 @@ def parse(path) -> GGUFModel:
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# Writing small GGUF MoE models (tests, benchmarks)
+def is_gguf(path: Path) -> bool:
+    """Whether path names a GGUF model: a .gguf file, or a directory with .gguf files and no safetensors."""
+    if path.is_file():
+        return path.suffix == ".gguf"
+    return path.is_dir() and not any(path.glob("*.safetensors")) and any(path.glob("*.gguf"))
 
 
-def make_gguf_model(path, *, arch: str = "qwen3moe", layers: int = 2, experts: int = 8, top_k: int = 2,
-                    hidden_size: int = 64, moe_hidden_size: int = 64, types="Q4_0", dense_layers: int = 0,
-                    expert_bias: bool = False, split_max_tensors: int = 0, vocab_size: int = 32,
-                    seed: int = 0) -> Path:
-    """Write a random-weight GGUF MoE model with gguf's own writer and quantizers; returns its path.
+class GGUFReader(RecordReader):
+    """A GGUF model's records: each projection's raw slice read into host scratch memory, then converted
+    into MLX's layout in place (native ``transcode_gguf``)."""
 
-    types: one GGUF type name for every expert tensor, or {"gate": ..., "up": ..., "down": ...}.
-    The first `dense_layers` blocks have a dense FFN (ffn_gate/ffn_up/ffn_down) instead of experts.
-    split_max_tensors > 0 writes a split model (name-00001-of-0000N.gguf); the first file is returned.
-    """
-    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    def __init__(self, path: Path):
+        g = parse(path)
+        self.layout = RecordLayout.build(g.specs, "gguf")
+        h = hashlib.sha256()
+        hash_part(h, json.dumps(self.layout.describe(), sort_keys=True).encode())
+        hash_part(h, b"format=gguf")
+        hash_part(h, json.dumps([[(s.key, s.type, s.rows, s.cols) for s in ls] for ls in g.sources]).encode())
+        for part in g.fingerprint_parts:
+            hash_part(h, part)
+        self.fingerprint = h.hexdigest()[:32]
+        self.path = path
+        self.files = g.files
+        self.config = {k: v for k, v in g.metadata.items() if v is not None}
+        self.model_type = g.arch
+        self.layer_ids = g.layer_ids
+        self.n_experts = g.n_experts
+        self.top_k = g.top_k
+        self.quantization = g.quantization
+        self.sources = g.sources
+        self._raw_nbytes = g.raw_nbytes
+        self._tensor_names = g.tensor_names
+        self._index = {p.key: i for i, p in enumerate(self.layout.pieces)}
+        self._tls = threading.local()
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(types, str):
-        types = {"gate": types, "up": types, "down": types}
-    rng = np.random.default_rng(seed)
-    writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
-    writer.add_name("moe-l2 test model")
-    writer.add_block_count(layers)
-    writer.add_context_length(4096)
-    writer.add_embedding_length(hidden_size)
-    writer.add_feed_forward_length(2 * moe_hidden_size)
-    writer.add_expert_feed_forward_length(moe_hidden_size)
-    writer.add_head_count(max(1, hidden_size // 32))
-    writer.add_expert_count(experts)
-    writer.add_expert_used_count(top_k)
-    writer.add_leading_dense_block_count(dense_layers)
-    writer.add_layer_norm_rms_eps(1e-6)
+    def extents(self, layer: int, expert: int) -> list[tuple[int, int, int, int]]:
+        raise ValueError(f"{self.path}: GGUF records are converted to MLX's layout, not copied from the file; "
+                         "use read_record(), read_into_slots() or read_into_rows()")
 
-    def add(name: str, shape: tuple, type_name: str) -> None:
-        data = (rng.standard_normal(shape) * 0.5).astype(np.float32)
-        qtype = GGMLQuantizationType[type_name]
-        if type_name == "F32":
-            writer.add_tensor(name, data)
-        elif type_name == "F16":
-            writer.add_tensor(name, data.astype(np.float16))
-        else:
-            try:
-                raw = quants.quantize(data, qtype)
-            except NotImplementedError:  # gguf has no quantizer for it: random blocks (unsupported-type tests)
-                raw = rng.integers(0, 256, size=quants.quant_shape_to_byte_shape(shape, qtype), dtype=np.uint8)
-            writer.add_tensor(name, raw, raw_dtype=qtype)
+    def read_record(self, layer: int, expert: int) -> bytes:
+        """The numpy conversion of the raw slices (transcode_reference)."""
+        buf = bytearray(self.layout.nbytes)
+        for src in self.sources[layer]:
+            data = pread_plain(self.files[src.file], src.start + expert * src.expert_bytes, src.expert_bytes)
+            for key, piece in zip(src.piece_keys(), transcode_reference(src.type, data, src.rows, src.cols)):
+                p = self.layout.piece(key)
+                buf[p.offset:p.offset + p.nbytes] = piece
+        return bytes(buf)
 
-    add("token_embd.weight", (vocab_size, hidden_size), "F16")
-    add("output_norm.weight", (hidden_size,), "F32")
-    for b in range(layers):
-        add(f"blk.{b}.attn_norm.weight", (hidden_size,), "F32")
-        if b < dense_layers:
-            add(f"blk.{b}.ffn_gate.weight", (2 * moe_hidden_size, hidden_size), "F16")
-            add(f"blk.{b}.ffn_up.weight", (2 * moe_hidden_size, hidden_size), "F16")
-            add(f"blk.{b}.ffn_down.weight", (hidden_size, 2 * moe_hidden_size), "F16")
-            continue
-        add(f"blk.{b}.ffn_gate_inp.weight", (experts, hidden_size), "F32")
-        add(f"blk.{b}.ffn_gate_exps.weight", (experts, moe_hidden_size, hidden_size), types["gate"])
-        add(f"blk.{b}.ffn_up_exps.weight", (experts, moe_hidden_size, hidden_size), types["up"])
-        add(f"blk.{b}.ffn_down_exps.weight", (experts, hidden_size, moe_hidden_size), types["down"])
-        if expert_bias:
-            add(f"blk.{b}.ffn_gate_exps.bias", (experts, moe_hidden_size), "F32")
-            add(f"blk.{b}.ffn_up_exps.bias", (experts, moe_hidden_size), "F32")
-            add(f"blk.{b}.ffn_down_exps.bias", (experts, hidden_size), "F32")
-    add("output.weight", (vocab_size, hidden_size), "F16")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    if split_max_tensors:
-        first = sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))
-        if first:
-            return first[0]
-    return path
+    def read_into_slots(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
+        self._transcode(fds, layer, [(expert, [(memory, base + p.offset) for p in self.layout.pieces])
+                                     for expert, memory, base, _ in targets], threads)
+
+    def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
+        self._transcode(fds, layer, targets, threads)
+
+    def _scratch(self, nbytes: int):
+        """Per-thread scratch memory for raw bytes, grown as needed. Plain host memory, not MLX's allocator:
+        the daemon converts too, and must never start a GPU device (docs/architecture.md)."""
+        from moe_l2 import _native
+
+        buf = getattr(self._tls, "scratch", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._tls.scratch = _native.HostBuffer(max(nbytes, 2 * buf.nbytes if buf is not None else 0))
+        return buf
+
+    def _transcode(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
+        """targets: [(expert, [(memory, offset), one per layout piece])]."""
+        from moe_l2 import _native
+
+        scratch = self._scratch(self._raw_nbytes * len(targets))
+        reads, jobs = [], []
+        for i, (expert, place) in enumerate(targets):
+            base = i * self._raw_nbytes
+            for src in self.sources[layer]:
+                raw = base + src.raw_offset
+                reads.append((fds[src.file], src.start + expert * src.expert_bytes, src.expert_bytes, scratch, raw))
+                out = [place[self._index[k]] for k in src.piece_keys()]
+                out += [out[0]] * (3 - len(out))  # float types write the weight only
+                jobs.append((src.type, src.rows, src.cols, scratch, raw, *out[0], *out[1], *out[2]))
+        _native.pread_records(reads, threads=threads)
+        _native.transcode_gguf(jobs, threads=threads)
+
+    def expert_tensor_names(self) -> set[str]:
+        """blk.N.ffn_*_exps.*"""
+        return set(self._tensor_names)
+
+    def tensor_names(self, layer: int) -> dict:
+        raise ValueError(f"{self.path}: a GGUF model has no safetensors names")

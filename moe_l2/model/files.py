@@ -1,0 +1,182 @@
+"""``ModelFiles``: a MoE model's identity (path, config, record layout, fingerprint, format) and its one
+L3 read path, whatever the format (docs/formats.md).
+
+``ModelFiles.open`` picks the format's reader (``moe_l2.model.gguf``, ``.packed``, ``.safetensors``) and
+delegates every record operation to it: ``read_into_slots`` for the daemon's shared-memory slots,
+``read_into_rows`` for the client's pool rows, ``read_record`` for verification; ``open_fds`` opens the
+files for both (optionally with direct I/O).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+from moe_l2.model import gguf, packed, safetensors
+from moe_l2.model.records import RecordLayout, RecordReader
+
+__all__ = ["DIRECT_IO", "ModelFiles"]
+
+log = logging.getLogger("moe-l2.model")
+
+# The --direct-io choices of the daemon and the clients, as open_fds(direct=...) takes them.
+DIRECT_IO = {"auto": None, "on": True, "off": False}
+
+
+def _open_reader(path: Path) -> RecordReader:
+    """The reader of the format at path: GGUF by its files, packed by the geometry of a checkpoint."""
+    if gguf.is_gguf(path):
+        return gguf.GGUFReader(path)
+    return packed.checkpoint_reader(safetensors.read_checkpoint(path))
+
+
+class ModelFiles:
+    """A MoE model's files, config, MoE layers and expert records (safetensors, packed or GGUF).
+
+    Layer arguments are MoE-layer numbers 0..n_layers-1; layer_ids maps them to the model's layer index.
+    `reader` is the format's RecordReader (moe_l2/model/records.py), which does the reads.
+    """
+
+    path: Path
+    files: list[Path]
+    config: dict
+    model_type: str
+    n_layers: int
+    layer_ids: list[int]
+    n_experts: int
+    top_k: int
+    layout: RecordLayout
+    fingerprint: str
+    format: str
+    # GGUF: projection -> {"group_size", "bits", "mode"} of its MLX quantization; {} otherwise
+    # (safetensors checkpoints say it in config["quantization"]).
+    quantization: dict
+    reader: RecordReader
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("use ModelFiles.open(path)")
+
+    @classmethod
+    def open(cls, path) -> "ModelFiles":
+        """Open a model directory (mlx-lm safetensors, packed, or holding one GGUF model) or a .gguf file."""
+        path = Path(path)
+        reader = _open_reader(path)
+        self = object.__new__(cls)
+        self.path = path
+        self.files = reader.files
+        self.config = reader.config
+        self.model_type = reader.model_type
+        self.n_layers = len(reader.layer_ids)
+        self.layer_ids = reader.layer_ids
+        self.n_experts = reader.n_experts
+        self.top_k = reader.top_k
+        self.layout = reader.layout
+        self.fingerprint = reader.fingerprint
+        self.format = reader.layout.format
+        self.quantization = reader.quantization
+        self.reader = reader
+        return self
+
+    def _check(self, layer: int, expert: int) -> None:
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"MoE layer {layer} out of range (model has {self.n_layers})")
+        if not 0 <= expert < self.n_experts:
+            raise IndexError(f"expert {expert} out of range (model has {self.n_experts})")
+
+    def extents(self, layer: int, expert: int) -> list[tuple[int, int, int, int]]:
+        """(file index, file offset, nbytes, record offset) of each piece of the record, in record order.
+
+        Safetensors and packed models only: GGUF records are converted, not copied."""
+        self._check(layer, expert)
+        return self.reader.extents(layer, expert)
+
+    def record_span(self, layer: int, expert: int) -> tuple[int, int, int]:
+        """Packed models: (file index, file offset, span) of the record's one extent. The offset is a
+        multiple of PACK_ALIGN and the span is the record rounded up to it (the padding is in the file)."""
+        self._check(layer, expert)
+        return self.reader.record_span(layer, expert)
+
+    def read_record(self, layer: int, expert: int) -> bytes:
+        """The record's bytes (padding zero), read with plain file reads: the ground truth of `moe-l2 verify`.
+
+        For GGUF models: the numpy conversion of the raw slices (moe_l2.model.gguf.transcode_reference)."""
+        self._check(layer, expert)
+        return self.reader.read_record(layer, expert)
+
+    # -- reading records the fast way (daemon loader, client pool) ---------------------------------
+
+    @property
+    def direct_default(self) -> bool:
+        """Whether open_fds(direct=None) uses direct I/O: for packed models on Linux and macOS.
+
+        A packed record is one large aligned read, which direct I/O serves at the disk's speed without
+        copying it through the page cache, and keeps a model larger than RAM from evicting everything
+        else's cache (see bench/bench_io.py and docs/formats.md). Piecewise (stacked, GGUF) reads stay buffered.
+        """
+        return self.reader.direct_default
+
+    def open_fds(self, direct: Optional[bool] = None) -> list[int]:
+        """Open every model file for reading; direct=True asks for direct I/O (O_DIRECT / F_NOCACHE),
+        None picks direct_default. A filesystem without direct I/O gets buffered fds; see direct_fds()."""
+        from moe_l2 import _native
+
+        want = self.direct_default if direct is None else direct
+        fds = []
+        try:
+            for path in self.files:
+                fds.append(os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+                if want and not _native.set_direct(fds[-1], True):
+                    log.warning("%s: the filesystem has no direct I/O; reading it through the page cache", path)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    @staticmethod
+    def direct_fds(fds: list[int]) -> bool:
+        """Whether every fd reads with O_DIRECT (Linux; macOS' F_NOCACHE cannot be queried)."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return False
+        import fcntl
+
+        return all(fcntl.fcntl(fd, fcntl.F_GETFL) & flag for fd in fds)
+
+    def read_into_slots(self, fds: list[int], layer: int, targets, *, threads: int = 1) -> None:
+        """Read records of one layer into daemon slots, from fds (from open_fds), with the native reads.
+
+        targets: [(expert, memory, offset, room)]: the whole record laid out at offset of memory (a
+        Segment), with room bytes there (the slot stride). A packed record is one read of its padded
+        extent; a GGUF record is read raw into host scratch memory and converted into the slot, so that
+        L2 holds MLX's layout and the daemon never touches MLX's allocator."""
+        for expert, *_ in targets:
+            self._check(layer, expert)
+        self.reader.read_into_slots(fds, layer, targets, threads)
+
+    def read_into_rows(self, fds: list[int], layer: int, targets, *, threads: int = 1) -> None:
+        """Read records of one layer into client pool rows, from fds (from open_fds), with the native reads.
+
+        targets: [(expert, [(memory, offset), one per layout piece])]. A stacked record is read piece by
+        piece, a packed one in one read scattered into the rows, a GGUF one converted on the way."""
+        for expert, _ in targets:
+            self._check(layer, expert)
+        self.reader.read_into_rows(fds, layer, targets, threads)
+
+    # -- names -------------------------------------------------------------------------------------
+
+    def expert_tensor_names(self) -> set[str]:
+        """Every tensor name that belongs to a routed expert (stacked or per-expert; GGUF: blk.N.ffn_*_exps.*)."""
+        return self.reader.expert_tensor_names()
+
+    def tensor_names(self, layer: int) -> dict[str, dict[Optional[int], str]]:
+        """Safetensors models: key -> {expert, or None for a stacked tensor: checkpoint tensor name}."""
+        return self.reader.tensor_names(layer)
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelFiles({str(self.path)!r}, {self.format}, {self.model_type}, {self.n_layers} MoE layers, "
+            f"{self.n_experts} experts, top {self.top_k}, record {self.layout.nbytes} bytes)"
+        )

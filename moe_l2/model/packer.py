@@ -1,0 +1,483 @@
+"""The packer behind `moe-l2 pack`: rewrite an mlx-lm MoE checkpoint expert-major, so that a miss is one
+read per expert (docs/formats.md, "Packed checkpoints"; moe_l2/model/packed.py reads the result).
+
+The packed checkpoint is an ordinary mlx-lm checkpoint directory:
+
+- ``config.json``, the tokenizer and every other file, copied unchanged;
+- the non-expert tensors, unchanged, in ``model-0000i-of-0000n.safetensors`` shards;
+- the routed experts as **one tensor per expert and piece**, named the way the architecture's
+  mlx-lm ``sanitize`` stacks them back (``...mlp.experts.7.gate_proj.scales``; mixtral:
+  ``...block_sparse_moe.experts.7.w1.scales``), in shards of whole MoE layers where each expert's
+  record is one contiguous extent: it starts at a multiple of 4096 bytes in the file (the header is
+  padded with spaces so that the data starts on a page), and its pieces lie at their record offsets
+  (ModelFiles' layout: key order, 64-byte aligned). The gaps (record padding, up to 4095 bytes
+  after each record) are zero bytes that belong to no tensor. ``mx.load`` (what mlx-lm uses) reads
+  such files; the strict ``safetensors`` package refuses gaps between tensors, which only exist
+  where piece or record sizes are not multiples of 64 / 4096 bytes (real models' sizes mostly are).
+- ``model.safetensors.index.json`` with every tensor, and ``__metadata__["moe_l2"] = "packed-v1"``
+  in every shard.
+
+So mlx_lm.load gives the same model (its sanitize stacks the per-expert tensors back into the
+switch layers, byte for byte), and ModelFiles sees format "packed": ``record_span`` is one read.
+Before writing, pack runs the architecture's sanitize on shape-only stand-ins to check that mlx-lm
+will stack the per-expert names back; some architectures' sanitize stacks only some pieces
+(qwen3_moe: the unquantized ``weight`` only), and pack then refuses unless ``--moe-l2-only``.
+
+Atomicity: every file is written as ``NAME.partial``, fsynced (``F_FULLFSYNC`` on macOS, where plain
+fsync leaves the data in the drive's cache), its pages dropped from the page cache (a pack is written
+once and read later, by direct I/O by default), then renamed; ``config.json`` is written last, so an
+interrupted pack leaves no directory that mlx-lm or moe-l2 would take for a model. Running the same
+pack again resumes: shards already in place whose size and header match the plan (which names the
+source's fingerprint) are kept.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from moe_l2.model.files import ModelFiles
+from moe_l2.model.packed import PACK_MARKER
+from moe_l2.model.records import PACK_ALIGN
+from moe_l2.model.safetensors import DTYPES, INDEX_NAME, read_header
+
+__all__ = ["PackError", "pack"]
+
+_CHUNK = 64 << 20  # bytes read and written at a time
+_HF_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_SAFETENSORS_CODE = {mlx: code for code, (mlx, _) in DTYPES.items()}
+
+
+class PackError(ValueError):
+    pass
+
+
+@dataclass
+class _Shard:
+    name: str
+    header: bytes  # the 8-byte length and the padded JSON
+    size: int  # of the whole file
+    # dense shard: (source file index, source offset, nbytes, data offset) per tensor
+    copies: list = field(default_factory=list)
+    # expert shard: (MoE layer, data offset of its first record)
+    layers: list = field(default_factory=list)
+    tensors: dict = field(default_factory=dict)  # name -> header entry
+
+
+def _round(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _header(tensors: dict, metadata: dict, align: int) -> bytes:
+    body = json.dumps({"__metadata__": metadata, **tensors}, separators=(",", ":")).encode()
+    body += b" " * (_round(8 + len(body), align) - 8 - len(body))
+    return len(body).to_bytes(8, "little") + body
+
+
+def _switch_split(name: str) -> tuple[list[str], str, str]:
+    """A stacked expert tensor name as (parts before the switch segment, proj, param)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i] == "layers" and parts[i + 1].isdigit():
+            break
+    for j in range(i + 2, len(parts)):
+        if parts[j] in ("switch_mlp", "experts") and len(parts) - j == 3:
+            return parts[:j], parts[j + 1], parts[j + 2]
+    raise PackError(f"cannot name the per-expert tensors of {name}")
+
+
+def _naming(files: ModelFiles, aliases: Optional[dict]):
+    """name(layer, expert, key) for the packed per-expert tensors."""
+    per_expert = [all(None not in v for v in files.tensor_names(layer).values()) for layer in range(files.n_layers)]
+    names = [files.tensor_names(layer) for layer in range(files.n_layers)]
+
+    def name(layer: int, expert: int, key: str) -> str:
+        slots = names[layer][key]
+        if per_expert[layer]:
+            return slots[expert]  # the checkpoint's own per-expert names: mlx-lm loaded them before
+        prefix, proj, param = _switch_split(slots[None])
+        return ".".join([*prefix, "experts", str(expert), (aliases or {}).get(proj, proj), param])
+
+    return name, all(per_expert)
+
+
+def _sanitized(model, shapes: dict) -> dict:
+    import mlx.core as mx
+
+    weights = {n: mx.zeros(shape, dtype=getattr(mx, dtype)) for n, (shape, dtype) in shapes.items()}
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    return {k: (tuple(v.shape), str(v.dtype)) for k, v in weights.items()}
+
+
+class _NoMlxLmModel(Exception):
+    """mlx-lm cannot build the model: there is no mlx-lm loading to keep compatible with."""
+
+
+class _NotLoadable(Exception):
+    """No candidate naming would load with mlx_lm.load; the message says why the first one fails."""
+
+
+def _mlx_lm_naming(src: Path, original: dict, candidates: dict) -> str:
+    """The label of the first candidate naming that mlx-lm's sanitize turns into what it makes of the
+    original checkpoint; _NoMlxLmModel or _NotLoadable when there is none.
+
+    original / candidates[label]: {tensor name: (shape, mlx dtype)}, shape-only stand-ins (lazy zeros,
+    never evaluated)."""
+    try:
+        from mlx_lm.utils import _get_classes, load_config
+
+        config = load_config(src)
+        model_class, args_class = _get_classes(config=config)
+        model = model_class(args_class.from_dict(config))
+        want = _sanitized(model, original)
+    except Exception as e:  # noqa: BLE001 - mlx-lm cannot build this model: nothing to keep compatible with
+        raise _NoMlxLmModel(f"mlx-lm cannot build this model ({type(e).__name__}: {e})") from e
+    why = ""
+    for label, shapes in candidates.items():
+        got = _sanitized(model, shapes)
+        if got == want:
+            return label
+        if why:
+            continue  # report why the first (canonical) naming fails
+        arch = config.get("model_type")
+        extra = sorted(set(got) - set(want))
+        if extra:
+            why = f"mlx-lm's {arch} sanitize leaves {len(extra)} per-expert tensors unstacked (e.g. {', '.join(extra[:3])})"
+        else:
+            changed = sorted(k for k in want if got.get(k) != want[k])
+            why = f"mlx-lm's {arch} sanitize does not rebuild {', '.join(changed[:3])}"
+    raise _NotLoadable(why)
+
+
+def _plan(files: ModelFiles, name, max_shard: int, source_meta: dict) -> tuple[list[_Shard], dict]:
+    headers = [read_header(f, i) for i, f in enumerate(files.files)]
+    expert_names = files.expert_tensor_names()
+    dense = sorted((n, t) for h in headers for n, t in h.tensors.items() if n not in expert_names)
+    layout = files.layout
+    stride = layout.span
+    meta = {**source_meta, "moe_l2": PACK_MARKER, "moe_l2_source": files.fingerprint,
+            "moe_l2_record_bytes": str(layout.nbytes), "moe_l2_align": str(PACK_ALIGN)}
+
+    groups: list[list] = []
+    size = 0
+    for n, t in dense:
+        if not groups or (size + t.nbytes > max_shard and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append((n, t))
+        size += t.nbytes
+    layer_groups: list[list[int]] = []
+    per_layer = files.n_experts * stride
+    for layer in range(files.n_layers):
+        if not layer_groups or (len(layer_groups[-1]) + 1) * per_layer > max_shard:
+            layer_groups.append([])
+        layer_groups[-1].append(layer)
+
+    total = len(groups) + len(layer_groups)
+    fmt = "model-{:05d}-of-{:05d}.safetensors"
+    shards = []
+    weight_map = {}
+    for group in groups:
+        shard = _Shard(fmt.format(len(shards) + 1, total), b"", 0)
+        offset = 0
+        for n, t in group:
+            shard.tensors[n] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            shard.copies.append((t.file, t.start, t.nbytes, offset))
+            offset += t.nbytes
+        shard.header = _header(shard.tensors, meta, 8)
+        shard.size = len(shard.header) + offset
+        shards.append(shard)
+    for group in layer_groups:
+        shard = _Shard(fmt.format(len(shards) + 1, total), b"", 0)
+        offset = 0
+        for layer in group:
+            shard.layers.append((layer, offset))
+            for e in range(files.n_experts):
+                for p in layout.pieces:
+                    start = offset + e * stride + p.offset
+                    shard.tensors[name(layer, e, p.key)] = {
+                        "dtype": _SAFETENSORS_CODE[p.dtype], "shape": list(p.shape),
+                        "data_offsets": [start, start + p.nbytes]}
+            offset += per_layer
+        shard.header = _header(shard.tensors, meta, PACK_ALIGN)
+        shard.size = len(shard.header) + offset  # a multiple of PACK_ALIGN: the last record's padding too
+        shards.append(shard)
+    for shard in shards:
+        weight_map.update((n, shard.name) for n in shard.tensors)
+    index = {
+        "metadata": {
+            "total_size": sum(t.nbytes for _, t in dense) + files.n_layers * files.n_experts * layout.nbytes,
+            "moe_l2": {"format": PACK_MARKER, "source_fingerprint": files.fingerprint,
+                       "record_bytes": layout.nbytes, "record_span": stride},
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    return shards, index
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _pread(fd: int, offset: int, nbytes: int) -> bytes:
+    data = os.pread(fd, nbytes, offset)
+    while len(data) < nbytes:
+        more = os.pread(fd, nbytes - len(data), offset + len(data))
+        if not more:
+            raise PackError(f"short read at byte {offset + len(data)}: was the source model truncated?")
+        data += more
+    return data
+
+
+def _complete(path: Path, shard: _Shard) -> bool:
+    try:
+        if path.stat().st_size != shard.size:
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(shard.header)) == shard.header
+    except OSError:
+        return False
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _full_fsync(fd: int) -> None:
+    """Data on stable storage: macOS' fsync stops at the drive's cache, F_FULLFSYNC flushes it too.
+    Filesystems that refuse F_FULLFSYNC (network, FUSE) get a plain fsync."""
+    if hasattr(fcntl, "F_FULLFSYNC"):
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError:
+            pass
+    os.fsync(fd)
+
+
+class _Atomic:
+    """A file written as NAME.partial, fsynced, then renamed into place, leaving none of its pages in the
+    page cache: the pack is read later (by direct I/O by default) and would only push out other data."""
+
+    def __init__(self, final: Path):
+        self.final = final
+        self.partial = final.with_name(final.name + ".partial")
+        self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if not hasattr(os, "posix_fadvise") and hasattr(fcntl, "F_NOCACHE"):
+            try:  # macOS: no fadvise; writes through this fd are not kept in the unified buffer cache
+                fcntl.fcntl(self.fd, fcntl.F_NOCACHE, 1)
+            except OSError:
+                pass  # a hint: the file is written all the same
+
+    def finish(self) -> None:
+        _full_fsync(self.fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written back above, so dropped
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.partial, self.final)
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _write_shard(files: ModelFiles, src_fds: list[int], out: Path, shard: _Shard, bar) -> None:
+    f = _Atomic(out / shard.name)
+    try:
+        _write_all(f.fd, shard.header)
+        bar.update(len(shard.header))
+        for fi, start, nbytes, _ in shard.copies:
+            for at in range(0, nbytes, _CHUNK):
+                n = min(_CHUNK, nbytes - at)
+                _write_all(f.fd, _pread(src_fds[fi], start + at, n))
+                bar.update(n)
+        layout = files.layout
+        stride = layout.span
+        chunk = max(1, _CHUNK // stride)
+        for layer, _ in shard.layers:
+            for e0 in range(0, files.n_experts, chunk):
+                e1 = min(files.n_experts, e0 + chunk)
+                buf = bytearray((e1 - e0) * stride)
+                extents = [files.extents(layer, e) for e in range(e0, e1)]
+                for i, p in enumerate(layout.pieces):
+                    where = [x[i][:2] for x in extents]
+                    contiguous = all(w == (where[0][0], where[0][1] + i * p.nbytes) for i, w in enumerate(where))
+                    if contiguous:  # a stacked tensor: the chunk's slices in one read
+                        data = _pread(src_fds[where[0][0]], where[0][1], (e1 - e0) * p.nbytes)
+                        for i in range(e1 - e0):
+                            buf[i * stride + p.offset:i * stride + p.offset + p.nbytes] = \
+                                data[i * p.nbytes:(i + 1) * p.nbytes]
+                    else:
+                        for i, (fi, off) in enumerate(where):
+                            buf[i * stride + p.offset:i * stride + p.offset + p.nbytes] = _pread(src_fds[fi], off,
+                                                                                                 p.nbytes)
+                _write_all(f.fd, buf)
+                bar.update(len(buf))
+        f.finish()
+    except BaseException:
+        f.abort()
+        raise
+
+
+def _copy_atomic(src: Path, dst: Path, data: Optional[bytes] = None) -> None:
+    f = _Atomic(dst)
+    try:
+        if data is None:
+            with open(src, "rb") as fh:
+                while chunk := fh.read(_CHUNK):
+                    _write_all(f.fd, chunk)
+        else:
+            _write_all(f.fd, data)
+        shutil.copystat(src, f.partial)
+        f.finish()
+    except BaseException:
+        f.abort()
+        raise
+
+
+def _check_out(src: Path, out: Path, planned: set[str]) -> None:
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise PackError(f"--out {out} must not be the source model or lie inside it")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise PackError(f"--out {out} exists and is not a directory")
+    if (out / "config.json").exists():
+        raise PackError(f"--out {out} already holds a model (config.json); remove it or choose another directory")
+    strangers = sorted(p.name for p in out.iterdir()
+                       if p.name not in planned and p.name.removesuffix(".partial") not in planned)
+    if strangers:
+        raise PackError(f"--out {out} holds files this pack would not write ({', '.join(strangers[:5])}), "
+                        "perhaps left by a pack with other settings: remove them, or give an empty or new directory")
+
+
+def _verify(files: ModelFiles, out: Path, shards: list[_Shard], how: str) -> None:
+    if how == "none":
+        return
+    stride = files.layout.span
+    picks = []
+    for layer in range(files.n_layers):
+        if how == "full":
+            picks += [(layer, e) for e in range(files.n_experts)]
+        else:
+            picks += [(layer, 0), (layer, files.n_experts - 1)]
+    if how != "full":
+        rng = random.Random(0)
+        picks += [(rng.randrange(files.n_layers), rng.randrange(files.n_experts)) for _ in range(16)]
+    where = {layer: (shard, base) for shard in shards for layer, base in shard.layers}
+    for layer, e in picks:
+        shard, base = where[layer]
+        with open(out / shard.name, "rb") as fh:
+            fh.seek(len(shard.header) + base + e * stride)
+            got = fh.read(files.layout.nbytes)
+        if got != files.read_record(layer, e):
+            raise PackError(f"verification failed: MoE layer {layer} expert {e} differs from the source")
+
+
+def pack(model, out, *, max_shard_bytes: int = 5 << 30, moe_l2_only: bool = False, verify: str = "sample",
+         progress: bool = True) -> ModelFiles:
+    """Pack the checkpoint at `model` into the directory `out`; returns the packed model's ModelFiles."""
+    src = Path(model)
+    out = Path(out)
+    try:
+        files = ModelFiles.open(src)
+    except (OSError, ValueError) as e:
+        raise PackError(str(e)) from None
+    if files.format == "gguf":
+        raise PackError(f"{src}: GGUF models are served as they are (moe-l2 reads them directly); "
+                        "pack rewrites mlx-lm safetensors checkpoints")
+    if files.format == "packed":
+        raise PackError(f"{src}: already packed")
+    if verify not in ("none", "sample", "full"):
+        raise PackError(f"verify must be none, sample or full, not {verify!r}")
+
+    headers = [read_header(f, i) for i, f in enumerate(files.files)]
+    original = {n: (t.shape, DTYPES[t.dtype][0]) for h in headers for n, t in h.tensors.items()
+                if t.dtype in DTYPES}
+    dense = {n: v for n, v in original.items() if n not in files.expert_tensor_names()}
+    namings = {"mlx": _naming(files, None)}
+    if not namings["mlx"][1]:
+        namings["hf"] = _naming(files, _HF_PROJ)
+    candidates = {}
+    for label, (name, _) in namings.items():
+        shapes = dict(dense)
+        for layer in range(files.n_layers):
+            for e in range(files.n_experts):
+                for p in files.layout.pieces:
+                    shapes[name(layer, e, p.key)] = (p.shape, p.dtype)
+        candidates[label] = shapes
+    try:
+        label = _mlx_lm_naming(src, original, candidates)
+    except _NoMlxLmModel as e:
+        print(f"moe-l2 pack: note: {e}; the packed copy is named like the checkpoint", file=sys.stderr)
+        label = "mlx"
+    except _NotLoadable as e:
+        if not moe_l2_only:
+            raise PackError(f"{src}: a packed copy would not load with mlx_lm.load: {e}. Pass --moe-l2-only to "
+                            "pack it for moe-l2 alone (moe-l2d, the client pool and moe-l2 verify read it)") from None
+        label = "mlx"
+    name = namings[label][0]
+    source_meta = {k: v for k, v in headers[0].metadata.items() if isinstance(v, str) and not k.startswith("moe_l2")}
+    shards, index = _plan(files, name, max_shard_bytes, source_meta)
+
+    others = [p for p in sorted(src.iterdir())
+              if p.name != INDEX_NAME and p.name != "config.json" and not p.name.endswith(".safetensors")
+              and not p.name.startswith(".")]
+    planned = {s.name for s in shards} | {p.name for p in others} | {INDEX_NAME, "config.json"}
+    _check_out(src, out, planned)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from tqdm import tqdm
+
+    total = sum(s.size for s in shards)
+    src_fds = [os.open(p, os.O_RDONLY) for p in files.files]
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pack {out.name}",
+                  disable=not progress, file=sys.stderr) as bar:
+            for shard in shards:
+                if _complete(out / shard.name, shard):
+                    bar.update(shard.size)  # resumed: written and renamed by an earlier run
+                    continue
+                _write_shard(files, src_fds, out, shard, bar)
+    finally:
+        for fd in src_fds:
+            os.close(fd)
+    _verify(files, out, shards, verify)
+    for p in others:
+        if p.is_dir():
+            shutil.copytree(p, out / p.name, dirs_exist_ok=True)
+        else:
+            _copy_atomic(p, out / p.name)
+    _copy_atomic(src / INDEX_NAME if (src / INDEX_NAME).exists() else src / "config.json", out / INDEX_NAME,
+                 json.dumps(index, indent=4).encode())
+    _copy_atomic(src / "config.json", out / "config.json")  # last: now the directory is a model
+    _fsync_dir(out)
+    try:
+        packed = ModelFiles.open(out)
+        if packed.format != "packed" or packed.layout.pieces != files.layout.pieces:
+            raise ValueError(f"reads as {packed.format}, layout {packed.layout.pieces == files.layout.pieces}")
+    except (OSError, ValueError) as e:
+        (out / "config.json").unlink(missing_ok=True)
+        raise PackError(f"{out}: the packed model does not read back as packed ({e}); removed its config.json")
+    return packed

@@ -1,0 +1,154 @@
+"""Expert records, and the interface every model format implements (docs/formats.md).
+
+Every routed expert of every MoE layer is one record: its tensors (the switch-layer pieces
+``gate_proj.weight``, ``gate_proj.scales``, ...) at fixed, 64-byte aligned offsets. A format module
+(safetensors, packed, gguf) finds where each piece of each record lies in the model's files, from the
+headers alone, and reads records the way its files want; ``ModelFiles`` delegates to it.
+"""
+
+from __future__ import annotations
+
+import struct
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+__all__ = ["ALIGN", "PACK_ALIGN", "FORMATS", "Piece", "RecordLayout", "RecordReader", "hash_part", "pread_plain"]
+
+ALIGN = 64
+# Packed records start at multiples of this many bytes (the direct-I/O block: 512 and 4096 divide it).
+PACK_ALIGN = 4096
+FORMATS = ("safetensors", "packed", "gguf")
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor of a record: `nbytes` at `offset` in the record; dtype is an mlx.core attribute name."""
+
+    key: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    pieces: tuple[Piece, ...]
+    nbytes: int
+    # Where the records come from: "safetensors" (piece by piece), "packed" (one extent per record),
+    # "gguf" (transcoded). The pieces are the same for a checkpoint and its packed copy.
+    format: str = "safetensors"
+
+    @classmethod
+    def build(cls, specs: Iterable[tuple[str, tuple[int, ...], str, int]],
+              format: str = "safetensors") -> "RecordLayout":
+        """Lay out (key, shape, dtype, nbytes) specs in key order, each piece 64-aligned."""
+        pieces = []
+        offset = 0
+        for key, shape, dtype, nbytes in sorted(specs):
+            pieces.append(Piece(key, offset, nbytes, tuple(shape), dtype))
+            offset = _align(offset + nbytes)
+        return cls(tuple(pieces), offset, format)
+
+    @property
+    def packed(self) -> bool:
+        return self.format == "packed"
+
+    @property
+    def span(self) -> int:
+        """Bytes of one packed record in its file: the record rounded up to PACK_ALIGN."""
+        return -(-self.nbytes // PACK_ALIGN) * PACK_ALIGN
+
+    def piece(self, key: str) -> Piece:
+        for p in self.pieces:
+            if p.key == key:
+                return p
+        raise KeyError(f"no piece {key!r} in the record layout (have {', '.join(self.keys())})")
+
+    def keys(self) -> list[str]:
+        return [p.key for p in self.pieces]
+
+    def describe(self) -> list:
+        return [
+            {"key": p.key, "offset": p.offset, "nbytes": p.nbytes, "shape": list(p.shape), "dtype": p.dtype}
+            for p in self.pieces
+        ]
+
+
+def hash_part(h, data: bytes) -> None:
+    """Feed one length-prefixed part of a fingerprint to the hash h."""
+    h.update(struct.pack("<Q", len(data)))
+    h.update(data)
+
+
+def pread_plain(path: Path, offset: int, nbytes: int) -> bytes:
+    """nbytes at offset of path with a plain file read (the ground-truth path of read_record)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise ValueError(f"{path}: truncated model file (short read at {offset})")
+    return data
+
+
+class RecordReader(ABC):
+    """One model format's view of a model: its identity (what ModelFiles exposes) and its record reads.
+
+    Made by the format module's ``open``; ModelFiles checks layer and expert numbers (MoE-layer numbers
+    0..n_layers-1) before it calls any method here.
+    """
+
+    path: Path
+    files: list[Path]
+    config: dict
+    model_type: str
+    layer_ids: list[int]
+    n_experts: int
+    top_k: int
+    layout: RecordLayout
+    fingerprint: str
+    # GGUF: projection -> {"group_size", "bits", "mode"} of its MLX quantization; {} otherwise
+    # (safetensors checkpoints say it in config["quantization"]).
+    quantization: dict
+    # Whether the files are read with direct I/O unless told otherwise (docs/formats.md, "Direct I/O").
+    direct_default: bool = False
+
+    @abstractmethod
+    def extents(self, layer: int, expert: int) -> list[tuple[int, int, int, int]]:
+        """(file index, file offset, nbytes, record offset) of each piece of the record, in record order."""
+
+    def record_span(self, layer: int, expert: int) -> tuple[int, int, int]:
+        """(file index, file offset, span) of the record's one page-aligned extent: packed models only."""
+        raise ValueError(f"{self.path}: a {self.layout.format} model's records are not single extents; "
+                         "`moe-l2 pack` it first")
+
+    @abstractmethod
+    def read_record(self, layer: int, expert: int) -> bytes:
+        """The record's bytes (padding zero) with plain file reads: the ground truth of `moe-l2 verify`."""
+
+    @abstractmethod
+    def read_into_slots(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
+        """Read records into daemon slots, in MLX's layout, with the native reads (GIL released).
+
+        targets: [(expert, memory, offset, room)], the whole record laid out at offset of memory, with
+        room bytes there (the slot stride); fds from ModelFiles.open_fds."""
+
+    @abstractmethod
+    def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
+        """Read records into client pool rows, in MLX's layout, with the native reads (GIL released).
+
+        targets: [(expert, [(memory, offset), one per layout piece])]; fds from ModelFiles.open_fds."""
+
+    @abstractmethod
+    def expert_tensor_names(self) -> set[str]:
+        """Every tensor name of the files that belongs to a routed expert."""
+
+    @abstractmethod
+    def tensor_names(self, layer: int) -> dict[str, dict[Optional[int], str]]:
+        """Safetensors models: key -> {expert, or None for a stacked tensor: checkpoint tensor name}."""
