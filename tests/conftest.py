@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import random
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
+from moe_l2 import _native, protocol
+from moe_l2.cache.trace import TraceWriter
+from moe_l2.client.connection import L2Client, request
+from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.generator import make_model
 from moe_l2.layout import Geometry
@@ -61,3 +67,90 @@ def budget_for(files: ModelFiles, slots: int) -> int:
 def running_daemon(daemon_factory, model_dir, model_files) -> DaemonProcess:
     """The real daemon on a temp socket and runtime dir, serving the default model with a quarter budget."""
     return daemon_factory([model_dir], quarter_budget(model_files))
+
+
+# ---- helpers the test modules share (imported from here, never from one another) ---------------------------
+
+
+def assert_resident_exact(pool: ExpertPool, files: ModelFiles, layer: int, experts) -> None:
+    for expert in experts:
+        assert pool.layers[layer].record(expert) == files.read_record(layer, expert), (layer, expert)
+
+
+def assert_every_tier_exact(files: ModelFiles, daemon) -> None:
+    """Every expert cold (L3, reported to the daemon), then warm (copied from L2), then from L0: exact bytes."""
+    client = L2Client(files, daemon.socket, wait_s=5)
+    assert client.attached
+    pool = ExpertPool(files, capacity=2, client=client)
+    try:
+        experts = list(range(files.n_experts))
+        for layer in range(files.n_layers):
+            for pair in zip(experts[::2], experts[1::2]):
+                assert pool.fetch(layer, list(pair)).l3_reads == 2
+                assert_resident_exact(pool, files, layer, pair)
+        wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == files.n_layers * files.n_experts,
+                 what="demand loads")
+        for layer in range(files.n_layers):
+            for pair in zip(experts[::2], experts[1::2]):
+                assert pool.fetch(layer, list(pair)).l2_hits == 2
+                assert_resident_exact(pool, files, layer, pair)
+                assert pool.fetch(layer, list(pair)).l0_hits == 2
+        assert stats(daemon)["models"][0]["load_errors"] == 0
+    finally:
+        pool.close()
+        client.close()
+
+
+# CI lays the shared folder beside the repository checkout; so does a developer's machine.
+SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def shared_trace(name: str) -> Path:
+    path = SHARED_TRACES / name
+    if not path.exists():
+        pytest.skip(f"shared routing traces not found at {path} (they live in shared/traces beside the repo)")
+    return path
+
+
+def synthetic_trace(path: Path, *, n_layers=2, n_experts=8, top_k=2, seqs=8, tokens=40, seed=0,
+                    domains=("alpha", "beta")) -> Path:
+    """Two domains with disjoint favourite experts, so that hints and profiles have something to find."""
+    rng = random.Random(seed)
+    words = {"alpha": "integral derivative calculus theorem", "beta": "court statute contract plaintiff"}
+    with TraceWriter(path, model="toy", n_layers=n_layers, n_experts=n_experts, top_k=top_k) as w:
+        for i in range(seqs):
+            domain = domains[i % len(domains)]
+            half = n_experts // 2
+            base = 0 if domain == domains[0] else half
+            w.begin(seq=f"s{i}", domain=domain, prompt=f"{words.get(domain, domain)} question {i}")
+            for _ in range(tokens):
+                token = []
+                for _layer in range(n_layers):
+                    pool = list(range(base, base + half)) if rng.random() < 0.85 else list(range(n_experts))
+                    token.append(rng.sample(pool, top_k))
+                w.add_token(token)
+            w.end()
+    return path
+
+
+def stats(daemon) -> dict:
+    reply = request(daemon.socket, protocol.Stats(id=1))
+    assert reply.ok, reply
+    return reply.payload
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def segment_exists(name: str) -> bool:
+    try:
+        _native.Segment.open(name, readonly=True).close()
+        return True
+    except OSError:
+        return False

@@ -11,7 +11,8 @@ from moe_l2 import __version__ as moe_l2_version
 from moe_l2 import protocol
 from moe_l2.client.connection import request
 
-from .test_daemon import stats, wait_for
+from .conftest import stats, wait_for
+
 
 
 def moe_l2(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -18,8 +18,7 @@ from moe_l2.client.pool import ExpertPool, PoolTooSmall
 from moe_l2.generator import make_model
 from moe_l2.model import ModelFiles
 
-from .conftest import budget_for, quarter_budget
-from .test_daemon import stats, wait_for
+from .conftest import assert_every_tier_exact, assert_resident_exact, budget_for, quarter_budget, stats, wait_for
 
 HAMMER = Path(__file__).with_name("hammer.py")
 
@@ -38,11 +37,6 @@ def any_model(request, tmp_path_factory) -> ModelFiles:
     return ModelFiles.open(out)
 
 
-def assert_resident_exact(pool: ExpertPool, files: ModelFiles, layer: int, experts) -> None:
-    for expert in experts:
-        assert pool.layers[layer].record(expert) == files.read_record(layer, expert), (layer, expert)
-
-
 def test_pread_only_pool_returns_file_bytes(any_model):
     pool = ExpertPool(any_model, capacity=3)
     try:
@@ -55,30 +49,6 @@ def test_pread_only_pool_returns_file_bytes(any_model):
         assert pool.counts.l3_reads > pool.capacity * any_model.n_layers  # it evicted and re-read
     finally:
         pool.close()
-
-
-def assert_every_tier_exact(files: ModelFiles, daemon) -> None:
-    """Every expert cold (L3, reported to the daemon), then warm (copied from L2), then from L0: exact bytes."""
-    client = L2Client(files, daemon.socket, wait_s=5)
-    assert client.attached
-    pool = ExpertPool(files, capacity=2, client=client)
-    try:
-        experts = list(range(files.n_experts))
-        for layer in range(files.n_layers):
-            for pair in zip(experts[::2], experts[1::2]):
-                assert pool.fetch(layer, list(pair)).l3_reads == 2
-                assert_resident_exact(pool, files, layer, pair)
-        wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == files.n_layers * files.n_experts,
-                 what="demand loads")
-        for layer in range(files.n_layers):
-            for pair in zip(experts[::2], experts[1::2]):
-                assert pool.fetch(layer, list(pair)).l2_hits == 2
-                assert_resident_exact(pool, files, layer, pair)
-                assert pool.fetch(layer, list(pair)).l0_hits == 2
-        assert stats(daemon)["models"][0]["load_errors"] == 0
-    finally:
-        pool.close()
-        client.close()
 
 
 def test_every_tier_returns_file_bytes_through_a_daemon(any_model, daemon_factory):

@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import msgpack
 import pytest
@@ -17,30 +16,7 @@ from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.layout import IndexHeader
 
-from .conftest import budget_for, short_tempdir
-
-
-def stats(daemon) -> dict:
-    reply = request(daemon.socket, protocol.Stats(id=1))
-    assert reply.ok, reply
-    return reply.payload
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def segment_exists(name: str) -> bool:
-    try:
-        _native.Segment.open(name, readonly=True).close()
-        return True
-    except OSError:
-        return False
+from .conftest import budget_for, segment_exists, short_tempdir, stats, wait_for
 
 
 def test_stats_describe_the_served_model(running_daemon, model_files):

@@ -15,8 +15,7 @@ from moe_l2.generator import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.packer import pack
 
-from .conftest import budget_for
-from .test_daemon import stats, wait_for
+from .conftest import budget_for, stats, wait_for
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="O_DIRECT and posix_fadvise are Linux's")
 MIB = 1 << 20

@@ -16,7 +16,8 @@ from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.generation import encode_prompt
 from moe_l2.cache.trace import read_traces
 
-from .test_daemon import stats, wait_for
+from .conftest import stats, wait_for
+
 
 PROMPT = "Which experts does the router pick for this sentence?"
 

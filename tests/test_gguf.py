@@ -19,8 +19,7 @@ from moe_l2.generator import make_gguf_model
 from moe_l2.model.gguf import transcode_reference
 from moe_l2.model import ModelFiles
 
-from .conftest import budget_for
-from .test_client import assert_every_tier_exact
+from .conftest import assert_every_tier_exact, budget_for
 
 PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "MXFP4": 4}
@@ -223,11 +222,13 @@ _DAEMON_SLOT_LOADS = """
 import json, sys, time
 import mlx.core as mx
 from moe_l2.daemon.loader import Loader
-from moe_l2.daemon.served import ServedModel, plan_geometry
+from moe_l2.daemon.served import ServedModel
+from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
 
 files = ModelFiles.open(sys.argv[1])
-served = ServedModel(0, files, plan_geometry(files, int(sys.argv[2])), instance=sys.argv[3], epoch=1)
+geometry = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, int(sys.argv[2]))
+served = ServedModel(0, files, geometry, instance=sys.argv[3], epoch=1)
 loader = Loader(threads=3)
 try:
     for layer in range(files.n_layers):

@@ -16,9 +16,7 @@ from moe_l2.cache.store import LayerStore
 from moe_l2.cache.trace import read_traces
 from moe_l2.client.connection import request
 
-from .conftest import budget_for
-from .test_daemon import stats, wait_for
-from .test_replay import synthetic_trace
+from .conftest import budget_for, stats, synthetic_trace, wait_for
 
 
 @pytest.fixture

@@ -22,8 +22,7 @@ from moe_l2.generator import make_model
 from moe_l2.layout import segment_names
 from moe_l2.model import ModelFiles
 
-from .conftest import budget_for
-from .test_daemon import stats, wait_for
+from .conftest import budget_for, stats, wait_for
 
 DIMS = dict(layers=3, experts=16, top_k=4, hidden_size=128, moe_hidden_size=64, seed=5)
 ARCHS = {

@@ -23,8 +23,7 @@ from moe_l2.model import PACK_ALIGN, PACK_MARKER, ModelFiles
 from moe_l2.model import packer
 from moe_l2.model.packer import PackError, pack
 
-from .conftest import budget_for
-from .test_daemon import stats, wait_for
+from .conftest import budget_for, stats, wait_for
 
 DIMS = dict(layers=3, experts=8, top_k=2, hidden_size=64, moe_hidden_size=64)
 CASES = {

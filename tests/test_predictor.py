@@ -16,7 +16,8 @@ from moe_l2.cache.prediction import NaiveBayes, PredictorError, cross_validate, 
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.trace import read_traces
 
-from .test_replay import shared_trace, synthetic_trace
+from .conftest import shared_trace, synthetic_trace
+
 
 EXAMPLES = [
     ("solve the integral of x squared", "math"), ("prove the theorem about prime numbers", "math"),

@@ -11,7 +11,8 @@ from moe_l2.commands import profile as profile_cmd
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.trace import read_traces
 
-from .test_replay import synthetic_trace
+from .conftest import synthetic_trace
+
 
 
 def build(tmp_path, **kw) -> Profile:

@@ -7,7 +7,6 @@ import gzip
 import itertools
 import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -17,36 +16,7 @@ from moe_l2.cache.profile import Profile
 from moe_l2.cache.trace import TraceError, TraceSet, TraceWriter, iter_traces, read_traces
 from moe_l2.commands import replay as replay_cmd
 
-# CI lays the shared folder beside the repository checkout; so does a developer's machine.
-SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-
-
-def shared_trace(name: str) -> Path:
-    path = SHARED_TRACES / name
-    if not path.exists():
-        pytest.skip(f"shared routing traces not found at {path} (they live in shared/traces beside the repo)")
-    return path
-
-
-def synthetic_trace(path: Path, *, n_layers=2, n_experts=8, top_k=2, seqs=8, tokens=40, seed=0,
-                    domains=("alpha", "beta")) -> Path:
-    """Two domains with disjoint favourite experts, so that hints and profiles have something to find."""
-    rng = random.Random(seed)
-    words = {"alpha": "integral derivative calculus theorem", "beta": "court statute contract plaintiff"}
-    with TraceWriter(path, model="toy", n_layers=n_layers, n_experts=n_experts, top_k=top_k) as w:
-        for i in range(seqs):
-            domain = domains[i % len(domains)]
-            half = n_experts // 2
-            base = 0 if domain == domains[0] else half
-            w.begin(seq=f"s{i}", domain=domain, prompt=f"{words.get(domain, domain)} question {i}")
-            for _ in range(tokens):
-                token = []
-                for _layer in range(n_layers):
-                    pool = list(range(base, base + half)) if rng.random() < 0.85 else list(range(n_experts))
-                    token.append(rng.sample(pool, top_k))
-                w.add_token(token)
-            w.end()
-    return path
+from .conftest import shared_trace, synthetic_trace
 
 
 # ---- the trace format --------------------------------------------------------------------------------
