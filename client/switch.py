@@ -26,6 +26,16 @@ __all__ = ["StreamStats", "RoutingRecorder", "ForwardState", "StreamedSwitch"]
 _SORT_FROM = 64
 
 
+def quantized_sorted(pairs: int, n_experts: int, sorted_indices: bool) -> bool:
+    """The sorted_indices to give the pool's gather_qmm so that MLX picks the kernel it picks for the whole
+    model. MLX's Metal backend takes its batched gather_qmm_rhs kernel only when the indices are sorted, there
+    are at least 16 pairs and at least 4 per expert row of the weight array (pairs // rows >= 4); the whole
+    model's array has n_experts rows, the pool's fewer, so passing mlx-lm's flag as is would switch the pool to
+    that kernel early and change the last bits. Passing it only when the whole model's test holds gives both
+    the same kernel (docs/architecture.md, "Exactness"). CPU kernels ignore the flag."""
+    return sorted_indices and pairs >= 16 and pairs // n_experts >= 4
+
+
 @dataclass
 class StreamStats:
     """Where a streamed forward spends its time on the host (seconds, summed over layers)."""
@@ -117,7 +127,8 @@ class StreamedSwitch(nn.Module):
         object.__setattr__(self, "_projs", {n: _projection(n, getattr(original, n)) for n in names})
 
     # Pure functions of the pool arrays, written exactly like mlx-lm's QuantizedSwitchLinear / SwitchLinear.
-    def _linear(self, arrays: dict, p: _Proj, x: mx.array, idx: mx.array, sorted_indices: bool) -> mx.array:
+    def _linear(self, arrays: dict, p: _Proj, x: mx.array, idx: mx.array, sorted_indices: bool,
+                quant_sorted: bool) -> mx.array:
         if p.quant is not None:
             group_size, bits, mode = p.quant
             x = mx.gather_qmm(
@@ -131,7 +142,7 @@ class StreamedSwitch(nn.Module):
                 bits=bits,
                 mode=mode,
                 global_scale=arrays[f"{p.name}.global_scale"] if p.has_global_scale else None,
-                sorted_indices=sorted_indices,
+                sorted_indices=quant_sorted,
             )
         else:
             x = mx.gather_mm(x, arrays[f"{p.name}.weight"].swapaxes(-1, -2), rhs_indices=idx,
@@ -140,14 +151,17 @@ class StreamedSwitch(nn.Module):
             x = x + mx.expand_dims(arrays[f"{p.name}.bias"][idx], -2)
         return x
 
-    def _experts(self, arrays: dict, x: mx.array, idx: mx.array, sorted_indices: bool) -> mx.array:
+    def _experts(self, arrays: dict, x: mx.array, idx: mx.array, sorted_indices: bool, pairs: int) -> mx.array:
+        """The expert MLP on the pool rows `idx`; `pairs` is the whole batch's (token, expert) pair count,
+        which decides the quantized kernel (quantized_sorted)."""
         p = self._projs
+        qs = quantized_sorted(pairs, self._forward.pool.files.n_experts, sorted_indices)
         if self.glu:
-            x_up = self._linear(arrays, p["up_proj"], x, idx, sorted_indices)
-            x_gate = self._linear(arrays, p["gate_proj"], x, idx, sorted_indices)
-            return self._linear(arrays, p["down_proj"], self.activation(x_up, x_gate), idx, sorted_indices)
-        x = self.activation(self._linear(arrays, p["fc1"], x, idx, sorted_indices))
-        return self._linear(arrays, p["fc2"], x, idx, sorted_indices)
+            x_up = self._linear(arrays, p["up_proj"], x, idx, sorted_indices, qs)
+            x_gate = self._linear(arrays, p["gate_proj"], x, idx, sorted_indices, qs)
+            return self._linear(arrays, p["down_proj"], self.activation(x_up, x_gate), idx, sorted_indices, qs)
+        x = self.activation(self._linear(arrays, p["fc1"], x, idx, sorted_indices, qs))
+        return self._linear(arrays, p["fc2"], x, idx, sorted_indices, qs)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         fw = self._forward
@@ -203,7 +217,7 @@ class StreamedSwitch(nn.Module):
         inv_order = None
         if do_sort:
             x, idx, inv_order = _gather_sort(x, idx)
-        x = self._experts(arrays, x, idx, do_sort)
+        x = self._experts(arrays, x, idx, do_sort, indices.size)
         if do_sort:
             x = mx.unflatten(x[inv_order], 0, indices.shape)
         return x.squeeze(-2)
@@ -230,7 +244,8 @@ class StreamedSwitch(nn.Module):
                 by_row = np.argsort(rows, kind="stable")  # sorted_indices promises ascending pool rows
                 pairs = order[lo:hi][by_row]
                 pieces.append(pairs)
-                out = self._experts(arrays, x[mx.array(pairs // top_k)].squeeze(1), mx.array(rows[by_row]), True)
+                out = self._experts(arrays, x[mx.array(pairs // top_k)].squeeze(1), mx.array(rows[by_row]), True,
+                                   indices.size)
                 mx.eval(out)
                 outs.append(out)
             inverse = np.argsort(np.concatenate(pieces))
@@ -241,7 +256,7 @@ class StreamedSwitch(nn.Module):
             part = chosen[run.start:run.stop]
             self._fetch(np.unique(part).tolist())
             idx = np.array(lp.rows_for(part.reshape(-1).tolist()), dtype=np.uint32).reshape(part.shape)
-            out = self._experts(arrays, x[run.start:run.stop], mx.array(idx), False)
+            out = self._experts(arrays, x[run.start:run.stop], mx.array(idx), False, indices.size)
             mx.eval(out)
             outs.append(out)
         out = mx.concatenate(outs, axis=0)

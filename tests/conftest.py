@@ -69,6 +69,23 @@ def running_daemon(daemon_factory, model_dir, model_files) -> DaemonProcess:
     return daemon_factory([model_dir], quarter_budget(model_files))
 
 
+def assert_same_as_whole(got, want, *, chunked: bool) -> None:
+    """What the platform guarantees of a streamed forward against the model loaded whole (docs/architecture.md,
+    "Exactness"): bit-identical on the CPU, and on a GPU whenever the batch ran in one piece; a prefill run in
+    chunks can take another quantized kernel on Metal, so there only closeness is promised."""
+    import mlx.core as mx
+
+    if not chunked or mx.default_device() == mx.cpu:
+        assert mx.array_equal(got, want).item()
+    else:
+        scale = mx.abs(want).max().item()
+        assert mx.allclose(got, want, rtol=0, atol=METAL_CHUNKED_ATOL * scale).item()
+
+
+# Relative to the largest logit; a bound written down before measuring on a Mac (none is available here).
+METAL_CHUNKED_ATOL = 1e-2
+
+
 # ---- helpers the test modules share (imported from here, never from one another) ---------------------------
 
 
