@@ -179,7 +179,8 @@ class ExpertPool:
         self.layers[layer].pin(experts)
 
     def evict(self, layer: int, expert: int) -> None:
-        """Drop an expert from L0 (the caller knows no queued computation still reads it)."""
+        """Drop an expert from L0; waits for queued computations first, as `fetch` does."""
+        mx.synchronize()
         self.layers[layer].evict(expert)
 
     def fetch(self, layer: int, experts) -> TierCounts:
@@ -207,6 +208,10 @@ class ExpertPool:
             raise PoolTooSmall(f"layer {layer}: a batch of {len(batch)} experts does not fit an L0 pool of "
                                f"{self.capacity} experts ({len(lp.pins() - batch)} pinned); fetch fewer tokens "
                                "at once or raise the L0 capacity")
+        # Work queued with mx.async_eval (on Metal, kernels in flight) may still read the rows and the slot
+        # table about to change: wait for it, so that any caller may refill rows between async steps.
+        # The streamed forward has already synced on the router's choice, so the wait is free there.
+        mx.synchronize()
         rows = lp.take_rows(missing, batch)
         try:
             start = time.perf_counter()

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from moe_l2 import protocol
@@ -220,3 +221,26 @@ def test_a_flood_of_reports_is_split_into_frames_the_daemon_accepts(running_daem
     reply = request(running_daemon.socket, protocol.Stats(id=1, routing=True))
     assert reply.payload["daemon"]["errors"] == 0  # nothing refused as too large
     assert sum(reply.payload["models"][0]["routing"][""][0]) == len(picks)
+
+
+def test_a_refill_waits_for_work_queued_on_the_evicted_row(model_files):
+    """mx.async_eval queues a long computation that reads an expert's row last; a fetch that evicts that row
+    right away must not overwrite it before the queued work has read it."""
+    piece = model_files.layout.pieces[0]
+    pool = ExpertPool(model_files, capacity=1)
+    try:
+        pool.fetch(0, [2])
+        weights = pool.arrays(0)[piece.key]
+        row = int(pool.table(0)[2].item())
+        before = mx.array(np.asarray(weights[row]))  # the row's value now, copied out
+        slow = mx.random.normal((1024, 1024), key=mx.random.key(0))
+        for _ in range(4):
+            slow = slow @ slow / 1024
+        late = weights[mx.array(row) + (0 * slow.sum()).astype(mx.int32)]  # reads the row after the chain
+        mx.async_eval(late)
+        pool.fetch(0, [5])  # capacity 1: evicts expert 2 and refills its row
+        assert int(pool.table(0)[5].item()) == row
+        assert mx.array_equal(late, before).item()
+        assert not mx.array_equal(weights[row], before).item()
+    finally:
+        pool.close()
