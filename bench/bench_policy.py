@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moe_l2.sizes import format_pct
 from moe_l2.cache import policy as policies
 from moe_l2.cache import replay as rp
 from moe_l2.cache.prediction import cross_validate
@@ -43,7 +44,7 @@ def slots_for(n_experts: int, fractions=FRACTIONS) -> list[int]:
 
 
 def pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}"
+    return format_pct(x, sign=False)
 
 
 def subset(traces: TraceSet, sequences) -> TraceSet:

@@ -260,7 +260,7 @@ def test_seq_write_parity():
 
 
 class Store:
-    """A small L2 store laid out as DESIGN.md says, written the way the daemon writes.
+    """A small L2 store laid out as docs/architecture.md ("Shared memory") says, written the way the daemon writes.
     The index's first 64 bytes stand for its header; word 0 tells a writer process to stop."""
 
     SLOT_OF = 64
