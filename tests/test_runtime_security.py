@@ -18,7 +18,7 @@ from moe_l2 import _native, protocol
 from moe_l2.client.connection import request
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 
-from .conftest import budget_for
+from .conftest import budget_for, segment_exists
 
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"  # one that uid 65534 can run (the test's own may sit under /root)
@@ -33,14 +33,6 @@ def as_nobody(*argv: str) -> None:
 
 def tag_of(socket: str) -> str:
     return hashlib.sha1(socket.encode()).hexdigest()[:8]
-
-
-def segment_exists(name: str) -> bool:
-    try:
-        _native.Segment.open(name, readonly=True).close()
-        return True
-    except OSError:
-        return False
 
 
 @pytest.fixture
