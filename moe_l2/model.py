@@ -285,6 +285,11 @@ class ModelFiles:
             self._load_gguf(path)
         else:
             self._load(path)
+        # The fingerprint names the model's real path too: a copy elsewhere (another user's, with the same
+        # names, sizes and mtimes but other bytes) is another model (docs/security.md).
+        h = hashlib.sha256(self.fingerprint.encode())
+        _hash_part(h, os.fsencode(os.path.realpath(path)))
+        self.fingerprint = h.hexdigest()[:32]
         return self
 
     @staticmethod

@@ -132,6 +132,10 @@ void init_memory(nb::module_& m) {
       .def_static("unlink", &Segment::unlink, "name"_a,
                   "Remove a segment's name; False if there was none. Mappings stay valid.")
       .def_prop_ro("name", &Segment::name)
+      .def_prop_ro("owner_uid", &Segment::owner_uid,
+                   "Owner of the object, from fstat on the mapped descriptor.")
+      .def_prop_ro("mode", &Segment::mode,
+                   "Permission bits of the object, from fstat on the mapped descriptor.")
       .def_prop_ro("closed", &Segment::closed)
       .def("close", &Segment::close,
            "Drop this object's mapping (idempotent); the memory is unmapped once no view uses it.")

@@ -300,11 +300,13 @@ Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mod
   if (fstat(fd, &st) != 0) {
     fail("stat", errno);
   }
+  unsigned actual_mode = mode;
   if ((st.st_mode & 0777) != mode && fchmod(fd, static_cast<mode_t>(mode)) != 0) {
 #ifdef __linux__
     fail("set the mode of", errno);
 #endif
     // macOS has no fchmod for shared-memory objects: there the umask stays applied.
+    actual_mode = st.st_mode & 0777;
   }
   if (ftruncate(fd, static_cast<off_t>(nbytes)) != 0) {
     fail("size (" + std::to_string(nbytes) + " bytes)", errno);
@@ -325,7 +327,8 @@ Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mod
     fail("map", errno);
   }
   ::close(fd);
-  return Segment(name, std::make_shared<Mapping>(addr, nbytes), false);
+  return Segment(name, std::make_shared<Mapping>(addr, nbytes), false, static_cast<unsigned>(st.st_uid),
+                 actual_mode);
 }
 
 Segment Segment::open(const std::string& name, bool readonly) {
@@ -358,7 +361,8 @@ Segment Segment::open(const std::string& name, bool readonly) {
     throw OsError(err, prefixed(fn, "cannot map shared-memory segment '" + name + "' (" +
                                         std::to_string(nbytes) + " bytes): " + errno_text(err)));
   }
-  return Segment(name, std::make_shared<Mapping>(addr, nbytes), readonly);
+  return Segment(name, std::make_shared<Mapping>(addr, nbytes), readonly,
+                 static_cast<unsigned>(st.st_uid), static_cast<unsigned>(st.st_mode & 07777));
 }
 
 bool Segment::unlink(const std::string& name) {

@@ -96,16 +96,26 @@ class Segment : public Memory {
   static bool unlink(const std::string& name);
 
   const std::string& name() const { return name_; }
+  // The owner and permission bits of the object, from fstat on the descriptor that was mapped: what a
+  // client checks before it trusts the bytes (docs/security.md).
+  unsigned owner_uid() const { return owner_uid_; }
+  unsigned mode() const { return mode_; }
   bool closed() const { return region_ == nullptr; }
   // Drops this object's mapping; the memory is unmapped once no view or running call uses it.
   void close() { region_.reset(); }
   std::string describe() const override { return "segment '" + name_ + "'"; }
 
  private:
-  Segment(std::string name, std::shared_ptr<Region> region, bool readonly)
-      : Memory(std::move(region), readonly), name_(std::move(name)) {}
+  Segment(std::string name, std::shared_ptr<Region> region, bool readonly, unsigned owner_uid,
+          unsigned mode)
+      : Memory(std::move(region), readonly),
+        name_(std::move(name)),
+        owner_uid_(owner_uid),
+        mode_(mode) {}
 
   std::string name_;
+  unsigned owner_uid_;
+  unsigned mode_;
 };
 
 }  // namespace moe_l2
