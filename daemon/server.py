@@ -28,7 +28,7 @@ log = logging.getLogger("moe-l2d.server")
 CLIENT_TIMEOUT_S = 30.0
 # Clients remembered at once; past this the longest silent is forgotten (it is counted again at its next
 # hello), so hellos from ever new identities cannot grow the table.
-MAX_CLIENTS = 4096
+MAX_CLIENTS = 1024
 # Messages taken off the socket before the next slice of report work, and the length of that slice.
 RECEIVE_BATCH = 64
 WORK_SLICE_S = 0.01

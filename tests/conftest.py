@@ -42,10 +42,11 @@ def model_files(model_dir) -> ModelFiles:
 class DaemonProcess:
     """moe-l2d as systemd would run it: a subprocess that says READY=1 on $NOTIFY_SOCKET when serving."""
 
-    def __init__(self, args: list[str], runtime_dir: Path):
+    def __init__(self, args: list[str], runtime_dir: Path, prefix: tuple[str, ...] = (), socket: str | None = None):
         self.args = args
         self.runtime_dir = runtime_dir
-        self.socket = f"ipc://{runtime_dir / 'moe-l2d.sock'}"
+        self.prefix = prefix  # e.g. setpriv ... to run it as another user
+        self.socket = socket or f"ipc://{runtime_dir / 'moe-l2d.sock'}"
         self.proc: subprocess.Popen | None = None
         self.stderr_path = runtime_dir / "daemon.log"
 
@@ -54,10 +55,11 @@ class DaemonProcess:
         notify_path.unlink(missing_ok=True)
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(notify_path))
+        os.chmod(notify_path, 0o666)  # a daemon run as another user must reach it too
         notify.settimeout(0.2)
         env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), MOE_L2_RUNTIME_DIR=str(self.runtime_dir))
         with open(self.stderr_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.daemon.main", *self.args],
+            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-P", "-m", "moe_l2.daemon.main", *self.args],
                                          stdout=log, stderr=log, env=env)
         deadline = time.monotonic() + timeout
         try:
