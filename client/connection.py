@@ -38,8 +38,8 @@ RETRY_S = 0.05
 # Expert ids per queued report entry: a merged frame holds at most about twice this many (hits, misses and
 # picks of its last entry), within protocol.MAX_IDS and far below protocol.MAX_FRAME_BYTES.
 MAX_REPORT_IDS = protocol.MAX_IDS // 4
-# The account the service files run moe-l2d as (systemd/moe-l2d.service), trusted like root.
-SERVICE_USER = "moe-l2"
+# The accounts the service files run moe-l2d as (systemd/README.md: Linux, macOS), trusted like root.
+SERVICE_USERS = ("moe-l2", "_moe-l2")
 
 
 class UntrustedDaemon(ValueError):
@@ -50,7 +50,7 @@ def trusted_uids(extra=()) -> frozenset[int]:
     """This process's user, root, the service account if it exists, `extra`, and $MOE_L2_TRUSTED_UIDS (user
     names or ids, comma-separated)."""
     uids = {os.getuid(), 0, *extra}
-    names = [SERVICE_USER, *filter(None, (n.strip() for n in os.environ.get("MOE_L2_TRUSTED_UIDS", "").split(",")))]
+    names = [*SERVICE_USERS, *filter(None, (n.strip() for n in os.environ.get("MOE_L2_TRUSTED_UIDS", "").split(",")))]
     for name in names:
         if name.isdigit():
             uids.add(int(name))
@@ -58,7 +58,7 @@ def trusted_uids(extra=()) -> frozenset[int]:
         try:
             uids.add(pwd.getpwnam(name).pw_uid)
         except KeyError:
-            if name != SERVICE_USER:
+            if name not in SERVICE_USERS:
                 log.warning("MOE_L2_TRUSTED_UIDS names user %r, who does not exist; ignored", name)
     return frozenset(uids)
 
@@ -160,16 +160,15 @@ def request(address: str, message: protocol.Message, timeout_s: float = 5.0) -> 
 
 
 def check_access(address: str) -> None:
-    """Raise PermissionError or FileNotFoundError naming the cause when this user cannot connect to an ipc
-    socket: ZeroMQ itself would only wait, and the caller report 'is it running?'."""
+    """Raise PermissionError naming the cause when this user may not connect to an ipc socket: ZeroMQ itself
+    would only wait, and the caller report 'is it running?'. A socket not there yet is left to the wait."""
     if not address.startswith("ipc://"):
         return
     path = address[len("ipc://"):]
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"no moe-l2d socket at {path}: is it running? (systemctl status moe-l2d, or "
-                                "start it with moe-l2d --model DIR --budget SIZE)") from None
+        return
     except PermissionError:
         raise PermissionError(f"cannot reach {path}: its directory is closed to this user; ask the admin to "
                               "add you to the daemon's group (docs/security.md)") from None
