@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 
 import zmq
+import zmq.auth
 
 from moe_l2 import _native, protocol
 from moe_l2.layout import Geometry, IndexHeader
@@ -142,11 +143,12 @@ def request(address: str, message: protocol.Message, timeout_s: float = 5.0) -> 
         raise ValueError(f"a {message.TYPE} of {len(frame)} bytes exceeds the daemon's {protocol.MAX_FRAME_BYTES}-"
                          f"byte limit: split it (at most {protocol.MAX_IDS} expert ids per request)")
     check_access(address)
+    keys = curve_keys(address)
     context = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(address)
+        connect(sock, address, keys)
         sock.send(frame)
         if not message.REPLIES:
             sock.send(protocol.Stats(id=message.id).encode())
@@ -157,6 +159,29 @@ def request(address: str, message: protocol.Message, timeout_s: float = 5.0) -> 
         return reply if message.REPLIES or not reply.ok else protocol.Reply(id=message.id, ok=True)
     finally:
         sock.close(0)
+
+
+def curve_keys(address: str) -> tuple[bytes, bytes, bytes] | None:
+    """For a tcp:// daemon that uses CurveZMQ: (its public key, this client's public and secret keys), from the
+    certificate files named by $MOE_L2_CURVE_SERVER_KEY (the daemon's public certificate) and
+    $MOE_L2_CURVE_CLIENT_CERT (this client's secret certificate). None when neither is set."""
+    server, cert = os.environ.get("MOE_L2_CURVE_SERVER_KEY"), os.environ.get("MOE_L2_CURVE_CLIENT_CERT")
+    if not address.startswith("tcp://") or not (server or cert):
+        return None
+    if not (server and cert):
+        raise ValueError("CurveZMQ needs both $MOE_L2_CURVE_SERVER_KEY (the daemon's public certificate) and "
+                         "$MOE_L2_CURVE_CLIENT_CERT (this client's secret certificate)")
+    server_public, _ = zmq.auth.load_certificate(server)
+    public, secret = zmq.auth.load_certificate(cert)
+    if secret is None:
+        raise ValueError(f"{cert} has no secret key: give this client's .key_secret certificate")
+    return server_public, public, secret
+
+
+def connect(sock, address: str, keys: tuple[bytes, bytes, bytes] | None) -> None:
+    if keys is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+    sock.connect(address)
 
 
 def check_access(address: str) -> None:
@@ -185,6 +210,7 @@ class L2Client:
         self.files = files
         self.address = address or default_socket()
         self.trusted = trusted_uids() if trusted is None else trusted
+        self.curve = curve_keys(self.address)
         # Sent in hello: the daemon compares real paths as strings, never touching the file system for us.
         self.model_path = os.path.realpath(files.path)
         self.heartbeat_s = heartbeat_s
@@ -231,7 +257,7 @@ class L2Client:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a daemon that is not there
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-        sock.connect(self.address)
+        connect(sock, self.address, self.curve)
         pending: tuple[int, float] | None = None
         next_hello = 0.0
         try:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import grp
 import ipaddress
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import zmq.auth
 
 from moe_l2.runtime import SOCKET_NAME, runtime_dir
 from moe_l2.sizes import parse_size
@@ -41,6 +44,14 @@ class DaemonConfig:
     loader_threads: int = 4
     socket_mode: int = 0o600  # of an ipc socket; 0o660 lets socket_group (or the daemon's group) connect
     socket_group: int | None = None
+    curve: "CurveKeys | None" = None  # tcp:// only: CurveZMQ encryption and client authentication
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    public: bytes
+    secret: bytes
+    clients: Path  # directory of the allowed clients' public certificates
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="octal mode of the ipc socket: 600 (default: the daemon's user only) or 660 "
                              "(also --socket-group, else the daemon's group)")
     parser.add_argument("--socket-group", default=None, help="group (name or id) of the ipc socket")
+    parser.add_argument("--curve-secret-key", type=Path, default=None, metavar="FILE",
+                        help="tcp:// only: the daemon's CurveZMQ certificate with its secret key "
+                             "(zmq.auth.create_certificates); with --curve-clients, allows non-loopback addresses")
+    parser.add_argument("--curve-clients", type=Path, default=None, metavar="DIR",
+                        help="directory of the public certificates of the clients allowed to connect over CurveZMQ")
     return parser
 
 
@@ -109,8 +125,32 @@ def _group(value: str | int | None) -> int | None:
 LOOPBACK_NAMES = ("localhost", "lo", "lo0")
 
 
+def _curve(secret_key, clients, socket: str) -> CurveKeys | None:
+    if secret_key is None and clients is None:
+        return None
+    if secret_key is None or clients is None:
+        raise ConfigError("CurveZMQ needs both curve_secret_key (the daemon's certificate) and curve_clients (the "
+                          "directory of the allowed clients' public certificates)")
+    if not socket.startswith("tcp://"):
+        raise ConfigError(f"CurveZMQ keys apply to tcp:// sockets only, not {socket!r}; an ipc socket is guarded by "
+                          "its mode (--socket-mode)")
+    secret_key, clients = Path(secret_key), Path(clients)
+    try:
+        if os.stat(secret_key).st_mode & 0o077:
+            raise ConfigError(f"{secret_key} holds the daemon's secret key but others may read it: chmod 600 it")
+        public, secret = zmq.auth.load_certificate(secret_key)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the CurveZMQ certificate {secret_key}: {exc}") from None
+    if secret is None:
+        raise ConfigError(f"{secret_key} has no secret key: give the .key_secret file of "
+                          "zmq.auth.create_certificates")
+    if not clients.is_dir():
+        raise ConfigError(f"curve_clients {clients} is not a directory of client public certificates")
+    return CurveKeys(public, secret, clients)
+
+
 def check_tcp(socket: str) -> None:
-    """tcp:// is unauthenticated (CurveZMQ is not supported yet): refuse every host but loopback."""
+    """tcp:// without CurveZMQ is unauthenticated: refuse every host but loopback."""
     host = socket[len("tcp://"):].rpartition(":")[0].strip("[]")
     if host in LOOPBACK_NAMES:
         return
@@ -121,8 +161,9 @@ def check_tcp(socket: str) -> None:
     if not loopback:
         raise ConfigError(
             f"socket {socket!r} would let other machines reach the control plane, which has no authentication "
-            "over TCP: bind tcp://127.0.0.1:PORT (and tunnel, e.g. ssh -L, from elsewhere), or use the default "
-            "ipc:// socket, whose file mode decides who may connect (docs/security.md)")
+            "over plain TCP: bind tcp://127.0.0.1:PORT, or configure CurveZMQ (--curve-secret-key and "
+            "--curve-clients), or use the default ipc:// socket, whose file mode decides who may connect "
+            "(docs/security.md)")
 
 
 def _load_toml(path: Path) -> dict:
@@ -152,7 +193,7 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
     """Merge the TOML file (if any) with the flags; flags win."""
     table = _load_toml(args.config) if args.config else {}
     known = {"model", "socket", "runtime_dir", "log_level", "shm_mode", "loader_threads", "policy", "direct_io",
-             "socket_mode", "socket_group"}
+             "socket_mode", "socket_group", "curve_secret_key", "curve_clients"}
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"unknown key(s) in {args.config}: {', '.join(sorted(unknown))}")
@@ -196,7 +237,9 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
     socket = args.socket or table.get("socket") or f"ipc://{directory / SOCKET_NAME}"
     if not socket.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"socket {socket!r} must be ipc://PATH or tcp://HOST:PORT")
-    if socket.startswith("tcp://"):
+    curve = _curve(args.curve_secret_key or table.get("curve_secret_key"),
+                   args.curve_clients or table.get("curve_clients"), socket)
+    if socket.startswith("tcp://") and curve is None:
         check_tcp(socket)
     # sun_path holds 108 bytes on Linux and 104 on macOS.
     if socket.startswith("ipc://") and len(socket[len("ipc://"):].encode()) > 100:
@@ -212,4 +255,4 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
         models=tuple(models), runtime_dir=directory, socket=socket, log_level=log_level,
         shm_mode=_octal(args.shm_mode or table.get("shm_mode", "600")), loader_threads=threads,
         socket_mode=_socket_mode(args.socket_mode or table.get("socket_mode", 0o600)),
-        socket_group=_group(args.socket_group or table.get("socket_group")))
+        socket_group=_group(args.socket_group or table.get("socket_group")), curve=curve)

@@ -134,7 +134,7 @@ class Daemon:
         self.loader = Loader(self.config.loader_threads)
         try:
             self.server = Server(self.config.socket, self.models, self.loader, self.epoch,
-                                 socket_mode=self.config.socket_mode, socket_group=self.config.socket_group)
+                                 socket_mode=self.config.socket_mode, socket_group=self.config.socket_group, curve=self.config.curve)
         except Exception as exc:
             raise StartupError(f"cannot bind {self.config.socket}: {exc}") from None
 
@@ -144,7 +144,7 @@ class Daemon:
     def serve(self) -> None:
         sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {len(self.models)} model(s)")
         log.info("moe-l2d %d ready on %s", os.getpid(), self.config.socket)
-        if self.config.socket.startswith("tcp://"):
+        if self.config.socket.startswith("tcp://") and self.config.curve is None:
             log.warning("%s is reachable by every local user (TCP has no file mode); use the ipc:// socket "
                         "with --socket-mode to decide who may pin, unpin and prefetch (docs/security.md)",
                         self.config.socket)

@@ -15,10 +15,12 @@ import time
 
 import psutil
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from moe_l2 import __version__, protocol
 from moe_l2.protocol import ProtocolError
 
+from .config import CurveKeys
 from .loader import Loader
 from .served import ServedModel
 
@@ -42,7 +44,7 @@ MAX_PENDING_IDS = 1 << 18
 
 class Server:
     def __init__(self, address: str, models: list[ServedModel], loader: Loader, epoch: int, *,
-                 socket_mode: int = 0o600, socket_group: int | None = None):
+                 socket_mode: int = 0o600, socket_group: int | None = None, curve: CurveKeys | None = None):
         self.address = address
         self.models = {m.files.fingerprint: m for m in models}
         self.loader = loader
@@ -63,6 +65,15 @@ class Server:
         # the connection before the daemon sees it (its sender's request() refuses to send one).
         self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * protocol.MAX_FRAME_BYTES)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._auth = None
+        if curve is not None:
+            # CurveZMQ: encrypted, and only the clients whose public certificates are in curve.clients get in.
+            self._auth = ThreadAuthenticator(self._context)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(curve.clients))
+            self._socket.curve_secretkey = curve.secret
+            self._socket.curve_publickey = curve.public
+            self._socket.curve_server = True
         bind(self._socket, address, socket_mode, socket_group)
         self._handlers = {
             protocol.Hello: self._hello, protocol.Stats: self._stats, protocol.Hint: self._hint,
@@ -242,6 +253,8 @@ class Server:
 
     def close(self) -> None:
         self._socket.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self._context.term()
 
 

@@ -27,8 +27,10 @@ MAX_PARTS = 3
 MAX_IDS = 16384
 # Longest value of each string field, in characters.
 MAX_STRING = {"model": 4096, "fingerprint": 64, "client": 256, "text": 64 << 10, "domain": 256, "kind": 32}
-# How much of a refused value an error message (and the daemon's log) quotes.
+# How much of a refused value an error message (and the daemon's log) quotes, and the longest reason a client
+# takes from a reply.
 QUOTE_CHARS = 64
+MAX_REPLY_REASON = 2000
 
 
 def quote(value: Any) -> str:
@@ -280,5 +282,6 @@ def decode_reply(frame: bytes) -> Reply:
            f"daemon speaks protocol version {body.get('v')!r}, this client {PROTOCOL_VERSION}: "
            "install the same moe-l2 release for both")
     payload = {k: v for k, v in body.items() if k not in ("v", "id", "status", "ename", "evalue")}
-    return Reply(id=body.get("id", 0), ok=body["status"] == "ok", ename=body.get("ename", ""),
-                 evalue=body.get("evalue", ""), payload=payload)
+    # A reply may come from an impostor (docs/security.md): what the client logs of it is a short string.
+    return Reply(id=body.get("id", 0), ok=body["status"] == "ok", ename=str(body.get("ename", ""))[:QUOTE_CHARS],
+                 evalue=str(body.get("evalue", ""))[:MAX_REPLY_REASON], payload=payload)

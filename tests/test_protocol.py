@@ -158,3 +158,10 @@ def test_any_bytes_decode_or_are_refused_with_a_reason(frame):
         protocol.decode_request(frame)
     except ProtocolError as exc:
         assert exc.ename and exc.evalue and len(exc.evalue) < 600
+
+
+def test_a_reply_reason_is_cut_to_a_short_string():
+    frame = msgpack.packb({"v": protocol.PROTOCOL_VERSION, "id": 1, "status": "error", "ename": ["x"] * 100,
+                           "evalue": "e" * 1_000_000})
+    reply = protocol.decode_reply(frame)
+    assert len(reply.ename) <= protocol.QUOTE_CHARS and len(reply.evalue) == protocol.MAX_REPLY_REASON

@@ -18,6 +18,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+import zmq.auth
 
 from moe_l2 import _native, protocol
 from moe_l2.client.connection import L2Client, UntrustedDaemon, check_segment, request, trusted_uids
@@ -372,3 +373,44 @@ def test_request_refuses_a_frame_over_the_limit_before_sending(running_daemon):
     huge = protocol.Hint(id=1, model="m", text="x" * (protocol.MAX_FRAME_BYTES + 1))
     with pytest.raises(ValueError, match="split it"):
         request(running_daemon.socket, huge)
+
+
+def test_curve_lets_only_listed_clients_in_over_tcp(daemon_factory, model_dir, model_files, tmp_path, monkeypatch):
+    keys, allowed = tmp_path / "keys", tmp_path / "clients"
+    keys.mkdir()
+    allowed.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(keys, "server")
+    alice_public, alice_secret = zmq.auth.create_certificates(keys, "alice")
+    _, mallory_secret = zmq.auth.create_certificates(keys, "mallory")
+    shutil.copy(alice_public, allowed)
+    port = free_port()
+    args = ["--socket", f"tcp://0.0.0.0:{port}", "--curve-secret-key", server_secret, "--curve-clients", str(allowed)]
+    refused = run_daemon("--model", str(model_dir), "--budget", "1MiB", *args)
+    assert refused.returncode == 2 and "chmod 600" in refused.stderr
+    os.chmod(server_secret, 0o600)
+    daemon_factory([model_dir], str(budget_for(model_files, 2)), *args)
+    address = f"tcp://127.0.0.1:{port}"
+    monkeypatch.setenv("MOE_L2_CURVE_SERVER_KEY", server_public)
+    monkeypatch.setenv("MOE_L2_CURVE_CLIENT_CERT", alice_secret)
+    assert request(address, protocol.Stats(id=1)).ok
+    client = L2Client(model_files, address, wait_s=5)
+    try:
+        assert client.attached
+    finally:
+        client.close()
+    monkeypatch.setenv("MOE_L2_CURVE_CLIENT_CERT", mallory_secret)
+    with pytest.raises(TimeoutError):
+        request(address, protocol.Stats(id=2), timeout_s=1)
+    monkeypatch.delenv("MOE_L2_CURVE_CLIENT_CERT")
+    monkeypatch.delenv("MOE_L2_CURVE_SERVER_KEY")
+    with pytest.raises(TimeoutError):
+        request(address, protocol.Stats(id=3), timeout_s=1)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--curve-clients", "/tmp"], "needs both"),
+    (["--curve-secret-key", "/nonexistent", "--curve-clients", "/tmp"], "guarded by its mode"),
+])
+def test_bad_curve_settings_are_refused(extra, words, model_dir):
+    result = run_daemon("--model", str(model_dir), "--budget", "1MiB", *extra)
+    assert result.returncode == 2 and words in result.stderr
