@@ -285,10 +285,11 @@ class ModelFiles:
             self._load_gguf(path)
         else:
             self._load(path)
-        # The fingerprint names the model's real path too: a copy elsewhere (another user's, with the same
-        # names, sizes and mtimes but other bytes) is another model (docs/security.md).
+        # The fingerprint names the real paths of the model's files too: a copy elsewhere (another user's, with
+        # the same names, sizes and mtimes but other bytes) is another model (docs/security.md).
         h = hashlib.sha256(self.fingerprint.encode())
-        _hash_part(h, os.fsencode(os.path.realpath(path)))
+        for f in self.files:
+            _hash_part(h, os.fsencode(os.path.realpath(f)))
         self.fingerprint = h.hexdigest()[:32]
         return self
 
