@@ -39,7 +39,9 @@ WORK_SLICE_S = 0.01
 # past MAX_PENDING_IDS waiting a report is refused with Busy (its sender loses only statistics).
 REPORT_CHUNK_IDS = 512
 ROUTED_PER_LOOKUP = 64
-MAX_PENDING_IDS = 1 << 18
+MAX_PENDING_IDS = 1 << 16
+# Requests waiting behind their sender's reports, at most (past that they are refused with Busy).
+MAX_QUEUED_CALLS = 256
 
 
 class Server:
@@ -54,9 +56,12 @@ class Server:
         self.clients: collections.OrderedDict[bytes, tuple[str, float]] = collections.OrderedDict()
         self.requests = 0
         self.errors = 0
-        # Report pieces waiting to be folded in: (model, layers, routed, cost), and their total cost.
+        # Report pieces waiting to be folded in, and the requests their senders made after them (see _run_work);
+        # the pieces' total cost; how many requests wait; per identity, how many of its items are queued.
         self._work: collections.deque = collections.deque()
         self._pending_ids = 0
+        self._queued_calls = 0
+        self._waiting: dict[bytes, int] = {}
         self.model_paths = {m.files.fingerprint: os.path.realpath(m.files.path) for m in models}
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -111,9 +116,8 @@ class Server:
         return frames, dropped
 
     def _handle(self, frames: list[bytes], dropped: int = 0) -> None:
-        identity, payload = frames[0], frames[-1]
+        identity = frames[0]
         self.requests += 1
-        req_id = 0
         try:
             if dropped:
                 raise ProtocolError("TooManyParts", f"a request has at most {protocol.MAX_PARTS - 1} frames "
@@ -121,34 +125,67 @@ class Server:
                                                     f"{len(frames) - 1 + dropped}")
             if len(frames) < 2:
                 raise ProtocolError("MalformedFrame", "a request needs one payload frame")
-            request = protocol.decode_request(payload)
-            req_id = request.id
+            request = protocol.decode_request(frames[-1])
+        except ProtocolError as exc:
+            self._send(identity, self._refuse(exc.req_id, exc.ename, exc.evalue))
+            return
+        if identity in self._waiting and not isinstance(request, (protocol.Hello, protocol.Report)):
+            # This connection's earlier reports are still being folded in: keep its order (a stats after a
+            # report sees the report; a hint after a report does not claim its counts). Heartbeats never wait;
+            # a report queues its pieces behind anyway.
+            if self._queued_calls >= MAX_QUEUED_CALLS:
+                self._send(identity, self._refuse(request.id, "Busy", "moe-l2d has too many requests waiting "
+                                                                      "behind reports: send fewer reports"))
+                return
+            self._queued_calls += 1
+            self._enqueue(identity, (None, identity, request))
+            return
+        self._answer(identity, request)
+
+    def _answer(self, identity: bytes, request: protocol.Message) -> None:
+        try:
             reply = self._handlers[type(request)](identity, request)
         except ProtocolError as exc:
-            reply = self._refuse(exc.req_id or req_id, exc.ename, exc.evalue)
+            reply = self._refuse(request.id, exc.ename, exc.evalue)
         except (IndexError, ValueError, KeyError) as exc:
-            reply = self._refuse(req_id, "OutOfRange" if isinstance(exc, IndexError) else "BadRequest",
+            reply = self._refuse(request.id, "OutOfRange" if isinstance(exc, IndexError) else "BadRequest",
                                  str(exc).strip("'\"") or type(exc).__name__)
         except Exception as exc:  # a handler bug must not take the daemon down
             log.exception("request failed")
-            reply = self._refuse(req_id, "InternalError", f"{type(exc).__name__}: {exc}")
+            reply = self._refuse(request.id, "InternalError", f"{type(exc).__name__}: {exc}")
         if reply is not None:
-            try:
-                self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # the peer is gone or not reading; it was its request
-                log.debug("reply dropped: %s", exc)
+            self._send(identity, reply)
+
+    def _send(self, identity: bytes, reply: bytes) -> None:
+        try:
+            self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer is gone or not reading; it was its request
+            log.debug("reply dropped: %s", exc)
+
+    def _enqueue(self, identity: bytes, item: tuple) -> None:
+        self._work.append(item)
+        self._waiting[identity] = self._waiting.get(identity, 0) + 1
 
     def _run_work(self, budget_s: float) -> None:
-        """Fold queued report pieces in for about budget_s (at least one piece)."""
+        """Fold queued report pieces in, and answer the requests queued behind them, for about budget_s (at
+        least one item). An item is (model, identity, (layers, routed, cost)) or (None, identity, request)."""
         deadline = time.monotonic() + budget_s
         while self._work:
-            model, layers, routed, cost = self._work.popleft()
-            self._pending_ids -= cost
-            try:
-                model.report(layers, routed, self.loader)
-            except Exception:  # validated when queued: only a bug gets here
-                self.errors += 1
-                log.exception("report work failed")
+            model, identity, work = self._work.popleft()
+            left = self._waiting.pop(identity) - 1
+            if left:
+                self._waiting[identity] = left
+            if model is None:
+                self._queued_calls -= 1
+                self._answer(identity, work)
+            else:
+                layers, routed, cost = work
+                self._pending_ids -= cost
+                try:
+                    model.report(layers, routed, self.loader)
+                except Exception:  # validated when queued: only a bug gets here
+                    self.errors += 1
+                    log.exception("report work failed")
             if time.monotonic() >= deadline:
                 return
 
@@ -230,7 +267,8 @@ class Server:
             raise ProtocolError("Busy", f"moe-l2d is {self._pending_ids} looked-up expert ids behind; this "
                                         "report was dropped: send fewer, smaller reports")
         self._pending_ids += cost
-        self._work.extend((model, *piece) for piece in pieces)
+        for piece in pieces:
+            self._enqueue(identity, (model, identity, piece))
 
     def _pin_kind(self, kind: str) -> str:
         if kind not in protocol.PIN_KINDS:
