@@ -414,3 +414,23 @@ def test_curve_lets_only_listed_clients_in_over_tcp(daemon_factory, model_dir, m
 def test_bad_curve_settings_are_refused(extra, words, model_dir):
     result = run_daemon("--model", str(model_dir), "--budget", "1MiB", *extra)
     assert result.returncode == 2 and words in result.stderr
+
+
+def test_silent_clients_expire_without_anyone_asking_for_stats():
+    from moe_l2.daemon.loader import Loader
+    from moe_l2.daemon.server import CLIENT_TIMEOUT_S, Server
+
+    directory = short_tempdir()
+    loader = Loader(1)
+    server = Server(f"ipc://{directory}/s.sock", [], loader, epoch=1)
+    try:
+        stale = time.monotonic() - CLIENT_TIMEOUT_S - 1
+        server.clients.update({b"old-%d" % i: ("c", stale) for i in range(100)})
+        server.clients[b"fresh"] = ("c", time.monotonic())
+        passes = iter(range(2))
+        server.serve(lambda: next(passes, None) is None)  # one pass of the serving loop, no request
+        assert list(server.clients) == [b"fresh"]
+    finally:
+        server.close()
+        loader.shutdown()
+        shutil.rmtree(directory, ignore_errors=True)
