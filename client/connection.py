@@ -198,8 +198,7 @@ def check_access(address: str) -> None:
         raise PermissionError(f"cannot reach {path}: its directory is closed to this user; ask the admin to "
                               "add you to the daemon's group (docs/security.md)") from None
     if not os.access(path, os.R_OK | os.W_OK):
-        group = st.st_gid
-        raise PermissionError(f"no permission to connect to {path} (owner {_owner(st.st_uid)}, group {group}, "
+        raise PermissionError(f"no permission to connect to {path} (owner {_owner(st.st_uid)}, group {st.st_gid}, "
                               f"mode {stat.S_IMODE(st.st_mode):o}): ask the admin to add you to that group, or "
                               "to start moe-l2d with --socket-mode 660 (docs/security.md)")
 
