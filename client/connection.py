@@ -4,6 +4,10 @@ A background thread owns the ZeroMQ socket: it says hello (attach, and every hea
 daemon's segments read-only, and sends the miss reports that the hot path queues without waiting. When the
 daemon is absent, dies or comes back with a new epoch, the attachment is dropped or replaced; the pool then
 reads from the model file and never notices anything but the tier it was served from.
+
+A client uses a daemon only when the socket file, its directory and every segment it maps belong to a trusted
+user (its own, root, the service account, or MOE_L2_TRUSTED_UIDS), and no segment is writable by others: any
+local user can listen on a socket path or a TCP port while the real daemon is down (docs/security.md).
 """
 
 from __future__ import annotations
@@ -12,13 +16,16 @@ import collections
 import itertools
 import logging
 import os
+import pwd
 import queue
+import stat
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 
 import zmq
+import zmq.auth
 
 from moe_l2 import _native, protocol
 from moe_l2.layout import Geometry, IndexHeader
@@ -29,8 +36,71 @@ log = logging.getLogger("moe-l2.client")
 
 # How soon to say hello again when the socket could not even take the message.
 RETRY_S = 0.05
-# Expert ids per report frame: at most ~5 bytes each in msgpack, far below protocol.MAX_FRAME_BYTES.
-MAX_REPORT_IDS = 50_000
+# Expert ids per queued report entry: a merged frame holds at most about twice this many (hits, misses and
+# picks of its last entry), within protocol.MAX_IDS and far below protocol.MAX_FRAME_BYTES.
+MAX_REPORT_IDS = protocol.MAX_IDS // 4
+# The accounts the service files run moe-l2d as (systemd/README.md: Linux, macOS), trusted like root.
+SERVICE_USERS = ("moe-l2", "_moe-l2")
+
+
+class UntrustedDaemon(ValueError):
+    """The socket or a segment belongs to a user this client does not trust, or others may write it."""
+
+
+def trusted_uids(extra=()) -> frozenset[int]:
+    """This process's user, root, the service account if it exists, `extra`, and $MOE_L2_TRUSTED_UIDS (user
+    names or ids, comma-separated)."""
+    uids = {os.getuid(), 0, *extra}
+    names = [*SERVICE_USERS, *filter(None, (n.strip() for n in os.environ.get("MOE_L2_TRUSTED_UIDS", "").split(",")))]
+    for name in names:
+        if name.isdigit():
+            uids.add(int(name))
+            continue
+        try:
+            uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            if name not in SERVICE_USERS:
+                log.warning("MOE_L2_TRUSTED_UIDS names user %r, who does not exist; ignored", name)
+    return frozenset(uids)
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_socket(address: str, trusted: frozenset[int]) -> None:
+    """Raise UntrustedDaemon unless an ipc socket and its directory belong to a trusted user (lstat: a link
+    is refused, not followed). A tcp:// address has no owner to check; its segments are checked on attach."""
+    if not address.startswith("ipc://"):
+        return
+    path = address[len("ipc://"):]
+    for what, where in (("directory", os.path.dirname(os.path.abspath(path))), ("socket", path)):
+        try:
+            st = os.lstat(where)
+        except FileNotFoundError:
+            return  # nothing listens there yet: nothing to trust or refuse
+        if st.st_uid not in trusted:
+            raise UntrustedDaemon(f"the {what} {where} belongs to {_owner(st.st_uid)}, whom this client does not "
+                                  "trust: another user may be posing as moe-l2d; if that user runs your daemon, "
+                                  "add it to MOE_L2_TRUSTED_UIDS")
+        if what == "socket" and not stat.S_ISSOCK(st.st_mode):
+            raise UntrustedDaemon(f"{where} is not a socket (mode {stat.filemode(st.st_mode)}): remove it and "
+                                  "restart moe-l2d")
+
+
+def check_segment(segment, trusted: frozenset[int]) -> None:
+    """Raise UntrustedDaemon unless the mapped segment (fstat of its descriptor) belongs to a trusted user and
+    no one else may write it."""
+    if segment.owner_uid not in trusted:
+        raise UntrustedDaemon(f"segment {segment.name} belongs to {_owner(segment.owner_uid)}, whom this client "
+                              "does not trust: another user may be posing as moe-l2d; if that user runs your "
+                              "daemon, add it to MOE_L2_TRUSTED_UIDS")
+    if segment.mode & 0o022:
+        raise UntrustedDaemon(f"segment {segment.name} has mode {segment.mode:o}: users other than its owner "
+                              "could change the weights; start moe-l2d with --shm-mode 640 or 600")
 
 
 @dataclass(frozen=True)
@@ -43,8 +113,10 @@ class Attachment:
     data: tuple
 
 
-def attach_segments(files: ModelFiles, index_name: str) -> Attachment:
+def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] | None = None) -> Attachment:
+    trusted = trusted_uids() if trusted is None else trusted
     index = _native.Segment.open(index_name, readonly=True)
+    check_segment(index, trusted)
     header = IndexHeader.unpack(index.view())
     if header.fingerprint != files.fingerprint:
         raise ValueError(f"segment {index_name} holds model {header.fingerprint}, not {files.fingerprint}")
@@ -54,6 +126,7 @@ def attach_segments(files: ModelFiles, index_name: str) -> Attachment:
         raise ValueError(f"segment {index_name} is smaller than its header says")
     data = tuple(_native.Segment.open(name, readonly=True) for name in header.data_names)
     for segment in data:
+        check_segment(segment, trusted)
         if segment.nbytes < header.geometry.data_bytes:
             raise ValueError(f"data segment {segment.name} is smaller than its header says")
     return Attachment(header.epoch, header.geometry, index, data)
@@ -65,12 +138,18 @@ def request(address: str, message: protocol.Message, timeout_s: float = 5.0) -> 
     A fire-and-forget message is followed by a stats request on the same connection: the daemon handles a
     connection's messages in order, so the first reply is either the refusal of the message or the barrier's.
     """
+    frame = message.encode()
+    if len(frame) > protocol.MAX_FRAME_BYTES:
+        raise ValueError(f"a {message.TYPE} of {len(frame)} bytes exceeds the daemon's {protocol.MAX_FRAME_BYTES}-"
+                         f"byte limit: split it (at most {protocol.MAX_IDS} expert ids per request)")
+    check_access(address)
+    keys = curve_keys(address)
     context = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(address)
-        sock.send(message.encode())
+        connect(sock, address, keys)
+        sock.send(frame)
         if not message.REPLIES:
             sock.send(protocol.Stats(id=message.id).encode())
         if not sock.poll(int(timeout_s * 1000)):
@@ -90,14 +169,60 @@ def wait_idle(address: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def curve_keys(address: str) -> tuple[bytes, bytes, bytes] | None:
+    """For a tcp:// daemon that uses CurveZMQ: (its public key, this client's public and secret keys), from the
+    certificate files named by $MOE_L2_CURVE_SERVER_KEY (the daemon's public certificate) and
+    $MOE_L2_CURVE_CLIENT_CERT (this client's secret certificate). None when neither is set."""
+    server, cert = os.environ.get("MOE_L2_CURVE_SERVER_KEY"), os.environ.get("MOE_L2_CURVE_CLIENT_CERT")
+    if not address.startswith("tcp://") or not (server or cert):
+        return None
+    if not (server and cert):
+        raise ValueError("CurveZMQ needs both $MOE_L2_CURVE_SERVER_KEY (the daemon's public certificate) and "
+                         "$MOE_L2_CURVE_CLIENT_CERT (this client's secret certificate)")
+    server_public, _ = zmq.auth.load_certificate(server)
+    public, secret = zmq.auth.load_certificate(cert)
+    if secret is None:
+        raise ValueError(f"{cert} has no secret key: give this client's .key_secret certificate")
+    return server_public, public, secret
+
+
+def connect(sock, address: str, keys: tuple[bytes, bytes, bytes] | None) -> None:
+    if keys is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+    sock.connect(address)
+
+
+def check_access(address: str) -> None:
+    """Raise PermissionError naming the cause when this user may not connect to an ipc socket: ZeroMQ itself
+    would only wait, and the caller report 'is it running?'. A socket not there yet is left to the wait."""
+    if not address.startswith("ipc://"):
+        return
+    path = address[len("ipc://"):]
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        raise PermissionError(f"cannot reach {path}: its directory is closed to this user; ask the admin to "
+                              "add you to the daemon's group (docs/security.md)") from None
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise PermissionError(f"no permission to connect to {path} (owner {_owner(st.st_uid)}, group {st.st_gid}, "
+                              f"mode {stat.S_IMODE(st.st_mode):o}): ask the admin to add you to that group, or "
+                              "to start moe-l2d with --socket-mode 660 (docs/security.md)")
+
+
 _WARNED_NO_DAEMON: set[str] = set()
 
 
 class L2Client:
     def __init__(self, files: ModelFiles, address: str | None = None, *, heartbeat_s: float = 1.0,
-                 timeout_s: float = 2.0, wait_s: float = 1.0):
+                 timeout_s: float = 2.0, wait_s: float = 1.0, trusted: frozenset[int] | None = None):
         self.files = files
         self.address = address or default_socket()
+        self.trusted = trusted_uids() if trusted is None else trusted
+        self.curve = curve_keys(self.address)
+        # Sent in hello: the daemon compares real paths as strings, never touching the file system for us.
+        self.model_path = os.path.realpath(files.path)
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
         self.name = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -144,7 +269,7 @@ class L2Client:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a daemon that is not there
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-        sock.connect(self.address)
+        connect(sock, self.address, self.curve)
         pending: tuple[int, float] | None = None
         next_hello = 0.0
         try:
@@ -154,7 +279,7 @@ class L2Client:
                     self._detach("moe-l2d did not answer the heartbeat")
                     pending = None
                 if pending is None and now >= next_hello:
-                    msg = protocol.Hello(id=next(self._ids), model=str(self.files.path),
+                    msg = protocol.Hello(id=next(self._ids), model=self.model_path,
                                          fingerprint=self.files.fingerprint, client=self.name)
                     if self._send(sock, msg):
                         pending = (msg.id, now)
@@ -233,13 +358,24 @@ class L2Client:
         if current is not None and current.epoch == reply.payload.get("epoch"):
             return
         try:
-            self.attachment = attach_segments(self.files, reply.payload["index_segment"])
-        except (OSError, ValueError, KeyError) as exc:
+            check_socket(self.address, self.trusted)
+            self.attachment = attach_segments(self.files, reply.payload["index_segment"], self.trusted)
+        except UntrustedDaemon as exc:
+            self._refuse_daemon(f"refusing moe-l2d on {self.address}: {exc}; reading experts from "
+                                f"{self.files.path}")
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             self._detach(f"cannot map the daemon's segments: {exc}")
             return
         self.attaches += 1
         self.last_error = ""
         log.info("attached to moe-l2d epoch %d on %s", self.attachment.epoch, self.address)
+
+    def _refuse_daemon(self, why: str) -> None:
+        """Log an untrusted daemon once per reason (the heartbeat meets it every second), then detach."""
+        if why != self.last_error:
+            log.warning("%s", why)
+        self._detach(why)
 
     def _detach(self, why: str) -> None:
         if self.attachment is not None:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import grp
+import ipaddress
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import zmq.auth
 
 from moe_l2.runtime import SOCKET_NAME, runtime_dir
 from moe_l2.sizes import parse_size
@@ -37,6 +42,16 @@ class DaemonConfig:
     log_level: str = "info"
     shm_mode: int = 0o600
     loader_threads: int = 4
+    socket_mode: int = 0o600  # of an ipc socket; 0o660 lets socket_group (or the daemon's group) connect
+    socket_group: int | None = None
+    curve: "CurveKeys | None" = None  # tcp:// only: CurveZMQ encryption and client authentication
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    public: bytes
+    secret: bytes
+    clients: Path  # directory of the allowed clients' public certificates
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=None)
     parser.add_argument("--shm-mode", default=None, help="octal mode of the segments (default 600)")
     parser.add_argument("--loader-threads", type=int, default=None, help="parallel loads (default 4)")
+    parser.add_argument("--socket-mode", default=None,
+                        help="octal mode of the ipc socket: 600 (default: the daemon's user only) or 660 "
+                             "(also --socket-group, else the daemon's group)")
+    parser.add_argument("--socket-group", default=None, help="group (name or id) of the ipc socket")
+    parser.add_argument("--curve-secret-key", type=Path, default=None, metavar="FILE",
+                        help="tcp:// only: the daemon's CurveZMQ certificate with its secret key "
+                             "(zmq.auth.create_certificates); with --curve-clients, allows non-loopback addresses")
+    parser.add_argument("--curve-clients", type=Path, default=None, metavar="DIR",
+                        help="directory of the public certificates of the clients allowed to connect over CurveZMQ")
     return parser
 
 
@@ -72,7 +96,74 @@ def _octal(text: str | int) -> int:
         raise ConfigError(f"shm mode {text!r} is not an octal number such as 600 or 640") from None
     if mode & ~0o666 or not mode & 0o600 == 0o600:
         raise ConfigError(f"shm mode {text!r} must give the owner read and write and nothing executable")
+    if mode & 0o022:
+        raise ConfigError(f"shm mode {text!r} lets others write the segments, and clients refuse such "
+                          "segments (docs/security.md): use 600, 640 or 644")
     return mode
+
+
+def _socket_mode(value: str | int) -> int:
+    mode = value if isinstance(value, int) else int(value, 8) if str(value).isdigit() else -1
+    if mode not in (0o600, 0o660):
+        raise ConfigError(f"socket mode {value!r} must be 600 (the daemon's user only) or 660 (its group "
+                          "too): other users connect only through a group (docs/security.md)")
+    return mode
+
+
+def _group(value: str | int | None) -> int | None:
+    if value is None or isinstance(value, int):
+        return value
+    if value.isdigit():
+        return int(value)
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise ConfigError(f"socket group {value!r} does not exist: create it (groupadd) or give a gid") from None
+
+
+# Host names that always mean this machine; anything else is checked as an address.
+LOOPBACK_NAMES = ("localhost", "lo", "lo0")
+
+
+def _curve(secret_key, clients, socket: str) -> CurveKeys | None:
+    if secret_key is None and clients is None:
+        return None
+    if secret_key is None or clients is None:
+        raise ConfigError("CurveZMQ needs both curve_secret_key (the daemon's certificate) and curve_clients (the "
+                          "directory of the allowed clients' public certificates)")
+    if not socket.startswith("tcp://"):
+        raise ConfigError(f"CurveZMQ keys apply to tcp:// sockets only, not {socket!r}; an ipc socket is guarded by "
+                          "its mode (--socket-mode)")
+    secret_key, clients = Path(secret_key), Path(clients)
+    try:
+        if os.stat(secret_key).st_mode & 0o077:
+            raise ConfigError(f"{secret_key} holds the daemon's secret key but others may read it: chmod 600 it")
+        public, secret = zmq.auth.load_certificate(secret_key)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the CurveZMQ certificate {secret_key}: {exc}") from None
+    if secret is None:
+        raise ConfigError(f"{secret_key} has no secret key: give the .key_secret file of "
+                          "zmq.auth.create_certificates")
+    if not clients.is_dir():
+        raise ConfigError(f"curve_clients {clients} is not a directory of client public certificates")
+    return CurveKeys(public, secret, clients)
+
+
+def check_tcp(socket: str) -> None:
+    """tcp:// without CurveZMQ is unauthenticated: refuse every host but loopback."""
+    host = socket[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host in LOOPBACK_NAMES:
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(
+            f"socket {socket!r} would let other machines reach the control plane, which has no authentication "
+            "over plain TCP: bind tcp://127.0.0.1:PORT, or configure CurveZMQ (--curve-secret-key and "
+            "--curve-clients), or use the default ipc:// socket, whose file mode decides who may connect "
+            "(docs/security.md)")
 
 
 def _load_toml(path: Path) -> dict:
@@ -101,7 +192,8 @@ def _size(text, what: str) -> int:
 def resolve(args: argparse.Namespace) -> DaemonConfig:
     """Merge the TOML file (if any) with the flags; flags win."""
     table = _load_toml(args.config) if args.config else {}
-    known = {"model", "socket", "runtime_dir", "log_level", "shm_mode", "loader_threads", "policy", "direct_io"}
+    known = {"model", "socket", "runtime_dir", "log_level", "shm_mode", "loader_threads", "policy", "direct_io",
+             "socket_mode", "socket_group", "curve_secret_key", "curve_clients"}
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"unknown key(s) in {args.config}: {', '.join(sorted(unknown))}")
@@ -145,6 +237,10 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
     socket = args.socket or table.get("socket") or f"ipc://{directory / SOCKET_NAME}"
     if not socket.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"socket {socket!r} must be ipc://PATH or tcp://HOST:PORT")
+    curve = _curve(args.curve_secret_key or table.get("curve_secret_key"),
+                   args.curve_clients or table.get("curve_clients"), socket)
+    if socket.startswith("tcp://") and curve is None:
+        check_tcp(socket)
     # sun_path holds 108 bytes on Linux and 104 on macOS.
     if socket.startswith("ipc://") and len(socket[len("ipc://"):].encode()) > 100:
         raise ConfigError(f"ipc socket path {socket[6:]!r} is longer than 100 bytes; choose a shorter "
@@ -157,4 +253,6 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
         raise ConfigError(f"log level {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
     return DaemonConfig(
         models=tuple(models), runtime_dir=directory, socket=socket, log_level=log_level,
-        shm_mode=_octal(args.shm_mode or table.get("shm_mode", "600")), loader_threads=threads)
+        shm_mode=_octal(args.shm_mode or table.get("shm_mode", "600")), loader_threads=threads,
+        socket_mode=_socket_mode(args.socket_mode or table.get("socket_mode", 0o600)),
+        socket_group=_group(args.socket_group or table.get("socket_group")), curve=curve)

@@ -260,7 +260,8 @@ class Daemon:
         self._warn_unlocked()
         self.loader = Loader(self.config.loader_threads)
         try:
-            self.server = Server(self.config.socket, self.models, self.loader, self.epoch)
+            self.server = Server(self.config.socket, self.models, self.loader, self.epoch,
+                                 socket_mode=self.config.socket_mode, socket_group=self.config.socket_group, curve=self.config.curve)
         except Exception as exc:
             raise StartupError(f"cannot bind {self.config.socket}: {exc}") from None
 
@@ -279,6 +280,10 @@ class Daemon:
     def serve(self) -> None:
         sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {len(self.models)} model(s)")
         log.info("moe-l2d %d ready on %s", os.getpid(), self.config.socket)
+        if self.config.socket.startswith("tcp://") and self.config.curve is None:
+            log.warning("%s is reachable by every local user (TCP has no file mode); use the ipc:// socket "
+                        "with --socket-mode to decide who may pin, unpin and prefetch (docs/security.md)",
+                        self.config.socket)
         self.server.serve(lambda: self._stop)
 
     def stop(self) -> None:

@@ -54,6 +54,7 @@ class DaemonProcess:
         notify_path.unlink(missing_ok=True)
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(notify_path))
+        os.chmod(notify_path, 0o666)  # a daemon run as another user (wrapper) must reach it too
         notify.settimeout(0.2)
         env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), MOE_L2_RUNTIME_DIR=self.env_runtime_dir)
         with open(self.log_path, "ab") as log:

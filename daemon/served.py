@@ -1,6 +1,6 @@
 """A model the daemon serves: its files, its shared-memory segments, one slot store per layer.
 
-Every change of a slot follows the seqlock of DESIGN.md, so that a client copying concurrently either gets
+Every change of a slot follows the seqlock (docs/architecture.md, "Shared memory"), so that a client copying concurrently either gets
 the whole record or gives up: begin (seq odd, evicted expert's slot_of cleared), pread the record, set the
 slot's expert, end (seq even), publish slot_of.
 """
@@ -89,13 +89,22 @@ class ServedModel:
                              f"0..{self.geometry.n_layers - 1}")
         return self.stores[layer]
 
+    def check_ids(self, layers) -> None:
+        """Raise IndexError for the first layer or expert of {layer: expert ids} out of range. Every request
+        is checked whole before it touches a store, so that a refused one changes nothing: no slot left
+        reserved, no pin half taken (docs/security.md)."""
+        for layer, experts in layers.items():
+            store = self.check_layer(layer)
+            for expert in experts:
+                store.check_expert(expert)
+
     def demand(self, layer: int, experts, loader) -> int:
         """Load the experts that are neither resident nor on their way; returns how many loads started."""
-        store = self.check_layer(layer)
+        self.check_ids({layer: experts})
+        store = self.stores[layer]
         reservations = []
         with self.lock:
             for expert in experts:
-                store.check_expert(expert)
                 if store.has(expert):
                     continue
                 reservation = store.reserve(expert)
@@ -135,10 +144,8 @@ class ServedModel:
         """Fold a client's lookups into the policy and counters, load its misses, and count its routing
         (every pick, L0 hits included; a client that sends no `routed` is counted by its L2 lookups)."""
         lookups = {layer: [*hits, *misses] for layer, (hits, misses) in layers.items()}
-        for layer, experts in (*lookups.items(), *routed.items()):  # all checked before anything changes
-            store = self.check_layer(layer)
-            for expert in experts:
-                store.check_expert(expert)
+        self.check_ids(lookups)
+        self.check_ids(routed)
         picks = routed or lookups
         with self.lock:
             routing = self._routing_counts(self.active_domain or "")
@@ -157,14 +164,16 @@ class ServedModel:
         self.counters.add_lookups(hits_total, misses_total, self.files.layout.nbytes)
 
     def pin(self, layer: int, experts: list[int], kind: str, loader) -> tuple[list[int], list[int]]:
-        store = self.check_layer(layer)
+        self.check_ids({layer: experts})
+        store = self.stores[layer]
         with self.lock:
             pinned, refused = store.pin(experts, kind)
         self.demand(layer, pinned, loader)
         return pinned, refused
 
     def unpin(self, layer: int, experts: list[int], kind: str) -> None:
-        store = self.check_layer(layer)
+        self.check_ids({layer: experts})
+        store = self.stores[layer]
         with self.lock:
             store.unpin(experts, kind)
 

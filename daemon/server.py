@@ -1,21 +1,26 @@
 """The control plane: a ZeroMQ ROUTER socket answering the messages of moe_l2.protocol.
 
 One thread owns the socket and the dispatch; loads run on the loader pool, so no request waits for a disk.
-A bad request costs its sender an error reply and nothing else.
+A bad request costs its sender an error reply and nothing else. Every request is bounded (moe_l2.protocol's
+limits); the one kind whose legal size still costs real time, a report, is validated at once and then folded
+in slices between the other requests, so that no flood of reports delays a heartbeat (docs/security.md).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
 
 import psutil
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from moe_l2 import __version__, protocol
 from moe_l2.protocol import ProtocolError
 
+from .config import CurveKeys
 from .loader import Loader
 from .served import ServedModel
 from .stats import shm_lock_figures
@@ -24,25 +29,58 @@ log = logging.getLogger("moe-l2d.server")
 
 # A client heartbeats (hello) every couple of seconds; one silent for this long is no longer counted.
 CLIENT_TIMEOUT_S = 30.0
+# Clients remembered at once; past this the longest silent is forgotten (it is counted again at its next
+# hello), so hellos from ever new identities cannot grow the table.
+MAX_CLIENTS = 1024
+# Messages taken off the socket before the next slice of report work, and the length of that slice.
+RECEIVE_BATCH = 64
+WORK_SLICE_S = 0.01
+# Report work is measured in looked-up ids: each costs the policy tens of microseconds, a routed pick (one
+# counter) about ROUTED_PER_LOOKUP times less. A piece is at most REPORT_CHUNK_IDS of that (about 20 ms);
+# past MAX_PENDING_IDS waiting a report is refused with Busy (its sender loses only statistics).
+REPORT_CHUNK_IDS = 512
+ROUTED_PER_LOOKUP = 64
+MAX_PENDING_IDS = 1 << 16
+# Requests waiting behind their sender's reports, at most (past that they are refused with Busy).
+MAX_QUEUED_CALLS = 256
 
 
 class Server:
-    def __init__(self, address: str, models: list[ServedModel], loader: Loader, epoch: int):
+    def __init__(self, address: str, models: list[ServedModel], loader: Loader, epoch: int, *,
+                 socket_mode: int = 0o600, socket_group: int | None = None, curve: CurveKeys | None = None):
         self.address = address
         self.models = {m.files.fingerprint: m for m in models}
         self.loader = loader
         self.epoch = epoch
         self.started = time.time()
-        self.clients: dict[bytes, tuple[str, float]] = {}
+        # identity -> (client name, last hello), oldest hello first.
+        self.clients: collections.OrderedDict[bytes, tuple[str, float]] = collections.OrderedDict()
         self.requests = 0
         self.errors = 0
+        # Report pieces waiting to be folded in, and the requests their senders made after them (see _run_work);
+        # the pieces' total cost; how many requests wait; per identity, how many of its items are queued.
+        self._work: collections.deque = collections.deque()
+        self._pending_ids = 0
+        self._queued_calls = 0
+        self._waiting: dict[bytes, int] = {}
+        self.model_paths = {m.files.fingerprint: os.path.realpath(m.files.path) for m in models}
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        # Far above MAX_FRAME_BYTES: larger frames still get an error reply; this only bounds memory.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, 64 * protocol.MAX_FRAME_BYTES)
+        # Twice MAX_FRAME_BYTES: frames up to this get a FrameTooLarge reply; a larger one makes libzmq close
+        # the connection before the daemon sees it (its sender's request() refuses to send one).
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * protocol.MAX_FRAME_BYTES)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._socket.bind(address)
+        self._auth = None
+        if curve is not None:
+            # CurveZMQ: encrypted, and only the clients whose public certificates are in curve.clients get in.
+            self._auth = ThreadAuthenticator(self._context)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(curve.clients))
+            self._socket.curve_secretkey = curve.secret
+            self._socket.curve_publickey = curve.public
+            self._socket.curve_server = True
+        bind(self._socket, address, socket_mode, socket_group)
         self._handlers = {
             protocol.Hello: self._hello, protocol.Stats: self._stats, protocol.Hint: self._hint,
             protocol.Prefetch: self._prefetch, protocol.Report: self._report, protocol.Pin: self._pin,
@@ -53,38 +91,104 @@ class Server:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not should_stop():
-            if not poller.poll(100):
-                continue
-            while True:
-                try:
-                    frames = self._socket.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(frames)
+            if self._work or poller.poll(100):
+                for _ in range(RECEIVE_BATCH):
+                    message = self._receive()
+                    if message is None:
+                        break
+                    self._handle(*message)
+                self._run_work(WORK_SLICE_S)
+            self._expire_clients()
 
-    def _handle(self, frames: list[bytes]) -> None:
-        identity, payload = frames[0], frames[-1]
-        self.requests += 1
-        req_id = 0
+    def _receive(self) -> tuple[list[bytes], int] | None:
+        """One message, part by part: at most protocol.MAX_PARTS parts are kept, the rest counted and
+        dropped. None when nothing is waiting."""
         try:
+            frames = [self._socket.recv(zmq.NOBLOCK)]
+        except zmq.Again:
+            return None
+        dropped = 0
+        while self._socket.getsockopt(zmq.RCVMORE):
+            part = self._socket.recv()  # libzmq delivers a message whole: its other parts are here
+            if len(frames) < protocol.MAX_PARTS:
+                frames.append(part)
+            else:
+                dropped += 1
+        return frames, dropped
+
+    def _handle(self, frames: list[bytes], dropped: int = 0) -> None:
+        identity = frames[0]
+        self.requests += 1
+        try:
+            if dropped:
+                raise ProtocolError("TooManyParts", f"a request has at most {protocol.MAX_PARTS - 1} frames "
+                                                    f"(an optional empty delimiter, the payload); this one had "
+                                                    f"{len(frames) - 1 + dropped}")
             if len(frames) < 2:
                 raise ProtocolError("MalformedFrame", "a request needs one payload frame")
-            request = protocol.decode_request(payload)
-            req_id = request.id
+            request = protocol.decode_request(frames[-1])
+        except ProtocolError as exc:
+            self._send(identity, self._refuse(exc.req_id, exc.ename, exc.evalue))
+            return
+        if identity in self._waiting and not isinstance(request, (protocol.Hello, protocol.Report)):
+            # This connection's earlier reports are still being folded in: keep its order (a stats after a
+            # report sees the report; a hint after a report does not claim its counts). Heartbeats never wait;
+            # a report queues its pieces behind anyway.
+            if self._queued_calls >= MAX_QUEUED_CALLS:
+                self._send(identity, self._refuse(request.id, "Busy", "moe-l2d has too many requests waiting "
+                                                                      "behind reports: send fewer reports"))
+                return
+            self._queued_calls += 1
+            self._enqueue(identity, (None, identity, request))
+            return
+        self._answer(identity, request)
+
+    def _answer(self, identity: bytes, request: protocol.Message) -> None:
+        try:
             reply = self._handlers[type(request)](identity, request)
         except ProtocolError as exc:
-            reply = self._refuse(req_id, exc.ename, exc.evalue)
+            reply = self._refuse(request.id, exc.ename, exc.evalue)
         except (IndexError, ValueError, KeyError) as exc:
-            reply = self._refuse(req_id, "OutOfRange" if isinstance(exc, IndexError) else "BadRequest",
-                                 str(exc).strip("'\""))
+            reply = self._refuse(request.id, "OutOfRange" if isinstance(exc, IndexError) else "BadRequest",
+                                 str(exc).strip("'\"") or type(exc).__name__)
         except Exception as exc:  # a handler bug must not take the daemon down
             log.exception("request failed")
-            reply = self._refuse(req_id, "InternalError", f"{type(exc).__name__}: {exc}")
+            reply = self._refuse(request.id, "InternalError", f"{type(exc).__name__}: {exc}")
         if reply is not None:
-            try:
-                self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # the peer is gone or not reading; it was its request
-                log.debug("reply dropped: %s", exc)
+            self._send(identity, reply)
+
+    def _send(self, identity: bytes, reply: bytes) -> None:
+        try:
+            self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer is gone or not reading; it was its request
+            log.debug("reply dropped: %s", exc)
+
+    def _enqueue(self, identity: bytes, item: tuple) -> None:
+        self._work.append(item)
+        self._waiting[identity] = self._waiting.get(identity, 0) + 1
+
+    def _run_work(self, budget_s: float) -> None:
+        """Fold queued report pieces in, and answer the requests queued behind them, for about budget_s (at
+        least one item). An item is (model, identity, (layers, routed, cost)) or (None, identity, request)."""
+        deadline = time.monotonic() + budget_s
+        while self._work:
+            model, identity, work = self._work.popleft()
+            left = self._waiting.pop(identity) - 1
+            if left:
+                self._waiting[identity] = left
+            if model is None:
+                self._queued_calls -= 1
+                self._answer(identity, work)
+            else:
+                layers, routed, cost = work
+                self._pending_ids -= cost
+                try:
+                    model.report(layers, routed, self.loader)
+                except Exception:  # validated when queued: only a bug gets here
+                    self.errors += 1
+                    log.exception("report work failed")
+            if time.monotonic() >= deadline:
+                return
 
     def _refuse(self, req_id: int, ename: str, evalue: str) -> bytes:
         self.errors += 1
@@ -95,30 +199,38 @@ class Server:
         try:
             return self.models[fingerprint]
         except KeyError:
-            raise ProtocolError("UnknownModel", f"no served model has fingerprint {fingerprint!r}; served: "
-                                + ", ".join(str(m.files.path) for m in self.models.values())) from None
+            raise ProtocolError("UnknownModel", f"no served model has fingerprint {protocol.quote(fingerprint)}; "
+                                "served: " + ", ".join(self.model_paths.values())) from None
 
     def _hello(self, identity: bytes, req: protocol.Hello) -> bytes:
         model = self.models.get(req.fingerprint)
         if model is None:
-            same_path = [m for m in self.models.values()
-                         if os.path.realpath(m.files.path) == os.path.realpath(req.model)]
+            # The client sends its model's real path: a string compare, no file system call on its behalf.
+            same_path = [fp for fp, path in self.model_paths.items() if path == req.model]
             if same_path:
                 raise ProtocolError(
                     "FingerprintMismatch",
-                    f"{req.model} differs from the files the daemon loaded (fingerprint {req.fingerprint} vs "
-                    f"{same_path[0].files.fingerprint}): the model changed on disk; restart moe-l2d")
+                    f"{protocol.quote(req.model)} differs from the files the daemon loaded (fingerprint "
+                    f"{protocol.quote(req.fingerprint)} vs {same_path[0]}): the model changed on disk; "
+                    "restart moe-l2d")
             self._model(req.fingerprint)
+        self.clients.pop(identity, None)
         self.clients[identity] = (req.client, time.monotonic())
+        while len(self.clients) > MAX_CLIENTS:
+            self.clients.popitem(last=False)
         g = model.geometry
         return protocol.encode_reply(
             req.id, epoch=self.epoch, fingerprint=model.files.fingerprint, index_segment=model.index_name,
             data_segments=model.data_names, n_layers=g.n_layers, n_experts=g.n_experts, n_slots=g.n_slots,
             record_bytes=g.record_bytes, slot_stride=g.slot_stride)
 
-    def attached_clients(self) -> int:
+    def _expire_clients(self) -> None:
         cutoff = time.monotonic() - CLIENT_TIMEOUT_S
-        self.clients = {k: v for k, v in self.clients.items() if v[1] >= cutoff}
+        while self.clients and next(iter(self.clients.values()))[1] < cutoff:
+            self.clients.popitem(last=False)
+
+    def attached_clients(self) -> int:
+        self._expire_clients()
         return len(self.clients)
 
     def _stats(self, identity: bytes, req: protocol.Stats) -> bytes:
@@ -146,11 +258,24 @@ class Server:
         self._model(req.model).demand(req.layer, req.experts, self.loader)
 
     def _report(self, identity: bytes, req: protocol.Report) -> None:
-        self._model(req.model).report(req.layers, req.routed, self.loader)
+        """Check the whole report now (a refusal reaches its sender before any later reply on the
+        connection), queue it in pieces folded in between other requests."""
+        model = self._model(req.model)
+        model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in req.layers.items()})
+        model.check_ids(req.routed)
+        pieces = report_pieces(req.layers, req.routed, REPORT_CHUNK_IDS)
+        cost = sum(piece[2] for piece in pieces)
+        if self._pending_ids + cost > MAX_PENDING_IDS:
+            raise ProtocolError("Busy", f"moe-l2d is {self._pending_ids} looked-up expert ids behind; this "
+                                        "report was dropped: send fewer, smaller reports")
+        self._pending_ids += cost
+        for piece in pieces:
+            self._enqueue(identity, (model, identity, piece))
 
     def _pin_kind(self, kind: str) -> str:
         if kind not in protocol.PIN_KINDS:
-            raise ProtocolError("BadField", f"pin kind {kind!r} is not one of {', '.join(protocol.PIN_KINDS)}")
+            raise ProtocolError("BadField", f"pin kind {protocol.quote(kind)} is not one of "
+                                            f"{', '.join(protocol.PIN_KINDS)}")
         return kind
 
     def _pin(self, identity: bytes, req: protocol.Pin) -> bytes:
@@ -168,4 +293,42 @@ class Server:
 
     def close(self) -> None:
         self._socket.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self._context.term()
+
+
+def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int]],
+                  size: int) -> list[tuple[dict, dict, int]]:
+    """Split a report into (layers, routed, cost) pieces of at most `size` looked-up ids (routed picks count
+    1/ROUTED_PER_LOOKUP each) that ServedModel.report counts as it counts the whole: per layer its hits, then its misses, in order; when the report names its routed
+    picks, the lookup pieces carry an empty pick list (so their lookups are not counted as picks)."""
+    pieces = []
+    for layer, (hits, misses) in layers.items():
+        no_picks = {layer: []} if routed else {}
+        for start in range(0, len(hits), size):
+            pieces.append(({layer: [hits[start:start + size], []]}, no_picks, len(hits[start:start + size])))
+        for start in range(0, len(misses), size):
+            pieces.append(({layer: [[], misses[start:start + size]]}, no_picks, len(misses[start:start + size])))
+    step = size * ROUTED_PER_LOOKUP
+    for layer, picks in routed.items():
+        for start in range(0, len(picks), step):
+            pieces.append(({}, {layer: picks[start:start + step]}, -(-len(picks[start:start + step]) // ROUTED_PER_LOOKUP)))
+    return pieces
+
+
+def bind(sock, address: str, mode: int, group: int | None) -> None:
+    """Bind the control socket; an ipc socket gets exactly `mode` (and `group`), never the umask's bits,
+    and nobody else can connect in between: it is created under umask 077 (docs/security.md)."""
+    if not address.startswith("ipc://"):
+        sock.bind(address)
+        return
+    path = address[len("ipc://"):]
+    previous = os.umask(0o077)
+    try:
+        sock.bind(address)
+    finally:
+        os.umask(previous)
+    if group is not None:
+        os.chown(path, -1, group, follow_symlinks=False)
+    os.chmod(path, mode, follow_symlinks=False)

@@ -15,17 +15,42 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 
+# Every request is bounded in size and in the work it asks for, so that one cheap message never costs the
+# daemon's serving thread more than milliseconds (docs/security.md, "Denial of service").
 # A control-plane message is small; anything bigger is a bug or an attack, refused with an error reply.
-MAX_FRAME_BYTES = 1 << 20
+MAX_FRAME_BYTES = 256 << 10
+# ZeroMQ frames of a request: the client's identity (added by the ROUTER), an optional empty delimiter
+# (REQ sockets), the payload. A message with more is refused without keeping its extra parts.
+MAX_PARTS = 3
+# Expert ids (and layer keys) per request, all lists together: a report of this many ids takes the daemon
+# about half a second of policy work, done in slices between other requests.
+MAX_IDS = 16384
+# Longest value of each string field, in characters.
+MAX_STRING = {"model": 4096, "fingerprint": 64, "client": 256, "text": 64 << 10, "domain": 256, "kind": 32}
+# How much of a refused value an error message (and the daemon's log) quotes, and the longest reason a client
+# takes from a reply.
+QUOTE_CHARS = 64
+MAX_REPLY_REASON = 2000
+
+
+def quote(value: Any) -> str:
+    """repr(value), cut to QUOTE_CHARS characters: what an error message may echo of a hostile value."""
+    sized = isinstance(value, (str, bytes, list, dict))
+    text = repr(value[:QUOTE_CHARS] if isinstance(value, (str, bytes)) else value)
+    if len(text) <= QUOTE_CHARS and not (sized and len(value) > QUOTE_CHARS):
+        return text
+    return f"{text[:QUOTE_CHARS]}... ({type(value).__name__} of length {len(value) if sized else len(text)})"
 
 
 class ProtocolError(ValueError):
-    """A frame that is not a valid message of this protocol version."""
+    """A frame that is not a valid message of this protocol version; req_id is the request's id when the
+    frame got far enough to carry a valid one (0 otherwise), so that the refusal reaches its request."""
 
-    def __init__(self, ename: str, evalue: str):
+    def __init__(self, ename: str, evalue: str, req_id: int = 0):
         super().__init__(evalue)
         self.ename = ename
-        self.evalue = evalue
+        self.evalue = evalue or ename
+        self.req_id = req_id
 
 
 def _check(cond: bool, ename: str, evalue: str) -> None:
@@ -33,24 +58,28 @@ def _check(cond: bool, ename: str, evalue: str) -> None:
         raise ProtocolError(ename, evalue)
 
 
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # not bool, not an int subclass
+
+
 def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return isinstance(value, list) and all(type(v) is int for v in value)
 
 
 # Field types a message may declare; each maps to a validator and a description for error messages.
 _VALIDATORS = {
     str: (lambda v: isinstance(v, str), "a string"),
-    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    int: (_is_int, "an integer"),
     bool: (lambda v: isinstance(v, bool), "a boolean"),
     "int_list": (_is_int_list, "a list of integers"),
     "layer_lists": (
         lambda v: isinstance(v, dict)
-        and all(isinstance(k, int) and isinstance(p, list) and len(p) == 2 and all(map(_is_int_list, p))
+        and all(_is_int(k) and isinstance(p, list) and len(p) == 2 and all(map(_is_int_list, p))
                 for k, p in v.items()),
         "a map layer -> [hit experts, missed experts]",
     ),
     "layer_experts": (
-        lambda v: isinstance(v, dict) and all(isinstance(k, int) and _is_int_list(p) for k, p in v.items()),
+        lambda v: isinstance(v, dict) and all(_is_int(k) and _is_int_list(p) for k, p in v.items()),
         "a map layer -> expert ids",
     ),
     dict: (lambda v: isinstance(v, dict), "a map"),
@@ -159,33 +188,64 @@ REQUESTS: dict[str, type[Message]] = {
 }
 
 
+def _id_count(ftype: Any, value: Any) -> int:
+    """Expert ids and layer keys in a validated field: what MAX_IDS bounds."""
+    if ftype == "int_list":
+        return len(value)
+    if ftype == "layer_lists":
+        return len(value) + sum(len(hits) + len(misses) for hits, misses in value.values())
+    if ftype == "layer_experts":
+        return len(value) + sum(map(len, value.values()))
+    return 0
+
+
 def decode_request(frame: bytes) -> Message:
-    """Parse and validate one request frame; raises ProtocolError with an ename the reply carries."""
+    """Parse and validate one request frame; raises ProtocolError with an ename the reply carries and the
+    request's id once the frame is a map with an integer id."""
     _check(len(frame) <= MAX_FRAME_BYTES, "FrameTooLarge",
-           f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+           f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit: split the request "
+           f"(at most {MAX_IDS} expert ids per request)")
     try:
         body = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError("MalformedFrame", f"not a msgpack message: {exc}") from None
-    _check(isinstance(body, dict), "MalformedFrame", "a request must be a msgpack map")
+        raise ProtocolError("MalformedFrame", f"not a msgpack message: {type(exc).__name__}: "
+                                              f"{quote(str(exc)) if str(exc) else 'undecodable bytes'}") from None
+    _check(isinstance(body, dict), "MalformedFrame", f"a request must be a msgpack map, not {type(body).__name__}")
+    req_id = body.get("id", 0)
+    if not _is_int(req_id):
+        raise ProtocolError("BadField", f"field 'id' must be an integer, not {type(req_id).__name__}")
+    try:
+        return _decode_body(body, req_id)
+    except ProtocolError as exc:
+        exc.req_id = req_id
+        raise
+
+
+def _decode_body(body: dict, req_id: int) -> Message:
     version = body.get("v")
     _check(version == PROTOCOL_VERSION, "VersionMismatch",
-           f"protocol version {version!r} is not supported; this daemon speaks version {PROTOCOL_VERSION}: "
+           f"protocol version {quote(version)} is not supported; this daemon speaks version {PROTOCOL_VERSION}: "
            "install the same moe-l2 release for the client and the daemon")
     mtype = body.get("type")
-    _check(mtype in REQUESTS, "UnknownType",
-           f"unknown message type {mtype!r}; known: {', '.join(sorted(REQUESTS))}")
+    _check(isinstance(mtype, str) and mtype in REQUESTS, "UnknownType",
+           f"unknown message type {quote(mtype)}; known: {', '.join(sorted(REQUESTS))}")
     cls = REQUESTS[mtype]
-    req_id = body.get("id", 0)
-    _check(_VALIDATORS[int][0](req_id), "BadField", "field 'id' must be an integer")
     values = {}
+    ids = 0
     for name, ftype in cls.FIELDS.items():
         valid, what = _VALIDATORS[ftype]
         if name not in body:
             _check(ftype == "str_or_none" or name in cls.OPTIONAL, "BadField", f"{mtype}: missing field {name!r}")
             continue
-        _check(valid(body[name]), "BadField", f"{mtype}: field {name!r} must be {what}")
-        values[name] = body[name]
+        value = body[name]
+        _check(valid(value), "BadField", f"{mtype}: field {name!r} must be {what}, not {quote(value)}")
+        if isinstance(value, str):
+            _check(len(value) <= MAX_STRING[name], "BadField",
+                   f"{mtype}: field {name!r} is {len(value)} characters long; the limit is {MAX_STRING[name]}")
+        ids += _id_count(ftype, value)
+        values[name] = value
+    _check(ids <= MAX_IDS, "TooManyIds",
+           f"{mtype}: {ids} expert ids and layers in one request; the limit is {MAX_IDS}: split it")
     return cls(id=req_id, **values)
 
 
@@ -222,5 +282,6 @@ def decode_reply(frame: bytes) -> Reply:
            f"daemon speaks protocol version {body.get('v')!r}, this client {PROTOCOL_VERSION}: "
            "install the same moe-l2 release for both")
     payload = {k: v for k, v in body.items() if k not in ("v", "id", "status", "ename", "evalue")}
-    return Reply(id=body.get("id", 0), ok=body["status"] == "ok", ename=body.get("ename", ""),
-                 evalue=body.get("evalue", ""), payload=payload)
+    # A reply may come from an impostor (docs/security.md): what the client logs of it is a short string.
+    return Reply(id=body.get("id", 0), ok=body["status"] == "ok", ename=str(body.get("ename", ""))[:QUOTE_CHARS],
+                 evalue=str(body.get("evalue", ""))[:MAX_REPLY_REASON], payload=payload)

@@ -149,6 +149,10 @@ void init_memory(nb::module_& m) {
                    "Whether create() locked the pages in memory (False for opened segments).")
       .def_prop_ro("lock_error", &Segment::lock_error,
                    "Why create() could not lock the pages; empty when it did or for opened segments.")
+      .def_prop_ro("owner_uid", &Segment::owner_uid,
+                   "Owner of the object, from fstat on the mapped descriptor.")
+      .def_prop_ro("mode", &Segment::mode,
+                   "Permission bits of the object, from fstat on the mapped descriptor.")
       .def_prop_ro("closed", &Segment::closed)
       .def("close", &Segment::close,
            "Drop this object's mapping (idempotent); the memory is unmapped once no view uses it.")

@@ -324,7 +324,8 @@ Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mod
     fail("map", errno);
   }
   ::close(fd);
-  Segment segment(name, std::make_shared<Mapping>(addr, nbytes), false);
+  Segment segment(name, std::make_shared<Mapping>(addr, nbytes), false, static_cast<unsigned>(st.st_uid),
+                  mode);
   // Neither system wires shared memory by itself: tmpfs pages can be swapped, macOS pages
   // compressed or swapped. Lock them where the limits allow (root, CAP_IPC_LOCK, or a
   // large enough RLIMIT_MEMLOCK); otherwise commit every page now by touching it, so that the
@@ -375,7 +376,8 @@ Segment Segment::open(const std::string& name, bool readonly) {
     throw OsError(err, prefixed(fn, "cannot map shared-memory segment '" + name + "' (" +
                                         std::to_string(nbytes) + " bytes): " + errno_text(err)));
   }
-  return Segment(name, std::make_shared<Mapping>(addr, nbytes), readonly);
+  return Segment(name, std::make_shared<Mapping>(addr, nbytes), readonly,
+                 static_cast<unsigned>(st.st_uid), static_cast<unsigned>(st.st_mode & 07777));
 }
 
 bool Segment::unlink(const std::string& name, int64_t owner) {

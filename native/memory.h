@@ -112,18 +112,28 @@ class Segment : public Memory {
   // Whether create() locked the pages (false for opened segments), and why not.
   bool locked() const { return locked_; }
   const std::string& lock_error() const { return lock_error_; }
+  // The owner and permission bits of the object, from fstat on the descriptor that was mapped: what a
+  // client checks before it trusts the bytes (docs/security.md).
+  unsigned owner_uid() const { return owner_uid_; }
+  unsigned mode() const { return mode_; }
   bool closed() const { return region_ == nullptr; }
   // Drops this object's mapping; the memory is unmapped once no view or running call uses it.
   void close() { region_.reset(); }
   std::string describe() const override { return "segment '" + name_ + "'"; }
 
  private:
-  Segment(std::string name, std::shared_ptr<Region> region, bool readonly)
-      : Memory(std::move(region), readonly), name_(std::move(name)) {}
+  Segment(std::string name, std::shared_ptr<Region> region, bool readonly, unsigned owner_uid,
+          unsigned mode)
+      : Memory(std::move(region), readonly),
+        name_(std::move(name)),
+        owner_uid_(owner_uid),
+        mode_(mode) {}
 
   std::string name_;
   bool locked_ = false;
   std::string lock_error_;
+  unsigned owner_uid_;
+  unsigned mode_;
 };
 
 }  // namespace moe_l2

@@ -151,7 +151,8 @@ def synthetic_trace(path: Path, *, n_layers=2, n_experts=8, top_k=2, seqs=8, tok
 
 
 def stats(daemon) -> dict:
-    reply = request(daemon.socket, protocol.Stats(id=1))
+    """The stats reply of a DaemonProcess, or of the daemon at an address."""
+    reply = request(getattr(daemon, "socket", daemon), protocol.Stats(id=1))
     assert reply.ok, reply
     return reply.payload
 

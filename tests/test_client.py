@@ -218,9 +218,16 @@ def test_a_flood_of_reports_is_split_into_frames_the_daemon_accepts(running_daem
         client.report(0, [], [], picks)
     finally:
         client.close()
-    reply = request(running_daemon.socket, protocol.Stats(id=1, routing=True))
+    # The daemon folds reports in between other requests: wait until every pick is counted.
+    deadline = time.monotonic() + 60
+    while True:
+        reply = request(running_daemon.socket, protocol.Stats(id=1, routing=True))
+        counted = sum(reply.payload["models"][0]["routing"][""][0])
+        if counted == len(picks) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert reply.payload["daemon"]["errors"] == 0  # nothing refused as too large
-    assert sum(reply.payload["models"][0]["routing"][""][0]) == len(picks)
+    assert counted == len(picks)
 
 
 def test_a_refill_waits_for_work_queued_on_the_evicted_row(model_files):

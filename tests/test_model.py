@@ -207,7 +207,7 @@ def test_fingerprint(tmp_path):
     assert ModelFiles.open(path).fingerprint not in (fp, touched)
 
 
-def test_fingerprint_same_for_same_files_elsewhere(tmp_path):
+def test_fingerprint_covers_the_real_path(tmp_path):
     a = _fresh(tmp_path)
     b = tmp_path / "copy"
     b.mkdir()
@@ -215,7 +215,11 @@ def test_fingerprint_same_for_same_files_elsewhere(tmp_path):
         (b / f.name).write_bytes(f.read_bytes())
         st = f.stat()
         os.utime(b / f.name, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert ModelFiles.open(a).fingerprint == ModelFiles.open(b).fingerprint
+    # Same names, sizes and mtimes elsewhere: another user's copy is another model (docs/security.md).
+    assert ModelFiles.open(a).fingerprint != ModelFiles.open(b).fingerprint
+    link = tmp_path / "link"
+    link.symlink_to(a)
+    assert ModelFiles.open(link).fingerprint == ModelFiles.open(a).fingerprint
 
 
 @pytest.mark.parametrize("where", ["last byte", "data", "header", "length"])

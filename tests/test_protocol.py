@@ -2,6 +2,8 @@
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_l2 import protocol
 from moe_l2.protocol import ProtocolError
@@ -73,3 +75,93 @@ def test_reply_from_other_version_is_refused():
     frame = msgpack.packb({"v": 2, "id": 1, "status": "ok"})
     with pytest.raises(ProtocolError, match="same moe-l2 release"):
         protocol.decode_reply(frame)
+
+
+# Issue 10.6 / 10.9: every refusal carries the request's id once there is one, a reason, and at most a short
+# quote of the refused value; every request is bounded.
+
+@pytest.mark.parametrize("body, ename", [
+    (dict(v=1, type=["stats"], id=77), "UnknownType"),
+    (dict(v=1, type={"a": 1}, id=77), "UnknownType"),
+    (dict(v=1, type="x" * 200_000, id=77), "UnknownType"),
+    (dict(v=[1], type="stats", id=77), "VersionMismatch"),
+    (dict(v=1, type="prefetch", id=77, model="m", layer="0", experts=[1]), "BadField"),
+    (dict(v=1, type="hello", id=77, model="m" * 5000, fingerprint="f", client="c"), "BadField"),
+    (dict(v=1, type="hello", id=77, model="m", fingerprint="f", client="c" * 300), "BadField"),
+    (dict(v=1, type="hint", id=77, model="m", text="t" * (64 << 10 | 1)), "BadField"),
+    (dict(v=1, type="prefetch", id=77, model="m", layer=0, experts=[1] * (protocol.MAX_IDS + 1)), "TooManyIds"),
+    (dict(v=1, type="report", id=77, model="m", layers={0: [[1] * 9000, [2] * 9000]}), "TooManyIds"),
+    (dict(v=1, type="report", id=77, model="m", layers={}, routed={i: [] for i in range(protocol.MAX_IDS + 1)}),
+     "TooManyIds"),
+    (dict(v=1, type="pin", id=77, model="m", layer=True, experts=[1], kind="permanent"), "BadField"),
+])
+def test_refusals_carry_the_request_id_and_a_short_reason(body, ename):
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_request(msgpack.packb(body))
+    assert (info.value.ename, info.value.req_id) == (ename, 77)
+    assert info.value.evalue and len(info.value.evalue) < 400
+
+
+def test_refusals_before_an_id_carry_id_zero_and_still_a_reason():
+    for frame in (b"", b"\xc1", msgpack.packb([1]), msgpack.packb({"v": 1, "type": "stats", "id": "x"})):
+        with pytest.raises(ProtocolError) as info:
+            protocol.decode_request(frame)
+        assert info.value.req_id == 0 and info.value.evalue
+
+
+def test_quote_cuts_long_values():
+    assert protocol.quote("ab") == "'ab'"
+    long = protocol.quote("x" * 1_000_000)
+    assert len(long) < 2 * protocol.QUOTE_CHARS and "length 1000000" in long
+    assert "length 5000" in protocol.quote(list(range(5000)))
+
+
+def test_the_largest_legal_requests_fit_the_frame_limit():
+    report = protocol.Report(id=2**63 - 1, model="f" * protocol.MAX_STRING["model"],
+                             layers={2**31: [[2**31] * (protocol.MAX_IDS // 4), [2**31] * (protocol.MAX_IDS // 4)]},
+                             routed={2**31: [2**31] * (protocol.MAX_IDS // 2 - 2)})
+    assert len(report.encode()) <= protocol.MAX_FRAME_BYTES
+    assert protocol.decode_request(report.encode()) == report
+    hint = protocol.Hint(id=1, model="m" * protocol.MAX_STRING["model"], text="\u4e00" * protocol.MAX_STRING["text"],
+                         domain="d" * protocol.MAX_STRING["domain"])
+    assert len(hint.encode()) <= protocol.MAX_FRAME_BYTES
+    assert protocol.decode_request(hint.encode()) == hint
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**63, max_value=2**64 - 1) | st.floats()
+    | st.text(max_size=300) | st.binary(max_size=300),
+    lambda children: st.lists(children, max_size=8) | st.dictionaries(st.integers(-3, 3) | st.text(max_size=8),
+                                                                     children, max_size=8),
+    max_leaves=40)
+
+
+@given(body=st.dictionaries(st.sampled_from(["v", "type", "id", "model", "fingerprint", "client", "layer",
+                                             "experts", "kind", "layers", "routed", "text", "domain", "routing"]),
+                            values, max_size=10),
+       mtype=st.sampled_from(sorted(protocol.REQUESTS)) | values)
+@settings(max_examples=200, deadline=1000)
+def test_any_map_decodes_or_is_refused_with_a_reason(body, mtype):
+    body = {"v": protocol.PROTOCOL_VERSION, **body, "type": mtype}
+    try:
+        message = protocol.decode_request(msgpack.packb(body))
+    except ProtocolError as exc:
+        assert exc.ename and exc.evalue and len(exc.evalue) < 600
+        return
+    assert protocol.decode_request(message.encode()) == message
+
+
+@given(st.binary(max_size=2000))
+@settings(max_examples=200, deadline=1000)
+def test_any_bytes_decode_or_are_refused_with_a_reason(frame):
+    try:
+        protocol.decode_request(frame)
+    except ProtocolError as exc:
+        assert exc.ename and exc.evalue and len(exc.evalue) < 600
+
+
+def test_a_reply_reason_is_cut_to_a_short_string():
+    frame = msgpack.packb({"v": protocol.PROTOCOL_VERSION, "id": 1, "status": "error", "ename": ["x"] * 100,
+                           "evalue": "e" * 1_000_000})
+    reply = protocol.decode_reply(frame)
+    assert len(reply.ename) <= protocol.QUOTE_CHARS and len(reply.evalue) == protocol.MAX_REPLY_REASON

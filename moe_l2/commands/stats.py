@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         reply = request(args.socket, protocol.Stats(id=1), timeout_s=args.timeout)
-    except TimeoutError as exc:
+    except OSError as exc:  # no answer, no socket, or no permission to connect
         print(f"moe-l2 stats: {exc}", file=sys.stderr)
         return 1
     if not reply.ok:

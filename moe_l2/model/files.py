@@ -9,13 +9,14 @@ files for both (optionally with direct I/O).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
 from typing import Optional
 
 from moe_l2.model import gguf, packed, safetensors
-from moe_l2.model.records import RecordLayout, RecordReader
+from moe_l2.model.records import RecordLayout, RecordReader, hash_part
 
 __all__ = ["DIRECT_IO", "ModelFiles"]
 
@@ -30,6 +31,15 @@ def _open_reader(path: Path) -> RecordReader:
     if gguf.is_gguf(path):
         return gguf.GGUFReader(path)
     return packed.checkpoint_reader(safetensors.read_checkpoint(path))
+
+
+def _with_real_paths(fingerprint: str, files) -> str:
+    """The format's fingerprint extended by the real paths of the model's files: a copy elsewhere (another
+    user's, with the same names, sizes and mtimes but other bytes) is another model (docs/security.md)."""
+    h = hashlib.sha256(fingerprint.encode())
+    for f in files:
+        hash_part(h, os.fsencode(os.path.realpath(f)))
+    return h.hexdigest()[:32]
 
 
 class ModelFiles:
@@ -73,7 +83,7 @@ class ModelFiles:
         self.n_experts = reader.n_experts
         self.top_k = reader.top_k
         self.layout = reader.layout
-        self.fingerprint = reader.fingerprint
+        self.fingerprint = _with_real_paths(reader.fingerprint, reader.files)
         self.format = reader.layout.format
         self.quantization = reader.quantization
         self.reader = reader

@@ -1,0 +1,265 @@
+"""moe-l2d's `stats` latency under floods of hostile requests (issue 10.6, docs/security.md), side by side.
+
+A small model, a daemon on an ipc socket in a temp dir (nothing leaves the machine), and for each flood a few
+connections sending at a bounded rate for a bounded time while one connection times `stats` round trips.
+Printed: p50 / p99 of `stats` idle and under each flood, and their ratios to idle; then the cost of one of each
+request issue 10.6 found expensive (a 1 MiB report took 8 s, a hello with a 1 MiB path 7 s).
+
+With --before REV the same floods also hit the daemon of an earlier revision of this repository (exported with
+git archive, run with this checkout's native module), and the table puts "before" and "after" side by side.
+
+    python bench/bench_flood.py [--seconds 3] [--flooders 2] [--rate 20] [--before 15b2a7d]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import zmq
+
+from moe_l2 import protocol
+from moe_l2.generator import make_model
+from moe_l2.model import ModelFiles
+
+
+# Runs moe_l2.daemon.main from the tree in argv[1] instead of this checkout (whose editable install would win).
+LAUNCH_TREE = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+               "sys.meta_path[:] = [f for f in sys.meta_path if 'Redirecting' not in type(f).__name__]; "
+               "runpy.run_module('moe_l2.daemon.main', run_name='__main__', alter_sys=True)")
+
+
+def export_tree(rev: str, dest: Path) -> Path:
+    """The package of an earlier revision, laid out as installed (moe_l2, moe_l2.daemon, moe_l2.client) beside
+    this checkout's native module, which only ever gains functions."""
+    repo = Path(__file__).resolve().parent.parent
+    src = dest / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    pkg = dest / "pkg" / "moe_l2"
+    shutil.copytree(src / "moe_l2", pkg)
+    shutil.copytree(src / "daemon", pkg / "daemon")
+    shutil.copytree(src / "client", pkg / "client")
+    import mlx
+    from moe_l2 import _native
+
+    shutil.copy(_native.__file__, pkg)
+    (dest / "pkg" / "mlx").symlink_to(Path(mlx.__path__[0]))  # the module's rpath: $ORIGIN/../mlx/lib
+    return dest / "pkg"
+
+
+def start_daemon(model: Path, directory: Path, tree: Path | None = None) -> tuple[subprocess.Popen, str]:
+    address = f"ipc://{directory}/moe-l2d.sock"
+    run = [sys.executable, "-P", "-c", LAUNCH_TREE, str(tree)] if tree else [sys.executable, "-P", "-m",
+                                                                              "moe_l2.daemon.main"]
+    with open(directory / "daemon.log", "wb") as log:
+        proc = subprocess.Popen([*run, "--model", str(model), "--budget", "8MiB", "--runtime-dir", str(directory)],
+                                env=dict(os.environ, MOE_L2_RUNTIME_DIR=str(directory)), stdout=log, stderr=log)
+    sock = dealer(address)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        sock.send(protocol.Stats(id=1).encode())
+        if sock.poll(500):
+            sock.recv()
+            sock.close(0)
+            return proc, address
+    raise SystemExit("moe-l2d did not start")
+
+
+def dealer(address: str):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+# A stats round trip longer than this is counted as this long, and ends the measurement.
+GIVE_UP_S = 20.0
+
+
+def stats_latencies(address: str, seconds: float) -> list[float]:
+    sock = dealer(address)
+    samples = []
+    deadline = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < deadline:
+        i += 1
+        start = time.perf_counter()
+        sock.send(protocol.Stats(id=i).encode())
+        while sock.poll(int(GIVE_UP_S * 1000)):
+            if protocol.decode_reply(sock.recv()).id == i:
+                break
+        else:
+            samples.append(GIVE_UP_S)
+            break
+        samples.append(time.perf_counter() - start)
+        time.sleep(0.01)
+    sock.close(0)
+    return samples
+
+
+def flood(address: str, frames: list[bytes], stop: threading.Event, rate: float, new_identity: bool) -> None:
+    sock = dealer(address)
+    i = 0
+    while not stop.wait(1 / rate):
+        if new_identity:  # a fresh connection per hello: the client-table attack
+            sock.close(0)
+            sock = dealer(address)
+        sock.send(frames[i % len(frames)])
+        i += 1
+        while sock.poll(0):
+            sock.recv()
+    sock.close(0)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def workload(fp: str, n: int) -> tuple[dict, list]:
+    """The floods and the single requests, for the model of fingerprint fp (each revision computes its own)."""
+    half = protocol.MAX_IDS // 2 - 1
+    legal = protocol.Report(id=1, model=fp, layers={0: [[e % n for e in range(half)],
+                                                        [e % n for e in range(half)]]}).encode()
+    floods = {
+        "largest legal reports": [legal],
+        "hostile frames": [
+            msgpack.packb({"v": 1, "type": "hello", "id": 2, "model": "/" + "a/.." * 60_000, "fingerprint": "0",
+                           "client": "x"}),
+            msgpack.packb({"v": 1, "type": "t" * 200_000, "id": 3}),
+            msgpack.packb({"v": 1, "type": ["stats"], "id": 4}),
+            protocol.Prefetch(id=5, model=fp, layer=0, experts=[*range(n), n]).encode(),
+            protocol.Report(id=6, model=fp, layers={0: [[1] * 10_000, [2] * 10_000]}).encode()],
+        "hellos from new identities": [protocol.Hello(id=7, model="/m", fingerprint=fp, client="c" * 256).encode()],
+    }
+    singles = [("report of 1 MiB of ids", protocol.Report(id=8, model=fp, layers={  # just under the old limit
+                    0: [[1] * ((1 << 19) - 64), [2] * ((1 << 19) - 64)]}).encode()),
+               ("hello with a 240 KB path", floods["hostile frames"][0]),
+               ("largest legal report", legal)]
+    return floods, singles
+
+
+def measure(address: str, floods: dict, args) -> list[tuple[str, list[float]]]:
+    rows = [("idle", stats_latencies(address, args.seconds))]
+    for name, frames in floods.items():
+        stop = threading.Event()
+        threads = [threading.Thread(target=flood, args=(address, frames, stop, args.rate, name.startswith("hellos")))
+                   for _ in range(args.flooders)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        try:
+            rows.append((name, stats_latencies(address, args.seconds)))
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+    return rows
+
+
+def single_requests(address: str, requests: list[tuple[str, bytes]], max_frame: int | None) -> list[str]:
+    """Each request followed by a stats barrier: the time until the barrier's answer, and what was refused
+    (a frame over max_frame, this checkout's ZMQ_MAXMSGSIZE, gets no reply: libzmq closes its connection)."""
+    lines = []
+    sock = dealer(address)
+    for name, frame in requests:
+        start = time.perf_counter()
+        sock.send(frame)
+        sock.send(protocol.Stats(id=99).encode())
+        refused = []
+        while sock.poll(int(GIVE_UP_S * 1000)):
+            reply = protocol.decode_reply(sock.recv())
+            if reply.id == 99 and reply.ok:
+                break
+            refused.append(reply.ename)
+        else:
+            refused.append(f"no answer within {GIVE_UP_S:g} s")
+        if not refused and max_frame is not None and len(frame) > max_frame:
+            refused.append("no reply: libzmq closed the connection (ZMQ_MAXMSGSIZE)")
+        lines.append(f"{name:<26} {len(frame) / 1024:>6.0f} KiB {(time.perf_counter() - start) * 1e3:>9.1f} ms  "
+                     + ("refused: " + ", ".join(refused) if refused else "accepted"))
+    sock.close(0)
+    return lines
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    return percentile(samples, 0.5), percentile(samples, 0.99)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of each flood")
+    parser.add_argument("--flooders", type=int, default=2, help="flooding connections")
+    parser.add_argument("--rate", type=float, default=20.0, help="requests per second per flooding connection")
+    parser.add_argument("--before", metavar="REV", help="also measure the daemon of this git revision")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ml2-bench-", dir="/tmp"))
+    try:
+        model = work / "model"
+        make_model(model, arch="qwen3_moe", layers=4, experts=32, top_k=4, hidden_size=128, moe_hidden_size=64,
+                   bits=4, seed=1)
+        n = ModelFiles.open(model).n_experts
+        results = {}
+        trees = {"after": None}
+        if args.before:
+            trees = {"before": export_tree(args.before, work / "before"), **trees}
+        for label, tree in trees.items():
+            directory = work / f"run-{label}"
+            directory.mkdir()
+            proc, address = start_daemon(model, directory, tree)
+            try:
+                sock = dealer(address)
+                sock.send(protocol.Stats(id=1).encode())
+                fp = protocol.decode_reply(sock.recv()).payload["models"][0]["fingerprint"]
+                sock.close(0)
+                floods, singles = workload(fp, n)
+                results[label] = (measure(address, floods, args),
+                                  single_requests(address, singles, None if tree else 2 * protocol.MAX_FRAME_BYTES))
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:  # an old daemon still busy with a backlog
+                    proc.kill()
+                    proc.wait()
+        print(f"stats round trip (ms), {args.flooders} connection(s) x {args.rate:g} requests/s, "
+              f"{args.seconds:g} s per flood; a round trip over {GIVE_UP_S:g} s counts as {GIVE_UP_S:g} s")
+        labels = list(results)
+        header = "".join(f"{label + ' p50':>13}{label + ' p99':>13}" for label in labels)
+        ratio = f"{'p50 before/after':>18}{'p99 before/after':>18}" if len(labels) == 2 else ""
+        print(f"{'':<28}{header}{ratio}")
+        for i, (name, _) in enumerate(results[labels[-1]][0]):
+            cells = [percentiles(results[label][0][i][1]) for label in labels]
+            line = f"{name:<28}" + "".join(f"{a * 1e3:>13.2f}{b * 1e3:>13.2f}" for a, b in cells)
+            if len(cells) == 2:
+                line += f"{cells[0][0] / cells[1][0]:>18.1f}{cells[0][1] / cells[1][1]:>18.1f}"
+            print(line)
+        idle = percentiles(results[labels[-1]][0][0][1])
+        print("\nafter, under each flood / idle: " + ", ".join(
+            f"{name} p50 x{percentile(samples, 0.5) / idle[0]:.1f} p99 x{percentile(samples, 0.99) / idle[1]:.1f}"
+            for name, samples in results[labels[-1]][0][1:]))
+        print("\none request of each kind issue 10.6 found expensive, then a stats barrier:")
+        for label in labels:
+            for line in results[label][1]:
+                print(f"  {label:<7}{line}")
+        print("\nthe daemons' logs:")
+        for label in labels:
+            lines = (work / f"run-{label}" / "daemon.log").read_text(errors="replace").splitlines()
+            print(f"  {label:<7}{len(lines)} lines, {sum('Traceback' in line for line in lines)} tracebacks, "
+                  f"longest line {max(map(len, lines), default=0)} characters")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
