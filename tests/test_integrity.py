@@ -122,6 +122,9 @@ def test_a_stale_or_damaged_manifest_is_reported_with_the_fix(tmp_path, packed_c
     (model / MANIFEST_NAME).write_text('{"format": "moe-l2-checksums-v1", "algorithm": "crc32"')
     damaged = ModelFiles.open(model)
     assert damaged.checksums is None and "is damaged" in damaged.checksum_problem and fix in damaged.checksum_problem
+    (model / MANIFEST_NAME).unlink()
+    os.mkfifo(model / MANIFEST_NAME)  # opened without blocking, and refused
+    assert "is not a regular file" in ModelFiles.open(model).checksum_problem
 
 
 def test_the_daemon_never_publishes_a_corrupt_record(daemon_factory, packed_copy):
@@ -237,6 +240,24 @@ def test_verify_manifest_on_a_single_gguf_file(tmp_path):
     try:
         for layer in range(files.n_layers):
             assert pool.fetch(layer, range(files.n_experts)).l3_reads == files.n_experts
+    finally:
+        pool.close()
+    # A damaged raw slice: the converted record fails, and the error names the .gguf file.
+    src = files.reader.sources[1][0]
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(src.start + 3 * src.expert_bytes)
+        original = f.read(64)
+        f.seek(src.start + 3 * src.expert_bytes)
+        f.write(bytes(b ^ 0x55 for b in original))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    damaged = ModelFiles.open(path)
+    assert damaged.checksums is not None
+    pool = ExpertPool(damaged, capacity=4)
+    try:
+        with pytest.raises(CorruptRecord) as caught:
+            pool.fetch(1, [3])
+        assert (caught.value.layer, caught.value.expert, caught.value.files) == (1, 3, [path])
     finally:
         pool.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -68,12 +69,22 @@ def load_manifest(model: Path, fingerprint: str, record_bytes: int, n_layers: in
     path = manifest_path(model)
     fix = f"run `moe-l2 verify --model {model} --manifest` to write a new one"
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_FIXED_BYTES + _BYTES_PER_ENTRY * n_layers * n_experts + 1)
+        # Non-blocking and checked to be a regular file: a FIFO planted in a model directory must not hang a
+        # daemon that reads it (docs/formats.md, "Checksums").
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None, None
     except OSError as e:
         return None, f"cannot read the checksum manifest {path} ({e}); {fix}"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, f"the checksum manifest {path} is not a regular file; {fix}"
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(_FIXED_BYTES + _BYTES_PER_ENTRY * n_layers * n_experts + 1)
+    except OSError as e:
+        return None, f"cannot read the checksum manifest {path} ({e}); {fix}"
+    finally:
+        os.close(fd)
     try:
         if len(raw) > _FIXED_BYTES + _BYTES_PER_ENTRY * n_layers * n_experts:
             raise ValueError("far larger than this model's checksums")
