@@ -28,9 +28,9 @@ from moe_l2.model.records import record_checksum
 
 log = logging.getLogger("moe-l2.client")
 
-# ExpertPool(verify=...): which records are checked against the model's checksum manifest, if it has one.
-VERIFY = {"off": "none", "file": "those read from the model file (the default)",
-          "all": "those read from the model file and those copied from L2"}
+# ExpertPool(verify=...): which records are checked against the model's checksum manifest, if it has one:
+# none, those read from the model file (the default), or those and the ones copied from L2.
+VERIFY = ("off", "file", "all")
 
 
 class PoolTooSmall(ValueError):
@@ -166,7 +166,6 @@ class ExpertPool:
             raise ValueError(f"L0 capacity must be 1..{files.n_experts} experts per layer, got {capacity}")
         if verify not in VERIFY:
             raise ValueError(f"verify must be one of {', '.join(VERIFY)}, not {verify!r}")
-        self.verify = verify
         # Nothing to check against without a manifest: no checksum is computed then.
         self._check_file = verify != "off" and files.checksums is not None
         self._check_l2 = verify == "all" and files.checksums is not None
