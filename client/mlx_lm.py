@@ -173,7 +173,7 @@ class StreamedLM:
     def __init__(self, path, *, l0_slots: int | None = None, l0_budget: int | str | None = None,
                  socket: str | None = None, daemon: bool = True, client_wait_s: float = 1.0,
                  policy: str = "lru", record: bool = False, model_config: dict | None = None,
-                 direct: bool | None = None):
+                 direct: bool | None = None, verify: str = "file"):
         from moe_l2.client.connection import L2Client
 
         self.files = ModelFiles.open(path)
@@ -182,7 +182,7 @@ class StreamedLM:
         self.client = L2Client(self.files, socket, wait_s=client_wait_s) if daemon else None
         try:
             self.pool = ExpertPool(self.files, l0_slots_for(self.files, l0_slots, l0_budget), self.client,
-                                   policy=policy, direct=direct)
+                                   policy=policy, direct=direct, verify=verify)
             try:
                 self.model, self.config, self.switches = load_model(path, self.pool, model_config=model_config,
                                                                     stats=self.stats, recorder=self.recorder)

@@ -5,10 +5,16 @@ are copied from L2 shared memory through the native seqlock copy, and whatever L
 from the model file with the native parallel pread (one read per expert for packed models, converted to MLX's
 layout on the way for GGUF ones). Only then does the slot table point at the new rows, so a row is never
 referenced before it holds its whole record.
+
+With a checksum manifest, records read from the model file are checked before they are published (a damaged
+one raises CorruptRecord instead of feeding a wrong weight to a forward pass); records copied from L2 were
+checked by the daemon before it published them, and are checked again only with verify="all"
+(docs/architecture.md, "Integrity", has the measured cost).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, replace
@@ -18,6 +24,13 @@ import mlx.core as mx
 from moe_l2 import _native
 from moe_l2.cache.policy import make_policy
 from moe_l2.model import ModelFiles
+from moe_l2.model.records import record_checksum
+
+log = logging.getLogger("moe-l2.client")
+
+# ExpertPool(verify=...): which records are checked against the model's checksum manifest, if it has one:
+# none, those read from the model file (the default), or those and the ones copied from L2.
+VERIFY = ("off", "file", "all")
 
 
 class PoolTooSmall(ValueError):
@@ -130,6 +143,10 @@ class LayerPool:
             self._table[expert] = row
             self._policy.insert(expert)
 
+    def checksum(self, row: int) -> int:
+        """record_checksum of the record in a row (docs/formats.md, "Checksums")."""
+        return record_checksum(self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes] for p in self.pieces)
+
     def record(self, expert: int) -> bytes:
         """The expert's record as L0 holds it, laid out like ModelFiles.read_record (for verification)."""
         row = self._row_of[expert]
@@ -141,11 +158,17 @@ class LayerPool:
 
 class ExpertPool:
     def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = "lru",
-                 read_threads: int | None = None, direct: bool | None = None):
+                 read_threads: int | None = None, direct: bool | None = None, verify: str = "file"):
         """direct: read the model files with direct I/O (O_DIRECT / F_NOCACHE): True, False, or None for
-        the model's default (ModelFiles.direct_default: on for packed models)."""
+        the model's default (ModelFiles.direct_default: on for packed models).
+        verify: which records to check against the model's checksum manifest, one of VERIFY."""
         if not 1 <= capacity <= files.n_experts:
             raise ValueError(f"L0 capacity must be 1..{files.n_experts} experts per layer, got {capacity}")
+        if verify not in VERIFY:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY)}, not {verify!r}")
+        # Nothing to check against without a manifest: no checksum is computed then.
+        self._check_file = verify != "off" and files.checksums is not None
+        self._check_l2 = verify == "all" and files.checksums is not None
         self.files = files
         self.capacity = capacity
         self.client = client
@@ -216,9 +239,14 @@ class ExpertPool:
         try:
             start = time.perf_counter()
             copied = self._copy_from_l2(layer, lp, missing, rows)
+            if self._check_l2:
+                copied = [ok and self._intact_copy(layer, lp, e, r) for e, r, ok in zip(missing, rows, copied)]
             copied_at = time.perf_counter()
             unread = [(e, r) for e, r, ok in zip(missing, rows, copied) if not ok]
             self._read_from_l3(layer, lp, unread)
+            if self._check_file:
+                for expert, row in unread:
+                    self.files.check_record(layer, expert, lp.checksum(row), "the model file")
             counts.copy_s, counts.read_s = copied_at - start, time.perf_counter() - copied_at
         except BaseException:
             lp.release(rows)  # nothing was published: the rows hold no expert
@@ -243,6 +271,15 @@ class ExpertPool:
         return _native.copy_records(attachment.index, attachment.data[layer], g.slot_of_offset(layer),
                                     g.meta_offset(layer), g.n_experts, g.n_slots, g.slot_stride,
                                     lp.copy_pieces, experts, rows)
+
+    def _intact_copy(self, layer: int, lp: LayerPool, expert: int, row: int) -> bool:
+        """Whether a record copied from L2 matches the manifest; one that does not is read from the file."""
+        checksum = lp.checksum(row)
+        if checksum == self.files.checksums.expected(layer, expert):
+            return True
+        log.warning("%s: MoE layer %d expert %d copied from shared memory (L2) fails its checksum (crc32 %08x); "
+                    "reading it from the model file", self.files.path, layer, expert, checksum)
+        return False
 
     def _read_from_l3(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> None:
         # Into the rows of each piece: stacked models piece by piece, packed ones in one read per expert

@@ -1,12 +1,14 @@
-"""The loader pool: threads that read expert records from the model files straight into slot memory."""
+"""The loader pool: threads that read expert records from the model files straight into slot memory, and
+check each against the model's checksum manifest before it is published (docs/architecture.md, "Integrity")."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
+
+from moe_l2.model import CorruptRecord
 
 log = logging.getLogger("moe-l2d.loader")
 
@@ -41,12 +43,16 @@ class Loader:
             # record converted to MLX's layout on the way, so that L2 holds what clients copy as is.
             model.files.read_into_slots(model.fds, layer, [(reservation.expert, data, base, stride)], threads=1)
             view = data.view()
-            checksum = 0
-            for piece in model.files.layout.pieces:
-                checksum = zlib.crc32(view[base + piece.offset:base + piece.offset + piece.nbytes], checksum)
+            checksum = model.files.layout.checksum(view, base)
             del view
+            # A record that fails the manifest is never published: the slot stays free (expert -1).
+            model.files.check_record(layer, reservation.expert, checksum, "the model file")
             model.finish_fill(layer, reservation, checksum)
             model.counters.add_load(time.perf_counter() - start, model.files.layout.nbytes)
+        except CorruptRecord as exc:
+            if model.counters.add_corrupt(layer, reservation.expert):
+                log.error("%s", exc)  # once per record: every miss on it tries (and refuses) it again
+            model.abort_fill(layer, reservation)
         except Exception as exc:  # a bad read must cost one load, never the daemon
             log.error("loading layer %d expert %d of %s failed: %s", layer, reservation.expert,
                       model.files.path, exc)

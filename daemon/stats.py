@@ -5,6 +5,9 @@ from __future__ import annotations
 import collections
 import threading
 
+# stats lists at most this many of the records that failed their checksum (corrupt_records counts them all)
+_CORRUPT_LISTED = 64
+
 
 class LatencyWindow:
     """The latest N samples, so that percentiles follow the daemon's current behaviour."""
@@ -32,6 +35,9 @@ class ModelCounters:
         self.misses = 0        # experts clients looked up in L2 and did not find
         self.loads_done = 0
         self.load_errors = 0
+        # (layer, expert) of every record that failed its checksum, and how many loads it refused
+        self.corrupt: set[tuple[int, int]] = set()
+        self.corrupt_loads = 0
         self.bytes_loaded = 0  # read from the model files into L2
         self.bytes_served = 0  # copied out of L2 by clients
         self.load_latency = LatencyWindow()
@@ -52,6 +58,14 @@ class ModelCounters:
         with self._lock:
             self.load_errors += 1
 
+    def add_corrupt(self, layer: int, expert: int) -> bool:
+        """Count a load refused by the checksum manifest; True the first time for this record."""
+        with self._lock:
+            self.corrupt_loads += 1
+            new = (layer, expert) not in self.corrupt
+            self.corrupt.add((layer, expert))
+            return new
+
     def snapshot(self) -> dict:
         with self._lock:
             lookups = self.hits + self.misses
@@ -61,6 +75,9 @@ class ModelCounters:
                 "hit_rate": self.hits / lookups if lookups else None,
                 "loads_done": self.loads_done,
                 "load_errors": self.load_errors,
+                "corrupt_records": len(self.corrupt),
+                "corrupt_loads": self.corrupt_loads,
+                "corrupt": [list(c) for c in sorted(self.corrupt)[:_CORRUPT_LISTED]],
                 "bytes_loaded": self.bytes_loaded,
                 "bytes_served": self.bytes_served,
                 "load_latency_p50": self.load_latency.percentile(50),

@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     daemon.add_argument("--no-daemon", action="store_true", help="read missing experts from the model files only")
     parser.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
                         help="read missing experts with O_DIRECT / F_NOCACHE (auto: for packed models)")
+    parser.add_argument("--verify-checksums", choices=("off", "file", "all"), default="file",
+                        help="check experts against the model's checksum manifest, if it has one: those read "
+                             "from the model file (file, the default), those copied from moe-l2d's shared "
+                             "memory too (all), or none (off)")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument("--ignore-chat-template", action="store_true",
@@ -105,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_l2.client.generation import encode_prompt, generate_streamed
     from moe_l2.client.mlx_lm import StreamedLM
-    from moe_l2.model import DIRECT_IO
+    from moe_l2.model import DIRECT_IO, CorruptRecord
     from moe_l2.cache.trace import TraceWriter
 
     if args.max_tokens < 1:
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         lm = StreamedLM(args.model, l0_slots=args.l0_slots, l0_budget=args.l0_budget, socket=args.socket,
                         daemon=not args.no_daemon, client_wait_s=2.0, record=args.trace_out is not None,
-                        direct=DIRECT_IO[args.direct_io])
+                        direct=DIRECT_IO[args.direct_io], verify=args.verify_checksums)
     except (OSError, ValueError) as exc:
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 2
@@ -136,7 +140,11 @@ def run(args: argparse.Namespace) -> int:
             print("moe-l2 generate: the prompt is empty", file=sys.stderr)
             return 2
         show = None if args.json else (lambda text: print(text, end="", flush=True))
-        result = generate_streamed(lm, ids, args.max_tokens, temp=args.temp, on_text=show)
+        try:
+            result = generate_streamed(lm, ids, args.max_tokens, temp=args.temp, on_text=show)
+        except CorruptRecord as exc:
+            print(f"\nmoe-l2 generate: {exc}", file=sys.stderr)
+            return 1
         s = summary(result, lm)
         if args.trace_out is not None:
             # Every token the model processed: the prompt's, then each generated one fed back.

@@ -29,6 +29,17 @@ def _locking(d: dict) -> str:
     return f" (locked {format_size(d['shm_locked_bytes'])}, unlocked {format_size(d['shm_unlocked_bytes'])})"
 
 
+def _corrupt(m: dict) -> str:
+    # Records that failed their checksum, never published (docs/architecture.md, "Integrity"); a daemon from
+    # before checksums does not report them.
+    if not m.get("corrupt_records"):
+        return ""
+    listed = ", ".join(f"{layer}/{expert}" for layer, expert in m["corrupt"])
+    more = ", ..." if m["corrupt_records"] > len(m["corrupt"]) else ""
+    return (f"  CORRUPT RECORDS {m['corrupt_records']} (layer/expert {listed}{more}; refused "
+            f"{m['corrupt_loads']} loads: see the daemon log)")
+
+
 def render(reply: dict) -> str:
     d = reply["daemon"]
     lines = [
@@ -46,8 +57,8 @@ def render(reply: dict) -> str:
             f"{m['slots_per_layer']} slots per layer, policy {m['policy']})",
             f"  hit rate {format_pct(m['hit_rate'])}  hits {m['hits']}  misses {m['misses']}  "
             f"served {format_size(m['bytes_served'])}  loaded {format_size(m['bytes_loaded'])}",
-            f"  loads done {m['loads_done']}  errors {m['load_errors']}  in flight {m['loads_in_flight']}  "
-            f"latency p50 {_ms(m['load_latency_p50'])}  p99 {_ms(m['load_latency_p99'])}",
+            f"  loads done {m['loads_done']}  errors {m['load_errors']}{_corrupt(m)}  in flight "
+            f"{m['loads_in_flight']}  latency p50 {_ms(m['load_latency_p50'])}  p99 {_ms(m['load_latency_p99'])}",
             f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])})",
             "  layer  resident  loading  pinned",
         ]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from moe_l2.model import gguf, packed, safetensors
+from moe_l2.model.checksums import CorruptRecord, Manifest, load_manifest
 from moe_l2.model.records import RecordLayout, RecordReader, hash_part
 
 __all__ = ["DIRECT_IO", "ModelFiles"]
@@ -59,11 +60,16 @@ class ModelFiles:
     top_k: int
     layout: RecordLayout
     fingerprint: str
+    content_fingerprint: str
     format: str
     # GGUF: projection -> {"group_size", "bits", "mode"} of its MLX quantization; {} otherwise
     # (safetensors checkpoints say it in config["quantization"]).
     quantization: dict
     reader: RecordReader
+    # The model's current checksum manifest (docs/formats.md, "Checksums"), or None; when it has one that
+    # cannot be used (stale, damaged), checksum_problem says why and what to do.
+    checksums: Optional[Manifest]
+    checksum_problem: Optional[str]
 
     def __init__(self, *args, **kwargs):
         raise TypeError("use ModelFiles.open(path)")
@@ -83,10 +89,18 @@ class ModelFiles:
         self.n_experts = reader.n_experts
         self.top_k = reader.top_k
         self.layout = reader.layout
+        # The manifest is keyed by what the files hold (names, sizes, mtimes, headers), not where they are,
+        # so a model moved with its mtimes keeps its manifest; the fingerprint clients and the daemon compare
+        # names the location too (docs/security.md).
+        self.content_fingerprint = reader.fingerprint
         self.fingerprint = _with_real_paths(reader.fingerprint, reader.files)
         self.format = reader.layout.format
         self.quantization = reader.quantization
         self.reader = reader
+        self.checksums, self.checksum_problem = load_manifest(path, self.content_fingerprint, self.layout.nbytes,
+                                                              self.n_layers, self.n_experts)
+        if self.checksum_problem:
+            log.warning("%s: records are not checked: %s", path, self.checksum_problem)
         return self
 
     def _check(self, layer: int, expert: int) -> None:
@@ -114,6 +128,21 @@ class ModelFiles:
         For GGUF models: the numpy conversion of the raw slices (moe_l2.model.gguf.transcode_reference)."""
         self._check(layer, expert)
         return self.reader.read_record(layer, expert)
+
+    def record_files(self, layer: int, expert: int) -> list[Path]:
+        """The files that hold the record's bytes."""
+        self._check(layer, expert)
+        return self.reader.record_files(layer, expert)
+
+    def check_record(self, layer: int, expert: int, checksum: int, source: str) -> None:
+        """Raise CorruptRecord when the model has a checksum manifest that disagrees with checksum
+        (record_checksum of the record as read from source, which the error names)."""
+        if self.checksums is None:
+            return
+        expected = self.checksums.expected(layer, expert)
+        if checksum != expected:
+            raise CorruptRecord(self.path, layer, expert, self.record_files(layer, expert), expected, checksum,
+                                source)
 
     # -- reading records the fast way (daemon loader, client pool) ---------------------------------
 

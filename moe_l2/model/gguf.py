@@ -408,6 +408,9 @@ class GGUFReader(RecordReader):
                 buf[p.offset:p.offset + p.nbytes] = piece
         return bytes(buf)
 
+    def record_files(self, layer: int, expert: int) -> list[Path]:
+        return [self.files[f] for f in sorted({src.file for src in self.sources[layer]})]
+
     def read_into_slots(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
         self._transcode(fds, layer, [(expert, [(memory, base + p.offset) for p in self.layout.pieces])
                                      for expert, memory, base, _ in targets], threads)

@@ -26,7 +26,9 @@ will stack the per-expert names back; some architectures' sanitize stacks only s
 Atomicity: every file is written as ``NAME.partial``, fsynced (``F_FULLFSYNC`` on macOS, where plain
 fsync leaves the data in the drive's cache), its pages dropped from the page cache (a pack is written
 once and read later, by direct I/O by default), then renamed; ``config.json`` is written last, so an
-interrupted pack leaves no directory that mlx-lm or moe-l2 would take for a model. Running the same
+interrupted pack leaves no directory that mlx-lm or moe-l2 would take for a model. Just before it, the
+checksum manifest (``moe-l2.checksums.json``: the CRC-32 of every record, as read from the source) is
+written, so that every packed model has one (moe_l2/model/checksums.py). Running the same
 pack again resumes: shards already in place whose size and header match the plan (which names the
 source's fingerprint) are kept.
 """
@@ -43,10 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from moe_l2.model.checksums import MANIFEST_NAME, Manifest, manifest_path, write_manifest
 from moe_l2.model.files import ModelFiles
-from moe_l2.model.packed import PACK_MARKER
+from moe_l2.model.packed import PACK_MARKER, checkpoint_reader
 from moe_l2.model.records import PACK_ALIGN
-from moe_l2.model.safetensors import DTYPES, INDEX_NAME, read_header
+from moe_l2.model.safetensors import DTYPES, INDEX_NAME, read_checkpoint, read_header
 
 __all__ = ["PackError", "pack"]
 
@@ -302,7 +305,36 @@ class _Atomic:
             self.fd = -1
 
 
-def _write_shard(files: ModelFiles, src_fds: list[int], out: Path, shard: _Shard, bar) -> None:
+def _layer_chunks(files: ModelFiles, src_fds: list[int], layer: int):
+    """One MoE layer's records laid out expert-major (a record every layout.span bytes), read from the source
+    a chunk of experts at a time: (first expert, buffer) per chunk."""
+    layout = files.layout
+    stride = layout.span
+    chunk = max(1, _CHUNK // stride)
+    for e0 in range(0, files.n_experts, chunk):
+        e1 = min(files.n_experts, e0 + chunk)
+        buf = bytearray((e1 - e0) * stride)
+        extents = [files.extents(layer, e) for e in range(e0, e1)]
+        for i, p in enumerate(layout.pieces):
+            where = [x[i][:2] for x in extents]
+            contiguous = all(w == (where[0][0], where[0][1] + i * p.nbytes) for i, w in enumerate(where))
+            if contiguous:  # a stacked tensor: the chunk's slices in one read
+                data = _pread(src_fds[where[0][0]], where[0][1], (e1 - e0) * p.nbytes)
+                for i in range(e1 - e0):
+                    buf[i * stride + p.offset:i * stride + p.offset + p.nbytes] = data[i * p.nbytes:(i + 1) * p.nbytes]
+            else:
+                for i, (fi, off) in enumerate(where):
+                    buf[i * stride + p.offset:i * stride + p.offset + p.nbytes] = _pread(src_fds[fi], off, p.nbytes)
+        yield e0, buf
+
+
+def _chunk_checksums(files: ModelFiles, buf: bytearray) -> list[int]:
+    stride = files.layout.span
+    return [files.layout.checksum(buf, i * stride) for i in range(len(buf) // stride)]
+
+
+def _write_shard(files: ModelFiles, src_fds: list[int], out: Path, shard: _Shard, bar, checksums: dict) -> None:
+    """Write the shard; checksums[layer] gets the checksums of its layers' records, as read from the source."""
     f = _Atomic(out / shard.name)
     try:
         _write_all(f.fd, shard.header)
@@ -312,26 +344,10 @@ def _write_shard(files: ModelFiles, src_fds: list[int], out: Path, shard: _Shard
                 n = min(_CHUNK, nbytes - at)
                 _write_all(f.fd, _pread(src_fds[fi], start + at, n))
                 bar.update(n)
-        layout = files.layout
-        stride = layout.span
-        chunk = max(1, _CHUNK // stride)
         for layer, _ in shard.layers:
-            for e0 in range(0, files.n_experts, chunk):
-                e1 = min(files.n_experts, e0 + chunk)
-                buf = bytearray((e1 - e0) * stride)
-                extents = [files.extents(layer, e) for e in range(e0, e1)]
-                for i, p in enumerate(layout.pieces):
-                    where = [x[i][:2] for x in extents]
-                    contiguous = all(w == (where[0][0], where[0][1] + i * p.nbytes) for i, w in enumerate(where))
-                    if contiguous:  # a stacked tensor: the chunk's slices in one read
-                        data = _pread(src_fds[where[0][0]], where[0][1], (e1 - e0) * p.nbytes)
-                        for i in range(e1 - e0):
-                            buf[i * stride + p.offset:i * stride + p.offset + p.nbytes] = \
-                                data[i * p.nbytes:(i + 1) * p.nbytes]
-                    else:
-                        for i, (fi, off) in enumerate(where):
-                            buf[i * stride + p.offset:i * stride + p.offset + p.nbytes] = _pread(src_fds[fi], off,
-                                                                                                 p.nbytes)
+            checksums[layer] = []
+            for _, buf in _layer_chunks(files, src_fds, layer):
+                checksums[layer] += _chunk_checksums(files, buf)
                 _write_all(f.fd, buf)
                 bar.update(len(buf))
         f.finish()
@@ -442,9 +458,9 @@ def pack(model, out, *, max_shard_bytes: int = 5 << 30, moe_l2_only: bool = Fals
     shards, index = _plan(files, name, max_shard_bytes, source_meta)
 
     others = [p for p in sorted(src.iterdir())
-              if p.name != INDEX_NAME and p.name != "config.json" and not p.name.endswith(".safetensors")
+              if p.name not in (INDEX_NAME, "config.json", MANIFEST_NAME) and not p.name.endswith(".safetensors")
               and not p.name.startswith(".")]
-    planned = {s.name for s in shards} | {p.name for p in others} | {INDEX_NAME, "config.json"}
+    planned = {s.name for s in shards} | {p.name for p in others} | {INDEX_NAME, "config.json", MANIFEST_NAME}
     _check_out(src, out, planned)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -452,14 +468,18 @@ def pack(model, out, *, max_shard_bytes: int = 5 << 30, moe_l2_only: bool = Fals
 
     total = sum(s.size for s in shards)
     src_fds = [os.open(p, os.O_RDONLY) for p in files.files]
+    checksums: dict[int, list[int]] = {}
     try:
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pack {out.name}",
                   disable=not progress, file=sys.stderr) as bar:
             for shard in shards:
                 if _complete(out / shard.name, shard):
                     bar.update(shard.size)  # resumed: written and renamed by an earlier run
+                    for layer, _ in shard.layers:  # its checksums come from the source all the same
+                        checksums[layer] = [c for _, buf in _layer_chunks(files, src_fds, layer)
+                                            for c in _chunk_checksums(files, buf)]
                     continue
-                _write_shard(files, src_fds, out, shard, bar)
+                _write_shard(files, src_fds, out, shard, bar, checksums)
     finally:
         for fd in src_fds:
             os.close(fd)
@@ -471,12 +491,19 @@ def pack(model, out, *, max_shard_bytes: int = 5 << 30, moe_l2_only: bool = Fals
             _copy_atomic(p, out / p.name)
     _copy_atomic(src / INDEX_NAME if (src / INDEX_NAME).exists() else src / "config.json", out / INDEX_NAME,
                  json.dumps(index, indent=4).encode())
+    # The checksums taken from the source, for the packed copy's fingerprint, before config.json (which is
+    # the same bytes as the source's): a packed model always has its manifest (docs/formats.md, "Checksums").
+    fingerprint = checkpoint_reader(read_checkpoint(out, src / "config.json")).fingerprint
+    write_manifest(Manifest(manifest_path(out), fingerprint, files.layout.nbytes,
+                            tuple(tuple(checksums[layer]) for layer in range(files.n_layers))))
     _copy_atomic(src / "config.json", out / "config.json")  # last: now the directory is a model
     _fsync_dir(out)
     try:
         packed = ModelFiles.open(out)
         if packed.format != "packed" or packed.layout.pieces != files.layout.pieces:
             raise ValueError(f"reads as {packed.format}, layout {packed.layout.pieces == files.layout.pieces}")
+        if packed.checksums is None:
+            raise ValueError(packed.checksum_problem or "no checksum manifest")
     except (OSError, ValueError) as e:
         (out / "config.json").unlink(missing_ok=True)
         raise PackError(f"{out}: the packed model does not read back as packed ({e}); removed its config.json")

@@ -9,12 +9,14 @@ headers alone, and reads records the way its files want; ``ModelFiles`` delegate
 from __future__ import annotations
 
 import struct
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-__all__ = ["ALIGN", "PACK_ALIGN", "FORMATS", "Piece", "RecordLayout", "RecordReader", "hash_part", "pread_plain"]
+__all__ = ["ALIGN", "PACK_ALIGN", "FORMATS", "Piece", "RecordLayout", "RecordReader", "hash_part", "pread_plain",
+           "record_checksum"]
 
 ALIGN = 64
 # Packed records start at multiples of this many bytes (the direct-I/O block: 512 and 4096 divide it).
@@ -74,11 +76,25 @@ class RecordLayout:
     def keys(self) -> list[str]:
         return [p.key for p in self.pieces]
 
+    def checksum(self, data, base: int = 0) -> int:
+        """record_checksum of the record laid out at base of data (a slot, read_record's bytes)."""
+        view = memoryview(data)
+        return record_checksum(view[base + p.offset:base + p.offset + p.nbytes] for p in self.pieces)
+
     def describe(self) -> list:
         return [
             {"key": p.key, "offset": p.offset, "nbytes": p.nbytes, "shape": list(p.shape), "dtype": p.dtype}
             for p in self.pieces
         ]
+
+
+def record_checksum(pieces: Iterable) -> int:
+    """A record's checksum: CRC-32 over its pieces' bytes, given in layout order, padding left out (the
+    same whether the pieces lie in one slot or in a pool's per-piece rows; docs/formats.md, "Checksums")."""
+    checksum = 0
+    for piece in pieces:
+        checksum = zlib.crc32(piece, checksum)
+    return checksum
 
 
 def hash_part(h, data: bytes) -> None:
@@ -131,6 +147,10 @@ class RecordReader(ABC):
     @abstractmethod
     def read_record(self, layer: int, expert: int) -> bytes:
         """The record's bytes (padding zero) with plain file reads: the ground truth of `moe-l2 verify`."""
+
+    def record_files(self, layer: int, expert: int) -> list[Path]:
+        """The files that hold the record's bytes (to name them when a record fails its checksum)."""
+        return [self.files[f] for f in sorted({f for f, *_ in self.extents(layer, expert)})]
 
     @abstractmethod
     def read_into_slots(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:

@@ -240,11 +240,13 @@ class Checkpoint:
     names: list[dict[str, dict[Optional[int], str]]]
 
 
-def read_checkpoint(path: Path) -> Checkpoint:
-    """Parse and check an mlx-lm model directory: its MoE layers, expert count and one record layout."""
+def read_checkpoint(path: Path, config_path: Optional[Path] = None) -> Checkpoint:
+    """Parse and check an mlx-lm model directory: its MoE layers, expert count and one record layout.
+
+    config_path: the config.json to use (the packer's, before the packed copy has its own)."""
     if not path.is_dir():
         raise ValueError(f"{path}: not a model directory")
-    config_path = path / "config.json"
+    config_path = config_path or path / "config.json"
     try:
         config_bytes = config_path.read_bytes()
     except FileNotFoundError:

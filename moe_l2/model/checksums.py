@@ -1,0 +1,120 @@
+"""Checksum manifests: the CRC-32 of every record of a model, kept beside its files, so that a record
+damaged on disk is caught where it is read (docs/formats.md, "Checksums").
+
+`moe-l2 pack` writes one for every packed model; `moe-l2 verify --manifest` writes one for any model.
+`ModelFiles.open` loads it when its fingerprint is the model's; the daemon's loader, the client's pool and
+`moe-l2 verify` compare records with it (record_checksum in records.py is the one definition).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "CorruptRecord", "Manifest", "manifest_path", "load_manifest",
+           "write_manifest"]
+
+MANIFEST_NAME = "moe-l2.checksums.json"
+MANIFEST_FORMAT = "moe-l2-checksums-v1"
+# Bytes of JSON per checksum, generously: a manifest larger than this for its model is refused unread.
+_BYTES_PER_ENTRY = 16
+_FIXED_BYTES = 1 << 16
+
+
+class CorruptRecord(ValueError):
+    """A record's bytes do not match the checksum the manifest holds for it: the model file is damaged."""
+
+    def __init__(self, model: Path, layer: int, expert: int, files: list[Path], expected: int, actual: int,
+                 source: str):
+        self.layer, self.expert, self.files = layer, expert, files
+        self.expected, self.actual, self.source = expected, actual, source
+        super().__init__(
+            f"{model}: MoE layer {layer} expert {expert} read from {source} fails its checksum (crc32 {actual:08x}, "
+            f"the manifest says {expected:08x}): {', '.join(str(f) for f in files)} is damaged; restore the model "
+            f"files (download or pack them again); `moe-l2 verify --model {model} --all` lists every damaged record")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The checksums of a model's records: per MoE layer, per expert."""
+
+    path: Path
+    fingerprint: str
+    record_bytes: int
+    checksums: tuple[tuple[int, ...], ...]
+
+    def expected(self, layer: int, expert: int) -> int:
+        return self.checksums[layer][expert]
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": MANIFEST_FORMAT, "algorithm": "crc32", "fingerprint": self.fingerprint,
+                           "record_bytes": self.record_bytes, "layers": [list(c) for c in self.checksums]},
+                          separators=(",", ":")).encode()
+
+
+def manifest_path(model: Path) -> Path:
+    """Where a model's manifest lives: in its directory; beside a single .gguf file, named after it."""
+    model = Path(model)
+    return model / MANIFEST_NAME if model.is_dir() else model.with_name(f"{model.name}.{MANIFEST_NAME}")
+
+
+def load_manifest(model: Path, fingerprint: str, record_bytes: int, n_layers: int,
+                  n_experts: int) -> tuple[Optional[Manifest], Optional[str]]:
+    """(manifest, None) when the model has a current one; (None, None) when it has none; (None, why) when
+    the one it has cannot be used (stale or damaged), why saying what to do."""
+    path = manifest_path(model)
+    fix = f"run `moe-l2 verify --model {model} --manifest` to write a new one"
+    try:
+        # Non-blocking and checked to be a regular file: a FIFO planted in a model directory must not hang a
+        # daemon that reads it (docs/formats.md, "Checksums").
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"cannot read the checksum manifest {path} ({e}); {fix}"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, f"the checksum manifest {path} is not a regular file; {fix}"
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(_FIXED_BYTES + _BYTES_PER_ENTRY * n_layers * n_experts + 1)
+    except OSError as e:
+        return None, f"cannot read the checksum manifest {path} ({e}); {fix}"
+    finally:
+        os.close(fd)
+    try:
+        if len(raw) > _FIXED_BYTES + _BYTES_PER_ENTRY * n_layers * n_experts:
+            raise ValueError("far larger than this model's checksums")
+        d = json.loads(raw)
+        if not isinstance(d, dict) or d.get("format") != MANIFEST_FORMAT or d.get("algorithm") != "crc32":
+            raise ValueError(f"not a {MANIFEST_FORMAT} crc32 manifest")
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None, f"the checksum manifest {path} is damaged ({e}); {fix}"
+    if d.get("fingerprint") != fingerprint or d.get("record_bytes") != record_bytes:
+        return None, (f"the checksum manifest {path} is stale: it was written for other model files (fingerprint "
+                      f"{d.get('fingerprint')}, the model's is {fingerprint}), so the files changed since (a copy "
+                      f"that did not keep modification times does this too); {fix}")
+    layers = d.get("layers")
+    if (not isinstance(layers, list) or len(layers) != n_layers
+            or any(not isinstance(row, list) or len(row) != n_experts for row in layers)
+            or any(type(c) is not int or not 0 <= c < 1 << 32 for row in layers for c in row)):
+        return None, (f"the checksum manifest {path} is damaged (its checksums are not {n_layers} layers x "
+                      f"{n_experts} experts of 32-bit values); {fix}")
+    return Manifest(path, fingerprint, record_bytes, tuple(tuple(row) for row in layers)), None
+
+
+def write_manifest(manifest: Manifest) -> None:
+    """Write the manifest atomically: a new file, fsynced, renamed over the old one."""
+    partial = manifest.path.with_name(manifest.path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        data = memoryview(manifest.to_json())
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial, manifest.path)
