@@ -96,7 +96,7 @@ def test_verify_manifest_writes_then_checks_a_safetensors_model(tmp_path, model_
     result = moe_l2("verify", "--model", str(model), "--no-daemon", "--all")
     assert result.returncode == 1
     damaged = files.files[files.extents(2, 5)[0][0]]
-    assert (f"MISMATCH layer 2 expert 5 (from L3): the model file fails its checksum" in result.stdout
+    assert ("MISMATCH layer 2 expert 5 (from L3): the model file fails its checksum" in result.stdout
             and f"{damaged} is damaged" in result.stdout)
     assert "1 mismatches (L2 0, L3 1)" in result.stdout
 
