@@ -166,9 +166,16 @@ def test_verify_and_pack_take_a_repo_id_and_expand_out(offline, tmp_path, model_
                for layer in range(source.n_layers) for e in range(source.n_experts))
 
 
-def test_the_daemon_serves_a_repo_id_given_as_a_flag(offline, daemon_factory, model_files):
+def test_the_daemon_serves_a_repo_id_given_as_a_flag(offline, daemon_factory, model_files, capsys, tmp_path):
     daemon = daemon_factory([REPO], quarter_budget(model_files))
     assert [m["path"] for m in stats(daemon)["models"]] == [str(offline)]
+    # profile --from-daemon --model finds the served model by the same repo id.
+    assert moe_l2_main(["profile", "--from-daemon", "--socket", daemon.socket, "--model", REPO,
+                        "--out", str(tmp_path / "p.json")]) == 0, capsys.readouterr().err
+    assert f"wrote {tmp_path / 'p.json'}" in capsys.readouterr().out
+    assert moe_l2_main(["profile", "--from-daemon", "--socket", daemon.socket, "--model", "acme/absent",
+                        "--out", str(tmp_path / "q.json")]) == 2
+    assert "the daemon does not serve acme/absent" in capsys.readouterr().err
 
 
 def test_the_daemon_serves_a_repo_id_given_in_the_toml(offline, model_files, tmp_path, monkeypatch):
