@@ -3,7 +3,7 @@
 
     python bench/bench_predictor.py [--trace ../shared/traces/gpt-oss-20b.jsonl.gz]
 
-The embedding predictor needs `pip install 'moe-l2[embed]'`; without it only naive Bayes is timed.
+The embedding predictor needs `pip install 'mlx-moe-l2[embed]'`; without it only naive Bayes is timed.
 """
 
 from __future__ import annotations

@@ -132,12 +132,18 @@ def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] 
     return Attachment(header.epoch, header.geometry, index, data)
 
 
-def request(address: str, message: protocol.Message, timeout_s: float = 5.0) -> protocol.Reply:
+def request(address: str | None, message: protocol.Message, timeout_s: float = 5.0) -> protocol.Reply:
     """One request and its reply on a short-lived socket (the CLI's way to talk to the daemon).
 
     A fire-and-forget message is followed by a stats request on the same connection: the daemon handles a
     connection's messages in order, so the first reply is either the refusal of the message or the barrier's.
+    No socket file at an ipc:// address is a ConnectionRefusedError at once: no daemon will answer there.
     """
+    address = address or default_socket()
+    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
+        raise ConnectionRefusedError(f"no moe-l2d at {address}: the socket file does not exist; start the daemon "
+                                     "(systemctl start moe-l2d, or moe-l2d --model DIR --budget SIZE), or give "
+                                     "its address with --socket or MOE_L2_RUNTIME_DIR")
     frame = message.encode()
     if len(frame) > protocol.MAX_FRAME_BYTES:
         raise ValueError(f"a {message.TYPE} of {len(frame)} bytes exceeds the daemon's {protocol.MAX_FRAME_BYTES}-"

@@ -27,7 +27,8 @@ from mlx_lm.utils import load_model as _mlx_lm_load_model
 from moe_l2.client.pool import ExpertPool
 from moe_l2.client.switch import ForwardState, RoutingRecorder, StreamedSwitch, StreamStats
 from moe_l2.model import ModelFiles
-from moe_l2.sizes import parse_size
+from moe_l2.model.location import resolve_model
+from moe_l2.sizes import format_size, parse_size
 
 __all__ = ["StreamedLM", "stream_experts", "load_model", "l0_slots_for", "peak_rss_bytes", "hit_rates"]
 
@@ -144,8 +145,8 @@ def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str 
         per_slot = files.n_layers * files.layout.nbytes
         slots = parse_size(budget) // per_slot
         if slots < files.top_k:
-            raise ValueError(f"an L0 budget of {budget} buys {slots} experts per layer; a token needs "
-                             f"{files.top_k}: give at least {files.top_k * per_slot} bytes")
+            raise ValueError(f"an L0 budget of {format_size(parse_size(budget))} buys {slots} experts per layer; "
+                             f"a token needs {files.top_k}: give at least {format_size(files.top_k * per_slot)}")
     elif slots is None:
         slots = max(2 * files.top_k, files.n_experts // 4)
     elif slots < files.top_k:
@@ -173,9 +174,11 @@ class StreamedLM:
     def __init__(self, path, *, l0_slots: int | None = None, l0_budget: int | str | None = None,
                  socket: str | None = None, daemon: bool = True, client_wait_s: float = 1.0,
                  policy: str = "lru", record: bool = False, model_config: dict | None = None,
-                 direct: bool | None = None, verify: str = "file"):
+                 direct: bool | None = None, verify: str = "file", download: bool = False):
         from moe_l2.client.connection import L2Client
 
+        # A directory or a Hugging Face repo id; `download` fetches a missing one as mlx-lm does.
+        path = resolve_model(path, download)
         self.files = ModelFiles.open(path)
         self.stats = StreamStats()
         self.recorder = RoutingRecorder(self.files.n_layers) if record else None

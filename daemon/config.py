@@ -17,8 +17,10 @@ from moe_l2.sizes import parse_size
 
 from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
 from moe_l2.model import DIRECT_IO
+from moe_l2.model.location import PathError, expand_path, expand_socket, path_arg, socket_arg
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+MODEL_KEYS = ("path", "budget", "policy", "profile", "direct_io")
 
 
 class ConfigError(ValueError):
@@ -27,7 +29,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: Path
+    path: Path  # a directory or a Hugging Face repo id, resolved at start (moe_l2.model.location)
     budget: int
     policy: str = DEFAULT_POLICY
     profile: Path | None = None  # domain profile from `moe-l2 profile`, loaded and checked at start
@@ -58,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-l2d",
         description="Keep MoE expert weights in POSIX shared memory for every inference process on this machine.")
-    parser.add_argument("--config", type=Path, help="TOML file (see systemd/moe-l2d.toml.example)")
-    parser.add_argument("--model", action="append", type=Path, default=[], metavar="DIR",
-                        help="model directory to serve; repeat for several models")
+    parser.add_argument("--config", type=path_arg, help="TOML file (see systemd/moe-l2d.toml.example)")
+    parser.add_argument("--model", action="append", type=path_arg, default=[], metavar="DIR|ID",
+                        help="model directory, or Hugging Face repo id in the local cache (the daemon never "
+                             "downloads), to serve; repeat for several models")
     parser.add_argument("--budget", action="append", default=[], metavar="SIZE",
                         help="shared memory per model, e.g. 24GiB; once for all models or once per --model")
     parser.add_argument("--policy", default=None, choices=sorted(POLICIES),
@@ -68,10 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--direct-io", choices=sorted(DIRECT_IO), default=None,
                         help="read model files with O_DIRECT / F_NOCACHE: auto (default: for packed models), "
                              "on, off")
-    parser.add_argument("--profile", action="append", type=Path, default=[], metavar="FILE",
+    parser.add_argument("--profile", action="append", type=path_arg, default=[], metavar="FILE",
                         help="domain profile (moe-l2 profile) for hints; once for all models or once per --model")
-    parser.add_argument("--socket", help="ZeroMQ address to bind (default ipc://RUNTIME_DIR/moe-l2d.sock)")
-    parser.add_argument("--runtime-dir", type=Path, help="directory for the socket and lock file")
+    parser.add_argument("--socket", type=socket_arg,
+                        help="ZeroMQ address to bind (default ipc://RUNTIME_DIR/moe-l2d.sock)")
+    parser.add_argument("--runtime-dir", type=path_arg, help="directory for the socket and lock file")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=None)
     parser.add_argument("--shm-mode", default=None, help="octal mode of the segments (default 600)")
     parser.add_argument("--loader-threads", type=int, default=None, help="parallel loads (default 4)")
@@ -87,17 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _octal(text: str | int) -> int:
-    if isinstance(text, int):
-        return text
-    try:
-        mode = int(text, 8)
-    except ValueError:
-        raise ConfigError(f"shm mode {text!r} is not an octal number such as 600 or 640") from None
+def _octal(value: str | int) -> int:
+    """The mode from a flag or a TOML string ("640", octal digits) or a TOML integer (0o640)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigError(f"shm mode {value!r} must be octal digits such as \"640\" or a TOML octal integer "
+                          "such as 0o640")
+    if isinstance(value, int):
+        mode, shown = value, f"{value:#o}"
+    else:
+        try:
+            mode, shown = int(value, 8), repr(value)
+        except ValueError:
+            raise ConfigError(f"shm mode {value!r} is not an octal number such as 600 or 640") from None
     if mode & ~0o666 or not mode & 0o600 == 0o600:
-        raise ConfigError(f"shm mode {text!r} must give the owner read and write and nothing executable")
+        # TOML reads shm_mode = 640 as the decimal number 640 (0o1200): say how to write the octal mode.
+        decimal = isinstance(value, int) and all(c in "01234567" for c in str(value))
+        raise ConfigError(f"shm mode {shown} must give the owner read and write and nothing executable"
+                          + (f" (TOML reads shm_mode = {value} as a decimal number: write shm_mode = 0o{value} "
+                             f"or \"{value}\")" if decimal else ""))
     if mode & 0o022:
-        raise ConfigError(f"shm mode {text!r} lets others write the segments, and clients refuse such "
+        raise ConfigError(f"shm mode {shown} lets others write the segments, and clients refuse such "
                           "segments (docs/security.md): use 600, 640 or 644")
     return mode
 
@@ -176,6 +189,24 @@ def _load_toml(path: Path) -> dict:
         raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
 
 
+def _path(value, what: str, kind: str = "a file name") -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what} must be {kind} (a string), got {value!r}")
+    try:
+        return expand_path(value)
+    except PathError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+
+
+def _socket(value, what: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be a string such as ipc://PATH, got {value!r}")
+    try:
+        return expand_socket(value)
+    except PathError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+
+
 def _direct_io(value, what: str) -> bool | None:
     if value not in DIRECT_IO:
         raise ConfigError(f"{what} must be one of {', '.join(DIRECT_IO)}, got {value!r}")
@@ -200,16 +231,25 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
     default_policy = args.policy or table.get("policy", DEFAULT_POLICY)
     default_direct = _direct_io(args.direct_io or table.get("direct_io", "auto"), "direct_io")
     models = []
-    for entry in table.get("model", []):
+    entries = table.get("model", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(f"model in {args.config} must be [[model]] tables, each with a path and a budget")
+    for entry in entries:
         if "path" not in entry or "budget" not in entry:
             raise ConfigError(f"every [[model]] in {args.config} needs a path and a budget")
+        unknown = set(entry) - set(MODEL_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown key(s) in the [[model]] of {entry['path']} in {args.config}: "
+                              f"{', '.join(sorted(unknown))} (known: {', '.join(MODEL_KEYS)})")
+        path = _path(entry["path"], f"path of a [[model]] in {args.config}",
+                     "a model directory or a Hugging Face repo id")
         profile = entry.get("profile")
-        if profile is not None and (not isinstance(profile, str) or not profile):
-            raise ConfigError(f"profile of {entry['path']} in {args.config} must be a file name")
+        if profile is not None:
+            profile = _path(profile, f"profile of {entry['path']} in {args.config}")
         direct = _direct_io(entry["direct_io"], f"direct_io of {entry['path']}") if "direct_io" in entry \
             else default_direct
-        models.append(ModelConfig(Path(entry["path"]), _size(entry["budget"], f"budget of {entry['path']}"),
-                                  entry.get("policy", default_policy), Path(profile) if profile else None, direct))
+        models.append(ModelConfig(path, _size(entry["budget"], f"budget of {entry['path']}"),
+                                  entry.get("policy", default_policy), profile, direct))
     profiles = getattr(args, "profile", None) or []
     if profiles and not args.model:
         raise ConfigError("--profile needs a --model to apply to (in a config file, set profile in [[model]])")
@@ -233,8 +273,10 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
     for m in models:
         if m.policy not in POLICIES:
             raise ConfigError(f"unknown policy {m.policy!r} for {m.path}; choose one of {', '.join(POLICIES)}")
-    directory = args.runtime_dir or (Path(table["runtime_dir"]) if "runtime_dir" in table else runtime_dir())
-    socket = args.socket or table.get("socket") or f"ipc://{directory / SOCKET_NAME}"
+    directory = args.runtime_dir or (_path(table["runtime_dir"], "runtime_dir", "a directory") if "runtime_dir" in table
+                                     else runtime_dir())
+    socket = args.socket or (_socket(table["socket"], "socket") if "socket" in table else None) \
+        or f"ipc://{directory / SOCKET_NAME}"
     if not socket.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"socket {socket!r} must be ipc://PATH or tcp://HOST:PORT")
     curve = _curve(args.curve_secret_key or table.get("curve_secret_key"),

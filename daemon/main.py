@@ -21,6 +21,7 @@ from moe_l2 import _native
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
+from moe_l2.model.location import resolve_model
 from moe_l2.sizes import format_size
 
 from .config import ConfigError, DaemonConfig, build_parser, resolve
@@ -143,6 +144,7 @@ class Daemon:
         self._dir_fd: int | None = None
         self._lock_fd: int | None = None
         self._stop = False
+        self._served = False  # READY was sent: only then does stopping mean "stopped serving"
 
     @property
     def state_dir(self) -> Path:
@@ -229,7 +231,8 @@ class Daemon:
         opened = []
         for m in self.config.models:
             try:
-                files = ModelFiles.open(m.path)
+                # Never downloads: a repo id missing from the cache names the command that fetches it.
+                files = ModelFiles.open(resolve_model(m.path))
             except (OSError, ValueError) as exc:
                 raise StartupError(f"cannot serve {m.path}: {exc}") from None
             profile = None
@@ -279,6 +282,7 @@ class Daemon:
 
     def serve(self) -> None:
         sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {len(self.models)} model(s)")
+        self._served = True
         log.info("moe-l2d %d ready on %s", os.getpid(), self.config.socket)
         if self.config.socket.startswith("tcp://") and self.config.curve is None:
             log.warning("%s is reachable by every local user (TCP has no file mode); use the ipc:// socket "
@@ -312,7 +316,10 @@ class Daemon:
         os.close(self._lock_fd)
         os.close(self._dir_fd)
         self._lock_fd = self._dir_fd = None
-        log.info("moe-l2d stopped; segments unlinked")
+        if self._served:
+            log.info("moe-l2d stopped; segments unlinked")
+        elif self.models:
+            log.info("start failed; the segments made so far are unlinked")
 
 
 def main(argv: list[str] | None = None) -> int:

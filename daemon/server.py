@@ -251,7 +251,14 @@ class Server:
     def _hint(self, identity: bytes, req: protocol.Hint) -> bytes:
         """Predict the domain of req.text (or take req.domain), pin and load its top experts; the reply names
         the domain, the confidence and the experts pinned per layer. NoProfile without a profile."""
-        result = self._model(req.model).hint(req.text, req.domain, self.loader)
+        try:
+            result = self._model(req.model).hint(req.text, req.domain, self.loader)
+        except ProtocolError as exc:
+            if exc.ename != "NoProfile":
+                raise
+            # An answer, not a refused request: clients keep working without hints (architecture.md,
+            # "Control plane"), so it counts in neither `errors` nor the warning log.
+            return protocol.encode_error(req.id, exc.ename, exc.evalue)
         return protocol.encode_reply(req.id, **result)
 
     def _prefetch(self, identity: bytes, req: protocol.Prefetch) -> None:

@@ -42,7 +42,7 @@ def test_stats_json_and_table_agree_with_the_daemon(running_daemon, model_files)
 def test_stats_without_a_daemon_says_what_to_do(tmp_path):
     result = moe_l2("stats", "--socket", f"ipc://{tmp_path}/none.sock", "--timeout", "0.5")
     assert result.returncode == 1
-    assert "is it running?" in result.stderr
+    assert "no moe-l2d at" in result.stderr and "start the daemon" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -66,7 +66,7 @@ def test_a_packed_model_carries_a_manifest_of_its_records_that_verify_accepts(mo
     expected = record_checksums(model_files)
     assert [list(row) for row in files.checksums.checksums] == expected == record_checksums(files)
     on_disk = json.loads((packed_model / MANIFEST_NAME).read_text())
-    assert on_disk["fingerprint"] == files.fingerprint and on_disk["layers"] == expected
+    assert on_disk["fingerprint"] == files.content_fingerprint and on_disk["layers"] == expected
     result = moe_l2("verify", "--model", str(packed_model), "--no-daemon", "--all")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"checked {files.n_layers * files.n_experts} experts" in result.stdout
@@ -116,7 +116,7 @@ def test_a_stale_or_damaged_manifest_is_reported_with_the_fix(tmp_path, packed_c
 
     rewritten = moe_l2("verify", "--model", str(model), "--manifest")
     assert rewritten.returncode == 0, rewritten.stderr
-    assert ModelFiles.open(model).checksums.fingerprint == files.fingerprint
+    assert ModelFiles.open(model).checksums.fingerprint == files.content_fingerprint
     assert moe_l2("verify", "--model", str(model), "--no-daemon", "--samples", "4").returncode == 0
 
     (model / MANIFEST_NAME).write_text('{"format": "moe-l2-checksums-v1", "algorithm": "crc32"')

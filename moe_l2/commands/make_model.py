@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from moe_l2.generator import _DEFAULT_VOCAB, ARCHS, make_model
+from moe_l2.model.location import path_arg
 
 HELP = "write a random-weight mlx-lm MoE checkpoint"
 
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-hidden-size", type=int, required=True, help="width of one expert")
     parser.add_argument("--bits", type=int, required=True, choices=(4, 8, 16),
                         help="4/8: affine quantized, 16: float16")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (created; must be empty)")
+    parser.add_argument("--out", required=True, type=path_arg, help="output directory (created; must be empty)")
     parser.add_argument("--per-expert", action="store_true", help="one tensor per expert instead of stacked")
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors files")
     parser.add_argument("--seed", type=int, default=0, help="random seed")

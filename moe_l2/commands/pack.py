@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from moe_l2.model.location import ModelNotFound, path_arg, resolve_model
 from moe_l2.model.packer import PackError, pack
 from moe_l2.sizes import format_size, parse_size
 
@@ -16,8 +16,9 @@ HELP = "rewrite a checkpoint expert-major: one read per expert"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, type=Path, help="mlx-lm checkpoint directory to pack")
-    parser.add_argument("--out", required=True, type=Path,
+    parser.add_argument("--model", required=True,
+                        help="mlx-lm checkpoint directory, or Hugging Face repo id in the local cache, to pack")
+    parser.add_argument("--out", required=True, type=path_arg,
                         help="output directory (new or empty; an interrupted pack into it resumes)")
     parser.add_argument("--max-shard-size", default="5GiB",
                         help="largest safetensors file to write, e.g. 5GiB (a MoE layer is never split)")
@@ -36,7 +37,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"moe-l2 pack: --max-shard-size: {e}", file=sys.stderr)
         return 2
     try:
-        packed = pack(args.model, args.out, max_shard_bytes=max_shard, moe_l2_only=args.moe_l2_only,
+        model = resolve_model(args.model)
+    except ModelNotFound as e:
+        print(f"moe-l2 pack: {e}", file=sys.stderr)
+        return 2
+    try:
+        packed = pack(model, args.out, max_shard_bytes=max_shard, moe_l2_only=args.moe_l2_only,
                       verify=args.verify, progress=not args.quiet)
     except PackError as e:
         print(f"moe-l2 pack: {e}", file=sys.stderr)
@@ -45,6 +51,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"moe-l2 pack: {e}", file=sys.stderr)
         return 1
     size = sum(f.stat().st_size for f in packed.files)
-    print(f"packed {args.model} -> {packed.path}: {packed.n_layers} MoE layers x {packed.n_experts} experts, "
+    print(f"packed {model} -> {packed.path}: {packed.n_layers} MoE layers x {packed.n_experts} experts, "
           f"one {format_size(packed.layout.span)} extent per expert, {len(packed.files)} files, {format_size(size)}")
     return 0

@@ -9,6 +9,7 @@ import sys
 from moe_l2.cache.prediction import NaiveBayes, PredictorError, cross_validate
 from moe_l2.cache.profile import KINDS, Profile, ProfileError, train_predictor
 from moe_l2.cache.trace import TraceError, read_traces
+from moe_l2.model.location import path_arg
 from moe_l2.sizes import format_pct
 
 HELP = "name a prompt's domain with a profile's predictor"
@@ -16,11 +17,11 @@ HELP = "name a prompt's domain with a profile's predictor"
 
 def add_arguments(parser) -> None:
     parser.add_argument("text", nargs="*", help="prompt text (read from stdin when absent and no --eval)")
-    parser.add_argument("--profile", metavar="P.json", help="profile whose predictor names the domain")
-    parser.add_argument("--eval", nargs="+", metavar="TRACE",
+    parser.add_argument("--profile", type=path_arg, metavar="P.json", help="profile whose predictor names the domain")
+    parser.add_argument("--eval", nargs="+", type=path_arg, metavar="TRACE",
                         help="accuracy of the profile's predictor on these traces' prompts (held out if the "
                              "profile was built from other traces)")
-    parser.add_argument("--cross-validate", nargs="+", metavar="TRACE",
+    parser.add_argument("--cross-validate", nargs="+", type=path_arg, metavar="TRACE",
                         help="train on folds of these traces' prompts and report held-out accuracy (no profile)")
     parser.add_argument("--predictor", choices=KINDS, default=NaiveBayes.kind,
                         help="with --cross-validate: the backend to train (embedding needs the embed extra)")

@@ -12,6 +12,7 @@ from moe_l2.cache.prediction import NaiveBayes, PredictorError
 from moe_l2.cache.profile import KINDS, Profile, ProfileError
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.client.connection import request
+from moe_l2.model.location import ModelNotFound, path_arg, resolve_model, socket_arg
 from moe_l2.runtime import default_socket
 
 HELP = "build a domain profile from traces or the daemon's statistics"
@@ -48,7 +49,10 @@ def profile_from_daemon(socket: str, model: str | None, base: Profile | None = N
         raise ProfileError(f"the daemon refused: {reply.ename}: {reply.evalue}")
     models = reply.payload.get("models", [])
     if model is not None:
-        real = os.path.realpath(model)
+        try:
+            real = os.path.realpath(resolve_model(model))
+        except ModelNotFound:
+            real = None  # a fingerprint
         models = [m for m in models if m.get("fingerprint") == model or os.path.realpath(m.get("path", "")) == real]
     if len(models) != 1:
         served = ", ".join(m.get("path", "?") for m in reply.payload.get("models", []))
@@ -74,20 +78,21 @@ def profile_from_daemon(socket: str, model: str | None, base: Profile | None = N
 
 def add_arguments(parser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--traces", nargs="+", metavar="FILE", help="routing traces of one model")
+    src.add_argument("--traces", nargs="+", type=path_arg, metavar="FILE", help="routing traces of one model")
     src.add_argument("--from-daemon", action="store_true",
                      help="use the running daemon's online statistics (what its clients reported)")
-    src.add_argument("--show", metavar="P.json", help="print a summary of a profile")
-    parser.add_argument("--out", metavar="P.json", help="where to write the profile")
-    parser.add_argument("--socket", default=None, help="daemon address for --from-daemon")
-    parser.add_argument("--model", default=None, help="with --from-daemon: the served model (path or fingerprint)")
-    parser.add_argument("--base", metavar="P.json",
+    src.add_argument("--show", type=path_arg, metavar="P.json", help="print a summary of a profile")
+    parser.add_argument("--out", type=path_arg, metavar="P.json", help="where to write the profile")
+    parser.add_argument("--socket", default=None, type=socket_arg, help="daemon address for --from-daemon")
+    parser.add_argument("--model", default=None,
+                        help="with --from-daemon: the served model (path, Hugging Face repo id or fingerprint)")
+    parser.add_argument("--base", type=path_arg, metavar="P.json",
                         help="with --from-daemon: add the online counts to this profile (keeps its predictor)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     parser.add_argument("--no-predictor", action="store_true", help="do not train a domain predictor")
     parser.add_argument("--predictor", choices=KINDS, default=NaiveBayes.kind,
                         help="domain predictor to train: naive-bayes (default, no dependency) or embedding "
-                             "(sentence embeddings; needs pip install 'moe-l2[embed]')")
+                             "(sentence embeddings; needs pip install 'mlx-moe-l2[embed]')")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -108,7 +113,7 @@ def run(args) -> int:
     except (TraceError, ProfileError, PredictorError) as exc:
         print(f"moe-l2 profile: {exc}", file=sys.stderr)
         return 2
-    except TimeoutError as exc:
+    except (TimeoutError, ConnectionRefusedError) as exc:
         print(f"moe-l2 profile: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

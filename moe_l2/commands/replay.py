@@ -13,6 +13,7 @@ from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.replay import ORDERS, ReplayError, parse_slots, replay
 from moe_l2.cache.store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR
 from moe_l2.cache.trace import TraceError, read_traces
+from moe_l2.model.location import path_arg
 from moe_l2.sizes import format_pct
 
 HELP = "run routing traces through the daemon's store: hit rates vs LRU, LFU and Belady's MIN"
@@ -67,7 +68,7 @@ def render(result: dict, per_layer: bool = True) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, action="append", metavar="FILE",
+    parser.add_argument("--trace", required=True, action="append", type=path_arg, metavar="FILE",
                         help="routing trace (JSON Lines, .gz or not); repeat to concatenate files of one model")
     parser.add_argument("--slots", metavar="N[,N...]",
                         help="expert slots per layer to try (default: 25%%, 37.5%% and 50%% of the experts)")
@@ -75,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"policy under test (default {DEFAULT_POLICY})")
     parser.add_argument("--compare", default="lru,lfu",
                         help="comparison policies, comma-separated (default lru,lfu); Belady's MIN always runs")
-    parser.add_argument("--profile", metavar="P.json", help="profile from moe-l2 profile (for --hints, --prior)")
+    parser.add_argument("--profile", type=path_arg, metavar="P.json",
+                        help="profile from moe-l2 profile (for --hints, --prior)")
     parser.add_argument("--hints", action="store_true",
                         help="send each sequence's prompt as a hint before its tokens (needs --profile)")
     parser.add_argument("--oracle-hints", action="store_true",

@@ -7,13 +7,14 @@ import json
 import sys
 
 from moe_l2 import protocol
+from moe_l2.model.location import socket_arg
 from moe_l2.sizes import format_pct, format_size
 
 HELP = "hit rates, occupancy, loads and memory of the running daemon"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--socket", default=None, help="daemon address (default: the local runtime dir)")
+    parser.add_argument("--socket", default=None, type=socket_arg, help="daemon address (default: the local runtime dir)")
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
 

@@ -8,12 +8,15 @@ import argparse
 import random
 import sys
 
+from moe_l2.model.location import resolve_model, socket_arg
+
 HELP = "check experts through the client path against the file and the model's checksum manifest"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory")
-    parser.add_argument("--socket", default=None, help="daemon address (default: the local runtime dir)")
+    parser.add_argument("--model", required=True,
+                        help="model directory, or Hugging Face repo id in the local cache")
+    parser.add_argument("--socket", default=None, type=socket_arg, help="daemon address (default: the local runtime dir)")
     parser.add_argument("--no-daemon", action="store_true", help="check the pread path only")
     parser.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
                         help="read the model files with O_DIRECT / F_NOCACHE (auto: for packed models)")
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print("moe-l2 verify: --samples must be at least 1", file=sys.stderr)
         return 2
     try:
-        files = ModelFiles.open(args.model)
+        files = ModelFiles.open(resolve_model(args.model))
     except (OSError, ValueError) as exc:
         print(f"moe-l2 verify: {exc}", file=sys.stderr)
         return 2
