@@ -38,8 +38,8 @@ def free_port() -> int:
 class Server:
     """An HTTP server process on a free loopback port: `moe-l2 serve ...` or `mlx_lm server ...`."""
 
-    def __init__(self, cmd: list[str], log_path: Path):
-        self.port = free_port()
+    def __init__(self, cmd: list[str], log_path: Path, port: int | None = None):
+        self.port = port or free_port()
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([*cmd, "--port", str(self.port), "--log-level", "WARNING"],
@@ -213,13 +213,35 @@ def test_health_and_refusals(served):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--l0-slots", "1"], "at least 4 slots"),
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["--kv-bits", "7"], "--kv-bits must be"),
+    (["--chat-template-args", "{oops"], "not JSON"),
+    (["--chat-template-args", "[1]"], "give a JSON object"),
 ])
 def test_bad_options_are_refused_before_listening(capsys, model_dir, args, message):
-    assert moe_l2_main(["serve", "--model", str(model_dir), "--no-daemon", "--port", str(free_port()), *args]) == 2
+    argv = ["serve", "--model", str(model_dir), "--no-daemon", "--port", str(free_port()), *args]
+    if args[0] == "--chat-template-args":  # refused by the parser
+        with pytest.raises(SystemExit) as exit_:
+            moe_l2_main(argv)
+        assert exit_.value.code == 2
+    else:
+        assert moe_l2_main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_start_up_errors_exit_with_the_reason(model_dir, model_files, logs):
+    """A model this L0 size cannot run (status 2) and a port already taken (status 1), as the process exits."""
+    small = Server.moe_l2(model_dir, logs / "small.log", "--no-daemon", "--l0-slots", str(model_files.top_k - 1))
+    assert small.proc.wait(120) == 2
+    assert f"L0 needs at least {model_files.top_k} slots per layer" in small.log()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = Server([sys.executable, "-P", "-m", "moe_l2.cli", "serve", "--model", str(model_dir), "--no-daemon"],
+                      logs / "busy.log", port=taken.getsockname()[1])
+        assert busy.proc.wait(120) == 1
+    assert "Address already in use" in busy.log()
+    assert "terminate called" not in small.log() + busy.log()
 
 
 def test_a_directory_that_is_no_model_is_refused(capsys, tmp_path):

@@ -21,6 +21,16 @@ _FIXED = {"adapter_path": None, "draft_model": None, "num_draft_tokens": 3, "tru
           "pipeline": False}
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); give an object, e.g. '{{\"enable_thinking\": false}}'")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="mlx-lm model directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -43,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     mlx.add_argument("--chat-template", default="", help="a chat template to use instead of the tokenizer's")
     mlx.add_argument("--use-default-chat-template", action="store_true",
                      help="use the tokenizer's default chat template when the model has none")
-    mlx.add_argument("--chat-template-args", type=json.loads, default="{}",
+    mlx.add_argument("--chat-template-args", type=_json_object, default={},
                      help="JSON arguments for the tokenizer's apply_chat_template, e.g. '{\"enable_thinking\":false}'")
     mlx.add_argument("--temp", type=float, default=0.0, help="default sampling temperature (default: 0.0)")
     mlx.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p (default: 1.0)")
@@ -133,15 +143,16 @@ def run(args: argparse.Namespace) -> int:
     lm_options = {"l0_slots": args.l0_slots, "l0_budget": args.l0_budget, "socket": args.socket,
                   "daemon": not args.no_daemon, "client_wait_s": 2.0, "direct": DIRECT_IO[args.direct_io]}
     provider = StreamedModelProvider(cli_args, model_dir, args.model, lm_options)
+    status = 0
     try:
         serve(args.host, args.port, provider, on_ready=_announce(args.host, args.port))
     except (OSError, ValueError) as exc:
         print(f"moe-l2 serve: {exc}", file=sys.stderr)
-        return 1 if isinstance(exc, OSError) else 2
-    # Shut down in order (the requests, the generation thread, the pool, the daemon link): now leave at once.
-    # mlx 0.32.4 aborts at interpreter exit after a model was loaded on another thread, as mlx_lm.server does
-    # on Ctrl-C (docs/architecture.md, "moe-l2 serve").
+        status = 2 if exc is provider.load_error else 1  # a model it cannot serve; else e.g. a port in use
+    # Everything is shut down in order (the requests, the generation thread, the pool, the daemon link): leave
+    # at once. mlx 0.32.4 aborts at interpreter exit after a model was loaded on another thread, as
+    # mlx_lm.server does on Ctrl-C (docs/architecture.md, "moe-l2 serve").
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
