@@ -18,15 +18,18 @@ from pathlib import Path
 import openai
 import pytest
 
+from moe_l2.cache.profile import Profile
+from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.daemon.process import short_tempdir
 from moe_l2.runtime import default_socket
 
-from .conftest import budget_for, stats, wait_for
+from .conftest import budget_for, stats, synthetic_trace, wait_for
 
 PROMPTS = ["Which experts does the router pick?", "Tell me about shared memory caches.",
            "one two three four five six seven eight nine ten", "Why?"]
 MAX_TOKENS = 12
+DEFAULT_MAX_TOKENS = 5  # the served fixture's --max-tokens
 
 
 def free_port() -> int:
@@ -126,7 +129,8 @@ def reference(model_dir, logs):
 def served(model_dir, model_files, logs):
     """moe-l2 serve from the files with an L0 pool one expert more than a token needs: every batch of tokens
     evicts and refills rows, and batches of several sequences are run in chunks."""
-    server = Server.moe_l2(model_dir, logs / "serve.log", "--no-daemon", "--l0-slots", str(model_files.top_k + 1))
+    server = Server.moe_l2(model_dir, logs / "serve.log", "--no-daemon", "--l0-slots", str(model_files.top_k + 1),
+                           "--max-tokens", str(DEFAULT_MAX_TOKENS))
     server.wait_healthy()
     yield server
     assert server.stop() == 0, server.log()  # SIGTERM is a clean shutdown
@@ -161,6 +165,14 @@ def test_openai_client_streaming_and_not(served, reference, model_dir):
                                          temperature=0.0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
     assert done.usage.completion_tokens == len(reference["text"][2])
+
+
+def test_options_are_the_defaults_of_requests(served, reference):
+    status, body = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}],
+                                                        "logprobs": True})
+    assert status == 200, body
+    tokens = [entry["id"] for entry in body["choices"][0]["logprobs"]["content"]]
+    assert tokens == reference["chat"][0][:DEFAULT_MAX_TOKENS]  # --max-tokens 5, and --temp 0: greedy
 
 
 def test_raw_server_sent_events(served, reference):
@@ -253,7 +265,11 @@ def test_a_directory_that_is_no_model_is_refused(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_two_servers_share_one_daemon_that_dies_and_comes_back(daemon_factory, model_dir, model_files, logs,
-                                                                reference):
+                                                                reference, capsys, tmp_path):
+    # A profile whose domain "alpha" the daemon predicts from calculus words (conftest.synthetic_trace).
+    trace = synthetic_trace(tmp_path / "toy.jsonl.gz", n_layers=model_files.n_layers,
+                            n_experts=model_files.n_experts, top_k=model_files.top_k, seqs=6, tokens=40)
+    Profile.from_traces(read_traces(trace)).save(tmp_path / "toy.json")
     runtime = short_tempdir()
     address = default_socket(runtime)
     budget = str(budget_for(model_files, model_files.n_experts))
@@ -263,15 +279,23 @@ def test_two_servers_share_one_daemon_that_dies_and_comes_back(daemon_factory, m
     second = None
     try:
         assert first.chat_tokens(PROMPTS[0]) == reference["chat"][0]
-        daemon = daemon_factory([model_dir], budget, runtime_dir=runtime)
+        daemon = daemon_factory([model_dir], budget, "--profile", str(tmp_path / "toy.json"), runtime_dir=runtime)
         second = Server.moe_l2(model_dir, logs / "second.log", "--socket", address, "--l0-slots", slots).wait_healthy()
         wait_for(lambda: stats(daemon)["daemon"]["clients"] == 2, what="both servers attached")
         for server in (first, second):
             assert [server.chat_tokens(p) for p in PROMPTS] == reference["chat"]
         wait_for(lambda: stats(daemon)["models"][0]["loads_in_flight"] == 0, what="loads")
         assert second.chat_tokens(PROMPTS[1]) == reference["chat"][1]
-        served = stats(daemon)["models"][0]
-        assert served["hits"] > 0 and served["loads_done"] > 0  # experts went through L2 to the servers
+        l2 = stats(daemon)["models"][0]
+        assert l2["hits"] > 0 and l2["loads_done"] > 0  # experts went through L2 to the servers
+        # Each request's prompt reaches the daemon as a hint.
+        second.chat_tokens("what is the integral of this derivative")  # asserts a 200 answer
+        wait_for(lambda: stats(daemon)["models"][0]["active_domain"] == "alpha", what="the hint")
+        # A generate run shares the daemon with both servers.
+        assert moe_l2_main(["generate", "--model", str(model_dir), "--socket", address, "--prompt", PROMPTS[3],
+                            "--max-tokens", str(MAX_TOKENS), "--l0-slots", slots, "--json"]) == 0
+        run = json.loads(capsys.readouterr().out)
+        assert run["daemon"]["attached"] and run["l2_hits"] > 0 and run["tokens"] == reference["chat"][3]
 
         # kill -9 mid-request: the stream goes on from the files with the same tokens.
         chunks = first.client().chat.completions.create(
