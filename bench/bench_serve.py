@@ -9,7 +9,8 @@ expert are started once and warmed with one request each; then for each client c
 chat requests (distinct prompts, so mlx-lm's prompt cache never answers, temperature 1: greedy decoding of
 random weights routes to a handful of experts) go out at once, spread over the servers. Printed per row:
 - tok/s: generated tokens of all clients over the wall time from the first request to the last token;
-- TTFT: the median time from sending a request to its first token;
+- TTFT: the median time from sending a request to its first text chunk (mlx_lm.server sends a chunk only
+  for tokens that add text);
 - memory: the servers' and the daemon's resident memory without shared memory (RssAnon + RssFile, Linux),
   plus the daemon's segments once; so a segment page that several processes map is counted once. Model file
   pages in the page cache (what the servers without a daemon read from) are not counted;
