@@ -174,7 +174,8 @@ class StreamedLM:
     def __init__(self, path, *, l0_slots: int | None = None, l0_budget: int | str | None = None,
                  socket: str | None = None, daemon: bool = True, client_wait_s: float = 1.0,
                  policy: str = "lru", record: bool = False, model_config: dict | None = None,
-                 direct: bool | None = None, verify: str = "file", download: bool = False):
+                 direct: bool | None = None, verify: str = "file", download: bool = False,
+                 tokenizer_config: dict | None = None):
         from moe_l2.client.connection import L2Client
 
         # A directory or a Hugging Face repo id; `download` fetches a missing one as mlx-lm does.
@@ -189,7 +190,8 @@ class StreamedLM:
             try:
                 self.model, self.config, self.switches = load_model(path, self.pool, model_config=model_config,
                                                                     stats=self.stats, recorder=self.recorder)
-                self.tokenizer = load_tokenizer(Path(path), eos_token_ids=self.config.get("eos_token_id"))
+                self.tokenizer = load_tokenizer(Path(path), tokenizer_config,
+                                                eos_token_ids=self.config.get("eos_token_id"))
             except BaseException:
                 self.pool.close()
                 raise

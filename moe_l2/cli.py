@@ -14,6 +14,7 @@ from moe_l2.runtime import default_socket
 COMMANDS = {
     "demo": "demo",
     "generate": "generate",
+    "serve": "serve",
     "stats": "stats",
     "verify": "verify",
     "pack": "pack",

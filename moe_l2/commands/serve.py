@@ -1,0 +1,158 @@
+"""`moe-l2 serve`: mlx_lm.server's OpenAI-compatible HTTP API over a model whose experts are streamed.
+
+The options after the model, L0 and daemon ones are mlx_lm.server's own, with its names and defaults (it
+builds its parser inside main(), so they are restated here); they land in the namespace mlx_lm.server's
+ModelProvider and handler read (docs/architecture.md, "moe-l2 serve").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from moe_l2.model.location import resolve_model, socket_arg
+
+HELP = "serve an mlx-lm MoE model over an OpenAI-compatible HTTP API, its experts streamed"
+
+# mlx_lm.server options this command has no use for, with the values its code expects.
+_FIXED = {"adapter_path": None, "draft_model": None, "num_draft_tokens": 3, "trust_remote_code": False,
+          "pipeline": False}
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); give an object, e.g. '{{\"enable_thinking\": false}}'")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", required=True, help="mlx-lm model directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
+    l0 = parser.add_mutually_exclusive_group()
+    l0.add_argument("--l0-slots", type=int, help="experts per layer kept in this process (default: a quarter "
+                                                 "of the experts, at least twice the experts per token)")
+    l0.add_argument("--l0-budget", help="memory for this process' experts over all layers, e.g. 2GiB")
+    daemon = parser.add_mutually_exclusive_group()
+    daemon.add_argument("--socket", default=None, type=socket_arg, help="moe-l2d address (default: the local runtime dir)")
+    daemon.add_argument("--no-daemon", action="store_true", help="read missing experts from the model files only")
+    parser.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
+                        help="read missing experts with O_DIRECT / F_NOCACHE (auto: for packed models)")
+
+    mlx = parser.add_argument_group("mlx_lm.server options (same names and defaults)")
+    mlx.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
+                     help="comma-separated origins allowed by CORS (default: *)")
+    mlx.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                     help="logging level (default: INFO)")
+    mlx.add_argument("--chat-template", default="", help="a chat template to use instead of the tokenizer's")
+    mlx.add_argument("--use-default-chat-template", action="store_true",
+                     help="use the tokenizer's default chat template when the model has none")
+    mlx.add_argument("--chat-template-args", type=_json_object, default={},
+                     help="JSON arguments for the tokenizer's apply_chat_template, e.g. '{\"enable_thinking\":false}'")
+    mlx.add_argument("--temp", type=float, default=0.0, help="default sampling temperature (default: 0.0)")
+    mlx.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p (default: 1.0)")
+    mlx.add_argument("--top-k", type=int, default=0, help="default top-k sampling (default: 0, off)")
+    mlx.add_argument("--min-p", type=float, default=0.0, help="default min-p sampling (default: 0.0, off)")
+    mlx.add_argument("--max-tokens", type=int, default=512,
+                     help="default maximum number of tokens to generate (default: 512)")
+    mlx.add_argument("--decode-concurrency", type=int, default=32,
+                     help="requests decoded together in one batch (default: 32)")
+    mlx.add_argument("--prompt-concurrency", type=int, default=8,
+                     help="prompts processed together in one batch (default: 8)")
+    mlx.add_argument("--prefill-step-size", type=int, default=2048,
+                     help="prompt tokens per prefill step (default: 2048)")
+    mlx.add_argument("--prompt-cache-size", type=int, default=10,
+                     help="most distinct KV caches kept in the prompt cache (default: 10)")
+    mlx.add_argument("--prompt-cache-bytes", help="most bytes of KV caches kept in the prompt cache, e.g. 4GiB")
+    mlx.add_argument("--kv-bits", type=int, default=None,
+                     help="quantize the KV cache to this many bits (4 or 8); serves requests one at a time")
+    mlx.add_argument("--kv-group-size", type=int, default=64, help="group size of KV cache quantization (default: 64)")
+    mlx.add_argument("--quantized-kv-start", type=int, default=None,
+                     help="token position from which the KV cache is quantized (default: mlx-lm's)")
+    return parser
+
+
+def local_model_dir(spec: str) -> Path:
+    """The model directory `--model` names: a directory, or a Hugging Face repo id from the local cache,
+    downloaded first as mlx-lm does when it is not there (moe_l2.model.location)."""
+    path = resolve_model(spec, download=True)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {spec}: {path} has no config.json; is it an mlx-lm model directory?")
+    return path
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("port", "max_tokens", "decode_concurrency", "prompt_concurrency", "prefill_step_size",
+                 "prompt_cache_size", "kv_group_size"):
+        value = getattr(args, name)
+        low = 0 if name == "port" else 1
+        if value < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    if args.kv_bits is not None and args.kv_bits not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(f"--kv-bits must be 2, 3, 4, 5, 6 or 8, got {args.kv_bits}")
+
+
+def mlx_lm_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The namespace mlx_lm.server's code reads, from ours."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+    from moe_l2.sizes import parse_size
+
+    ns = argparse.Namespace(**vars(args), **_FIXED)
+    ns.prompt_cache_bytes = None if args.prompt_cache_bytes is None else parse_size(args.prompt_cache_bytes)
+    if args.quantized_kv_start is None:
+        ns.quantized_kv_start = DEFAULT_QUANTIZED_KV_START
+    return ns
+
+
+def _announce(host: str, port: int):
+    def ready(provider) -> None:
+        lm = provider.lm
+        client = lm.client
+        if client is None:
+            daemon = "no daemon: experts from the model files"
+        elif client.attached:
+            daemon = f"moe-l2d at {client.address}"
+        else:
+            daemon = (f"moe-l2d not attached at {client.address} ({client.last_error or 'no answer'}): experts "
+                      "from the model files until it answers")
+        print(f"moe-l2 serve: {provider.model_id} on http://{host}:{port}/v1 (L0 {lm.pool.capacity} experts per "
+              f"layer; {daemon})", file=sys.stderr, flush=True)
+    return ready
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_l2.client.serving import StreamedModelProvider, serve
+    from moe_l2.model import DIRECT_IO
+
+    try:
+        _check(args)
+        model_dir = local_model_dir(args.model)
+        cli_args = mlx_lm_args(args)
+    except ValueError as exc:
+        print(f"moe-l2 serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
+    lm_options = {"l0_slots": args.l0_slots, "l0_budget": args.l0_budget, "socket": args.socket,
+                  "daemon": not args.no_daemon, "client_wait_s": 2.0, "direct": DIRECT_IO[args.direct_io]}
+    provider = StreamedModelProvider(cli_args, model_dir, args.model, lm_options)
+    status = 0
+    try:
+        serve(args.host, args.port, provider, on_ready=_announce(args.host, args.port))
+    except (OSError, ValueError) as exc:
+        print(f"moe-l2 serve: {exc}", file=sys.stderr)
+        status = 2 if exc is provider.load_error else 1  # a model it cannot serve; else e.g. a port in use
+    # Everything is shut down in order (the requests, the generation thread, the pool, the daemon link): leave
+    # at once. mlx 0.32.4 aborts at interpreter exit after a model was loaded on another thread, as
+    # mlx_lm.server does on Ctrl-C (docs/architecture.md, "moe-l2 serve").
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

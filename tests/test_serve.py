@@ -1,0 +1,365 @@
+"""`moe-l2 serve` over real HTTP: raw requests and the openai package, against mlx_lm.server with the model
+loaded whole (run as its own process, exactly as users start it), alone, concurrently, and two servers on one
+real daemon that is killed and restarted under them."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from moe_l2.cache.profile import Profile
+from moe_l2.cache.trace import read_traces
+from moe_l2.cli import main as moe_l2_main
+from moe_l2.daemon.process import short_tempdir
+from moe_l2.runtime import default_socket
+
+from .conftest import budget_for, stats, synthetic_trace, wait_for
+
+PROMPTS = ["Which experts does the router pick?", "Tell me about shared memory caches.",
+           "one two three four five six seven eight nine ten", "Why?"]
+MAX_TOKENS = 12
+DEFAULT_MAX_TOKENS = 5  # the served fixture's --max-tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """An HTTP server process on a free loopback port: `moe-l2 serve ...` or `mlx_lm server ...`."""
+
+    def __init__(self, cmd: list[str], log_path: Path, port: int | None = None):
+        self.port = port or free_port()
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([*cmd, "--port", str(self.port), "--log-level", "WARNING"],
+                                         stdout=log, stderr=log)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def moe_l2(cls, model_dir, log_path: Path, *args: str) -> "Server":
+        # -P: the source checkout in the working directory must not shadow the installed package.
+        return cls([sys.executable, "-P", "-m", "moe_l2.cli", "serve", "--model", str(model_dir), *args], log_path)
+
+    @classmethod
+    def mlx_lm(cls, model_dir, log_path: Path) -> "Server":
+        return cls([sys.executable, "-P", "-m", "mlx_lm", "server", "--model", str(model_dir)], log_path)
+
+    def wait_healthy(self, timeout: float = 120.0) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if json.loads(r.read()) == {"status": "ok"}:
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError(f"no /health after {timeout:g} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def chat_tokens(self, prompt: str, model: str = "default_model", **extra) -> list[int]:
+        status, body = self.post("/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, "logprobs": True, **extra})
+        assert status == 200, body
+        return [entry["id"] for entry in body["choices"][0]["logprobs"]["content"]]
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        status, body = self.post("/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                      "temperature": 0.0, "logprobs": True})
+        assert status == 200, body
+        return [entry["id"] for entry in body["choices"][0]["logprobs"]["content"]]
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("serve-logs")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, logs):
+    """mlx_lm.server with the model loaded whole: its tokens for every prompt, chat and completion."""
+    server = Server.mlx_lm(model_dir, logs / "mlx_lm.log").wait_healthy()
+    try:
+        yield {"chat": [server.chat_tokens(p) for p in PROMPTS], "text": [server.text_tokens(p) for p in PROMPTS],
+               "chat_text": [_openai_chat(server.client(), "default_model", p, stream=False) for p in PROMPTS]}
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, model_files, logs):
+    """moe-l2 serve from the files with an L0 pool one expert more than a token needs: every batch of tokens
+    evicts and refills rows, and batches of several sequences are run in chunks."""
+    server = Server.moe_l2(model_dir, logs / "serve.log", "--no-daemon", "--l0-slots", str(model_files.top_k + 1),
+                           "--max-tokens", str(DEFAULT_MAX_TOKENS))
+    server.wait_healthy()
+    yield server
+    assert server.stop() == 0, server.log()  # SIGTERM is a clean shutdown
+
+
+def _openai_chat(client: openai.OpenAI, model: str, prompt: str, *, stream: bool) -> str:
+    kwargs = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS,
+                  temperature=0.0)
+    if not stream:
+        return client.chat.completions.create(**kwargs).choices[0].message.content or ""
+    chunks = client.chat.completions.create(**kwargs, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_greedy_tokens_equal_mlx_lm_servers_with_the_model_whole(served, reference):
+    assert [served.chat_tokens(p) for p in PROMPTS] == reference["chat"]
+    assert [served.text_tokens(p) for p in PROMPTS] == reference["text"]
+    # A repeated request is served from mlx-lm's prompt cache: still the same tokens.
+    assert served.chat_tokens(PROMPTS[0]) == reference["chat"][0]
+
+
+def test_openai_client_streaming_and_not(served, reference, model_dir):
+    client = served.client()
+    models = client.models.list().data
+    assert [m.id for m in models] == [str(model_dir.resolve())]
+    for model in (models[0].id, "default_model", str(model_dir)):
+        assert _openai_chat(client, model, PROMPTS[1], stream=False) == reference["chat_text"][1]
+    for prompt, expected in zip(PROMPTS, reference["chat_text"]):
+        assert _openai_chat(client, models[0].id, prompt, stream=True) == expected
+    done = client.completions.create(model=models[0].id, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0.0)
+    streamed = client.completions.create(model=models[0].id, prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                         temperature=0.0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+    assert done.usage.completion_tokens == len(reference["text"][2])
+
+
+def test_options_are_the_defaults_of_requests(served, reference):
+    status, body = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}],
+                                                        "logprobs": True})
+    assert status == 200, body
+    tokens = [entry["id"] for entry in body["choices"][0]["logprobs"]["content"]]
+    assert tokens == reference["chat"][0][:DEFAULT_MAX_TOKENS]  # --max-tokens 5, and --temp 0: greedy
+
+
+def test_raw_server_sent_events(served, reference):
+    request = urllib.request.Request(f"{served.url}/v1/chat/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"messages": [{"role": "user", "content": PROMPTS[3]}],
+                                                      "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                                      "stream": True}).encode())
+    with urllib.request.urlopen(request, timeout=120) as r:
+        assert r.headers["Content-Type"] == "text/event-stream"
+        events = [line[len(b"data: "):] for line in r.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == reference["chat_text"][3]
+
+
+def test_concurrent_requests_get_the_tokens_they_get_one_by_one(served, reference):
+    results: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        try:
+            if i % 2:
+                results[i] = _openai_chat(served.client(), "default_model", PROMPTS[i], stream=True)
+            else:
+                results[i] = served.chat_tokens(PROMPTS[i])
+        except Exception as exc:  # reported below with the others' results
+            results[i] = exc
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    expected = {i: reference["chat_text"][i] if i % 2 else reference["chat"][i] for i in range(len(PROMPTS))}
+    assert results == expected
+
+
+def test_health_and_refusals(served):
+    with urllib.request.urlopen(f"{served.url}/health", timeout=10) as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+    status, body = served.post("/v1/chat/completions", {"model": "some/other-model",
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 404 and "serves" in body["error"] and "only" in body["error"]
+    status, body = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                        "draft_model": "some/draft"})
+    assert status == 404 and "no draft models" in body["error"]
+    status, body = served.post("/v1/chat/completions", {"messages": [], "max_tokens": 0})
+    assert status == 400 and "max_tokens" in body["error"]  # mlx_lm.server's own validation
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--kv-bits", "7"], "--kv-bits must be"),
+    (["--chat-template-args", "{oops"], "not JSON"),
+    (["--chat-template-args", "[1]"], "give a JSON object"),
+])
+def test_bad_options_are_refused_before_listening(capsys, model_dir, args, message):
+    argv = ["serve", "--model", str(model_dir), "--no-daemon", "--port", str(free_port()), *args]
+    if args[0] == "--chat-template-args":  # refused by the parser
+        with pytest.raises(SystemExit) as exit_:
+            moe_l2_main(argv)
+        assert exit_.value.code == 2
+    else:
+        assert moe_l2_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_start_up_errors_exit_with_the_reason(model_dir, model_files, logs):
+    """A model this L0 size cannot run (status 2) and a port already taken (status 1), as the process exits."""
+    small = Server.moe_l2(model_dir, logs / "small.log", "--no-daemon", "--l0-slots", str(model_files.top_k - 1))
+    assert small.proc.wait(120) == 2
+    assert f"L0 needs at least {model_files.top_k} slots per layer" in small.log()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = Server([sys.executable, "-P", "-m", "moe_l2.cli", "serve", "--model", str(model_dir), "--no-daemon"],
+                      logs / "busy.log", port=taken.getsockname()[1])
+        assert busy.proc.wait(120) == 1
+    assert "Address already in use" in busy.log()
+    assert "terminate called" not in small.log() + busy.log()
+
+
+def test_a_directory_that_is_no_model_is_refused(capsys, tmp_path):
+    assert moe_l2_main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "no model directory at" in capsys.readouterr().err
+    assert moe_l2_main(["serve", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_servers_share_one_daemon_that_dies_and_comes_back(daemon_factory, model_dir, model_files, logs,
+                                                                reference, capsys, tmp_path):
+    # A profile whose domain "alpha" the daemon predicts from calculus words (conftest.synthetic_trace).
+    trace = synthetic_trace(tmp_path / "toy.jsonl.gz", n_layers=model_files.n_layers,
+                            n_experts=model_files.n_experts, top_k=model_files.top_k, seqs=6, tokens=40)
+    Profile.from_traces(read_traces(trace)).save(tmp_path / "toy.json")
+    runtime = short_tempdir()
+    address = default_socket(runtime)
+    budget = str(budget_for(model_files, model_files.n_experts))
+    slots = str(model_files.top_k + 1)
+    # The first server starts before any daemon: it serves from the files, then attaches when one starts.
+    first = Server.moe_l2(model_dir, logs / "first.log", "--socket", address, "--l0-slots", slots).wait_healthy()
+    second = None
+    try:
+        assert first.chat_tokens(PROMPTS[0]) == reference["chat"][0]
+        daemon = daemon_factory([model_dir], budget, "--profile", str(tmp_path / "toy.json"), runtime_dir=runtime)
+        second = Server.moe_l2(model_dir, logs / "second.log", "--socket", address, "--l0-slots", slots).wait_healthy()
+        wait_for(lambda: stats(daemon)["daemon"]["clients"] == 2, what="both servers attached")
+        for server in (first, second):
+            assert [server.chat_tokens(p) for p in PROMPTS] == reference["chat"]
+        wait_for(lambda: stats(daemon)["models"][0]["loads_in_flight"] == 0, what="loads")
+        assert second.chat_tokens(PROMPTS[1]) == reference["chat"][1]
+        l2 = stats(daemon)["models"][0]
+        assert l2["hits"] > 0 and l2["loads_done"] > 0  # experts went through L2 to the servers
+        # Each request's prompt reaches the daemon as a hint.
+        second.chat_tokens("what is the integral of this derivative")  # asserts a 200 answer
+        wait_for(lambda: stats(daemon)["models"][0]["active_domain"] == "alpha", what="the hint")
+        # A generate run shares the daemon with both servers.
+        assert moe_l2_main(["generate", "--model", str(model_dir), "--socket", address, "--prompt", PROMPTS[3],
+                            "--max-tokens", str(MAX_TOKENS), "--l0-slots", slots, "--json"]) == 0
+        run = json.loads(capsys.readouterr().out)
+        assert run["daemon"]["attached"] and run["l2_hits"] > 0 and run["tokens"] == reference["chat"][3]
+
+        # kill -9 mid-request: the stream goes on from the files with the same tokens.
+        chunks = first.client().chat.completions.create(
+            model="default_model", messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=MAX_TOKENS,
+            temperature=0.0, stream=True)
+        text = [next(chunks).choices[0].delta.content or ""]
+        daemon.kill9()
+        text += [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert "".join(text) == reference["chat_text"][2]
+        for server in (first, second):
+            wait_for(lambda: "detached from moe-l2d" in server.log(), what="the servers to notice")
+        for server in (first, second):
+            assert [server.chat_tokens(p) for p in PROMPTS] == reference["chat"]
+
+        # A new daemon on the same socket (it reclaims the killed one's segments): both re-attach.
+        again = daemon_factory([model_dir], budget, runtime_dir=runtime)
+        wait_for(lambda: stats(again)["daemon"]["clients"] == 2, what="both servers re-attached")
+        for server in (first, second):
+            assert [server.chat_tokens(p) for p in PROMPTS] == reference["chat"]
+        wait_for(lambda: stats(again)["models"][0]["loads_done"] > 0, what="loads into the new daemon")
+    finally:
+        codes = [s.stop() for s in (first, second) if s is not None]
+    assert codes == [0, 0]
+
+
+def test_the_provider_loads_the_streamed_model_and_batches_exactly(model_dir, model_files):
+    """In process: mlx_lm.server's seam gives the streamed model, its batched decode (several sequences per
+    forward, in chunks through a small L0) gives each sequence's one-by-one tokens, and other models are refused."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator, stream_generate
+
+    from moe_l2.cli import build_parser
+    from moe_l2.client.serving import StreamedModelProvider
+    from moe_l2.client.switch import StreamedSwitch
+    from moe_l2.commands.serve import mlx_lm_args
+
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--no-daemon",
+                                      "--chat-template", "{{ messages[0]['content'] }} =>"])
+    provider = StreamedModelProvider(mlx_lm_args(args), model_dir, str(model_dir),
+                                     {"l0_slots": model_files.top_k + 1, "daemon": False})
+    try:
+        model, tokenizer = provider.load("default_model")
+        again = provider.load(str(model_dir.resolve()))
+        assert again[0] is model and again[1] is tokenizer  # the same model, not a second one
+        assert any(isinstance(m, StreamedSwitch) for _, m in model.named_modules())
+        assert provider.is_batchable
+        assert tokenizer.decode(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])) == "hi =>"
+        with pytest.raises(ValueError, match="serves .* only"):
+            provider.load("another/model")
+
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+        one_by_one = [[r.token for r in stream_generate(model, tokenizer, mx.array(p), max_tokens=MAX_TOKENS)]
+                      for p in prompts]
+        batch = BatchGenerator(model, max_tokens=MAX_TOKENS)
+        uids = batch.insert(prompts)
+        tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+        finished: set[int] = set()
+        while len(finished) < len(uids):
+            for response in batch.next()[1]:
+                tokens[response.uid].append(response.token)
+                if response.finish_reason is not None:
+                    finished.add(response.uid)
+        batch.close()
+        assert [tokens[uid] for uid in uids] == one_by_one
+        assert provider.lm.stats.chunked_calls > 0  # several sequences' experts did not fit L0 at once
+    finally:
+        provider.close()
