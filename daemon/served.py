@@ -46,6 +46,8 @@ class ServedModel:
         # Online statistics: the experts clients report looking up, per layer, per active domain ("" when
         # no hint named one); `moe-l2 profile --from-daemon` turns them into a profile.
         self.routing: dict[str, list[list[int]]] = {}
+        self.layer_hits = [0] * files.n_layers  # clients' L2 lookups per layer, for moe-l2 stats --watch
+        self.layer_misses = [0] * files.n_layers
         self.index = None
         self.data: list = []
         self.fds = files.open_fds(direct_io)
@@ -115,6 +117,29 @@ class ServedModel:
             self.index.store_i32(g.slot_of_offset(layer) + 4 * r.evicted, -1)
         self.index.store_i32(meta + META_EXPERT, -1)
 
+    def resize(self, target: int) -> int:
+        """Shrink or grow every layer toward `target` slots for the memory governor; returns the slots changed.
+        A taken slot is cleared and its pages released inside its seqlock write, so a client copying it sees
+        the sequence move and counts a miss (docs/architecture.md, "Memory governor")."""
+        g = self.geometry
+        changed = 0
+        with self.lock:
+            for layer, store in enumerate(self.stores):
+                for r in store.shrink(target):
+                    self._begin_fill(layer, r)
+                    self.data[layer].release(r.slot * g.slot_stride, g.slot_stride)
+                    self.index.seq_end_write(g.meta_offset(layer, r.slot) + META_SEQ)
+                    changed += 1
+                for slot in store.grow(target):
+                    self.data[layer].restore(slot * g.slot_stride, g.slot_stride)
+                    changed += 1
+        return changed
+
+    @property
+    def released_bytes(self) -> int:
+        """Shared memory whose pages the governor gave back to the system."""
+        return sum(self.geometry.n_slots - s.capacity for s in self.stores) * self.geometry.slot_stride
+
     def finish_fill(self, layer: int, r: Reservation, checksum: int) -> None:
         g = self.geometry
         meta = g.meta_offset(layer, r.slot)
@@ -151,6 +176,8 @@ class ServedModel:
             with self.lock:
                 for expert in lookups[layer]:
                     self.stores[layer].access(expert)
+                self.layer_hits[layer] += len(hits)
+                self.layer_misses[layer] += len(misses)
             hits_total += len(hits)
             misses_total += len(misses)
             self.demand(layer, misses, loader)
@@ -216,10 +243,11 @@ class ServedModel:
         """The stats of this model: hit rate, per-layer occupancy, pins, loads, bytes; with `routing`, the
         online routing counts too."""
         with self.lock:
-            layers = [{"resident": s.resident, "loading": s.loading, "pinned": s.pin_count,
+            layers = [{"resident": s.resident, "loading": s.loading, "pinned": s.pin_count, "slots": s.capacity,
+                       "hits": hits, "misses": misses,
                        "permanent_pins": s.pins("permanent"), "domain_pins": s.pins("domain"),
                        "experts": s.residents()}
-                      for s in self.stores]
+                      for s, hits, misses in zip(self.stores, self.layer_hits, self.layer_misses)]
             counts = {d: [list(row) for row in rows] for d, rows in self.routing.items()} if routing else None
         snap = self.counters.snapshot()
         snap.update({
@@ -233,6 +261,7 @@ class ServedModel:
             "format": self.files.format,
             "direct_io": self.direct_io,
             "shm_bytes": self.shm_bytes,
+            "released_bytes": self.released_bytes,
             "loads_in_flight": sum(layer["loading"] for layer in layers),
             "layers": layers,
             "profile": self.profile.path if self.profile is not None else None,

@@ -15,6 +15,7 @@ COMMANDS = {
     "demo": "demo",
     "generate": "generate",
     "stats": "stats",
+    "plan": "plan",
     "verify": "verify",
     "pack": "pack",
     "replay": "replay",
