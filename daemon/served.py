@@ -181,7 +181,8 @@ class ServedModel:
             hits_total += len(hits)
             misses_total += len(misses)
             self.demand(layer, misses, loader)
-        self.counters.add_lookups(hits_total, misses_total, self.files.layout.nbytes)
+        self.counters.add_lookups(hits_total, misses_total, self.files.layout.nbytes,
+                                  sum(len(experts) for experts in routed.values()))
 
     def pin(self, layer: int, experts: list[int], kind: str, loader) -> tuple[list[int], list[int]]:
         store = self.check_layer(layer)
