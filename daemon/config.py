@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="client processes expected, for --budget auto (default 1)")
     parser.add_argument("--memory-floor", default=None, metavar="SIZE",
                         help="when available memory falls below SIZE, shrink L2 until it recovers; off to "
-                             "never shrink (default: a twentieth of memory, at least 256MiB)")
+                             "never shrink (default auto: a twentieth of memory, at least 256MiB)")
     parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
                         help="serve Prometheus metrics over HTTP, e.g. 127.0.0.1:9464 (loopback only unless "
                              "--metrics-public)")
@@ -175,14 +175,14 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
     log_level = args.log_level or table.get("log_level", "info")
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"log level {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-    if sum(m.budget is None for m in models) and len(models) > 1:
+    if any(m.budget is None for m in models) and len(models) > 1:
         raise ConfigError("budget auto sizes one model's L2 from the machine's memory; with several models give "
                           "each a size (moe-l2 plan --model DIR prints one)")
-    processes = args.processes or table.get("processes", 1)
+    processes = args.processes if args.processes is not None else table.get("processes", 1)
     if not isinstance(processes, int) or processes < 1:
         raise ConfigError(f"processes must be a positive integer, got {processes!r}")
     floor = args.memory_floor or table.get("memory_floor")
-    floor = 0 if floor == "off" else None if floor is None else _size(floor, "memory floor")
+    floor = 0 if floor == "off" else None if floor is None else _size(floor, "memory floor")  # auto: the default
     metrics = args.metrics or table.get("metrics")
     return DaemonConfig(
         models=tuple(models), runtime_dir=directory, socket=socket, log_level=log_level,

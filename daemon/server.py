@@ -139,7 +139,8 @@ class Server:
             daemon={
                 "version": __version__, "pid": os.getpid(), "epoch": self.epoch, "socket": self.address,
                 "uptime_s": time.time() - self.started, "rss_bytes": process.memory_info().rss,
-                "clients": self.attached_clients(), "client_list": self._client_list(), "requests": self.requests, "errors": self.errors,
+                "clients": self.attached_clients(), "client_list": self._client_list(),
+                "requests": self.requests, "errors": self.errors,
                 "loads_in_flight": self.loader.in_flight,
                 "shm_bytes": sum(m.shm_bytes for m in self.models.values()),
                 **shm_lock_figures(self.models.values()),
