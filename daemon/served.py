@@ -48,6 +48,7 @@ class ServedModel:
         self.routing: dict[str, list[list[int]]] = {}
         self.layer_hits = [0] * files.n_layers  # clients' L2 lookups per layer, for moe-l2 stats --watch
         self.layer_misses = [0] * files.n_layers
+        self.released: set[tuple[int, int]] = set()  # (layer, slot) whose pages the governor gave back
         self.index = None
         self.data: list = []
         self.fds = files.open_fds(direct_io)
@@ -127,18 +128,21 @@ class ServedModel:
             for layer, store in enumerate(self.stores):
                 for r in store.shrink(target):
                     self._begin_fill(layer, r)
-                    self.data[layer].release(r.slot * g.slot_stride, g.slot_stride)
+                    if self.data[layer].release(r.slot * g.slot_stride, g.slot_stride):
+                        self.released.add((layer, r.slot))
                     self.index.seq_end_write(g.meta_offset(layer, r.slot) + META_SEQ)
                     changed += 1
                 for slot in store.grow(target):
                     self.data[layer].restore(slot * g.slot_stride, g.slot_stride)
+                    self.released.discard((layer, slot))
                     changed += 1
         return changed
 
     @property
     def released_bytes(self) -> int:
-        """Shared memory whose pages the governor gave back to the system."""
-        return sum(self.geometry.n_slots - s.capacity for s in self.stores) * self.geometry.slot_stride
+        """Shared memory whose pages the governor gave back to the system (none on macOS, where taken slots
+        only go out of use: docs/architecture.md, "Memory governor")."""
+        return len(self.released) * self.geometry.slot_stride
 
     def finish_fill(self, layer: int, r: Reservation, checksum: int) -> None:
         g = self.geometry

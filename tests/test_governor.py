@@ -82,7 +82,8 @@ def test_low_memory_shrinks_l2_keeps_pins_and_grows_back(daemon_factory, model_d
         assert set(PINS) <= set(m["layers"][0]["experts"])  # pins never evicted
         assert m["layers"][0]["permanent_pins"] == PINS
         assert m["slots_per_layer"] == SLOTS  # the configured size stays
-        assert m["released_bytes"] == ((SLOTS - len(PINS) - 1) + (n_layers - 1) * (SLOTS - 1)) * stride
+        taken = (SLOTS - len(PINS) - 1) + (n_layers - 1) * (SLOTS - 1)
+        assert m["released_bytes"] == (taken * stride if sys.platform == "linux" else 0)  # macOS: docs
         assert all(layer["resident"] <= layer["slots"] for layer in m["layers"])
         if sys.platform == "linux":  # the pages really went back to the system
             assert shm_bytes_held(data[1]) == stride
