@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sys
 import threading
 
@@ -18,6 +19,7 @@ import pytest
 from moe_l2 import protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
+from moe_l2.commands.stats import render
 from moe_l2.layout import Geometry
 from moe_l2.plan import GiB, MEMORY_FILE_ENV
 
@@ -90,6 +92,9 @@ def test_low_memory_shrinks_l2_keeps_pins_and_grows_back(daemon_factory, model_d
         d = stats(daemon)["daemon"]["memory"]
         assert d["available"] == GiB // 2 and d["floor"] == GiB and d["shrinks"] >= 1
         assert "below the floor" in daemon.log()
+        table = render(stats(daemon))
+        assert f"memory available 512.0 MiB, floor 1.0 GiB: L2 shrunk {d['shrinks']} times" in table
+        assert re.search(r"\n\s+0\s+\d+\s+\d+\s+3\s+4\n", table), table  # layer 0: 3 pins, 4 slots in use
 
         write_memory(memory, 8 * GiB)
         wait_for(lambda: layer_slots(daemon) == [SLOTS] * n_layers, what="L2 grown back")

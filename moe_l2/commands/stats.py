@@ -47,6 +47,10 @@ def render(reply: dict) -> str:
         f"{format_size(d['shm_bytes'])}{_locking(d)}  RSS {format_size(d['rss_bytes'])}  requests {d['requests']} "
         f"(refused {d['errors']})",
     ]
+    memory = d.get("memory")  # a daemon from before the governor does not report it
+    if memory and memory.get("available") is not None:
+        lines.append(f"memory available {format_size(memory['available'])}, floor {format_size(memory['floor'])}: "
+                     f"L2 shrunk {memory['shrinks']} times, grown back {memory['grows']} times")
     for m in reply["models"]:
         resident = sum(layer["resident"] for layer in m["layers"])
         slots = m["slots_per_layer"] * m["n_layers"]
@@ -58,10 +62,13 @@ def render(reply: dict) -> str:
             f"served {format_size(m['bytes_served'])}  loaded {format_size(m['bytes_loaded'])}",
             f"  loads done {m['loads_done']}  errors {m['load_errors']}  in flight {m['loads_in_flight']}  "
             f"latency p50 {_ms(m['load_latency_p50'])}  p99 {_ms(m['load_latency_p99'])}",
-            f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])})",
-            "  layer  resident  loading  pinned",
+            f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])}"
+            + (f", {format_size(m['released_bytes'])} given back to the system" if m.get("released_bytes") else "")
+            + ")",
+            "  layer  resident  loading  pinned  slots in use",
         ]
-        lines += [f"  {i:5d}  {layer['resident']:8d}  {layer['loading']:7d}  {layer['pinned']:6d}"
+        lines += [f"  {i:5d}  {layer['resident']:8d}  {layer['loading']:7d}  {layer['pinned']:6d}  "
+                  f"{layer.get('slots', m['slots_per_layer']):12d}"
                   for i, layer in enumerate(m["layers"])]
     return "\n".join(lines)
 
