@@ -120,23 +120,29 @@ class ServedModel:
 
     def resize(self, target: int) -> int:
         """Shrink or grow every layer toward `target` slots for the memory governor; returns the slots changed.
-        A taken slot is cleared and its pages released inside its seqlock write, so a client copying it sees
-        the sequence move and counts a miss (docs/architecture.md, "Memory governor")."""
+
+        A taken slot is cleared under its seqlock, so a client copying it sees the sequence move and counts a
+        miss, and one that looks later finds no expert; its pages are released after the lock is dropped
+        (releasing or re-locking a GiB takes a second or more, and reports must not wait): a taken slot is
+        never written, and only the governor's one thread gives it back (docs/architecture.md, "Memory
+        governor")."""
         g = self.geometry
-        changed = 0
+        taken, given = [], []
         with self.lock:
             for layer, store in enumerate(self.stores):
                 for r in store.shrink(target):
                     self._begin_fill(layer, r)
-                    if self.data[layer].release(r.slot * g.slot_stride, g.slot_stride):
-                        self.released.add((layer, r.slot))
                     self.index.seq_end_write(g.meta_offset(layer, r.slot) + META_SEQ)
-                    changed += 1
-                for slot in store.grow(target):
-                    self.data[layer].restore(slot * g.slot_stride, g.slot_stride)
-                    self.released.discard((layer, slot))
-                    changed += 1
-        return changed
+                    taken.append((layer, r.slot))
+                given += [(layer, slot) for slot in store.grow(target)]
+        for layer, slot in taken:
+            if self.data[layer].release(slot * g.slot_stride, g.slot_stride):
+                self.released.add((layer, slot))
+        for layer, slot in given:
+            # The slot may be filling already: locking pages under a write is harmless.
+            self.data[layer].restore(slot * g.slot_stride, g.slot_stride)
+            self.released.discard((layer, slot))
+        return len(taken) + len(given)
 
     @property
     def released_bytes(self) -> int:
