@@ -351,7 +351,8 @@ class Daemon:
 
 class JournalFormatter(logging.Formatter):
     """Under systemd (JOURNAL_STREAM set), each line starts with its syslog priority, <3> to <7>, which journald
-    reads as the entry's priority (sd-daemon(3)); journald stamps the time itself."""
+    reads as the entry's priority; journald stamps the time itself (docs/architecture.md, "A live view and
+    metrics")."""
 
     PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
