@@ -28,6 +28,7 @@ from moe_l2.client.pool import ExpertPool
 from moe_l2.client.switch import ForwardState, RoutingRecorder, StreamedSwitch, StreamStats
 from moe_l2.model import ModelFiles
 from moe_l2.model.location import resolve_model
+from moe_l2.plan import ModelSizes, plan, read_memory
 from moe_l2.sizes import format_size, parse_size
 
 __all__ = ["StreamedLM", "stream_experts", "load_model", "l0_slots_for", "peak_rss_bytes", "hit_rates"]
@@ -137,8 +138,9 @@ def load_model(path, pool: ExpertPool, *, model_config: dict | None = None, stat
 
 
 def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str | None = None) -> int:
-    """L0 experts per layer: `slots`, or as many as `budget` bytes buy over all layers, or a default
-    (a quarter of the experts, at least twice the experts per token). At least top_k: a token needs them all."""
+    """L0 experts per layer: `slots`, or as many as `budget` bytes buy over all layers, or the plan's for this
+    machine's memory (moe_l2.plan: a quarter of the experts, at least twice the experts per token, fewer when
+    memory is short). At least top_k: a token needs them all."""
     if slots is not None and budget is not None:
         raise ValueError("give the L0 size as slots or as a budget, not both")
     if budget is not None:
@@ -148,7 +150,7 @@ def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str 
             raise ValueError(f"an L0 budget of {format_size(parse_size(budget))} buys {slots} experts per layer; "
                              f"a token needs {files.top_k}: give at least {format_size(files.top_k * per_slot)}")
     elif slots is None:
-        slots = max(2 * files.top_k, files.n_experts // 4)
+        slots = plan(read_memory(), ModelSizes.of(files)).l0_slots
     elif slots < files.top_k:
         raise ValueError(f"L0 needs at least {files.top_k} slots per layer (the experts of one token), got {slots}")
     return min(slots, files.n_experts)

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import zmq.auth
 
-from moe_l2.runtime import SOCKET_NAME, runtime_dir
-from moe_l2.sizes import parse_size
-
+from moe_l2 import __version__
 from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
 from moe_l2.model import DIRECT_IO
 from moe_l2.model.location import PathError, expand_path, expand_socket, path_arg, socket_arg
+from moe_l2.runtime import SOCKET_NAME, runtime_dir
+from moe_l2.sizes import parse_size
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MODEL_KEYS = ("path", "budget", "policy", "profile", "direct_io")
@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     path: Path  # a directory or a Hugging Face repo id, resolved at start (moe_l2.model.location)
-    budget: int
+    budget: int | None  # None: "auto", sized at start by moe_l2.plan
     policy: str = DEFAULT_POLICY
     profile: Path | None = None  # domain profile from `moe-l2 profile`, loaded and checked at start
     direct_io: bool | None = None  # None: the model's default (on for packed models)
@@ -47,6 +47,9 @@ class DaemonConfig:
     socket_mode: int = 0o600  # of an ipc socket; 0o660 lets socket_group (or the daemon's group) connect
     socket_group: int | None = None
     curve: "CurveKeys | None" = None  # tcp:// only: CurveZMQ encryption and client authentication
+    processes: int = 1  # client processes expected, for --budget auto
+    memory_floor: int | None = None  # the governor's floor; None: moe_l2.plan.default_floor; 0: off
+    metrics: tuple[str, int] | None = None  # Prometheus endpoint (host, port)
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model directory, or Hugging Face repo id in the local cache (the daemon never "
                              "downloads), to serve; repeat for several models")
     parser.add_argument("--budget", action="append", default=[], metavar="SIZE",
-                        help="shared memory per model, e.g. 24GiB; once for all models or once per --model")
+                        help="shared memory per model, e.g. 24GiB, or auto (sized from this machine's memory, "
+                             "as moe-l2 plan prints); once for all models or once per --model")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="client processes expected, for --budget auto (default 1)")
+    parser.add_argument("--memory-floor", default=None, metavar="SIZE",
+                        help="when available memory falls below SIZE, shrink L2 until it recovers; off to "
+                             "never shrink (default auto: a twentieth of memory, at least 256MiB)")
+    parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                        help="serve Prometheus metrics over HTTP, e.g. 127.0.0.1:9464 (loopback only unless "
+                             "--metrics-public)")
+    parser.add_argument("--metrics-public", action="store_true",
+                        help="allow --metrics on an address other hosts can reach")
     parser.add_argument("--policy", default=None, choices=sorted(POLICIES),
                         help=f"eviction policy (default {DEFAULT_POLICY})")
     parser.add_argument("--direct-io", choices=sorted(DIRECT_IO), default=None,
@@ -88,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(zmq.auth.create_certificates); with --curve-clients, allows non-loopback addresses")
     parser.add_argument("--curve-clients", type=Path, default=None, metavar="DIR",
                         help="directory of the public certificates of the clients allowed to connect over CurveZMQ")
+    parser.add_argument("--version", action="version", version=f"moe-l2d {__version__}")
     return parser
 
 
@@ -213,7 +228,9 @@ def _direct_io(value, what: str) -> bool | None:
     return DIRECT_IO[value]
 
 
-def _size(text, what: str) -> int:
+def _size(text, what: str) -> int | None:
+    if text == "auto":
+        return None
     try:
         return parse_size(text)
     except ValueError as exc:
@@ -224,7 +241,8 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
     """Merge the TOML file (if any) with the flags; flags win."""
     table = _load_toml(args.config) if args.config else {}
     known = {"model", "socket", "runtime_dir", "log_level", "shm_mode", "loader_threads", "policy", "direct_io",
-             "socket_mode", "socket_group", "curve_secret_key", "curve_clients"}
+             "socket_mode", "socket_group", "curve_secret_key", "curve_clients",
+             "processes", "memory_floor", "metrics", "metrics_public"}
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"unknown key(s) in {args.config}: {', '.join(sorted(unknown))}")
@@ -293,8 +311,38 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
     log_level = args.log_level or table.get("log_level", "info")
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"log level {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    if any(m.budget is None for m in models) and len(models) > 1:
+        raise ConfigError("budget auto sizes one model's L2 from the machine's memory; with several models give "
+                          "each a size (moe-l2 plan --model DIR prints one)")
+    processes = args.processes if args.processes is not None else table.get("processes", 1)
+    if not isinstance(processes, int) or processes < 1:
+        raise ConfigError(f"processes must be a positive integer, got {processes!r}")
+    floor = args.memory_floor or table.get("memory_floor")
+    floor = 0 if floor == "off" else None if floor is None else _size(floor, "memory floor")  # auto: the default
+    metrics = args.metrics or table.get("metrics")
     return DaemonConfig(
         models=tuple(models), runtime_dir=directory, socket=socket, log_level=log_level,
         shm_mode=_octal(args.shm_mode or table.get("shm_mode", "600")), loader_threads=threads,
         socket_mode=_socket_mode(args.socket_mode or table.get("socket_mode", 0o600)),
-        socket_group=_group(args.socket_group or table.get("socket_group")), curve=curve)
+        socket_group=_group(args.socket_group or table.get("socket_group")), curve=curve,
+        processes=processes, memory_floor=floor,
+        metrics=_metrics_address(metrics, args.metrics_public or table.get("metrics_public", False))
+        if metrics else None)
+
+
+def _metrics_address(text: str, public: bool) -> tuple[str, int]:
+    """HOST:PORT; a loopback host unless `public`: the figures name models, paths and clients
+    (docs/architecture.md, "A live view and metrics")."""
+    host, _, port = str(text).rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"metrics address {text!r} must be HOST:PORT, e.g. 127.0.0.1:9464")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and not public:
+        raise ConfigError(f"metrics address {text!r} is reachable from other hosts, and the metrics name "
+                          "models, paths and clients: use 127.0.0.1:PORT, or add --metrics-public "
+                          "(metrics_public = true) if that is meant")
+    return host, int(port)

@@ -22,9 +22,11 @@ from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
 from moe_l2.model.location import resolve_model
+from moe_l2.plan import ModelSizes, default_floor, plan, read_memory
 from moe_l2.sizes import format_size
 
 from .config import ConfigError, DaemonConfig, build_parser, resolve
+from .governor import Governor
 from .loader import Loader
 from .notify import sd_notify
 from .served import ServedModel
@@ -141,6 +143,8 @@ class Daemon:
         self.models: list[ServedModel] = []
         self.loader: Loader | None = None
         self.server: Server | None = None
+        self.governor: Governor | None = None
+        self._metrics = None  # (HTTP server, thread) of --metrics
         self._dir_fd: int | None = None
         self._lock_fd: int | None = None
         self._stop = False
@@ -242,8 +246,9 @@ class Daemon:
                     profile.check_model(files.n_layers, files.n_experts, str(m.path))
                 except ProfileError as exc:
                     raise StartupError(f"cannot serve {m.path}: {exc}") from None
+            budget = m.budget if m.budget is not None else self._auto_budget(files)
             try:
-                geometry = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, m.budget)
+                geometry = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, budget)
             except BudgetError as exc:
                 raise StartupError(f"cannot serve {m.path}: {exc}") from None
             opened.append((m, files, geometry, profile))
@@ -262,11 +267,39 @@ class Daemon:
                      files.path, g.n_layers, g.n_experts, g.n_slots, format_size(self.models[-1].shm_bytes))
         self._warn_unlocked()
         self.loader = Loader(self.config.loader_threads)
+        memory = read_memory()
+        floor = default_floor(memory.total) if self.config.memory_floor is None else self.config.memory_floor
+        self.governor = Governor(self.models, floor)
         try:
             self.server = Server(self.config.socket, self.models, self.loader, self.epoch,
-                                 socket_mode=self.config.socket_mode, socket_group=self.config.socket_group, curve=self.config.curve)
+                                 socket_mode=self.config.socket_mode, socket_group=self.config.socket_group,
+                                 curve=self.config.curve, governor=self.governor)
         except Exception as exc:
             raise StartupError(f"cannot bind {self.config.socket}: {exc}") from None
+        self.governor.start()
+        if self.config.metrics is not None:
+            from .metrics import serve_metrics  # prometheus_client only when asked for
+
+            host, port = self.config.metrics
+            try:
+                self._metrics = serve_metrics(host, port, self.config.socket)
+            except OSError as exc:
+                raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror}; choose another "
+                                   "--metrics address") from None
+            log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def _auto_budget(self, files: ModelFiles) -> int:
+        """--budget auto: what moe-l2 plan prints for this machine's memory and --processes."""
+        p = plan(read_memory(), ModelSizes.of(files), self.config.processes)
+        if not p.l2_slots:
+            raise StartupError(f"cannot serve {files.path} with --budget auto: {format_size(p.available)} of "
+                               f"available memory leaves nothing for L2 beside {p.processes} process(es) and "
+                               f"{format_size(p.os_headroom)} for the system (moe-l2 plan --model {files.path} "
+                               "shows the split); give --budget SIZE or fewer --processes")
+        log.info("budget auto: %s for L2 (%d slots per layer), %d L0 slots per process, for %d process(es) in "
+                 "%s available", format_size(p.l2_budget), p.l2_slots, p.l0_slots, p.processes,
+                 format_size(p.available))
+        return p.l2_budget
 
     def _warn_unlocked(self) -> None:
         """Once per start: segments whose pages could not be locked can be swapped or compressed."""
@@ -281,9 +314,10 @@ class Daemon:
         self._stop = True
 
     def serve(self) -> None:
+        # Logged first: whoever waits for READY=1 then finds the line in the log.
+        log.info("moe-l2d %d ready on %s", os.getpid(), self.config.socket)
         sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {len(self.models)} model(s)")
         self._served = True
-        log.info("moe-l2d %d ready on %s", os.getpid(), self.config.socket)
         if self.config.socket.startswith("tcp://") and self.config.curve is None:
             log.warning("%s is reachable by every local user (TCP has no file mode); use the ipc:// socket "
                         "with --socket-mode to decide who may pin, unpin and prefetch (docs/security.md)",
@@ -297,6 +331,13 @@ class Daemon:
                 self._dir_fd = None
             return  # never started: the socket, state file and segments belong to someone else
         sd_notify("STOPPING=1")
+        if self._metrics is not None:
+            server, thread = self._metrics
+            server.shutdown()
+            server.server_close()
+            thread.join()
+        if self.governor is not None:
+            self.governor.stop()
         if self.server is not None:
             self.server.close()
         if self.loader is not None:
@@ -322,6 +363,21 @@ class Daemon:
             log.info("start failed; the segments made so far are unlinked")
 
 
+class JournalFormatter(logging.Formatter):
+    """Under systemd (JOURNAL_STREAM set), each line starts with its syslog priority, <3> to <7>, which journald
+    reads as the entry's priority; journald stamps the time itself (docs/architecture.md, "A live view and
+    metrics")."""
+
+    PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def __init__(self):
+        super().__init__("%(name)s %(levelname)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        priority = self.PRIORITIES.get(record.levelno, 6)
+        return "\n".join(f"<{priority}>{line}" for line in super().format(record).splitlines())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -329,8 +385,10 @@ def main(argv: list[str] | None = None) -> int:
         config = resolve(args)
     except ConfigError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JournalFormatter() if os.environ.get("JOURNAL_STREAM") else
+                         logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
     daemon = Daemon(config)
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)

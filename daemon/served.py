@@ -46,6 +46,9 @@ class ServedModel:
         # Online statistics: the experts clients report looking up, per layer, per active domain ("" when
         # no hint named one); `moe-l2 profile --from-daemon` turns them into a profile.
         self.routing: dict[str, list[list[int]]] = {}
+        self.layer_hits = [0] * files.n_layers  # clients' L2 lookups per layer, for moe-l2 stats --watch
+        self.layer_misses = [0] * files.n_layers
+        self.released: set[tuple[int, int]] = set()  # (layer, slot) whose pages the governor gave back
         self.index = None
         self.data: list = []
         self.fds = files.open_fds(direct_io)
@@ -124,6 +127,38 @@ class ServedModel:
             self.index.store_i32(g.slot_of_offset(layer) + 4 * r.evicted, -1)
         self.index.store_i32(meta + META_EXPERT, -1)
 
+    def resize(self, target: int) -> int:
+        """Shrink or grow every layer toward `target` slots for the memory governor; returns the slots changed.
+
+        A taken slot is cleared under its seqlock, so a client copying it sees the sequence move and counts a
+        miss, and one that looks later finds no expert; its pages are released after the lock is dropped
+        (releasing or re-locking a GiB takes a second or more, and reports must not wait): a taken slot is
+        never written, and only the governor's one thread gives it back (docs/architecture.md, "Memory
+        governor")."""
+        g = self.geometry
+        taken, given = [], []
+        with self.lock:
+            for layer, store in enumerate(self.stores):
+                for r in store.shrink(target):
+                    self._begin_fill(layer, r)
+                    self.index.seq_end_write(g.meta_offset(layer, r.slot) + META_SEQ)
+                    taken.append((layer, r.slot))
+                given += [(layer, slot) for slot in store.grow(target)]
+        for layer, slot in taken:
+            if self.data[layer].release(slot * g.slot_stride, g.slot_stride):
+                self.released.add((layer, slot))
+        for layer, slot in given:
+            # The slot may be filling already: locking pages under a write is harmless.
+            self.data[layer].restore(slot * g.slot_stride, g.slot_stride)
+            self.released.discard((layer, slot))
+        return len(taken) + len(given)
+
+    @property
+    def released_bytes(self) -> int:
+        """Shared memory whose pages the governor gave back to the system (none on macOS, where taken slots
+        only go out of use: docs/architecture.md, "Memory governor")."""
+        return len(self.released) * self.geometry.slot_stride
+
     def finish_fill(self, layer: int, r: Reservation, checksum: int) -> None:
         g = self.geometry
         meta = g.meta_offset(layer, r.slot)
@@ -158,10 +193,15 @@ class ServedModel:
             with self.lock:
                 for expert in lookups[layer]:
                     self.stores[layer].access(expert)
+                self.layer_hits[layer] += len(hits)
+                self.layer_misses[layer] += len(misses)
             hits_total += len(hits)
             misses_total += len(misses)
             self.demand(layer, misses, loader)
-        self.counters.add_lookups(hits_total, misses_total, self.files.layout.nbytes)
+        # A report that names its routed picks counts those (a piece of a split report may name an empty
+        # list: its lookups are not picks); one that does not is counted by its L2 lookups.
+        n_picks = sum(len(experts) for experts in routed.values()) if routed else hits_total + misses_total
+        self.counters.add_lookups(hits_total, misses_total, self.files.layout.nbytes, n_picks)
 
     def pin(self, layer: int, experts: list[int], kind: str, loader) -> tuple[list[int], list[int]]:
         self.check_ids({layer: experts})
@@ -225,10 +265,11 @@ class ServedModel:
         """The stats of this model: hit rate, per-layer occupancy, pins, loads, bytes; with `routing`, the
         online routing counts too."""
         with self.lock:
-            layers = [{"resident": s.resident, "loading": s.loading, "pinned": s.pin_count,
+            layers = [{"resident": s.resident, "loading": s.loading, "pinned": s.pin_count, "slots": s.capacity,
+                       "hits": hits, "misses": misses,
                        "permanent_pins": s.pins("permanent"), "domain_pins": s.pins("domain"),
                        "experts": s.residents()}
-                      for s in self.stores]
+                      for s, hits, misses in zip(self.stores, self.layer_hits, self.layer_misses)]
             counts = {d: [list(row) for row in rows] for d, rows in self.routing.items()} if routing else None
         snap = self.counters.snapshot()
         snap.update({
@@ -242,6 +283,7 @@ class ServedModel:
             "format": self.files.format,
             "direct_io": self.direct_io,
             "shm_bytes": self.shm_bytes,
+            "released_bytes": self.released_bytes,
             "loads_in_flight": sum(layer["loading"] for layer in layers),
             "layers": layers,
             "profile": self.profile.path if self.profile is not None else None,

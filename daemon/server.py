@@ -47,8 +47,10 @@ MAX_QUEUED_CALLS = 256
 
 class Server:
     def __init__(self, address: str, models: list[ServedModel], loader: Loader, epoch: int, *,
-                 socket_mode: int = 0o600, socket_group: int | None = None, curve: CurveKeys | None = None):
+                 socket_mode: int = 0o600, socket_group: int | None = None, curve: CurveKeys | None = None,
+                 governor=None):
         self.address = address
+        self.governor = governor  # daemon/governor.py, for the memory figures of `stats`
         self.models = {m.files.fingerprint: m for m in models}
         self.loader = loader
         self.epoch = epoch
@@ -233,6 +235,16 @@ class Server:
         self._expire_clients()
         return len(self.clients)
 
+    def _client_list(self) -> list[dict]:
+        """Attached clients by name; L2Client names itself host:pid:nonce (client/connection.py)."""
+        now = time.monotonic()
+        out = []
+        for name, seen in self.clients.values():
+            parts = name.split(":")
+            pid = int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
+            out.append({"name": name, "pid": pid, "idle_s": now - seen})
+        return out
+
     def _stats(self, identity: bytes, req: protocol.Stats) -> bytes:
         process = psutil.Process()
         return protocol.encode_reply(
@@ -240,10 +252,12 @@ class Server:
             daemon={
                 "version": __version__, "pid": os.getpid(), "epoch": self.epoch, "socket": self.address,
                 "uptime_s": time.time() - self.started, "rss_bytes": process.memory_info().rss,
-                "clients": self.attached_clients(), "requests": self.requests, "errors": self.errors,
+                "clients": self.attached_clients(), "client_list": self._client_list(),
+                "requests": self.requests, "errors": self.errors,
                 "loads_in_flight": self.loader.in_flight,
                 "shm_bytes": sum(m.shm_bytes for m in self.models.values()),
                 **shm_lock_figures(self.models.values()),
+                "memory": self.governor.figures() if self.governor is not None else None,
             },
             models=[m.describe(routing=req.routing) for m in self.models.values()],
         )

@@ -33,6 +33,7 @@ class ModelCounters:
         self._lock = threading.Lock()
         self.hits = 0          # experts clients copied from L2
         self.misses = 0        # experts clients looked up in L2 and did not find
+        self.picks = 0         # experts clients' routers picked, L0 hits included (moe-l2 stats --watch)
         self.loads_done = 0
         self.load_errors = 0
         # (layer, expert) of every record that failed its checksum, and how many loads it refused
@@ -42,8 +43,9 @@ class ModelCounters:
         self.bytes_served = 0  # copied out of L2 by clients
         self.load_latency = LatencyWindow()
 
-    def add_lookups(self, hits: int, misses: int, record_bytes: int) -> None:
+    def add_lookups(self, hits: int, misses: int, record_bytes: int, picks: int) -> None:
         with self._lock:
+            self.picks += picks
             self.hits += hits
             self.misses += misses
             self.bytes_served += hits * record_bytes
@@ -72,6 +74,7 @@ class ModelCounters:
             return {
                 "hits": self.hits,
                 "misses": self.misses,
+                "picks": self.picks,
                 "hit_rate": self.hits / lookups if lookups else None,
                 "loads_done": self.loads_done,
                 "load_errors": self.load_errors,

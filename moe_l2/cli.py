@@ -16,6 +16,7 @@ COMMANDS = {
     "generate": "generate",
     "serve": "serve",
     "stats": "stats",
+    "plan": "plan",
     "verify": "verify",
     "pack": "pack",
     "replay": "replay",

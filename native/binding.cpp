@@ -154,6 +154,13 @@ void init_memory(nb::module_& m) {
       .def_prop_ro("mode", &Segment::mode,
                    "Permission bits of the object, from fstat on the mapped descriptor.")
       .def_prop_ro("closed", &Segment::closed)
+      .def("release", &Segment::release, "offset"_a, "nbytes"_a,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Give a page-aligned range's pages back to the system (Linux: munlock + MADV_REMOVE; "
+           "the range reads as zeros until written). False where the platform cannot (macOS).")
+      .def("restore", &Segment::restore, "offset"_a, "nbytes"_a,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Take a released range back into use: lock it again if the segment was locked.")
       .def("close", &Segment::close,
            "Drop this object's mapping (idempotent); the memory is unmapped once no view uses it.")
       .def("__repr__", [](const Segment& self) {

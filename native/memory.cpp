@@ -346,6 +346,61 @@ Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mod
   return segment;
 }
 
+namespace {
+
+std::pair<std::byte*, size_t> page_range(const char* fn, const Segment& segment, int64_t offset,
+                                         int64_t nbytes_in, std::byte* base) {
+  size_t off = to_size(fn, "offset", offset);
+  size_t len = to_size(fn, "nbytes", nbytes_in);
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (off % page != 0 || len % page != 0 || off > segment.nbytes() || len > segment.nbytes() - off) {
+    throw_value_error(fn, "range [" + std::to_string(off) + ", +" + std::to_string(len) +
+                              ") is not a page-aligned part of " + segment.describe());
+  }
+  return {base + off, len};
+}
+
+}  // namespace
+
+bool Segment::release(int64_t offset, int64_t nbytes) {
+  const char* fn = "Segment.release";
+  if (region_ == nullptr || readonly()) {
+    throw_value_error(fn, describe() + " is closed or read-only");
+  }
+  auto [addr, len] = page_range(fn, *this, offset, nbytes, region_->data);
+  if (len == 0) {
+    return true;
+  }
+#ifdef __linux__
+  if (locked_) {
+    munlock(addr, len);  // MADV_REMOVE refuses locked pages
+  }
+  if (madvise(addr, len, MADV_REMOVE) != 0) {
+    int err = errno;
+    if (locked_) {
+      mlock(addr, len);
+    }
+    throw OsError(err, prefixed(fn, "cannot release pages of " + describe() + ": " +
+                                        errno_text(err)));
+  }
+  return true;
+#else
+  (void)addr;  // macOS has no call that frees a shared-memory object's pages under a mapping
+  return false;
+#endif
+}
+
+void Segment::restore(int64_t offset, int64_t nbytes) {
+  const char* fn = "Segment.restore";
+  if (region_ == nullptr || readonly()) {
+    throw_value_error(fn, describe() + " is closed or read-only");
+  }
+  auto [addr, len] = page_range(fn, *this, offset, nbytes, region_->data);
+  if (locked_ && len > 0) {
+    mlock(addr, len);  // best effort, as at create(): the limit may have shrunk since
+  }
+}
+
 Segment Segment::open(const std::string& name, bool readonly) {
   const char* fn = "Segment.open";
   check_name(fn, name);

@@ -117,6 +117,13 @@ class Segment : public Memory {
   unsigned owner_uid() const { return owner_uid_; }
   unsigned mode() const { return mode_; }
   bool closed() const { return region_ == nullptr; }
+  // Gives the pages of [offset, offset + nbytes) back to the system (Linux: munlock, then
+  // MADV_REMOVE frees the tmpfs pages; they read as zeros until written again). Returns whether
+  // the pages were freed: false where the platform cannot (macOS keeps them, see
+  // docs/architecture.md, "Memory governor"). Both calls take page-aligned ranges.
+  bool release(int64_t offset, int64_t nbytes);
+  // Takes a released range back: locks it again when create() locked the segment.
+  void restore(int64_t offset, int64_t nbytes);
   // Drops this object's mapping; the memory is unmapped once no view or running call uses it.
   void close() { region_.reset(); }
   std::string describe() const override { return "segment '" + name_ + "'"; }

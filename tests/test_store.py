@@ -72,3 +72,25 @@ def test_out_of_range_expert_is_refused():
 def test_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="lru, lfu"):
         make_policy("fifo")
+
+
+def test_shrink_takes_free_slots_then_victims_never_pins_or_loads_and_grow_gives_them_back():
+    store = LayerStore(8, 6, LRU())
+    for e in (0, 1, 2, 3):
+        fill(store, e)
+    loading = store.reserve(4)
+    store.pin([0], "permanent")
+    store.access(1)
+    taken = store.shrink(2)
+    # One free slot, then LRU victims 2, 3, 1; the pin (0) and the load in flight (4) stay: the floor is
+    # pins + 1, and the load's slot cannot be taken, so two slots remain.
+    assert [r.evicted for r in taken] == [-1, 2, 3, 1]
+    assert store.capacity == 2 and store.residents() == [0] and store.has(4)
+    assert store.reserve(5) is None  # no room: the remaining slots are pinned or loading
+    store.commit(loading)
+    assert store.shrink(0) == [] and store.capacity == 2  # never below the pins + 1
+    given = store.grow(10)
+    assert sorted(given) == sorted(r.slot for r in taken) and store.capacity == 6
+    for e in (5, 6, 7, 1):
+        fill(store, e)
+    assert store.residents() == [0, 1, 4, 5, 6, 7]

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .profile import Profile
 
-FREE, LOADING, READY = 0, 1, 2
+# OFF: a slot the daemon's memory governor took away (docs/architecture.md, "Memory governor").
+FREE, LOADING, READY, OFF = 0, 1, 2, 3
 # Domain pins take at most this share of a layer's slots (and never more than the store's pin limit).
 HINT_PIN_SHARE = 0.25
 # Only experts the domain picks at least this many times more often (by share) than the rest of the traffic
@@ -46,6 +47,7 @@ class LayerStore:
         self._free = list(range(n_slots - 1, -1, -1))
         self._pins: dict[str, set[int]] = {"permanent": set(), "domain": set()}
         self._pinned: set[int] = set()  # the union of the pin groups, kept up to date
+        self._off: list[int] = []  # slots taken away by shrink(), given back by grow()
         if hasattr(policy, "set_capacity"):
             policy.set_capacity(n_slots)
 
@@ -155,6 +157,50 @@ class LayerStore:
         if domain and prior > 0 and hasattr(self.policy, "set_prior"):
             self.policy.set_prior(shares, prior)
         return pinned
+
+    @property
+    def capacity(self) -> int:
+        """The slots in use: n_slots less those shrink() took away."""
+        return self.n_slots - len(self._off)
+
+    def shrink(self, target: int) -> list[Reservation]:
+        """Take slots away until `target` remain, free ones first, then the policy's victims; never a pinned
+        expert's slot, nor one being loaded, and always one slot beside the pins. Returns the slots taken
+        (with the expert evicted, or -1); the caller clears them in shared memory and releases their pages."""
+        target = max(target, min(self.n_slots, len(self._pinned) + 1))
+        taken = []
+        while self.capacity > target:
+            if self._free:
+                slot, evicted = self._free.pop(), -1
+            else:
+                candidates = [e for e, s in self._slot_of.items()
+                              if self._state[s] == READY and e not in self._pinned]
+                if not candidates:
+                    break
+                evicted = self.policy.victim(candidates)
+                slot = self._slot_of.pop(evicted)
+                self.policy.evict(evicted)
+                self._expert_in[slot] = -1
+            self._state[slot] = OFF
+            self._off.append(slot)
+            taken.append(Reservation(slot, -1, evicted))
+        self._capacity_changed()
+        return taken
+
+    def grow(self, target: int) -> list[int]:
+        """Give back slots shrink() took, until `target` are in use (at most n_slots); returns them."""
+        given = []
+        while self._off and self.capacity < target:
+            slot = self._off.pop()
+            self._state[slot] = FREE
+            self._free.append(slot)
+            given.append(slot)
+        self._capacity_changed()
+        return given
+
+    def _capacity_changed(self) -> None:
+        if hasattr(self.policy, "set_capacity"):
+            self.policy.set_capacity(self.capacity)
 
     @property
     def pin_count(self) -> int:

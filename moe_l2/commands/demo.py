@@ -39,7 +39,7 @@ def default_cache_dir() -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--l0-slots", type=int, default=None,
-                        help="experts per layer in each run's L0 (default: a quarter of the experts)")
+                        help="experts per layer in each run's L0 (default: moe-l2 plan's for this machine)")
     parser.add_argument("--cache-dir", type=path_arg, default=None,
                         help="where the demo model lives (default: the user cache dir)")
     return parser

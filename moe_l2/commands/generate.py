@@ -22,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-file", type=path_arg, help="read the prompt from a file ('-': standard input)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
     l0 = parser.add_mutually_exclusive_group()
-    l0.add_argument("--l0-slots", type=int, help="experts per layer kept in this process (default: a quarter "
-                                                 "of the experts, at least twice the experts per token)")
+    l0.add_argument("--l0-slots", type=int, help="experts per layer kept in this process (default: moe-l2 plan's "
+                                                 "for this machine: a quarter of the experts, fewer when "
+                                                 "memory is short)")
     l0.add_argument("--l0-budget", help="memory for this process' experts over all layers, e.g. 2GiB")
     daemon = parser.add_mutually_exclusive_group()
     daemon.add_argument("--socket", default=None, type=socket_arg, help="moe-l2d address (default: the local runtime dir)")

@@ -1,10 +1,13 @@
-"""`moe-l2 stats`: what the running daemon holds and how well it serves, for the people who run it."""
+"""`moe-l2 stats`: what the running daemon holds and how well it serves, for the people who run it; with
+--watch, a live view whose rates come from successive stats replies."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import time
 
 from moe_l2 import protocol
 from moe_l2.model.location import socket_arg
@@ -17,6 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", default=None, type=socket_arg, help="daemon address (default: the local runtime dir)")
     parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    parser.add_argument("--watch", action="store_true",
+                        help="a live view: hit rates per tier, disk MB/s, loads, layers, clients, memory; Ctrl-C "
+                             "ends it")
+    parser.add_argument("--interval", type=float, default=1.0, metavar="S",
+                        help="seconds between --watch frames; rates are over this interval (default 1)")
+    parser.add_argument("--count", type=int, default=None, metavar="N",
+                        help="with --watch, stop after N frames (default: until Ctrl-C)")
 
 
 def _ms(seconds: float | None) -> str:
@@ -49,6 +59,10 @@ def render(reply: dict) -> str:
         f"{format_size(d['shm_bytes'])}{_locking(d)}  RSS {format_size(d['rss_bytes'])}  requests {d['requests']} "
         f"(refused {d['errors']})",
     ]
+    memory = d.get("memory")  # a daemon from before the governor does not report it
+    if memory and memory.get("available") is not None:
+        lines.append(f"memory available {format_size(memory['available'])}, floor {format_size(memory['floor'])}: "
+                     f"L2 shrunk {memory['shrinks']} times, grown back {memory['grows']} times")
     for m in reply["models"]:
         resident = sum(layer["resident"] for layer in m["layers"])
         slots = m["slots_per_layer"] * m["n_layers"]
@@ -60,24 +74,128 @@ def render(reply: dict) -> str:
             f"served {format_size(m['bytes_served'])}  loaded {format_size(m['bytes_loaded'])}",
             f"  loads done {m['loads_done']}  errors {m['load_errors']}{_corrupt(m)}  in flight "
             f"{m['loads_in_flight']}  latency p50 {_ms(m['load_latency_p50'])}  p99 {_ms(m['load_latency_p99'])}",
-            f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])})",
-            "  layer  resident  loading  pinned",
+            f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])}"
+            + (f", {format_size(m['released_bytes'])} given back to the system" if m.get("released_bytes") else "")
+            + ")",
+            "  layer  resident  loading  pinned  slots in use",
         ]
-        lines += [f"  {i:5d}  {layer['resident']:8d}  {layer['loading']:7d}  {layer['pinned']:6d}"
+        lines += [f"  {i:5d}  {layer['resident']:8d}  {layer['loading']:7d}  {layer['pinned']:6d}  "
+                  f"{layer.get('slots', m['slots_per_layer']):12d}"
                   for i, layer in enumerate(m["layers"])]
     return "\n".join(lines)
+
+
+def _share(part: int, whole: int) -> str:
+    return format_pct(part / whole if whole > 0 else None)
+
+
+def model_rates(prev: dict | None, cur: dict, seconds: float) -> dict:
+    """One model's figures over the interval between two stats replies (since start for the first). Tiers are
+    shares of the routers' picks: what L2 had, what it lacked (read from disk), and the rest, served by L0."""
+    def delta(key, p=prev, c=cur):
+        return c[key] - (p[key] if p is not None else 0)
+
+    hits, misses = delta("hits"), delta("misses")
+    picks = max(delta("picks") if "picks" in cur else 0, hits + misses)
+    layers = []
+    for i, layer in enumerate(cur["layers"]):
+        before = prev["layers"][i] if prev is not None else None
+        h, m = delta("hits", before, layer), delta("misses", before, layer)
+        layers.append({"slots": layer["slots"], "resident": layer["resident"], "loading": layer["loading"],
+                       "pinned": layer["pinned"], "hit_rate": h / (h + m) if h + m else None})
+    return {"picks": picks, "l0": picks - hits - misses, "l2": hits, "l3": misses,
+            "disk_bytes_per_s": delta("bytes_loaded") / seconds if seconds > 0 else 0.0, "layers": layers}
+
+
+def watch_frame(prev: dict | None, cur: dict, seconds: float):
+    """The rich renderable of one --watch frame."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    d = cur["daemon"]
+    memory = d.get("memory") or {}
+    released = sum(m.get("released_bytes", 0) for m in cur["models"])
+    available = memory.get("available")
+    parts = [Text(f"moe-l2d {d['version']}  pid {d['pid']}  up {d['uptime_s']:.0f} s  {d['socket']}", style="bold"),
+             Text(f"memory: available {'-' if available is None else format_size(available)}  floor "
+                  f"{format_size(memory.get('floor') or 0)}  shared {format_size(d['shm_bytes'])}  released "
+                  f"{format_size(released)}  daemon RSS {format_size(d['rss_bytes'])}")]
+    span = "since start" if prev is None else f"last {seconds:.1f} s"
+    for i, m in enumerate(cur["models"]):
+        before = prev["models"][i] if prev is not None and i < len(prev["models"]) else None
+        r = model_rates(before, m, seconds)
+        parts.append(Text(""))
+        parts.append(Text(f"{m['path']}  {m['n_layers']} layers x {m['n_experts']} experts, "
+                          f"{m['slots_per_layer']} L2 slots per layer, policy {m['policy']}", style="bold"))
+        parts.append(Text(f"{span}: L0 {_share(r['l0'], r['picks'])}  L2 {_share(r['l2'], r['picks'])}  disk "
+                          f"{_share(r['l3'], r['picks'])} of {r['picks']} picks  |  disk "
+                          f"{r['disk_bytes_per_s'] / 1e6:.1f} MB/s  |  loads in flight {m['loads_in_flight']}"))
+        table = Table("layer", "slots", "resident", "loading", "pinned", "L2 hit rate", box=None, padding=(0, 2))
+        for n, layer in enumerate(r["layers"]):
+            table.add_row(str(n), str(layer["slots"]), str(layer["resident"]), str(layer["loading"]),
+                          str(layer["pinned"]), format_pct(layer["hit_rate"]))
+        parts.append(table)
+    clients = Table("client", "pid", "idle", title=f"{d['clients']} client(s) attached", title_justify="left",
+                    box=None, padding=(0, 2))
+    for c in d.get("client_list", []):
+        clients.add_row(c["name"], str(c["pid"] or "-"), f"{c['idle_s']:.0f} s")
+    parts += [Text(""), clients]
+    return Group(*parts)
+
+
+def watch(args: argparse.Namespace, ask) -> int:
+    """Frames every --interval seconds until --count or Ctrl-C (or SIGTERM); on a terminal a rich Live view
+    redrawn in place, elsewhere (a pipe, a log) one frame after another."""
+    from rich.console import Console
+    from rich.live import Live
+    from rich.rule import Rule
+
+    if args.interval <= 0 or args.json:
+        print("moe-l2 stats: --watch needs a positive --interval and no --json (use --json alone in scripts)",
+              file=sys.stderr)
+        return 2
+    console = Console()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    prev, prev_t, frames = None, None, 0
+    live = Live(console=console, auto_refresh=False, transient=False) if console.is_terminal else None
+    try:
+        if live is not None:
+            live.start()
+        while args.count is None or frames < args.count:
+            if frames:
+                time.sleep(args.interval)
+            cur, now = ask(), time.monotonic()
+            frame = watch_frame(prev, cur, now - prev_t if prev_t is not None else cur["daemon"]["uptime_s"])
+            if live is not None:
+                live.update(frame, refresh=True)
+            else:
+                console.print(frame)
+                console.print(Rule())
+            prev, prev_t, frames = cur, now, frames + 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from moe_l2.client.connection import request
 
-    try:
+    def ask() -> dict:
         reply = request(args.socket, protocol.Stats(id=1), timeout_s=args.timeout)
-    except OSError as exc:  # no answer, no socket, or no permission to connect
+        if not reply.ok:
+            raise RuntimeError(f"the daemon refused: {reply.ename}: {reply.evalue}")
+        return reply.payload
+
+    try:
+        if args.watch:
+            return watch(args, ask)
+        payload = ask()
+    except (OSError, RuntimeError) as exc:  # no answer, no socket, no permission, or refused
         print(f"moe-l2 stats: {exc}", file=sys.stderr)
         return 1
-    if not reply.ok:
-        print(f"moe-l2 stats: the daemon refused: {reply.ename}: {reply.evalue}", file=sys.stderr)
-        return 1
-    print(json.dumps(reply.payload, indent=2) if args.json else render(reply.payload))
+    print(json.dumps(payload, indent=2) if args.json else render(payload))
     return 0

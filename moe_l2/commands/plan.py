@@ -1,0 +1,88 @@
+"""`moe-l2 plan`: how this machine's memory would be split for a model (moe_l2.plan), and with a routing trace
+the hit rate each tier could expect at that split (moe_l2.cache.replay)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moe_l2.cache.policy import DEFAULT_POLICY
+from moe_l2.cache.replay import ReplayError, replay
+from moe_l2.cache.trace import TraceError, read_traces
+from moe_l2.model import ModelFiles
+from moe_l2.plan import DEFAULT_KV_BYTES, ModelSizes, Plan, PlanError, plan, read_memory
+from moe_l2.sizes import format_pct, format_size, parse_size
+
+HELP = "how this machine's memory splits into L2, L0 per process, KV and headroom; with a trace, hit rates"
+
+L0_POLICY = "lru"  # the client pool's default (client/mlx_lm.py StreamedLM)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="the model directory to plan for")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="inference processes expected on this machine (default 1)")
+    parser.add_argument("--kv", default=None, metavar="SIZE",
+                        help=f"KV cache and activations per process (default {format_size(DEFAULT_KV_BYTES)})")
+    parser.add_argument("--trace", action="append", metavar="FILE",
+                        help="routing trace of this model (moe-l2 generate --trace); repeat to add files: "
+                             "prints the expected hit rate of each tier at the planned sizes")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def tier_hit_rates(traces, p: Plan) -> dict:
+    """Replay the trace at L0's capacity with the pool's policy and at L2's with the daemon's. The tiers are
+    inclusive (L2 is at least as large as L0 and sees the same experts), so what L0 misses and L2 holds is
+    L2's share and the rest is read from disk; every process is assumed to route like the trace."""
+    slots = sorted({p.l0_slots, *([p.l2_slots] if p.l2_slots else [])})
+    result = replay(traces, slots=slots, policy=DEFAULT_POLICY, compare=(L0_POLICY,), belady=False)
+    rate = {(c["slots"], name): r["hit_rate"] or 0.0 for c in result["capacities"]
+            for name, r in c["policies"].items()}
+    l0 = rate[(p.l0_slots, L0_POLICY)]
+    l2_alone = rate[(p.l2_slots, DEFAULT_POLICY)] if p.l2_slots else 0.0
+    return {"tokens": result["tokens"], "l0": l0, "l2": max(0.0, l2_alone - l0), "l3": 1.0 - max(l0, l2_alone)}
+
+
+def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None) -> str:
+    lines = [
+        f"plan for {files.path}: {sizes.n_layers} layers x {sizes.n_experts} experts, top-{sizes.top_k}; experts "
+        f"{format_size(sizes.expert_bytes)}, other weights {format_size(sizes.non_expert_bytes)}",
+        f"memory {format_size(p.total)}, available {format_size(p.available)}",
+        f"  OS and other programs   {format_size(p.os_headroom)}",
+        f"  each of {p.processes} process(es): weights {format_size(p.non_expert_per_process)}, KV "
+        f"{format_size(p.kv_per_process)}, L0 {p.l0_slots} experts per layer ({format_size(p.l0_per_process)})",
+    ]
+    if p.l2_slots:
+        lines.append(f"  L2, one shared copy     {format_size(p.l2_budget)}: {p.l2_slots} of {p.n_experts} experts "
+                     f"per layer (moe-l2d --budget {p.l2_budget})")
+    else:
+        lines.append("  L2                      nothing left: lower --processes or --kv, or free memory")
+    if rates is not None:
+        lines.append(f"expected hit rate over {rates['tokens']} tokens: L0 {format_pct(rates['l0'])}, "
+                     f"L2 {format_pct(rates['l2'])}, disk {format_pct(rates['l3'])}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        files = ModelFiles.open(args.model)
+        sizes = ModelSizes.of(files)
+        kv = DEFAULT_KV_BYTES if args.kv is None else parse_size(args.kv)
+        p = plan(read_memory(), sizes, args.processes, kv_bytes=kv)
+        rates = None
+        if args.trace:
+            traces = read_traces(args.trace)
+            if (traces.n_layers, traces.n_experts) != (sizes.n_layers, sizes.n_experts):
+                raise PlanError(f"the trace is of a model with {traces.n_layers} layers x {traces.n_experts} "
+                                f"experts, {args.model} has {sizes.n_layers} x {sizes.n_experts}: give a trace "
+                                "of this model")
+            rates = tier_hit_rates(traces, p)
+    except (OSError, ValueError, TraceError, ReplayError) as exc:
+        print(f"moe-l2 plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"plan": p.to_dict(), "hit_rates": rates}, indent=1))
+    else:
+        print(render(files, sizes, p, rates))
+    return 0

@@ -1,0 +1,133 @@
+"""How one machine's memory is split between L2 (one copy per machine), each process' L0, the non-expert
+weights and KV cache every process loads, and the OS (docs/architecture.md, "Budgets that size themselves").
+
+The arithmetic only: `moe-l2d --budget auto`, the clients' default L0 and `moe-l2 plan` all call `plan`.
+How many slots a budget buys stays with `moe_l2.layout.Geometry` (one owner per fact).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+import psutil
+
+from moe_l2.layout import BudgetError, Geometry
+
+GiB = 1 << 30
+# Tests only: a JSON file {"total": bytes, "available": bytes} read instead of the machine's memory, where
+# the machine cannot be made short of memory on purpose (docs/architecture.md, "Memory governor").
+MEMORY_FILE_ENV = "MOE_L2_TEST_MEMORY"
+DEFAULT_KV_BYTES = 1 * GiB  # per process: a few thousand tokens of context for the models we serve
+# L0 may take at most this share of what is left after headroom, non-expert weights and KV: L2 is the one
+# copy every process shares, so it gets the rest.
+L0_SHARE = 0.5
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Memory:
+    total: int
+    available: int
+
+
+def read_memory() -> Memory:
+    """The machine's memory now. On macOS inactive pages count as available: the system hands them out on
+    demand (as the daemon's budget check at start assumes, docs/architecture.md, "Shared memory")."""
+    path = os.environ.get(MEMORY_FILE_ENV)
+    if path:
+        with open(path) as f:
+            fake = json.load(f)
+        return Memory(int(fake["total"]), int(fake["available"]))
+    vm = psutil.virtual_memory()
+    extra = vm.inactive if sys.platform == "darwin" else 0
+    return Memory(vm.total, vm.available + extra)
+
+
+def os_headroom(total: int) -> int:
+    """What the plan leaves to the OS and everything else on the machine: a tenth, at least 1 GiB."""
+    return max(GiB, total // 10)
+
+
+def default_floor(total: int) -> int:
+    """The governor's floor of available memory when none is configured: a twentieth, at least 256 MiB."""
+    return max(256 << 20, total // 20)
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    n_layers: int
+    n_experts: int
+    top_k: int
+    record_bytes: int
+    non_expert_bytes: int  # what every process loads besides the experts (attention, embeddings, ...)
+
+    @classmethod
+    def of(cls, files) -> "ModelSizes":
+        """From a `moe_l2.model.ModelFiles`: the non-expert bytes are the files' size less the records."""
+        expert = files.n_layers * files.n_experts * files.layout.nbytes
+        on_disk = sum(os.path.getsize(p) for p in files.files)
+        return cls(files.n_layers, files.n_experts, files.top_k, files.layout.nbytes, max(0, on_disk - expert))
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.n_layers * self.n_experts * self.record_bytes
+
+    @property
+    def l0_slot_bytes(self) -> int:
+        """One L0 slot in every layer: L0 rows are records, not page-aligned slots."""
+        return self.n_layers * self.record_bytes
+
+    def l2_budget_for(self, slots: int) -> int:
+        return Geometry.budget_for(self.n_layers, self.n_experts, self.record_bytes, slots)
+
+
+@dataclass(frozen=True)
+class Plan:
+    total: int
+    available: int
+    processes: int
+    os_headroom: int
+    non_expert_per_process: int
+    kv_per_process: int
+    l0_slots: int           # experts per layer in each process' L0
+    l0_per_process: int     # bytes
+    l2_slots: int           # experts per layer in L2; 0 when nothing is left for it
+    l2_budget: int          # bytes, for moe-l2d --budget
+    n_experts: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_l0_slots(model: ModelSizes) -> int:
+    """The L0 a process gets when memory is plentiful: a quarter of the experts, at least twice a token's."""
+    return min(model.n_experts, max(2 * model.top_k, model.n_experts // 4))
+
+
+def plan(memory: Memory, model: ModelSizes, processes: int = 1, *, kv_bytes: int = DEFAULT_KV_BYTES,
+         headroom: int | None = None) -> Plan:
+    """Split available memory: OS headroom first, then every process' non-expert weights and KV cache, then
+    L0 (at most `L0_SHARE` of the rest over all processes, never under a token's top_k experts), then L2
+    (the rest, at most every expert)."""
+    if processes < 1:
+        raise PlanError(f"processes must be at least 1, got {processes}")
+    headroom = os_headroom(memory.total) if headroom is None else headroom
+    pool = memory.available - headroom - processes * (model.non_expert_bytes + kv_bytes)
+    per_slot = model.l0_slot_bytes
+    affordable = max(0, int(pool * L0_SHARE)) // (processes * per_slot)
+    l0_slots = max(model.top_k, min(default_l0_slots(model), affordable))
+    rest = pool - processes * l0_slots * per_slot
+    budget = min(rest, model.l2_budget_for(model.n_experts))
+    try:
+        l2_slots = Geometry.for_budget(model.n_layers, model.n_experts, model.record_bytes, budget).n_slots
+    except BudgetError:
+        l2_slots = 0
+    return Plan(memory.total, memory.available, processes, headroom, model.non_expert_bytes, kv_bytes,
+                l0_slots, l0_slots * per_slot, l2_slots, model.l2_budget_for(l2_slots) if l2_slots else 0,
+                model.n_experts)
