@@ -11,6 +11,7 @@ from moe_l2.cache.policy import DEFAULT_POLICY
 from moe_l2.cache.replay import ReplayError, replay
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.model import ModelFiles
+from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.plan import DEFAULT_KV_BYTES, ModelSizes, Plan, PlanError, plan, read_memory
 from moe_l2.sizes import format_pct, format_size, parse_size
 
@@ -20,12 +21,13 @@ L0_POLICY = "lru"  # the client pool's default (client/mlx_lm.py StreamedLM)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="the model directory to plan for")
+    parser.add_argument("--model", required=True, metavar="DIR|ID",
+                        help="the model to plan for: a directory or a Hugging Face repo id in the local cache")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="inference processes expected on this machine (default 1)")
     parser.add_argument("--kv", default=None, metavar="SIZE",
                         help=f"KV cache and activations per process (default {format_size(DEFAULT_KV_BYTES)})")
-    parser.add_argument("--trace", action="append", metavar="FILE",
+    parser.add_argument("--trace", action="append", metavar="FILE", type=path_arg,
                         help="routing trace of this model (moe-l2 generate --trace); repeat to add files: "
                              "prints the expected hit rate of each tier at the planned sizes")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -66,7 +68,7 @@ def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None) ->
 
 def run(args: argparse.Namespace) -> int:
     try:
-        files = ModelFiles.open(args.model)
+        files = ModelFiles.open(resolve_model(args.model))
         sizes = ModelSizes.of(files)
         kv = DEFAULT_KV_BYTES if args.kv is None else parse_size(args.kv)
         p = plan(read_memory(), sizes, args.processes, kv_bytes=kv)
