@@ -14,7 +14,6 @@ git archive, run with this checkout's native module), and the table puts "before
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import msgpack
 import zmq
 
 from moe_l2 import protocol
+from moe_l2.daemon.process import DaemonProcess
 from moe_l2.generator import make_model
 from moe_l2.model import ModelFiles
 
@@ -55,24 +55,6 @@ def export_tree(rev: str, dest: Path) -> Path:
     shutil.copy(_native.__file__, pkg)
     (dest / "pkg" / "mlx").symlink_to(Path(mlx.__path__[0]))  # the module's rpath: $ORIGIN/../mlx/lib
     return dest / "pkg"
-
-
-def start_daemon(model: Path, directory: Path, tree: Path | None = None) -> tuple[subprocess.Popen, str]:
-    address = f"ipc://{directory}/moe-l2d.sock"
-    run = [sys.executable, "-P", "-c", LAUNCH_TREE, str(tree)] if tree else [sys.executable, "-P", "-m",
-                                                                              "moe_l2.daemon.main"]
-    with open(directory / "daemon.log", "wb") as log:
-        proc = subprocess.Popen([*run, "--model", str(model), "--budget", "8MiB", "--runtime-dir", str(directory)],
-                                env=dict(os.environ, MOE_L2_RUNTIME_DIR=str(directory)), stdout=log, stderr=log)
-    sock = dealer(address)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        sock.send(protocol.Stats(id=1).encode())
-        if sock.poll(500):
-            sock.recv()
-            sock.close(0)
-            return proc, address
-    raise SystemExit("moe-l2d did not start")
 
 
 def dealer(address: str):
@@ -216,7 +198,9 @@ def main() -> None:
         for label, tree in trees.items():
             directory = work / f"run-{label}"
             directory.mkdir()
-            proc, address = start_daemon(model, directory, tree)
+            command = (sys.executable, "-P", "-c", LAUNCH_TREE, str(tree)) if tree else None
+            daemon = DaemonProcess.serving([model], "8MiB", runtime_dir=directory, command=command).start()
+            address = daemon.socket
             try:
                 sock = dealer(address)
                 sock.send(protocol.Stats(id=1).encode())
@@ -226,12 +210,7 @@ def main() -> None:
                 results[label] = (measure(address, floods, args),
                                   single_requests(address, singles, None if tree else 2 * protocol.MAX_FRAME_BYTES))
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:  # an old daemon still busy with a backlog
-                    proc.kill()
-                    proc.wait()
+                daemon.stop(timeout=10)  # killed after that: an old daemon may still be busy with a backlog
         print(f"stats round trip (ms), {args.flooders} connection(s) x {args.rate:g} requests/s, "
               f"{args.seconds:g} s per flood; a round trip over {GIVE_UP_S:g} s counts as {GIVE_UP_S:g} s")
         labels = list(results)

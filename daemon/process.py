@@ -30,7 +30,7 @@ class DaemonProcess:
     """`moe-l2d ARGS --runtime-dir DIR` in a subprocess; DIR is a fresh private directory unless given."""
 
     def __init__(self, args: list[str], runtime_dir: Path | None = None, log_path: Path | None = None,
-                 wrapper: tuple[str, ...] = ()):
+                 wrapper: tuple[str, ...] = (), command: tuple[str, ...] | None = None):
         self.owns_dir = runtime_dir is None
         # The notify socket and the log live here; it is also the daemon's --runtime-dir unless args name one
         # (a test may aim the daemon at a directory under attack and keep its own files apart).
@@ -40,6 +40,9 @@ class DaemonProcess:
         self.socket = args[args.index("--socket") + 1] if "--socket" in args else default_socket(daemon_dir)
         self.env_runtime_dir = str(daemon_dir)
         self.wrapper = tuple(wrapper)  # a command that runs the daemon, e.g. with other limits or another uid
+        # -P: a source checkout in the working directory must not shadow the installed package. A benchmark
+        # may run another revision's daemon instead (bench/bench_flood.py).
+        self.command = tuple(command or (sys.executable, "-P", "-m", "moe_l2.daemon.main"))
         self.log_path = log_path or self.runtime_dir / "daemon.log"
         self.proc: subprocess.Popen | None = None
         self.segments: list[str] = []
@@ -58,8 +61,7 @@ class DaemonProcess:
         notify.settimeout(0.2)
         env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), MOE_L2_RUNTIME_DIR=self.env_runtime_dir)
         with open(self.log_path, "ab") as log:
-            # -P: a source checkout in the working directory must not shadow the installed package.
-            self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-P", "-m", "moe_l2.daemon.main", *self.args],
+            self.proc = subprocess.Popen([*self.wrapper, *self.command, *self.args],
                                          stdout=log, stderr=log, env=env)
         deadline = time.monotonic() + timeout
         try:
