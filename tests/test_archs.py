@@ -27,6 +27,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from moe_l2.client.mlx_lm import StreamedLM
 from moe_l2.generator import make_mlx_lm_model
 from moe_l2.model import ModelFiles
+from moe_l2.model.packer import PackError, pack
 from .conftest import budget_for
 
 # Sizes every small model starts from, of which each takes the keys its args class has: a config holds no key
@@ -242,3 +243,23 @@ def test_streamed_through_a_daemon(arch, daemon_factory, tmp_path):
         assert lm.client.attached
         assert greedy(lm.model, lm.tokenizer, ids, 8) == expected
         assert lm.pool.counts.l2_hits + lm.pool.counts.l3_reads > 0
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "phixtral", "hunyuan"])
+def test_a_packed_copy_streams_the_same_tokens(arch, tmp_path):
+    # Switch layers outside the once-guessed names (experts.switch_glu, transformer.h.N.moe.switch_mlp) pack too:
+    # per-expert tensors go beside the switch layer. mlx-lm loads the copy only where its sanitize stacks them.
+    src = make_mlx_lm_model(tmp_path / arch, CASES[arch], bits=4)
+    whole, tokenizer = load(str(src))
+    ids = tokenizer.encode("In the town the market opened early.")
+    expected = greedy(whole, tokenizer, ids, 8)
+    loadable = arch == "hunyuan"
+    out = pack(src, tmp_path / "packed", moe_l2_only=not loadable, progress=False)
+    assert out.format == "packed"
+    with StreamedLM(out.path, l0_slots=out.top_k + 1, daemon=False) as lm:
+        assert greedy(lm.model, lm.tokenizer, ids, 8) == expected
+    if loadable:
+        assert greedy(*load(str(out.path)), ids, 8) == expected
+    else:
+        with pytest.raises(PackError, match="would not load with mlx_lm.load"):
+            pack(src, tmp_path / "refused", progress=False)
