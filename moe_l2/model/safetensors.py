@@ -133,7 +133,8 @@ def read_header(path: Path, file_index: int) -> Header:
     return Header(raw, tensors, st.st_size, st.st_mtime_ns, metadata)
 
 
-def _expert_tensors(path: Path, tensors: dict[str, Tensor], switches) -> dict[str, dict[Optional[int], tuple]]:
+def _expert_tensors(path: Path, tensors: dict[str, Tensor],
+                    switches: list[SwitchLayer]) -> dict[str, dict[str, dict[Optional[int], tuple[str, Tensor]]]]:
     """switch path -> piece key -> {expert, or None for stacked: (tensor name, Tensor)}.
 
     A switch layer at P (``...mlp.switch_mlp``) holds its experts stacked, as mlx-lm saves them
@@ -232,7 +233,6 @@ class Checkpoint:
     config: dict
     config_bytes: bytes
     layer_ids: list[int]
-    switch_paths: list[str]  # per MoE layer: the module path of its switch layer in mlx-lm's model
     n_experts: int
     top_k: int
     layout: RecordLayout  # format "safetensors"
@@ -318,8 +318,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
                 f"{[(p.key, p.shape, p.dtype, p.nbytes) for p in layout.pieces]}; one record layout is needed"
             )
         places.append(where)
-    return Checkpoint(path, files, headers, config, config_bytes, layer_ids, [by_layer[lid].path for lid in layer_ids],
-                      n_experts, top_k, layout, places, [names[lid] for lid in layer_ids])
+    return Checkpoint(path, files, headers, config, config_bytes, layer_ids, n_experts, top_k, layout, places,
+                      [names[lid] for lid in layer_ids])
 
 
 class SafetensorsReader(RecordReader):
