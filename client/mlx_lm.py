@@ -33,7 +33,8 @@ from moe_l2.sizes import format_size, parse_size
 
 __all__ = ["StreamedLM", "stream_experts", "load_model", "l0_slots_for", "peak_rss_bytes", "hit_rates"]
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A switch layer's decoder layer is the first list index in its path, as moe_l2.model.architecture reads it.
+_LAYER = re.compile(r"\.(\d+)\.")
 
 
 def _switch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

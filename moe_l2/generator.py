@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Optional
 
-__all__ = ["ARCHS", "Arch", "make_model", "make_gguf_model"]
+__all__ = ["ARCHS", "Arch", "make_model", "make_mlx_lm_model", "make_gguf_model"]
 
 # Head size of every generated attention layer; hidden sizes must be multiples of it.
 _HEAD_DIM = 32
@@ -465,6 +465,39 @@ def make_model(
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
     say(f"wrote {out}")
+    return out
+
+
+def make_mlx_lm_model(out_dir, config: dict, *, bits: int = 4, group_size: int = 32, seed: int = 0) -> Path:
+    """Write a random-weight checkpoint of any mlx-lm architecture, built from `config` (the small model
+    args of a test), quantized and saved the way mlx_lm.convert does (``quantize_model``, ``save_model``,
+    ``save_config``), with the offline tokenizer. bits=16 leaves it in float16.
+
+    Parameters mlx-lm initialises to zero (router biases, score corrections: real checkpoints overwrite
+    them) get small random values, so that routing has no ties."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty directory")
+    config = dict(config)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    zeroed = [(k, mx.random.normal(v.shape) * 0.02) for k, v in tree_flatten(model.parameters())
+              if v.size and not mx.any(v).item()]
+    if zeroed:
+        model.update(tree_unflatten(zeroed))
+    model.set_dtype(mx.float16)
+    if bits != 16:
+        model, config = quantize_model(model, config, group_size, bits)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or _DEFAULT_VOCAB
+    config["bos_token_id"], config["eos_token_id"] = _save_tokenizer(out, vocab)
+    save_model(out, model)
+    save_config(config, out / "config.json")
     return out
 
 

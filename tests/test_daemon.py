@@ -185,7 +185,10 @@ def write_sparse_model(directory, n_experts=64, expert_bytes=1 << 30):
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({
         "model_type": "qwen3_moe", "num_experts": n_experts, "num_experts_per_tok": 2,
-        "num_hidden_layers": 1, "hidden_size": 4096, "moe_intermediate_size": 8192}))
+        "num_hidden_layers": 1, "hidden_size": 4096, "moe_intermediate_size": 8192, "intermediate_size": 8192,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "vocab_size": 16, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+        "max_position_embeddings": 4096, "rope_theta": 1e6, "tie_word_embeddings": False}))
     rows = expert_bytes // (4096 * 2)
     header = {}
     offset = 0

@@ -287,14 +287,23 @@ def _write(path, tensors, config):
     return path
 
 
+def _qwen2_moe(experts: int, top_k: int, layers: int = 2) -> dict:
+    """A config mlx-lm builds a tiny qwen2_moe from: hidden size 8, expert hidden size 4."""
+    return {"model_type": "qwen2_moe", "hidden_size": 8, "num_hidden_layers": layers, "intermediate_size": 8,
+            "num_attention_heads": 2, "num_experts_per_tok": top_k, "num_experts": experts,
+            "moe_intermediate_size": 4, "shared_expert_intermediate_size": 4, "rms_norm_eps": 1e-5, "vocab_size": 16}
+
+
 def test_non_moe_model(tmp_path):
     tensors = {
         "model.embed_tokens.weight": mx.zeros((16, 8)),
         "model.layers.0.mlp.gate_proj.weight": mx.zeros((8, 8)),
         "model.layers.0.mlp.down_proj.weight": mx.zeros((8, 8)),
     }
-    path = _write(tmp_path / "dense", tensors, {"model_type": "llama"})
-    with pytest.raises(ValueError, match="not a MoE model"):
+    config = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "intermediate_size": 8,
+              "num_attention_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 16}
+    path = _write(tmp_path / "dense", tensors, config)
+    with pytest.raises(ValueError, match="llama model has no routed experts .* not a MoE model"):
         ModelFiles.open(path)
 
 
@@ -306,7 +315,7 @@ def test_hand_written_per_expert_bfloat16(tmp_path):
         for e in range(3):
             for proj, shape in (("gate_proj", (4, 8)), ("up_proj", (4, 8)), ("down_proj", (8, 4))):
                 ws[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = mx.random.normal(shape).astype(mx.bfloat16)
-    path = _write(tmp_path / "hf", ws, {"model_type": "qwen2_moe", "num_experts": 3, "num_experts_per_tok": 1})
+    path = _write(tmp_path / "hf", ws, _qwen2_moe(3, 1))
     m = ModelFiles.open(path)
     assert m.layout == RecordLayout.build(
         [("down_proj.weight", (8, 4), "bfloat16", 64), ("gate_proj.weight", (4, 8), "bfloat16", 64),
@@ -318,22 +327,37 @@ def test_hand_written_per_expert_bfloat16(tmp_path):
     assert m.read_record(1, 2)[p.offset : p.offset + p.nbytes] == truth
 
 
-def test_expert_count_must_agree_with_config(tmp_path):
+def test_expert_count_and_experts_per_token_come_from_the_model_mlx_lm_builds(tmp_path):
     path = _fresh(tmp_path)
     config = json.loads((path / "config.json").read_text())
+    config["num_experts_per_tok"] = 3
+    (path / "config.json").write_text(json.dumps(config))
+    assert (ModelFiles.open(path).n_experts, ModelFiles.open(path).top_k) == (4, 3)
     config["num_local_experts"] = 8
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="config.json says 8 experts"):
+    with pytest.raises(ValueError, match="mlx-lm's model for config.json has 8 experts"):
         ModelFiles.open(path)
-    del config["num_local_experts"]
+    del config["num_local_experts"]  # mixtral's default: 8 experts
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="names no expert count"):
+    with pytest.raises(ValueError, match="has 8 experts"):
+        ModelFiles.open(path)
+    config["model_type"] = "no_such_arch"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="mlx-lm cannot build a no_such_arch model"):
+        ModelFiles.open(path)
+
+
+def test_expert_tensors_must_cover_every_switch_layer(tmp_path):
+    ws = {f"model.layers.0.mlp.experts.{e}.gate_proj.weight": mx.zeros((4, 8)) for e in range(4)}
+    path = _write(tmp_path / "half", ws, _qwen2_moe(4, 2, layers=2))
+    with pytest.raises(ValueError, match=r"no routed-expert tensors for 1 of the 2 switch layers .* "
+                                         r"model\.layers\.1\.mlp\.switch_mlp\.gate_proj\.weight"):
         ModelFiles.open(path)
 
 
 def test_per_expert_missing_expert(tmp_path):
     ws = {f"model.layers.0.mlp.experts.{e}.gate_proj.weight": mx.zeros((4, 8)) for e in (0, 1, 3)}
-    path = _write(tmp_path / "gap", ws, {"num_experts": 4, "num_experts_per_tok": 2})
+    path = _write(tmp_path / "gap", ws, _qwen2_moe(4, 2, layers=1))
     with pytest.raises(ValueError, match="has experts"):
         ModelFiles.open(path)
 
@@ -343,7 +367,7 @@ def test_layers_must_share_one_layout(tmp_path):
         "model.layers.0.mlp.switch_mlp.gate_proj.weight": mx.zeros((4, 16, 8), dtype=mx.float16),
         "model.layers.1.mlp.switch_mlp.gate_proj.weight": mx.zeros((4, 32, 8), dtype=mx.float16),
     }
-    path = _write(tmp_path / "mixed", ws, {"num_experts": 4, "num_experts_per_tok": 2})
+    path = _write(tmp_path / "mixed", ws, _qwen2_moe(4, 2))
     with pytest.raises(ValueError, match="one record layout is needed"):
         ModelFiles.open(path)
 
@@ -351,7 +375,7 @@ def test_layers_must_share_one_layout(tmp_path):
 def test_stacked_and_per_expert_of_one_key_conflict(tmp_path):
     ws = {"model.layers.0.mlp.switch_mlp.gate_proj.weight": mx.zeros((2, 4, 8))}
     ws.update({f"model.layers.0.mlp.experts.{e}.gate_proj.weight": mx.zeros((4, 8)) for e in (0, 1)})
-    path = _write(tmp_path / "both", ws, {"num_experts": 2, "num_experts_per_tok": 1})
+    path = _write(tmp_path / "both", ws, _qwen2_moe(2, 1, layers=1))
     with pytest.raises(ValueError, match="twice"):
         ModelFiles.open(path)
 

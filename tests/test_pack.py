@@ -161,17 +161,15 @@ def test_architectures_whose_sanitize_cannot_restack_are_refused_unless_moe_l2_o
             assert out.read_record(layer, e) == files.read_record(layer, e)
 
 
-def test_a_model_mlx_lm_cannot_build_is_packed_under_its_own_names_with_a_note(sources, tmp_path, capsys):
+def test_a_model_mlx_lm_cannot_build_is_refused(sources, tmp_path):
+    # Its experts are known only from the model mlx-lm builds (docs/formats.md, "Which tensors are experts").
     src = tmp_path / "src"
     shutil.copytree(sources("mixtral-4bit"), src)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "model_type": "moe_l2_unknown_arch"}))
-    out = pack(src, tmp_path / "out", progress=False)
-    assert "note: mlx-lm cannot build this model" in capsys.readouterr().err
-    files = ModelFiles.open(src)
-    assert out.format == "packed" and out.model_type == "moe_l2_unknown_arch"
-    assert all(out.read_record(layer, e) == files.read_record(layer, e)
-               for layer in range(files.n_layers) for e in range(files.n_experts))
+    with pytest.raises(PackError, match="mlx-lm cannot build a moe_l2_unknown_arch model"):
+        pack(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_interrupted_pack_looks_incomplete_and_the_next_run_resumes(sources, tmp_path, monkeypatch):

@@ -85,15 +85,10 @@ def _header(tensors: dict, metadata: dict, align: int) -> bytes:
 
 
 def _switch_split(name: str) -> tuple[list[str], str, str]:
-    """A stacked expert tensor name as (parts before the switch segment, proj, param)."""
+    """A stacked expert tensor name, ``<switch layer path>.<proj>.<param>``, as (the switch layer's parent
+    path, proj, param): per-expert tensors go beside the switch layer (docs/formats.md)."""
     parts = name.split(".")
-    for i in range(len(parts) - 1):
-        if parts[i] == "layers" and parts[i + 1].isdigit():
-            break
-    for j in range(i + 2, len(parts)):
-        if parts[j] in ("switch_mlp", "experts") and len(parts) - j == 3:
-            return parts[:j], parts[j + 1], parts[j + 2]
-    raise PackError(f"cannot name the per-expert tensors of {name}")
+    return parts[:-3], parts[-2], parts[-1]
 
 
 def _naming(files: ModelFiles, aliases: Optional[dict]):

@@ -1,6 +1,9 @@
 """mlx-lm safetensors checkpoints: experts stacked (``switch_mlp.gate_proj.weight`` of shape ``(E, ...)``)
 or one tensor per expert; a record is read piece by piece (docs/formats.md).
 
+Which tensors are experts, how many experts there are and how many a token uses come from the model
+mlx-lm builds for config.json (``moe_l2.model.architecture``), not from tensor names or config keys.
+
 The headers are parsed by hand (no tensor data is read), so that the daemon and the client compute the
 same layout and can pread records straight into place. ``read_checkpoint`` parses a model directory;
 ``SafetensorsReader`` reads its records, and ``moe_l2.model.packed`` reads a packed one.
@@ -12,11 +15,13 @@ import hashlib
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from moe_l2.model.architecture import SwitchLayer, switch_layers
 from moe_l2.model.records import RecordLayout, RecordReader, hash_part, pread_plain
 
 __all__ = ["INDEX_NAME", "DTYPES", "Tensor", "Header", "read_header", "Checkpoint", "read_checkpoint",
@@ -45,10 +50,8 @@ DTYPES = {
 
 # Per-expert projection names that mlx-lm's sanitize renames when it stacks (mixtral-style).
 _PROJ_ALIASES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_SWITCH_NAMES = ("switch_mlp", "experts")
-
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "moe_k", "top_k")
+# "<parent>.experts.<N>.<projection>": one expert's tensors, as mlx-lm's sanitize functions stack them.
+_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.([^.]+)$")
 
 
 @dataclass(frozen=True)
@@ -130,38 +133,37 @@ def read_header(path: Path, file_index: int) -> Header:
     return Header(raw, tensors, st.st_size, st.st_mtime_ns, metadata)
 
 
-def _parse_expert_name(name: str) -> Optional[tuple[int, Optional[int], str]]:
-    """(layer, expert or None for stacked, piece key) for a routed-expert tensor name, else None.
+def _expert_tensors(path: Path, tensors: dict[str, Tensor],
+                    switches: list[SwitchLayer]) -> dict[str, dict[str, dict[Optional[int], tuple[str, Tensor]]]]:
+    """switch path -> piece key -> {expert, or None for stacked: (tensor name, Tensor)}.
 
-    Stacked: ``...layers.L.<...>.switch_mlp.<proj>.<param>`` (gpt_oss: ``...experts.<proj>.<param>``).
-    Per expert: ``...layers.L.<...>.experts.N.<proj>.<param>``, proj normalised as mlx-lm's sanitize does.
-    """
-    parts = name.split(".")
-    for i in range(len(parts) - 1):
-        if parts[i] == "layers" and parts[i + 1].isdigit():
-            break
-    else:
-        return None
-    layer = int(parts[i + 1])
-    for j in range(i + 2, len(parts)):
-        if parts[j] not in _SWITCH_NAMES:
+    A switch layer at P (``...mlp.switch_mlp``) holds its experts stacked, as mlx-lm saves them
+    (``P.gate_proj.weight``, shape (E, ...)), or one tensor per expert beside it, as its ``sanitize``
+    stacks them (``<parent of P>.experts.N.gate_proj.weight``; mixtral: ``w1``/``w2``/``w3``)."""
+    by_path = {s.path: s for s in switches}
+    parents = {s.path.rpartition(".")[0]: s for s in switches}
+    found: dict[str, dict[str, dict[Optional[int], tuple]]] = {}
+    for name, t in tensors.items():
+        stem, _, param = name.rpartition(".")
+        owner, _, proj = stem.rpartition(".")
+        expert = None
+        if owner in by_path:
+            switch = by_path[owner]
+        else:
+            match = _PER_EXPERT.match(stem)
+            switch = parents.get(match.group(1)) if match else None
+            if switch is None:
+                continue
+            expert, proj = int(match.group(2)), match.group(3)
+            proj = proj if proj in switch.projections else _PROJ_ALIASES.get(proj, proj)
+        if proj not in switch.projections:
             continue
-        rest = parts[j + 1 :]
-        if len(rest) == 3 and rest[0].isdigit() and parts[j] == "experts":
-            return layer, int(rest[0]), f"{_PROJ_ALIASES.get(rest[1], rest[1])}.{rest[2]}"
-        if len(rest) == 2 and not rest[0].isdigit():
-            return layer, None, f"{rest[0]}.{rest[1]}"
-    return None
-
-
-def _config_int(config: dict, keys: tuple[str, ...]) -> Optional[int]:
-    # Multimodal configs keep the language model's settings under text_config.
-    for scope in (config, config.get("text_config") or {}):
-        for k in keys:
-            v = scope.get(k)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-    return None
+        key = f"{proj}.{param}"
+        slots = found.setdefault(switch.path, {}).setdefault(key, {})
+        if expert in slots or (expert is None and slots) or (expert is not None and None in slots):
+            raise ValueError(f"{path}: layer {switch.layer} holds {key} of an expert twice (stacked and per-expert?)")
+        slots[expert] = (name, t)
+    return found
 
 
 def _find_files(path: Path) -> tuple[list[Path], Optional[dict]]:
@@ -194,8 +196,8 @@ def _layer_pieces(path, lid, keys, n_experts, files):
             t = slots[None]
             if not t.shape or t.shape[0] != n_experts:
                 raise ValueError(
-                    f"{files[t.file]}: layer {lid} {key} has shape {list(t.shape)}, but config.json says "
-                    f"{n_experts} experts"
+                    f"{files[t.file]}: layer {lid} {key} has shape {list(t.shape)}, but mlx-lm's model for "
+                    f"config.json has {n_experts} experts"
                 )
             step = t.nbytes // n_experts
             shape, dtype = t.shape[1:], t.dtype
@@ -204,7 +206,7 @@ def _layer_pieces(path, lid, keys, n_experts, files):
             if sorted(slots) != list(range(n_experts)):
                 raise ValueError(
                     f"{path}: layer {lid} {key} has experts {sorted(slots)[:8]}... ({len(slots)} of them), "
-                    f"but config.json says {n_experts} experts"
+                    f"but mlx-lm's model for config.json has {n_experts} experts"
                 )
             first = slots[0]
             for e, t in slots.items():
@@ -272,32 +274,37 @@ def read_checkpoint(path: Path, config_path: Optional[Path] = None) -> Checkpoin
         if t is None or files[t.file].name != fname:
             raise ValueError(f"{path / INDEX_NAME}: names tensor {name!r} in {fname}, which does not hold it")
 
-    # layer id -> key -> {expert or None: tensor}
-    found: dict[int, dict[str, dict[Optional[int], Tensor]]] = {}
-    names: dict[int, dict[str, dict[Optional[int], str]]] = {}
-    for name, t in tensors.items():
-        parsed = _parse_expert_name(name)
-        if parsed is None:
-            continue
-        layer, expert, key = parsed
-        slots = found.setdefault(layer, {}).setdefault(key, {})
-        if expert in slots or (expert is None and slots) or (expert is not None and None in slots):
-            raise ValueError(f"{path}: layer {layer} holds {key} of an expert twice (stacked and per-expert?)")
-        slots[expert] = t
-        names.setdefault(layer, {}).setdefault(key, {})[expert] = name
-    if not found:
-        raise ValueError(
-            f"{path}: no routed-expert tensors (model.layers.N.*.switch_mlp.* or *.experts.N.*): not a MoE model"
-        )
+    switches = switch_layers(config)
+    arch = config.get("model_type")
+    if not switches:
+        raise ValueError(f"{path}: mlx-lm's {arch} model has no routed experts (no SwitchGLU / SwitchMLP runs in "
+                         "its forward): not a MoE model")
+    by_layer: dict[int, SwitchLayer] = {}
+    for s in switches:
+        if s.layer in by_layer:
+            raise ValueError(f"{path}: mlx-lm's {arch} model has two switch layers in layer {s.layer} "
+                             f"({by_layer[s.layer].path}, {s.path}); moe-l2 streams one per layer")
+        by_layer[s.layer] = s
+    counts = {s.n_experts for s in switches}
+    if len(counts) != 1:
+        raise ValueError(f"{path}: mlx-lm's {arch} model has switch layers with {sorted(counts)} experts; "
+                         "moe-l2 needs one expert count for the whole model")
+    n_experts = counts.pop()
+    # Layers may route different numbers of experts per token (hunyuan): a token needs the most of them.
+    top_k = max(s.top_k for s in switches)
 
-    n_experts = _config_int(config, _EXPERT_COUNT_KEYS)
-    if n_experts is None:
-        raise ValueError(f"{config_path}: names no expert count (looked for {', '.join(_EXPERT_COUNT_KEYS)})")
-    top_k = _config_int(config, _TOP_K_KEYS)
-    if top_k is None:
-        raise ValueError(f"{config_path}: names no experts per token (looked for {', '.join(_TOP_K_KEYS)})")
-    if top_k > n_experts:
-        raise ValueError(f"{config_path}: {top_k} experts per token but only {n_experts} experts")
+    expert_tensors = _expert_tensors(path, tensors, switches)
+    missing = [s for s in switches if s.path not in expert_tensors]
+    if missing:
+        example = f"{missing[0].path}.{missing[0].projections[0]}.weight"
+        raise ValueError(
+            f"{path}: no routed-expert tensors for {len(missing)} of the {len(switches)} switch layers mlx-lm "
+            f"builds for {arch} (e.g. {example}, stacked, or per expert beside it); a checkpoint that mlx-lm "
+            "converts at load time needs mlx_lm.convert first")
+    found = {s.layer: {k: {e: t for e, (_, t) in v.items()} for k, v in expert_tensors[s.path].items()}
+             for s in switches}
+    names = {s.layer: {k: {e: n for e, (n, _) in v.items()} for k, v in expert_tensors[s.path].items()}
+             for s in switches}
 
     layer_ids = sorted(found)
     places = []

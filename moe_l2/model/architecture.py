@@ -1,0 +1,109 @@
+"""The routed experts of a model as mlx-lm builds it: its switch layers, their paths, expert counts and
+experts per token (docs/formats.md, "Which tensors are experts").
+
+Nothing here guesses config keys or tensor names. ``switch_layers`` builds the architecture's ``Model``
+from config.json with mlx-lm's own classes, shape-only: every parameter is replaced by a broadcast zero
+(one element of memory, whatever its shape) before anything could evaluate it, and one token runs through
+the model lazily with every SwitchGLU / SwitchMLP watched. The number of experts is the leading dimension
+of a switch layer's weights; the experts per token is the last dimension of the indices its router hands
+it. No array is evaluated, so building a 600B-parameter model this way costs no weight memory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["SwitchLayer", "switch_layers"]
+
+# The first list index in a module path is its decoder layer: model.layers.3.mlp..., transformer.h.3.moe...
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class SwitchLayer:
+    """One routed-expert layer of the model mlx-lm builds."""
+
+    path: str  # module path of the SwitchGLU / SwitchMLP: its parameters are "<path>.<projection>.<param>"
+    layer: int  # the decoder layer it belongs to (the first list index in the path: "layers.N", "h.N")
+    projections: tuple[str, ...]  # its switch-linear children, e.g. gate_proj, up_proj, down_proj or fc1, fc2
+    n_experts: int  # the leading dimension of its weights
+    top_k: int  # experts per token: the last dimension of the indices its router passes to it
+
+
+def _build(config: dict):
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.utils import _get_classes
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ValueError("config.json names no model_type, so mlx-lm cannot build the model")
+    try:
+        model_class, args_class = _get_classes(config=config)
+        model = model_class(args_class.from_dict(config))
+    except Exception as e:  # noqa: BLE001 - any failure of mlx-lm's constructors means the same to the user
+        raise ValueError(f"mlx-lm cannot build a {model_type} model from config.json ({type(e).__name__}: {e}); "
+                         "is it an mlx-lm model, and is mlx-lm up to date?") from e
+    # Random initial values become broadcast zeros, never evaluated: the model holds no weight memory.
+    model.update(tree_map(lambda a: mx.broadcast_to(mx.zeros((), dtype=a.dtype), a.shape), model.parameters()))
+    return model
+
+
+def _set_child(model, path: str, module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = model
+    for part in parent_path.split(".") if parent_path else []:
+        parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
+    if isinstance(parent, list):
+        parent[int(name)] = module
+    else:
+        setattr(parent, name, module)
+
+
+def switch_layers(config: dict) -> list[SwitchLayer]:
+    """The routed-expert layers that mlx-lm's model for this config runs in a forward, in layer order.
+
+    Switch layers the forward never calls (multi-token-prediction heads) are left out: they are ordinary
+    weights to mlx-lm's generation. Raises ValueError when mlx-lm cannot build or run the model."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
+
+    model = _build(config)
+    found = [(path, m) for path, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
+    top_k: dict[str, int] = {}
+
+    class Probe(nn.Module):
+        def __init__(self, path: str, inner):
+            super().__init__()
+            self.inner = inner
+            object.__setattr__(self, "_path", path)
+
+        def __call__(self, x, indices):
+            top_k[self._path] = indices.shape[-1]
+            return self.inner(x, indices)
+
+    for path, module in found:
+        _set_child(model, path, Probe(path, module))
+    try:
+        # As mlx-lm's generation calls it; lazy: builds the graph, evaluates nothing.
+        model(mx.zeros((1, 1), dtype=mx.int32), cache=make_prompt_cache(model))
+    except Exception as e:  # noqa: BLE001 - the architecture's own forward failed on a shape-only model
+        raise ValueError(f"mlx-lm's {config.get('model_type')} model does not run one token shape-only "
+                         f"({type(e).__name__}: {e})") from e
+
+    out = []
+    for path, module in found:
+        if path not in top_k:
+            continue
+        projections = tuple(name for name, child in module.children().items()
+                            if isinstance(child, (SwitchLinear, QuantizedSwitchLinear)))
+        counts = {getattr(module, name).weight.shape[0] for name in projections}
+        match = _LAYER.search(path)
+        if len(counts) != 1 or match is None:
+            raise ValueError(f"mlx-lm's {config.get('model_type')} switch layer {path} has "
+                             f"{'no decoder layer number' if match is None else f'expert counts {sorted(counts)}'}")
+        out.append(SwitchLayer(path, int(match.group(1)), projections, counts.pop(), top_k[path]))
+    return sorted(out, key=lambda s: (s.layer, s.path))
