@@ -21,6 +21,7 @@ from moe_l2 import _native
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
+from moe_l2.model.architecture import build_in_child_processes
 from moe_l2.model.location import resolve_model
 from moe_l2.plan import ModelSizes, default_floor, plan, read_memory
 from moe_l2.sizes import format_size
@@ -389,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(JournalFormatter() if os.environ.get("JOURNAL_STREAM") else
                          logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
+    build_in_child_processes()  # learning a model's experts must not start a GPU device in the daemon
     daemon = Daemon(config)
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)

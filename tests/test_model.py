@@ -2,7 +2,10 @@
 
 import json
 import os
+import shutil
 import struct
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -383,3 +386,25 @@ def test_stacked_and_per_expert_of_one_key_conflict(tmp_path):
 def test_not_a_directory(tmp_path):
     with pytest.raises(ValueError, match="not a model directory"):
         ModelFiles.open(tmp_path / "nothing")
+
+
+def test_a_process_that_builds_in_child_processes_asks_mlx_for_no_memory(model_dir, model_files, tmp_path):
+    """The daemon learns a model's experts from a child process (docs/architecture.md, "Native module"): the
+    same layout, and MLX's allocator (Metal's on macOS) never used in the daemon's own process."""
+    code = ("import json, sys\nimport mlx.core as mx\nfrom moe_l2.model import ModelFiles\n"
+            "from moe_l2.model.architecture import build_in_child_processes\nbuild_in_child_processes()\n"
+            "f = ModelFiles.open(sys.argv[1])\n"
+            "print(json.dumps([f.fingerprint, f.n_experts, f.top_k, mx.get_peak_memory(), mx.get_active_memory()]))")
+    out = subprocess.run([sys.executable, "-P", "-c", code, str(model_dir)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    fingerprint, n_experts, top_k, peak, active = json.loads(out.stdout)
+    assert (fingerprint, n_experts, top_k) == (model_files.fingerprint, model_files.n_experts, model_files.top_k)
+    assert peak == active == 0
+    # A model mlx-lm cannot build: the child's reason reaches the caller.
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
+    out = subprocess.run([sys.executable, "-P", "-c", code, str(bad)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "mlx-lm cannot build a no_such_arch model" in out.stderr

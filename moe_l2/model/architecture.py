@@ -11,10 +11,19 @@ it. No array is evaluated, so building a 600B-parameter model this way costs no 
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 
-__all__ = ["SwitchLayer", "switch_layers"]
+__all__ = ["SwitchLayer", "switch_layers", "build_in_child_processes"]
+
+# The daemon never touches Metal (docs/architecture.md, "Native module"), but building a model asks MLX for
+# a few constants, so the daemon builds in a short-lived child process instead (build_in_child_processes).
+_IN_CHILD = False
+_CHILD = ("import json, sys; from moe_l2.model.architecture import _switch_layers_here as f; "
+          "print(json.dumps([l.__dict__ for l in f(json.load(sys.stdin))]))")
 
 # The first list index in a module path is its decoder layer: model.layers.3.mlp..., transformer.h.3.moe...
 _LAYER = re.compile(r"\.(\d+)\.")
@@ -61,11 +70,30 @@ def _set_child(model, path: str, module) -> None:
         setattr(parent, name, module)
 
 
+def build_in_child_processes(on: bool = True) -> None:
+    """From now on, this process builds models in a child process: no MLX memory, no GPU device here."""
+    global _IN_CHILD
+    _IN_CHILD = on
+
+
 def switch_layers(config: dict) -> list[SwitchLayer]:
     """The routed-expert layers that mlx-lm's model for this config runs in a forward, in layer order.
 
     Switch layers the forward never calls (multi-token-prediction heads) are left out: they are ordinary
     weights to mlx-lm's generation. Raises ValueError when mlx-lm cannot build or run the model."""
+    if not _IN_CHILD:
+        return _switch_layers_here(config)
+    # -P: a source checkout in the working directory must not shadow the installed package.
+    done = subprocess.run([sys.executable, "-P", "-c", _CHILD], input=json.dumps(config), capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError(last.split(": ", 1)[1] if last.startswith("ValueError: ") else
+                         f"building the model in a child process failed: {last}")
+    return [SwitchLayer(**{**d, "projections": tuple(d["projections"])}) for d in json.loads(done.stdout)]
+
+
+def _switch_layers_here(config: dict) -> list[SwitchLayer]:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.models.cache import make_prompt_cache
