@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import time
@@ -87,6 +88,20 @@ METAL_CHUNKED_ATOL = 1e-2
 
 
 # ---- helpers the test modules share (imported from here, never from one another) ---------------------------
+
+
+def corrupt_in_place(files: ModelFiles, layer: int, expert: int) -> None:
+    """Flip the bytes of the record's first piece in its file, then put the file's times back: the model's
+    size and mtime, so its fingerprint, do not change."""
+    file_index, offset, nbytes, _ = files.extents(layer, expert)[0]
+    path = files.files[file_index]
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        original = f.read(nbytes)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in original))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def assert_resident_exact(pool: ExpertPool, files: ModelFiles, layer: int, experts) -> None:

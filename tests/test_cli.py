@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 
@@ -11,7 +10,7 @@ from moe_l2 import __version__ as moe_l2_version
 from moe_l2 import protocol
 from moe_l2.client.connection import request
 
-from .conftest import stats, wait_for
+from .conftest import corrupt_in_place, stats, wait_for
 
 
 
@@ -70,15 +69,7 @@ def test_verify_catches_l2_bytes_that_differ_from_the_file(daemon_factory, tmp_p
         request(daemon.socket, protocol.Prefetch(id=1, model=files.fingerprint, layer=layer,
                                                  experts=list(range(files.n_experts))))
     wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == files.n_layers * files.n_experts, what="loads")
-    file_index, offset, nbytes, _ = files.extents(0, 0)[0]
-    path = files.files[file_index]
-    st = os.stat(path)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        original = f.read(nbytes)
-        f.seek(offset)
-        f.write(bytes(b ^ 0xFF for b in original))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    corrupt_in_place(files, 0, 0)
     result = moe_l2("verify", "--model", str(model), "--socket", daemon.socket, "--samples", "400")
     assert result.returncode == 1
     assert "MISMATCH layer 0 expert 0 (from L2)" in result.stdout

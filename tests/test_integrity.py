@@ -19,25 +19,11 @@ from moe_l2.layout import META_CHECKSUM
 from moe_l2.model import MANIFEST_NAME, CorruptRecord, ModelFiles
 from moe_l2.model.packer import pack
 
-from .conftest import assert_resident_exact, budget_for, stats, wait_for
+from .conftest import assert_resident_exact, budget_for, corrupt_in_place, stats, wait_for
 
 
 def moe_l2(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([shutil.which("moe-l2"), *args], capture_output=True, text=True, timeout=timeout)
-
-
-def corrupt_in_place(files: ModelFiles, layer: int, expert: int) -> None:
-    """Flip the bytes of the record's first piece in its file, then put the file's times back: the model's
-    size and mtime, so its fingerprint, do not change."""
-    file_index, offset, nbytes, _ = files.extents(layer, expert)[0]
-    path = files.files[file_index]
-    st = os.stat(path)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        original = f.read(nbytes)
-        f.seek(offset)
-        f.write(bytes(b ^ 0xFF for b in original))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def record_checksums(files: ModelFiles) -> list[list[int]]:

@@ -13,6 +13,26 @@ from moe_l2.sizes import format_pct, format_size
 HELP = "generate text with an mlx-lm MoE model, its experts streamed"
 
 
+def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a process streams its experts: the L0 size, the daemon, direct reads and checksum checks (the
+    options of `generate` and `serve`)."""
+    l0 = parser.add_mutually_exclusive_group()
+    l0.add_argument("--l0-slots", type=int, help="experts per layer kept in this process (default: moe-l2 plan's "
+                                                 "for this machine: a quarter of the experts, fewer when "
+                                                 "memory is short)")
+    l0.add_argument("--l0-budget", help="memory for this process' experts over all layers, e.g. 2GiB")
+    daemon = parser.add_mutually_exclusive_group()
+    daemon.add_argument("--socket", default=None, type=socket_arg,
+                        help="moe-l2d address (default: the local runtime dir)")
+    daemon.add_argument("--no-daemon", action="store_true", help="read missing experts from the model files only")
+    parser.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
+                        help="read missing experts with O_DIRECT / F_NOCACHE (auto: for packed models)")
+    parser.add_argument("--verify-checksums", choices=("off", "file", "all"), default="file",
+                        help="check experts against the model's checksum manifest, if it has one: those read "
+                             "from the model file (file, the default), those copied from moe-l2d's shared "
+                             "memory too (all), or none (off)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True,
                         help="mlx-lm model directory, or Hugging Face repo id (owner/name[@revision]; downloaded "
@@ -21,20 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     prompt.add_argument("-p", "--prompt", help="the prompt text")
     prompt.add_argument("--prompt-file", type=path_arg, help="read the prompt from a file ('-': standard input)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
-    l0 = parser.add_mutually_exclusive_group()
-    l0.add_argument("--l0-slots", type=int, help="experts per layer kept in this process (default: moe-l2 plan's "
-                                                 "for this machine: a quarter of the experts, fewer when "
-                                                 "memory is short)")
-    l0.add_argument("--l0-budget", help="memory for this process' experts over all layers, e.g. 2GiB")
-    daemon = parser.add_mutually_exclusive_group()
-    daemon.add_argument("--socket", default=None, type=socket_arg, help="moe-l2d address (default: the local runtime dir)")
-    daemon.add_argument("--no-daemon", action="store_true", help="read missing experts from the model files only")
-    parser.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
-                        help="read missing experts with O_DIRECT / F_NOCACHE (auto: for packed models)")
-    parser.add_argument("--verify-checksums", choices=("off", "file", "all"), default="file",
-                        help="check experts against the model's checksum manifest, if it has one: those read "
-                             "from the model file (file, the default), those copied from moe-l2d's shared "
-                             "memory too (all), or none (off)")
+    add_streaming_arguments(parser)
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument("--ignore-chat-template", action="store_true",

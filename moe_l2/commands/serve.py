@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from moe_l2.model.location import resolve_model, socket_arg
+from moe_l2.commands.generate import add_streaming_arguments
+from moe_l2.model.location import resolve_model
 
 HELP = "serve an mlx-lm MoE model over an OpenAI-compatible HTTP API, its experts streamed"
 
@@ -34,18 +35,11 @@ def _json_object(text: str) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", required=True, help="mlx-lm model directory")
+    parser.add_argument("--model", required=True,
+                        help="mlx-lm model directory, or a Hugging Face repo id (downloaded when not cached)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
-    l0 = parser.add_mutually_exclusive_group()
-    l0.add_argument("--l0-slots", type=int, help="experts per layer kept in this process (default: a quarter "
-                                                 "of the experts, at least twice the experts per token)")
-    l0.add_argument("--l0-budget", help="memory for this process' experts over all layers, e.g. 2GiB")
-    daemon = parser.add_mutually_exclusive_group()
-    daemon.add_argument("--socket", default=None, type=socket_arg, help="moe-l2d address (default: the local runtime dir)")
-    daemon.add_argument("--no-daemon", action="store_true", help="read missing experts from the model files only")
-    parser.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
-                        help="read missing experts with O_DIRECT / F_NOCACHE (auto: for packed models)")
+    add_streaming_arguments(parser)
 
     mlx = parser.add_argument_group("mlx_lm.server options (same names and defaults)")
     mlx.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
@@ -141,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
     lm_options = {"l0_slots": args.l0_slots, "l0_budget": args.l0_budget, "socket": args.socket,
-                  "daemon": not args.no_daemon, "client_wait_s": 2.0, "direct": DIRECT_IO[args.direct_io]}
+                  "daemon": not args.no_daemon, "client_wait_s": 2.0, "direct": DIRECT_IO[args.direct_io],
+                  "verify": args.verify_checksums}
     provider = StreamedModelProvider(cli_args, model_dir, args.model, lm_options)
     status = 0
     try:
