@@ -12,12 +12,15 @@ it. No array is evaluated, so building a 600B-parameter model this way costs no 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
 from dataclasses import dataclass
 
 __all__ = ["SwitchLayer", "switch_layers", "build_in_child_processes"]
+
+log = logging.getLogger("moe-l2.model")
 
 # The daemon never touches Metal (docs/architecture.md, "Native module"), but building a model asks MLX for
 # a few constants, so the daemon builds in a short-lived child process instead (build_in_child_processes).
@@ -84,8 +87,13 @@ def switch_layers(config: dict) -> list[SwitchLayer]:
     if not _IN_CHILD:
         return _switch_layers_here(config)
     # -P: a source checkout in the working directory must not shadow the installed package.
-    done = subprocess.run([sys.executable, "-P", "-c", _CHILD], input=json.dumps(config), capture_output=True,
-                          text=True, timeout=600)
+    try:
+        done = subprocess.run([sys.executable, "-P", "-c", _CHILD], input=json.dumps(config), capture_output=True,
+                              text=True, timeout=600)
+    except OSError as exc:  # e.g. a service user that may not execute this interpreter's path again
+        log.warning("cannot start a child process to build the model (%s); building it in this process, "
+                    "which asks MLX's allocator for a few bytes", exc)
+        return _switch_layers_here(config)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise ValueError(last.split(": ", 1)[1] if last.startswith("ValueError: ") else
