@@ -96,6 +96,9 @@ def test_every_option_of_every_command_has_help_text():
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     missing = [f"moe-l2 {name} {'/'.join(a.option_strings) or a.dest}"
                for name, p in sub.choices.items() for a in p._actions if not a.help]
+    from moe_l2.daemon.config import build_parser as daemon_parser
+
+    missing += [f"moe-l2d {'/'.join(a.option_strings)}" for a in daemon_parser()._actions if not a.help]
     assert not missing, "options without help text: " + ", ".join(missing)
     assert len(sub.choices) >= 9
 
