@@ -137,13 +137,9 @@ def request(address: str | None, message: protocol.Message, timeout_s: float = 5
 
     A fire-and-forget message is followed by a stats request on the same connection: the daemon handles a
     connection's messages in order, so the first reply is either the refusal of the message or the barrier's.
-    No socket file at an ipc:// address is a ConnectionRefusedError at once: no daemon will answer there.
+    No socket file at an ipc:// address, or one this user may not use, fails at once (check_access).
     """
     address = address or default_socket()
-    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
-        raise ConnectionRefusedError(f"no moe-l2d at {address}: the socket file does not exist; start the daemon "
-                                     "(systemctl start moe-l2d, or moe-l2d --model DIR --budget SIZE), or give "
-                                     "its address with --socket or MOE_L2_RUNTIME_DIR")
     frame = message.encode()
     if len(frame) > protocol.MAX_FRAME_BYTES:
         raise ValueError(f"a {message.TYPE} of {len(frame)} bytes exceeds the daemon's {protocol.MAX_FRAME_BYTES}-"
@@ -199,15 +195,18 @@ def connect(sock, address: str, keys: tuple[bytes, bytes, bytes] | None) -> None
 
 
 def check_access(address: str) -> None:
-    """Raise PermissionError naming the cause when this user may not connect to an ipc socket: ZeroMQ itself
-    would only wait, and the caller report 'is it running?'. A socket not there yet is left to the wait."""
+    """Fail at once, naming the cause, where ZeroMQ itself would only wait and the caller report 'is it
+    running?': no socket file at an ipc:// address (ConnectionRefusedError: no daemon will answer there), or one
+    this user may not connect to (PermissionError)."""
     if not address.startswith("ipc://"):
         return
     path = address[len("ipc://"):]
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return
+        raise ConnectionRefusedError(f"no moe-l2d at {address}: the socket file does not exist; start the daemon "
+                                     "(systemctl start moe-l2d, or moe-l2d --model DIR --budget SIZE), or give "
+                                     "its address with --socket or MOE_L2_RUNTIME_DIR") from None
     except PermissionError:
         raise PermissionError(f"cannot reach {path}: its directory is closed to this user; ask the admin to "
                               "add you to the daemon's group (docs/security.md)") from None
