@@ -12,7 +12,6 @@ together.
 
 from __future__ import annotations
 
-import re
 import resource
 import sys
 from pathlib import Path
@@ -27,14 +26,12 @@ from mlx_lm.utils import load_model as _mlx_lm_load_model
 from moe_l2.client.pool import ExpertPool
 from moe_l2.client.switch import ForwardState, RoutingRecorder, StreamedSwitch, StreamStats
 from moe_l2.model import ModelFiles
+from moe_l2.model.architecture import decoder_layer, set_module
 from moe_l2.model.location import resolve_model
 from moe_l2.plan import ModelSizes, plan, read_memory
 from moe_l2.sizes import format_size, parse_size
 
 __all__ = ["StreamedLM", "stream_experts", "load_model", "l0_slots_for", "peak_rss_bytes", "hit_rates"]
-
-# A switch layer's decoder layer is the first list index in its path, as moe_l2.model.architecture reads it.
-_LAYER = re.compile(r"\.(\d+)\.")
 
 
 def _switch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -68,8 +65,7 @@ def _switch_layers(model: nn.Module, files: ModelFiles) -> list[tuple[str, nn.Mo
     layer_of = {lid: i for i, lid in enumerate(files.layer_ids)}
     out: dict[int, tuple[str, nn.Module, int]] = {}
     for path, module in found:
-        match = _LAYER.search(path)
-        layer = layer_of.get(int(match.group(1))) if match else None
+        layer = layer_of.get(decoder_layer(path))
         if layer is None or layer in out:
             raise ValueError(f"{files.path}: {path} matches no single MoE layer of the checkpoint "
                              f"(its expert tensors are in layers {files.layer_ids})")
@@ -99,17 +95,9 @@ def stream_experts(model: nn.Module, pool: ExpertPool, stats: StreamStats | None
     for path, module, layer in found:
         _check_layout(path, module, files)
         switches.append(StreamedSwitch(module, forward, layer))
-    _replace(model, [(path, s) for (path, _, _), s in zip(found, switches)])
+    for (path, _, _), switch in zip(found, switches):
+        set_module(model, path, switch)
     return switches
-
-
-def _replace(model: nn.Module, updates: list[tuple[str, nn.Module]]) -> None:
-    for path, new in updates:
-        parent_path, _, name = path.rpartition(".")
-        parent = model
-        for part in parent_path.split(".") if parent_path else []:
-            parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
-        setattr(parent, name, new)
 
 
 def load_model(path, pool: ExpertPool, *, model_config: dict | None = None, stats: StreamStats | None = None,

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-__all__ = ["SwitchLayer", "switch_layers", "build_in_child_processes"]
+__all__ = ["SwitchLayer", "switch_layers", "build_in_child_processes", "decoder_layer", "set_module"]
 
 log = logging.getLogger("moe-l2.model")
 
@@ -62,7 +62,14 @@ def _build(config: dict):
     return model
 
 
-def _set_child(model, path: str, module) -> None:
+def decoder_layer(path: str) -> int | None:
+    """The decoder layer a module path belongs to: its first list index (model.layers.3.mlp, transformer.h.3)."""
+    match = _LAYER.search(path)
+    return int(match.group(1)) if match else None
+
+
+def set_module(model, path: str, module) -> None:
+    """Put `module` at `path` (dots and list indices, as named_modules writes it) inside `model`."""
     parent_path, _, name = path.rpartition(".")
     parent = model
     for part in parent_path.split(".") if parent_path else []:
@@ -122,7 +129,7 @@ def _switch_layers_here(config: dict) -> list[SwitchLayer]:
             return self.inner(x, indices)
 
     for path, module in found:
-        _set_child(model, path, Probe(path, module))
+        set_module(model, path, Probe(path, module))
     try:
         # As mlx-lm's generation calls it; lazy: builds the graph, evaluates nothing.
         model(mx.zeros((1, 1), dtype=mx.int32), cache=make_prompt_cache(model))
@@ -137,9 +144,9 @@ def _switch_layers_here(config: dict) -> list[SwitchLayer]:
         projections = tuple(name for name, child in module.children().items()
                             if isinstance(child, (SwitchLinear, QuantizedSwitchLinear)))
         counts = {getattr(module, name).weight.shape[0] for name in projections}
-        match = _LAYER.search(path)
-        if len(counts) != 1 or match is None:
+        layer = decoder_layer(path)
+        if len(counts) != 1 or layer is None:
             raise ValueError(f"mlx-lm's {config.get('model_type')} switch layer {path} has "
-                             f"{'no decoder layer number' if match is None else f'expert counts {sorted(counts)}'}")
-        out.append(SwitchLayer(path, int(match.group(1)), projections, counts.pop(), top_k[path]))
+                             f"{'no decoder layer number' if layer is None else f'expert counts {sorted(counts)}'}")
+        out.append(SwitchLayer(path, layer, projections, counts.pop(), top_k[path]))
     return sorted(out, key=lambda s: (s.layer, s.path))
