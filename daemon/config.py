@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--socket", type=socket_arg,
                         help="ZeroMQ address to bind (default ipc://RUNTIME_DIR/moe-l2d.sock)")
     parser.add_argument("--runtime-dir", type=path_arg, help="directory for the socket and lock file")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="least severe messages logged (default info)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=None,
+                        help="least severe messages logged (default info)")
     parser.add_argument("--shm-mode", default=None, help="octal mode of the segments (default 600)")
     parser.add_argument("--loader-threads", type=int, default=None, help="parallel loads (default 4)")
     parser.add_argument("--socket-mode", default=None,

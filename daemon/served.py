@@ -1,8 +1,8 @@
 """A model the daemon serves: its files, its shared-memory segments, one slot store per layer.
 
 Every change of a slot follows the seqlock (docs/architecture.md, "Shared memory"), so that a client copying
-concurrently either gets the whole record or gives up: begin (seq odd, evicted expert's slot_of cleared), pread the record, set the
-slot's expert, end (seq even), publish slot_of.
+concurrently either gets the whole record or gives up: begin (seq odd, evicted expert's slot_of cleared),
+pread the record, set the slot's expert, end (seq even), publish slot_of.
 """
 
 from __future__ import annotations

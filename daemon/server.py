@@ -322,8 +322,9 @@ class Server:
 def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int]],
                   size: int) -> list[tuple[dict, dict, int]]:
     """Split a report into (layers, routed, cost) pieces of at most `size` looked-up ids (routed picks count
-    1/ROUTED_PER_LOOKUP each) that ServedModel.report counts as it counts the whole: per layer its hits, then its misses, in order; when the report names its routed
-    picks, the lookup pieces carry an empty pick list (so their lookups are not counted as picks)."""
+    1/ROUTED_PER_LOOKUP each) that ServedModel.report counts as it counts the whole: per layer its hits, then
+    its misses, in order; when the report names its routed picks, the lookup pieces carry an empty pick list
+    (so their lookups are not counted as picks)."""
     pieces = []
     for layer, (hits, misses) in layers.items():
         no_picks = {layer: []} if routed else {}
@@ -334,7 +335,8 @@ def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int
     step = size * ROUTED_PER_LOOKUP
     for layer, picks in routed.items():
         for start in range(0, len(picks), step):
-            pieces.append(({}, {layer: picks[start:start + step]}, -(-len(picks[start:start + step]) // ROUTED_PER_LOOKUP)))
+            chunk = picks[start:start + step]
+            pieces.append(({}, {layer: chunk}, -(-len(chunk) // ROUTED_PER_LOOKUP)))
     return pieces
 
 
