@@ -20,6 +20,7 @@ COMMANDS = {
     "verify": "verify",
     "pack": "pack",
     "replay": "replay",
+    "bench": "bench",
     "profile": "profile",
     "predict": "predict",
     "make-model": "make_model",

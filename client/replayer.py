@@ -1,0 +1,118 @@
+"""One client process of `moe-l2 bench`: a routing trace's tokens through a real ExpertPool, with no model compute.
+
+Per token and MoE layer it fetches the layer's picks exactly as a streamed forward does (`ExpertPool.fetch`),
+then waits the configured compute time, during which background work may run. Stall is the time `fetch` took:
+what compute did not hide (docs/architecture.md, "Measured against the page cache").
+
+Run as ``python -P -m moe_l2.client.replayer``; it speaks JSON lines. The first line on stdin is the job::
+
+    {"model": DIR, "capacity": L0 experts per layer, "direct": true|false|null, "socket": ADDRESS or null,
+     "policy": L0 policy, "cgroup": DIR or null, "compute_ms": per layer, "warmup": tokens,
+     "tokens": [[[experts of layer 0], ...], ...]}
+
+It answers ``{"ready": ...}`` once the pool exists, waits for a line, replays the warm-up tokens, answers
+``{"warm": true}``, waits for a line, replays the rest and answers with its counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+from moe_l2.client.connection import L2Client
+from moe_l2.client.pool import ExpertPool
+from moe_l2.model import ModelFiles
+
+
+def anon_bytes(pid: int | str = "self") -> int:
+    """A process' anonymous memory (Linux: RssAnon, which shared memory and the page cache are not part of);
+    elsewhere this process' peak resident size, and 0 for another process."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if pid != "self":
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def disk_read_bytes(pid: int | str = "self") -> int | None:
+    """Bytes this process (all its threads) made the kernel fetch from storage: page-cache hits are not in it.
+    None where /proc is not there (macOS)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _say(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _wait_for_go() -> None:
+    if not sys.stdin.readline():
+        sys.exit(0)  # the bench went away
+
+
+def replay(pool: ExpertPool, tokens: list, compute_s: float) -> float:
+    """Fetch each token's experts layer by layer, computing (waiting) compute_s after each; returns the stall."""
+    stall = 0.0
+    clock = time.perf_counter
+    for token in tokens:
+        for layer, experts in enumerate(token):
+            start = clock()
+            pool.fetch(layer, experts)
+            done = clock()
+            stall += done - start
+            # The layer's compute: a sleep, so that background threads (the client's, a prefetch) may run.
+            deadline = done + compute_s
+            while (left := deadline - clock()) > 0:
+                time.sleep(left)
+    return stall
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.readline())
+    if job.get("cgroup"):
+        # Join before touching the model: the page cache our reads bring in is charged to this group.
+        with open(os.path.join(job["cgroup"], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    files = ModelFiles.open(job["model"])
+    client = L2Client(files, job["socket"], wait_s=10) if job.get("socket") else None
+    if client is not None and not client.attached:
+        _say({"error": f"no moe-l2d answered at {job['socket']}: {client.last_error}"})
+        return 1
+    pool = ExpertPool(files, job["capacity"], client, policy=job["policy"], direct=job["direct"], verify="off")
+    tokens, warmup, compute_s = job["tokens"], job["warmup"], job["compute_ms"] / 1e3
+    _say({"ready": True, "anon_bytes": anon_bytes()})
+    _wait_for_go()
+    replay(pool, tokens[:warmup], compute_s)
+    _say({"warm": True})
+    _wait_for_go()
+    before, disk_before = pool.counts, disk_read_bytes()
+    stall = replay(pool, tokens[warmup:], compute_s)
+    after, disk_after = pool.counts, disk_read_bytes()
+    counts = {name: getattr(after, name) - getattr(before, name) for name in after.__dataclass_fields__}
+    _say({"tokens": len(tokens) - warmup, "stall_s": stall, "counts": counts, "record_bytes": files.layout.nbytes,
+          "disk_read_bytes": None if disk_before is None else disk_after - disk_before,
+          "anon_bytes": anon_bytes()})
+    pool.close()
+    if client is not None:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""`moe-l2 bench`: a routing trace through the real data path at real expert sizes, moe-l2 against the page
+cache and against pread-only streaming at the same memory (docs/architecture.md, "Measured against the page
+cache").
+
+Each configuration runs N client processes (moe_l2.client.replayer), each replaying its share of the trace's
+sequences through a real ExpertPool: `page-cache` (buffered reads, the smallest L0, the processes and their
+page cache held to the budget by a memory cgroup), `pread` (the budget as L0, split across the processes,
+direct reads) and `moe-l2` (a per-process L0 and one real moe-l2d's L2 holding the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import platformdirs
+
+from moe_l2 import protocol
+from moe_l2.cache.trace import TraceError, read_traces
+from moe_l2.cgroup import MemoryCgroup
+from moe_l2.client.connection import request
+from moe_l2.client.replayer import anon_bytes, disk_read_bytes
+from moe_l2.daemon.process import DaemonProcess
+from moe_l2.layout import Geometry
+from moe_l2.model import ModelFiles
+from moe_l2.model.location import path_arg, resolve_model
+from moe_l2.model.synthetic import GEOMETRIES, SyntheticError, build
+from moe_l2.sizes import format_pct, format_size
+
+HELP = "replay a routing trace at real expert sizes: moe-l2 against the page cache and pread, same memory"
+
+CONFIGS = ("page-cache", "pread", "moe-l2")
+# Decode on Apple Silicon, per MoE layer: gpt-oss-20b (24 layers), MLX 4-bit, 91.5 tok/s on an M2 Max
+# (docs/architecture.md, "Measured against the page cache", cites the measurement): 1000 / 91.5 / 24 ms.
+DEFAULT_COMPUTE_MS = 0.45
+# page-cache: room per client process for its heap to grow past what it held warm, inside the cgroup's limit.
+HEAP_ROOM = 16 << 20
+
+
+class BenchError(ValueError):
+    """Input the bench cannot run with; the message says what to do."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, type=path_arg, metavar="FILE",
+                        help="routing trace to replay (the shared traces' JSON Lines format, .gz or not)")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES),
+                        help="expert shapes and sizes of this model, built once as random bytes (default: the "
+                             "trace's model)")
+    parser.add_argument("--model", metavar="DIR|ID", help="use this real checkpoint instead of a built geometry")
+    parser.add_argument("--layers", type=int, metavar="N",
+                        help="only the first N MoE layers of the geometry and the trace (default: all)")
+    parser.add_argument("--tokens", type=int, metavar="N", help="replay at most N tokens over all processes")
+    parser.add_argument("--warmup", type=float, default=0.2, metavar="SHARE",
+                        help="share of each process' tokens that warms the caches before measuring (default 0.2)")
+    parser.add_argument("--compute-ms", type=float, default=DEFAULT_COMPUTE_MS, metavar="MS",
+                        help=f"model compute per layer, during which background work may run (default "
+                             f"{DEFAULT_COMPUTE_MS}: decode on an M2 Max, see docs/architecture.md)")
+    parser.add_argument("--budget", default="25%,50%", metavar="SHARE[,SHARE...]",
+                        help="memory for experts, as shares of all experts' bytes (default 25%%,50%%)")
+    parser.add_argument("--processes", default="1,3", metavar="N[,N...]",
+                        help="concurrent client processes, each replaying its share of the sequences (default 1,3)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), metavar="NAME[,NAME...]",
+                        help=f"configurations to run (default {','.join(CONFIGS)})")
+    parser.add_argument("--l0-share", type=float, default=0.5, metavar="F",
+                        help="moe-l2: share of a process' part of the budget that its L0 gets; one daemon's L2 "
+                             "gets the rest (default 0.5)")
+    parser.add_argument("--cache-dir", type=path_arg, metavar="DIR",
+                        help="where built geometries are kept and reused (default: the user cache dir)")
+    parser.add_argument("--plot", type=path_arg, metavar="FILE.png", help="also draw tok/s and stall to a PNG")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def _shares(text: str) -> list[float]:
+    shares = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            value = float(part[:-1]) / 100 if part.endswith("%") else float(part)
+        except ValueError:
+            raise BenchError(f"--budget takes shares like 25% or 0.25, separated by commas, not {part!r}") from None
+        if not 0 < value <= 1:
+            raise BenchError(f"--budget share {part} must be above 0 and at most 100%")
+        shares.append(value)
+    return shares
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise BenchError(f"{flag} takes whole numbers separated by commas, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise BenchError(f"{flag} needs numbers of at least 1, not {text!r}")
+    return values
+
+
+def _model(args, traces) -> tuple[Path, str]:
+    """The model directory to read, and what to call it."""
+    if args.model:
+        if args.geometry or args.layers:
+            raise BenchError("--model uses a real checkpoint as it is: leave out --geometry and --layers")
+        return Path(resolve_model(args.model)), args.model
+    name = args.geometry or traces.model
+    if name not in GEOMETRIES:
+        raise BenchError(f"the trace's model is {traces.model!r}, which is no known geometry: pass --geometry "
+                         f"({', '.join(sorted(GEOMETRIES))}) or --model")
+    geometry = GEOMETRIES[name]
+    if (geometry.n_experts, geometry.top_k) != (traces.n_experts, traces.top_k):
+        raise BenchError(f"the trace routes {traces.n_experts} experts, top-{traces.top_k} ({traces.model}); "
+                         f"{name} has {geometry.n_experts}, top-{geometry.top_k}: pass the geometry of the "
+                         "trace's model, or another trace")
+    layers = min(args.layers or geometry.n_moe_layers, traces.n_layers)
+    cache = args.cache_dir or Path(platformdirs.user_cache_dir("moe-l2")) / "bench"
+    say = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    return build(geometry, layers, cache, say=say), f"{name}, {layers} MoE layers"
+
+
+def _parts(traces, n_layers: int, processes: int, tokens: int | None, warmup: float) -> list[tuple[list, int]]:
+    """Per process: its tokens (sequences p, p + N, ... in order, cut to the layers) and how many warm up."""
+    cap = None if tokens is None else tokens // processes
+    parts = []
+    for p in range(processes):
+        mine = [[list(layer) for layer in token[:n_layers]] for s in traces.sequences[p::processes] for token in s.experts]
+        mine = mine[:cap]
+        warm = int(warmup * len(mine))
+        if len(mine) - warm < 1:
+            raise BenchError(f"process {p + 1} of {processes} has {len(mine)} tokens to replay: pass a larger "
+                             "--tokens, a smaller --warmup or fewer --processes")
+        parts.append((mine, warm))
+    return parts
+
+
+def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share: float) -> dict:
+    """L0 rows per layer and process, and L2 slots per layer: the same memory for experts in every config."""
+    record, layers = files.layout.nbytes, files.n_layers
+    budget = int(share * layers * files.n_experts * record)
+    row = layers * record  # one L0 row in every layer
+    top_k = files.top_k
+    if config == "page-cache":
+        capacity, slots = top_k, 0
+    elif config == "pread":
+        capacity, slots = min(files.n_experts, budget // processes // row), 0
+    else:
+        capacity = max(top_k, min(files.n_experts, int(l0_share * budget / processes) // row))
+        slot = Geometry(layers, files.n_experts, files.n_experts, record).slot_stride * layers
+        slots = min(files.n_experts, max(0, budget - processes * capacity * row) // slot)
+        if slots < 1:
+            raise BenchError(f"moe-l2 at {format_pct(share)} with {processes} processes: the L0s take the whole "
+                             f"budget ({format_size(budget)}), leaving no L2 slot: lower --l0-share or raise --budget")
+    if capacity < top_k or processes * capacity * row > budget:
+        raise BenchError(f"{config} at {format_pct(share)} ({format_size(budget)}) with {processes} processes: each "
+                         f"process needs L0 rows for top-{top_k} experts in every layer "
+                         f"({format_size(top_k * row)}): raise --budget or run fewer --processes")
+    return {"budget": budget, "capacity": capacity, "slots": slots}
+
+
+def _drop_page_cache(files: ModelFiles) -> None:
+    if not hasattr(os, "posix_fadvise"):
+        return  # macOS: nothing drops one file's cached pages short of `purge`
+    for path in files.files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _read_line(worker: subprocess.Popen, expect: str) -> dict:
+    line = worker.stdout.readline()
+    if not line:
+        raise BenchError(f"a client process exited with {worker.wait()} before saying {expect!r}")
+    message = json.loads(line)
+    if "error" in message:
+        raise BenchError(message["error"])
+    return message
+
+
+def _all(workers, expect: str) -> list[dict]:
+    return [_read_line(w, expect) for w in workers]
+
+
+def _go(workers) -> None:
+    for w in workers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+
+
+def _daemon_loaded(daemon: DaemonProcess, record: int) -> int:
+    """Bytes the daemon read from the model files: the kernel's count where there is one, else its loads."""
+    measured = disk_read_bytes(daemon.proc.pid)
+    if measured is not None:
+        return measured
+    return request(daemon.socket, protocol.Stats(id=1)).payload["models"][0]["loads_done"] * record
+
+
+def run_config(files: ModelFiles, config: str, share: float, parts: list, args) -> dict:
+    """One configuration at one point: start its daemon / cgroup / clients, replay, and sum what they saw."""
+    plan = _plan(files, config, share, len(parts), args.l0_share)
+    _drop_page_cache(files)
+    daemon = cgroup = None
+    workers: list[subprocess.Popen] = []
+    try:
+        if config == "page-cache":
+            cgroup, why = MemoryCgroup.make(f"moe-l2-bench-{os.getpid()}")
+            if cgroup is None:
+                return {"name": config, "budget_share": share, "processes": len(parts), "skipped": why}
+        if plan["slots"]:
+            budget = Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, plan["slots"])
+            daemon = DaemonProcess.serving([files.path], budget, "--log-level", "warning").start()
+        job = {"model": str(files.path), "capacity": plan["capacity"], "policy": "lru",
+               "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
+               "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms}
+        for tokens, warm in parts:
+            w = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.client.replayer"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+            workers.append(w)
+            w.stdin.write(json.dumps(dict(job, tokens=tokens, warmup=warm)) + "\n")
+            w.stdin.flush()
+        _all(workers, "ready")
+        _go(workers)
+        _all(workers, "warm")
+        if cgroup is not None:
+            # Warm, the clients' anonymous memory holds their L0 rows, the pool's read scratch and Python's heap;
+            # the limit is that, plus what of the budget the L0s leave, plus a little room for the heap to grow
+            # (a member past the limit with no page cache left is killed): the page cache gets the rest.
+            l0 = len(parts) * plan["capacity"] * files.n_layers * files.layout.nbytes
+            cgroup.limit(cgroup.anon() + plan["budget"] - l0 + len(parts) * HEAP_ROOM)
+            cgroup.reset_peak()
+        daemon_before = _daemon_loaded(daemon, files.layout.nbytes) if daemon else 0
+        _go(workers)
+        results = _all(workers, "counts")
+        daemon_read = _daemon_loaded(daemon, files.layout.nbytes) - daemon_before if daemon else 0
+        if cgroup is not None:
+            peak = cgroup.peak()
+        else:
+            peak = sum(r["anon_bytes"] for r in results)
+            if daemon:
+                peak += budget + anon_bytes(daemon.proc.pid)
+    finally:
+        for w in workers:
+            w.stdin.close()
+            w.wait()
+            w.stdout.close()
+        if daemon is not None:
+            daemon.cleanup()
+        if cgroup is not None:
+            cgroup.remove()
+    return _summary(config, share, plan, results, daemon_read, peak, files, args.compute_ms)
+
+
+def _summary(config, share, plan, results, daemon_read, peak, files, compute_ms) -> dict:
+    counts = {k: sum(r["counts"][k] for r in results) for k in results[0]["counts"]}
+    tokens = sum(r["tokens"] for r in results)
+    lookups = counts["l0_hits"] + counts["l2_hits"] + counts["l3_reads"]
+    l2_lookups = counts["l2_hits"] + counts["l3_reads"]
+    client_disk = [r["disk_read_bytes"] for r in results]
+    # Without /proc (macOS) the clients' reads are taken as all from disk: a bound, not a measurement.
+    disk = (counts["bytes_read"] if None in client_disk else sum(client_disk)) + daemon_read
+    stall = sum(r["stall_s"] for r in results) / tokens
+    compute = compute_ms / 1e3 * files.n_layers
+    hit_rates = {"L0": counts["l0_hits"] / lookups if lookups else None,
+                 "L2": counts["l2_hits"] / l2_lookups if plan["slots"] and l2_lookups else None,
+                 "page_cache": None}
+    if config == "page-cache" and counts["bytes_read"] and None not in client_disk:
+        hit_rates["page_cache"] = max(0.0, 1 - sum(client_disk) / counts["bytes_read"])
+    return {"name": config, "budget_share": share, "processes": len(results),
+            "stall_ms_per_token": 1e3 * stall, "tok_s_projected": 1 / (compute + stall),
+            "hit_rates": hit_rates, "disk_bytes_per_token": disk / tokens, "peak_bytes": peak,
+            "tokens": tokens, "l0_experts": plan["capacity"], "l2_slots": plan["slots"],
+            "budget_bytes": plan["budget"], "counts": dict(counts, lookups=lookups, l2_lookups=l2_lookups),
+            "disk_bytes": disk}
+
+
+def render(result: dict) -> str:
+    lines = [f"{result['model']}: record {format_size(result['record_bytes'])}, experts "
+             f"{format_size(result['expert_bytes'])}; trace {result['trace']}; compute {result['compute_ms']:g} ms "
+             f"per layer; {result['machine']}", ""]
+    lines.append(f"{'config':<12}{'budget':>7}{'procs':>6}{'stall ms/tok':>13}{'tok/s':>8}{'vs page-cache':>14}"
+                 f"{'vs pread':>9}{'L0 hit':>8}{'L2 hit':>8}{'pc hit':>8}{'disk MB/tok':>12}{'peak':>11}")
+    for c in result["configs"]:
+        head = f"{c['name']:<12}{format_pct(c['budget_share'], 0, sign=False):>7}{c['processes']:>6}"
+        if "skipped" in c:
+            lines.append(f"{head}  skipped: {c['skipped']}")
+            continue
+        ratios = []
+        for other in ("page-cache", "pread"):
+            base = next((o for o in result["configs"] if o["name"] == other and "skipped" not in o
+                         and (o["budget_share"], o["processes"]) == (c["budget_share"], c["processes"])), None)
+            ratios.append(f"{c['tok_s_projected'] / base['tok_s_projected']:.2f}x" if base else "-")
+        hr = c["hit_rates"]
+        lines.append(f"{head}{c['stall_ms_per_token']:>13.2f}{c['tok_s_projected']:>8.1f}{ratios[0]:>14}"
+                     f"{ratios[1]:>9}{format_pct(hr['L0'], 0, sign=False):>8}{format_pct(hr['L2'], 0, sign=False):>8}"
+                     f"{format_pct(hr['page_cache'], 0, sign=False):>8}{c['disk_bytes_per_token'] / 1e6:>12.1f}"
+                     f"{format_size(c['peak_bytes']):>11}")
+    lines += ["", "tok/s = 1 / (compute + stall) for the layers replayed; stall: fetch time compute did not hide; "
+              "pc hit: page-cache hits (from the kernel's disk-read count); peak: the processes' anonymous memory, "
+              "the daemon's segments and, for page-cache, the cgroup's peak (page cache included)"]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [c for c in result["configs"] if "skipped" not in c]
+    points = sorted({(c["budget_share"], c["processes"]) for c in done})
+    names = [n for n in CONFIGS if any(c["name"] == n for c in done)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        by_point = {(c["budget_share"], c["processes"]): c for c in done if c["name"] == name}
+        xs = [j + i * width for j, p in enumerate(points) if p in by_point]
+        for ax, key in zip(axes, ("tok_s_projected", "stall_ms_per_token")):
+            ax.bar(xs, [by_point[p][key] for p in points if p in by_point], width, label=name)
+    labels = [f"{100 * s:g}%, {n} proc" for s, n in points]
+    for ax, title in zip(axes, ("projected tok/s (higher is better)", "stall ms per token (lower is better)")):
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(points))], labels)
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"moe-l2 bench: {result['model']}, compute {result['compute_ms']:g} ms/layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        shares, counts = _shares(args.budget), _ints(args.processes, "--processes")
+        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+        unknown = sorted(set(configs) - set(CONFIGS))
+        if unknown or not configs:
+            raise BenchError(f"--configs takes names from {', '.join(CONFIGS)}, not {', '.join(unknown) or 'none'}")
+        if args.tokens is not None and args.tokens < 1 or not 0 <= args.warmup < 1 or args.compute_ms < 0:
+            raise BenchError("--tokens must be at least 1, --warmup a share below 1, --compute-ms at least 0")
+        traces = read_traces(args.trace)
+        path, name = _model(args, traces)
+        files = ModelFiles.open(path)
+        if (files.n_experts, files.top_k) != (traces.n_experts, traces.top_k) or files.n_layers > traces.n_layers:
+            raise BenchError(f"{name}: {files.n_layers} MoE layers of {files.n_experts} experts, top-{files.top_k}; "
+                             f"the trace has {traces.n_layers} layers of {traces.n_experts}, top-{traces.top_k}")
+        result = {"model": name, "trace": str(args.trace), "layers": files.n_layers, "compute_ms": args.compute_ms,
+                  "record_bytes": files.layout.nbytes,
+                  "expert_bytes": files.n_layers * files.n_experts * files.layout.nbytes,
+                  "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores", "configs": []}
+        for share in shares:
+            for n in counts:
+                parts = _parts(traces, files.n_layers, n, args.tokens, args.warmup)
+                for config in configs:
+                    result["configs"].append(run_config(files, config, share, parts, args))
+    except (BenchError, TraceError, SyntheticError, ValueError, OSError) as exc:
+        print(f"moe-l2 bench: {exc}", file=sys.stderr)
+        return 2
+    if args.plot:
+        plot(result, args.plot)
+    print(json.dumps(result, indent=1) if args.json else render(result))
+    return 0
