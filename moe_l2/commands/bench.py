@@ -46,6 +46,10 @@ class BenchError(ValueError):
     """Input the bench cannot run with; the message says what to do."""
 
 
+class BudgetTooSmall(BenchError):
+    """One point's budget cannot hold what the configuration needs; the others still run."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, type=path_arg, metavar="FILE",
                         help="routing trace to replay (the shared traces' JSON Lines format, .gz or not)")
@@ -150,10 +154,10 @@ def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share
         slot = Geometry(layers, files.n_experts, files.n_experts, record).slot_stride * layers
         slots = min(files.n_experts, max(0, budget - processes * capacity * row) // slot)
         if slots < 1:
-            raise BenchError(f"moe-l2 at {format_pct(share)} with {processes} processes: the L0s take the whole "
+            raise BudgetTooSmall(f"moe-l2 at {format_pct(share)} with {processes} processes: the L0s take the whole "
                              f"budget ({format_size(budget)}), leaving no L2 slot: lower --l0-share or raise --budget")
     if capacity < top_k or processes * capacity * row > budget:
-        raise BenchError(f"{config} at {format_pct(share)} ({format_size(budget)}) with {processes} processes: each "
+        raise BudgetTooSmall(f"{config} at {format_pct(share)} ({format_size(budget)}) with {processes} processes: each "
                          f"process needs L0 rows for top-{top_k} experts in every layer "
                          f"({format_size(top_k * row)}): raise --budget or run fewer --processes")
     return {"budget": budget, "capacity": capacity, "slots": slots}
@@ -353,7 +357,13 @@ def run(args: argparse.Namespace) -> int:
             for n in counts:
                 parts = _parts(traces, files.n_layers, n, args.tokens, args.warmup)
                 for config in configs:
-                    result["configs"].append(run_config(files, config, share, parts, args))
+                    try:
+                        result["configs"].append(run_config(files, config, share, parts, args))
+                    except BudgetTooSmall as exc:
+                        result["configs"].append({"name": config, "budget_share": share, "processes": n,
+                                                  "skipped": str(exc)})
+        if all("skipped" in c for c in result["configs"]):
+            raise BenchError("nothing could run: " + "; ".join(c["skipped"] for c in result["configs"]))
     except (BenchError, TraceError, SyntheticError, ValueError, OSError) as exc:
         print(f"moe-l2 bench: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,110 @@
+"""moe-l2 bench end to end at a tiny geometry: real client processes, a real moe-l2d, real files and, where this
+machine can make one, a real memory cgroup; and the real geometries it builds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from moe_l2.cache.trace import read_traces
+from moe_l2.cli import main
+from moe_l2.generator import make_model
+from moe_l2.model import ModelFiles
+from moe_l2.model.architecture import switch_layers
+from moe_l2.model.synthetic import GEOMETRIES, build
+from .conftest import synthetic_trace
+
+FIELDS = {"name": str, "budget_share": float, "processes": int, "stall_ms_per_token": float,
+          "tok_s_projected": float, "hit_rates": dict, "disk_bytes_per_token": float, "peak_bytes": int}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    model = make_model(tmp_path / "model", arch="qwen3_moe", layers=2, experts=32, top_k=2, hidden_size=128,
+                       moe_hidden_size=64, bits=4, seed=1)
+    trace = synthetic_trace(tmp_path / "trace.jsonl.gz", n_layers=2, n_experts=32, top_k=2, seqs=4, tokens=15)
+    return model, trace
+
+
+def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
+    model, trace = tiny
+    png = tmp_path / "bench.png"
+    status = main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "50%", "--processes", "2",
+                   "--compute-ms", "0.1", "--warmup", "0", "--plot", str(png), "--json"])
+    assert status == 0
+    result = json.loads(capsys.readouterr().out)
+    files = ModelFiles.open(model)
+    record = files.layout.nbytes
+    # Every token of the trace is replayed once (2 processes, half the sequences each, nothing warms up):
+    # each layer's distinct picks are one L0 lookup.
+    lookups = sum(len(set(layer)) for s in read_traces(trace).sequences for token in s.experts for layer in token)
+    assert [c["name"] for c in result["configs"]] == ["page-cache", "pread", "moe-l2"]
+    by_name = {c["name"]: c for c in result["configs"]}
+    for c in result["configs"]:
+        if "skipped" in c:
+            assert c["name"] == "page-cache" and "cgroup" in c["skipped"], c  # no cgroup can be made here
+            continue
+        for key, kind in FIELDS.items():
+            assert isinstance(c[key], kind), (c["name"], key)
+        assert (c["budget_share"], c["processes"], c["tokens"]) == (0.5, 2, 60)
+        counts = c["counts"]
+        assert counts["lookups"] == lookups == counts["l0_hits"] + counts["l2_hits"] + counts["l3_reads"]
+        assert counts["bytes_read"] == counts["l3_reads"] * record
+        assert counts["bytes_copied"] == counts["l2_hits"] * record
+        assert c["hit_rates"]["L0"] == pytest.approx(counts["l0_hits"] / lookups)
+        assert c["tok_s_projected"] == pytest.approx(1 / (2 * 0.1e-3 + c["stall_ms_per_token"] / 1e3))
+        assert c["peak_bytes"] > 0
+    pread, moe = by_name["pread"], by_name["moe-l2"]
+    # pread: the whole budget as L0, direct reads, so the kernel read at least what the pool read from the files.
+    assert pread["l0_experts"] == int(0.5 * 2 * 32 * record) // 2 // (2 * record)
+    assert pread["counts"]["l2_hits"] == 0 and pread["l2_slots"] == 0 and pread["hit_rates"]["L2"] is None
+    assert pread["disk_bytes"] >= pread["counts"]["bytes_read"] > 0
+    # moe-l2: every L0 miss is looked up in L2, and the daemon's L2 served some of them.
+    assert moe["counts"]["l2_lookups"] == lookups - moe["counts"]["l0_hits"]
+    assert moe["l2_slots"] >= 1 and moe["counts"]["l2_hits"] > 0
+    assert moe["hit_rates"]["L2"] == pytest.approx(moe["counts"]["l2_hits"] / moe["counts"]["l2_lookups"])
+    if "skipped" not in by_name["page-cache"]:
+        pc = by_name["page-cache"]
+        assert pc["l0_experts"] == files.top_k and 0 <= pc["hit_rates"]["page_cache"] <= 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_budget_under_top_k_and_a_mismatched_trace_say_what_to_do(tiny, tmp_path, capsys):
+    model, trace = tiny
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "5%", "--processes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "top-2" in err and "raise --budget" in err
+    # The toy trace routes 32 experts, top-2; gpt-oss-20b has 32, top-4: refused before anything is built.
+    assert main(["bench", "--geometry", "gpt-oss-20b", "--trace", str(trace), "--cache-dir", str(tmp_path)]) == 2
+    assert "pass the geometry of the trace's model" in capsys.readouterr().err
+    assert not list(tmp_path.glob("gpt-oss-20b*"))
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_each_real_geometry_is_what_mlx_lm_builds_for_its_config(name):
+    geometry = GEOMETRIES[name]
+    switches = switch_layers(geometry.config_for(2))
+    assert len(switches) == 2
+    assert {(s.n_experts, s.top_k) for s in switches} == {(geometry.n_experts, geometry.top_k)}
+    assert {p.split(".")[0] for p, *_ in geometry.pieces()} == set(switches[0].projections)
+
+
+def test_a_built_geometry_is_a_packed_model_of_its_pieces(tmp_path):
+    # The deepseek-v2-lite geometry scaled down (the real one writes 300 MiB a layer): same code path.
+    small = dataclasses.replace(GEOMETRIES["deepseek-v2-lite"], hidden=256, moe_hidden=128)
+    small = dataclasses.replace(small, config=dict(small.config, hidden_size=256, moe_intermediate_size=128))
+    path = build(small, 2, tmp_path)
+    files = ModelFiles.open(path)
+    assert (files.format, files.n_layers, files.n_experts, files.top_k) == ("packed", 2, 64, 6)
+    assert [(p.key, p.shape, p.dtype) for p in files.layout.pieces] == [
+        (p.key, p.shape, p.dtype) for p in small.layout().pieces]
+    # Records are the file's bytes where the layout says; a second build reuses the directory.
+    f, start, span = files.record_span(1, 5)
+    with open(files.files[f], "rb") as fh:
+        fh.seek(start)
+        raw = fh.read(files.layout.nbytes)
+    assert files.read_record(1, 5) == raw and len(set(raw)) > 200
+    mtime = (path / "config.json").stat().st_mtime_ns
+    assert build(small, 2, tmp_path) == path and (path / "config.json").stat().st_mtime_ns == mtime
