@@ -221,7 +221,9 @@ _WARNED_NO_DAEMON: set[str] = set()
 
 class L2Client:
     def __init__(self, files: ModelFiles, address: str | None = None, *, heartbeat_s: float = 1.0,
-                 timeout_s: float = 2.0, wait_s: float = 1.0, trusted: frozenset[int] | None = None):
+                 timeout_s: float = 2.0, wait_s: float = 1.0, trusted: frozenset[int] | None = None,
+                 flush_s: float = 0.02):
+        """flush_s: the longest a queued report waits before it is sent (the connection thread's poll)."""
         self.files = files
         self.address = address or default_socket()
         self.trusted = trusted_uids() if trusted is None else trusted
@@ -229,6 +231,7 @@ class L2Client:
         # Sent in hello: the daemon compares real paths as strings, never touching the file system for us.
         self.model_path = os.path.realpath(files.path)
         self.heartbeat_s = heartbeat_s
+        self.flush_ms = max(1, round(flush_s * 1000))
         self.timeout_s = timeout_s
         self.name = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.attachment: Attachment | None = None
@@ -295,7 +298,7 @@ class L2Client:
                         next_hello = now + min(self.heartbeat_s, RETRY_S)
                 self._flush_reports(sock)
                 self._flush_hints(sock)
-                if sock.poll(20):
+                if sock.poll(self.flush_ms):
                     while True:
                         try:
                             reply = protocol.decode_reply(sock.recv(zmq.NOBLOCK))

@@ -31,6 +31,8 @@ log = logging.getLogger("moe-l2.client")
 # ExpertPool(verify=...): which records are checked against the model's checksum manifest, if it has one:
 # none, those read from the model file (the default), or those and the ones copied from L2.
 VERIFY = ("off", "file", "all")
+# load_through_s: how often L2 is looked at again for a record the daemon is loading.
+LOAD_POLL_S = 0.0005
 
 
 class PoolTooSmall(ValueError):
@@ -158,10 +160,14 @@ class LayerPool:
 
 class ExpertPool:
     def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = "lru",
-                 read_threads: int | None = None, direct: bool | None = None, verify: str = "file"):
+                 read_threads: int | None = None, direct: bool | None = None, verify: str = "file",
+                 load_through_s: float = 0.0):
         """direct: read the model files with direct I/O (O_DIRECT / F_NOCACHE): True, False, or None for
         the model's default (ModelFiles.direct_default: on for packed models).
-        verify: which records to check against the model's checksum manifest, one of VERIFY."""
+        verify: which records to check against the model's checksum manifest, one of VERIFY.
+        load_through_s: on an L2 miss, report it at once and wait up to this long for the daemon to load the
+        record, then copy it from L2, instead of reading the file as well (0: read the file at once;
+        docs/architecture.md, "Measured against the page cache")."""
         if not 1 <= capacity <= files.n_experts:
             raise ValueError(f"L0 capacity must be 1..{files.n_experts} experts per layer, got {capacity}")
         if verify not in VERIFY:
@@ -173,6 +179,7 @@ class ExpertPool:
         self.capacity = capacity
         self.client = client
         self.read_threads = read_threads or min(8, os.cpu_count() or 1)
+        self.load_through_s = load_through_s
         self.layers = [LayerPool(files, capacity, policy) for _ in range(files.n_layers)]
         self._counts = TierCounts()
         self._fds = files.open_fds(direct)
@@ -236,9 +243,13 @@ class ExpertPool:
         # The streamed forward has already synced on the router's choice, so the wait is free there.
         mx.synchronize()
         rows = lp.take_rows(missing, batch)
+        reported = False
         try:
             start = time.perf_counter()
             copied = self._copy_from_l2(layer, lp, missing, rows)
+            if self.load_through_s and not all(copied) and self.client is not None and self.client.attached:
+                reported = self._report(layer, missing, copied, picks)
+                copied = self._await_l2(layer, lp, missing, rows, copied)
             if self._check_l2:
                 copied = [ok and self._intact_copy(layer, lp, e, r) for e, r, ok in zip(missing, rows, copied)]
             copied_at = time.perf_counter()
@@ -258,10 +269,29 @@ class ExpertPool:
         counts.bytes_copied = counts.l2_hits * record
         counts.bytes_read = counts.l3_reads * record
         self._counts.add(counts)
-        if self.client is not None:
-            self.client.report(layer, [e for e, ok in zip(missing, copied) if ok],
-                               [e for e, ok in zip(missing, copied) if not ok], picks)
+        if not reported:
+            self._report(layer, missing, copied, picks)
         return counts
+
+    def _report(self, layer: int, missing: list[int], copied: list[bool], picks: list[int]) -> bool:
+        """Tell the daemon what L2 had and lacked (it loads what it lacked); False when there is no daemon."""
+        if self.client is None:
+            return False
+        self.client.report(layer, [e for e, ok in zip(missing, copied) if ok],
+                           [e for e, ok in zip(missing, copied) if not ok], picks)
+        return True
+
+    def _await_l2(self, layer: int, lp: LayerPool, missing: list[int], rows: list[int],
+                  copied: list[bool]) -> list[bool]:
+        """Copy the misses from L2 as the daemon loads them, until load_through_s has passed."""
+        copied = list(copied)
+        deadline = time.perf_counter() + self.load_through_s
+        while not all(copied) and self.client.attached and time.perf_counter() < deadline:
+            time.sleep(LOAD_POLL_S)
+            todo = [i for i, ok in enumerate(copied) if not ok]
+            for i, ok in zip(todo, self._copy_from_l2(layer, lp, [missing[i] for i in todo], [rows[i] for i in todo])):
+                copied[i] = ok
+        return copied
 
     def _copy_from_l2(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int]) -> list[bool]:
         attachment = self.client.attachment if self.client is not None else None

@@ -8,6 +8,7 @@ Run as ``python -P -m moe_l2.client.replayer``; it speaks JSON lines. The first 
 
     {"model": DIR, "capacity": L0 experts per layer, "direct": true|false|null, "socket": ADDRESS or null,
      "policy": L0 policy, "cgroup": DIR or null, "compute_ms": per layer, "warmup": tokens,
+     "load_through_ms": how long a miss waits for the daemon to load it into L2 (0: read the file at once),
      "tokens": [[[experts of layer 0], ...], ...]}
 
 It answers ``{"ready": ...}`` once the pool exists, waits for a line, replays the warm-up tokens, answers
@@ -90,11 +91,15 @@ def main() -> int:
         with open(os.path.join(job["cgroup"], "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
     files = ModelFiles.open(job["model"])
-    client = L2Client(files, job["socket"], wait_s=10) if job.get("socket") else None
+    load_through_s = job.get("load_through_ms", 0) / 1e3
+    # Loading through L2, a miss waits for its report to reach the daemon: send reports within a millisecond.
+    client = (L2Client(files, job["socket"], wait_s=10, flush_s=0.001 if load_through_s else 0.02)
+              if job.get("socket") else None)
     if client is not None and not client.attached:
         _say({"error": f"no moe-l2d answered at {job['socket']}: {client.last_error}"})
         return 1
-    pool = ExpertPool(files, job["capacity"], client, policy=job["policy"], direct=job["direct"], verify="off")
+    pool = ExpertPool(files, job["capacity"], client, policy=job["policy"], direct=job["direct"], verify="off",
+                      load_through_s=load_through_s)
     tokens, warmup, compute_s = job["tokens"], job["warmup"], job["compute_ms"] / 1e3
     _say({"ready": True, "anon_bytes": anon_bytes()})
     _wait_for_go()

@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--l0-share", type=float, default=0.5, metavar="F",
                         help="moe-l2: share of a process' part of the budget that its L0 gets; one daemon's L2 "
                              "gets the rest (default 0.5)")
+    parser.add_argument("--load-through-ms", type=float, default=0.0, metavar="MS",
+                        help="moe-l2: a miss waits up to MS for the daemon to load it into L2 and is copied from "
+                             "there, instead of being read by the client as well (default 0: read at once)")
     parser.add_argument("--cache-dir", type=path_arg, metavar="DIR",
                         help="where built geometries are kept and reused (default: the user cache dir)")
     parser.add_argument("--plot", type=path_arg, metavar="FILE.png", help="also draw tok/s and stall to a PNG")
@@ -218,7 +221,8 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
             daemon = DaemonProcess.serving([files.path], budget, "--log-level", "warning").start()
         job = {"model": str(files.path), "capacity": plan["capacity"], "policy": "lru",
                "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
-               "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms}
+               "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
+               "load_through_ms": args.load_through_ms}
         for tokens, warm in parts:
             w = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.client.replayer"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
