@@ -251,3 +251,18 @@ def test_a_refill_waits_for_work_queued_on_the_evicted_row(model_files):
         assert not mx.array_equal(weights[row], before).item()
     finally:
         pool.close()
+
+
+def test_load_through_copies_a_miss_from_l2_once_the_daemon_loaded_it(running_daemon, model_files):
+    client = L2Client(model_files, running_daemon.socket, wait_s=5, flush_s=0.001)
+    pool = ExpertPool(model_files, capacity=4, client=client, load_through_s=5.0)
+    try:
+        counts = pool.fetch(1, [3, 7, 3])
+        # Cold: the daemon read both records into L2 and the client copied them; it read nothing itself.
+        assert (counts.l2_hits, counts.l3_reads, counts.bytes_read) == (2, 0, 0)
+        assert_resident_exact(pool, model_files, 1, [3, 7])
+        m = stats(running_daemon)["models"][0]
+        assert (m["loads_done"], m["layers"][1]["misses"]) == (2, 2)
+    finally:
+        pool.close()
+        client.close()
