@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from moe_l2 import _native
 from moe_l2.cache.policy import make_policy
+from moe_l2.cache.prefetch import prefetch_rates
 from moe_l2.model import ModelFiles
 from moe_l2.model.records import record_checksum
 
@@ -87,12 +88,14 @@ class PrefetchCounts:
 
     def as_dict(self) -> dict:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out["precision"] = self.right / self.guessed if self.guessed else None
-        out["recall"] = self.right / self.picked if self.picked else None
-        # The worker's time on experts that were then demanded is time the forward did not wait: an estimate
-        # (every load of a job is taken to cost the same), less the time fetches waited for the worker.
-        per_load = self.worker_s / self.issued if self.issued else 0.0
-        out["hidden_s"] = max(0.0, per_load * self.useful - self.wait_s)
+        out.update(prefetch_rates(self.wire()))
+        return out
+
+    def wire(self) -> dict[str, int]:
+        """The totals as a report carries them (protocol.PREFETCH_COUNTERS)."""
+        out = {name: getattr(self, name) for name in ("issued", "useful", "wasted", "guessed", "picked", "right")}
+        out["worker_us"] = round(self.worker_s * 1e6)
+        out["wait_us"] = round(self.wait_s * 1e6)
         return out
 
 
@@ -279,6 +282,8 @@ class ExpertPool:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._guesses: dict[int, list[int]] = {}
+        if client is not None:
+            client.count_prefetch(lambda: self.prefetch_counts.wire())
 
     @property
     def counts(self) -> TierCounts:

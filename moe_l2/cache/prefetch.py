@@ -9,6 +9,9 @@ online through `observe(layer, experts, next_experts)`. Numpy only: core code, s
   counted online and seedable from traces (`from_traces`). A guess scores sum over the layer-l experts a of
   P(b | a), smoothed towards layer l+1's overall frequency, which is also the cold start.
 - `RepeatPredictor`: layer l+1's experts of the previous token (the router-free baseline: routing repeats).
+
+`guess_streams` computes, for `moe-l2 replay --prefetch`, every token's guesses at once per layer, learning
+online in blocks of tokens so that no token is guessed by a predictor that has seen it.
 """
 
 from __future__ import annotations
@@ -126,6 +129,42 @@ class RepeatPredictor:
         self._last[layer + 1] = list(next_experts)
 
 
+# Replay's router-free predictors: co-occurrence (seeded, then learning online), layer l+1's overall frequency
+# alone (co-occurrence's cold start, as a baseline) and the previous token's experts.
+REPLAY_PREDICTORS = ("cooccurrence", "frequency", "repeat")
+# Tokens guessed at once by guess_streams before the predictor learns them.
+BLOCK = 256
+
+
+def guess_streams(name: str, predictor: CooccurrencePredictor, routed: np.ndarray, k: int,
+                  block: int = BLOCK) -> list[list[tuple[int, ...]] | None]:
+    """Per MoE layer, every token's k guesses for it made at the layer before (None for layer 0: nothing
+    precedes it); routed is (tokens, n_layers, top_k). The co-occurrence predictor guesses a block of tokens
+    from what it learned before the block, then learns the block (it is changed in place); `frequency` guesses
+    layer l+1's most frequent experts so far; `repeat` the previous token's."""
+    if name not in REPLAY_PREDICTORS:
+        raise ValueError(f"unknown prefetch predictor {name!r}; choose from {', '.join(REPLAY_PREDICTORS)}")
+    n_tokens, n_layers, _ = routed.shape
+    out: list[list[tuple[int, ...]] | None] = [None] + [[] for _ in range(n_layers - 1)]
+    if name == "repeat":
+        for layer in range(1, n_layers):
+            previous = [()] + [tuple(row[:k]) for row in routed[:-1, layer].tolist()]
+            out[layer] = previous
+        return out
+    n_experts = predictor.n_experts
+    for start in range(0, n_tokens, block):
+        chunk = routed[start:start + block]
+        for layer in range(n_layers - 1):
+            if name == "frequency":
+                scores = np.broadcast_to(predictor.picks[layer + 1], (len(chunk), n_experts))
+            else:
+                scores = predictor.scores(layer, one_hot(chunk[:, layer], n_experts))
+            order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+            out[layer + 1].extend(tuple(row) for row in order.tolist())
+        predictor.observe_tokens(chunk)
+    return out
+
+
 def top(scores: np.ndarray, k: int) -> list[int]:
     """The k best-scoring ids, best first (ties: the lower id)."""
     k = min(k, len(scores))
@@ -173,3 +212,13 @@ def score_predictor(predictor: NextLayerPredictor, sequences: Iterable, k: int, 
                 if learn:
                     predictor.observe(layer, token[layer], token[layer + 1])
     return score
+
+
+def prefetch_rates(c: dict) -> dict:
+    """From prefetch counters (protocol.PREFETCH_COUNTERS): the guesses' precision and recall, and the stall
+    hidden. The worker's time on experts that were then demanded is time the forward did not wait for them:
+    an estimate (every load is taken to cost the same), less the time fetches waited for the worker."""
+    per_load = c["worker_us"] / c["issued"] if c["issued"] else 0.0
+    return {"precision": c["right"] / c["guessed"] if c["guessed"] else None,
+            "recall": c["right"] / c["picked"] if c["picked"] else None,
+            "hidden_s": max(0.0, per_load * c["useful"] - c["wait_us"]) / 1e6}
