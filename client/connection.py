@@ -238,6 +238,8 @@ class L2Client:
         self.attaches = 0
         self.last_error = ""
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
+        self._prefetch_source = None
+        self._prefetch_sent: dict[str, int] = {}
         self._hints: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._ids = itertools.count(1)
@@ -266,6 +268,19 @@ class L2Client:
         self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS]))
         for start in range(MAX_REPORT_IDS, len(routed), MAX_REPORT_IDS):  # a long prefill, pick by pick
             self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS]))
+
+    def count_prefetch(self, source) -> None:
+        """Send what next-layer prefetch did with the reports: `source()` returns its running totals
+        (protocol.PREFETCH_COUNTERS); each report carries the increments since the previous one."""
+        self._prefetch_source = source
+
+    def _prefetch_increments(self) -> dict[str, int]:
+        if self._prefetch_source is None:
+            return {}
+        totals = self._prefetch_source()
+        out = {k: n - self._prefetch_sent.get(k, 0) for k, n in totals.items()}
+        self._prefetch_sent = totals
+        return {k: n for k, n in out.items() if n > 0}
 
     def hint(self, text: str) -> None:
         """Tell the daemon what the next prompt is about (it may preload and pin that domain's experts);
@@ -345,7 +360,8 @@ class L2Client:
                 pass
             if routed and self.attachment is not None:
                 self._send(sock, protocol.Report(id=next(self._ids), model=self.files.fingerprint,
-                                                 layers=dict(layers), routed=dict(routed)))
+                                                 layers=dict(layers), routed=dict(routed),
+                                                 prefetch=self._prefetch_increments()))
             if ids < MAX_REPORT_IDS:
                 return
 

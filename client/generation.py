@@ -21,6 +21,7 @@ def generate_streamed(lm, prompt_ids: list[int], max_tokens: int, *, temp: float
     """Generate with mlx-lm's own loop on a StreamedLM; returns the tokens, text and per-run numbers."""
     before = TierCounts()
     before.add(lm.pool.counts)
+    prefetch_before = lm.pool.prefetch_counts
     stats_before = lm.stats.as_dict()
     tokens, text, last = [], [], None
     for response in stream_generate(lm.model, lm.tokenizer, mx.array(prompt_ids), max_tokens=max_tokens,
@@ -36,6 +37,7 @@ def generate_streamed(lm, prompt_ids: list[int], max_tokens: int, *, temp: float
         setattr(counts, name, getattr(counts, name) - getattr(before, name))
     stats = {k: v - stats_before[k] for k, v in lm.stats.as_dict().items()}
     return {"tokens": tokens, "text": "".join(text), "counts": counts, "stats": stats,
+            "prefetch": lm.pool.prefetch_counts.minus(prefetch_before),
             "prompt_tokens": len(prompt_ids), "prompt_tps": last.prompt_tps if last else None,
             "generation_tokens": len(tokens), "generation_tps": last.generation_tps if last else None,
             "finish_reason": last.finish_reason if last else None}

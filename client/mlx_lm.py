@@ -23,6 +23,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_tokenizer
 from mlx_lm.utils import load_model as _mlx_lm_load_model
 
+from moe_l2.client.nextlayer import NextLayer, find_router
 from moe_l2.client.pool import ExpertPool
 from moe_l2.client.switch import ForwardState, RoutingRecorder, StreamedSwitch, StreamStats
 from moe_l2.model import ModelFiles
@@ -84,13 +85,18 @@ def _stand_ins(model: nn.Module, files: ModelFiles) -> dict[str, mx.array]:
 
 
 def stream_experts(model: nn.Module, pool: ExpertPool, stats: StreamStats | None = None,
-                   recorder: RoutingRecorder | None = None) -> list[StreamedSwitch]:
+                   recorder: RoutingRecorder | None = None, prefetch: str = "off") -> list[StreamedSwitch]:
     """Swap every SwitchGLU / SwitchMLP of a (lazily loaded) model for a StreamedSwitch over `pool`.
 
+    prefetch: next-layer prefetch, one of client.nextlayer.PREFETCH (the switches share one NextLayer).
     The replaced modules' arrays are dropped unevaluated. Returns the new modules, MoE layer order."""
     files = pool.files
-    forward = ForwardState(pool, stats if stats is not None else StreamStats(), recorder)
     found = _switch_layers(model, files)
+    next_layer = None
+    if prefetch != "off":
+        routers = [find_router(model, path, files.n_experts) for path, _, _ in found]
+        next_layer = NextLayer(prefetch, pool, routers)
+    forward = ForwardState(pool, stats if stats is not None else StreamStats(), recorder, next_layer)
     switches = []
     for path, module, layer in found:
         _check_layout(path, module, files)
@@ -101,7 +107,8 @@ def stream_experts(model: nn.Module, pool: ExpertPool, stats: StreamStats | None
 
 
 def load_model(path, pool: ExpertPool, *, model_config: dict | None = None, stats: StreamStats | None = None,
-               recorder: RoutingRecorder | None = None) -> tuple[nn.Module, dict, list[StreamedSwitch]]:
+               recorder: RoutingRecorder | None = None,
+               prefetch: str = "off") -> tuple[nn.Module, dict, list[StreamedSwitch]]:
     """mlx_lm.utils.load_model, with the routed experts streamed through `pool` and never read here."""
     files = pool.files
     expert_names = files.expert_tensor_names()
@@ -121,7 +128,7 @@ def load_model(path, pool: ExpertPool, *, model_config: dict | None = None, stat
         return WithoutExperts, args_class
 
     model, config = _mlx_lm_load_model(Path(path), lazy=True, model_config=model_config, get_model_classes=classes)
-    switches = stream_experts(model, pool, stats, recorder)
+    switches = stream_experts(model, pool, stats, recorder, prefetch)
     mx.eval(model.parameters())
     return model, config, switches
 
@@ -166,7 +173,7 @@ class StreamedLM:
                  socket: str | None = None, daemon: bool = True, client_wait_s: float = 1.0,
                  policy: str = "lru", record: bool = False, model_config: dict | None = None,
                  direct: bool | None = None, verify: str = "file", download: bool = False,
-                 tokenizer_config: dict | None = None):
+                 tokenizer_config: dict | None = None, prefetch: str = "off"):
         from moe_l2.client.connection import L2Client
 
         # A directory or a Hugging Face repo id; `download` fetches a missing one as mlx-lm does.
@@ -180,7 +187,8 @@ class StreamedLM:
                                    policy=policy, direct=direct, verify=verify)
             try:
                 self.model, self.config, self.switches = load_model(path, self.pool, model_config=model_config,
-                                                                    stats=self.stats, recorder=self.recorder)
+                                                                    stats=self.stats, recorder=self.recorder,
+                                                                    prefetch=prefetch)
                 self.tokenizer = load_tokenizer(Path(path), tokenizer_config,
                                                 eos_token_ids=self.config.get("eos_token_id"))
             except BaseException:
@@ -190,6 +198,11 @@ class StreamedLM:
             if self.client is not None:
                 self.client.close()
             raise
+
+    @property
+    def next_layer(self) -> NextLayer | None:
+        """The next-layer prefetcher, or None when prefetch is off."""
+        return self.switches[0].next_layer
 
     def __enter__(self) -> "StreamedLM":
         return self

@@ -10,19 +10,26 @@ With a checksum manifest, records read from the model file are checked before th
 one raises CorruptRecord instead of feeding a wrong weight to a forward pass); records copied from L2 were
 checked by the daemon before it published them, and are checked again only with verify="all"
 (docs/architecture.md, "Integrity", has the measured cost).
+
+`prefetch(layer, guesses)` hands guesses for a layer to a background worker that loads the ones not in L0
+into rows no queued computation reads, and publishes them only when whole; `fetch` of that layer first waits
+for it (docs/architecture.md, "Next-layer prefetch").
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
 from moe_l2 import _native
 from moe_l2.cache.policy import make_policy
+from moe_l2.cache.prefetch import prefetch_rates
 from moe_l2.model import ModelFiles
 from moe_l2.model.records import record_checksum
 
@@ -54,9 +61,59 @@ class TierCounts:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
+@dataclass
+class PrefetchCounts:
+    """What next-layer prefetch did: experts loaded ahead (`issued`), of which demanded before eviction
+    (`useful`) or evicted undemanded (`wasted`); the rest are still resident. Guesses are scored against the
+    next fetch of their layer (`guessed`, `picked`, `right`: precision and recall of the predictor)."""
+
+    requests: int = 0    # prefetch() calls
+    cancelled: int = 0   # of them dropped unstarted because their layer's fetch came first
+    guessed: int = 0
+    picked: int = 0
+    right: int = 0
+    issued: int = 0
+    useful: int = 0
+    wasted: int = 0
+    bytes_copied: int = 0  # from L2
+    bytes_read: int = 0    # from the model files
+    worker_s: float = 0.0  # the worker's time loading
+    wait_s: float = 0.0    # fetches waiting for a prefetch of their layer to finish (stall)
+    errors: int = 0        # prefetches that failed (the demand fetch reads those experts again)
+
+    def add(self, other: "PrefetchCounts") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def minus(self, other: "PrefetchCounts") -> "PrefetchCounts":
+        return PrefetchCounts(**{n: getattr(self, n) - getattr(other, n) for n in self.__dataclass_fields__})
+
+    def as_dict(self) -> dict:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out.update(prefetch_rates(self.wire()))
+        return out
+
+    def wire(self) -> dict[str, int]:
+        """The totals as a report carries them (protocol.PREFETCH_COUNTERS)."""
+        out = {name: getattr(self, name) for name in ("issued", "useful", "wasted", "guessed", "picked", "right")}
+        out["worker_us"] = round(self.worker_s * 1e6)
+        out["wait_us"] = round(self.wait_s * 1e6)
+        return out
+
+
+@dataclass
+class _Job:
+    layer: int
+    guesses: list[int]
+    keep: frozenset[int]
+    state: str = "queued"  # queued -> running -> done, or queued -> cancelled
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class LayerPool:
     """One layer of L0: `capacity` rows per record piece, which expert holds which row, the pins and the
-    eviction policy. Callers go through the methods; only the pool changes its bookkeeping."""
+    eviction policy. Callers go through the methods; only the pool changes its bookkeeping. The bookkeeping
+    is behind a lock: the prefetch worker changes one layer while the forward reads another."""
 
     def __init__(self, files: ModelFiles, capacity: int, policy: str):
         self.capacity = capacity
@@ -75,58 +132,87 @@ class LayerPool:
         self._free = list(range(capacity - 1, -1, -1))
         self._pinned: set[int] = set()
         self._policy = make_policy(policy)
+        self._lock = threading.RLock()
+        self._prefetched: set[int] = set()  # loaded ahead and not demanded since
+        self.prefetch_useful = self.prefetch_wasted = 0
 
     def holds(self, expert: int) -> bool:
-        return expert in self._row_of
+        with self._lock:
+            return expert in self._row_of
 
     def holds_all(self) -> bool:
         """Every expert of the layer is resident: L0 never refills a row of this layer again."""
-        return len(self._row_of) == self.n_experts
+        with self._lock:
+            return len(self._row_of) == self.n_experts
 
     def fits(self, experts) -> bool:
         """The batch can be resident at once, beside the pinned experts outside it."""
-        return len(self._pinned | set(experts)) <= self.capacity
+        with self._lock:
+            return len(self._pinned | set(experts)) <= self.capacity
 
     def has_room_for(self, experts) -> bool:
         """Making the batch resident evicts nothing."""
-        return len(self._row_of.keys() | set(experts)) <= self.capacity
+        with self._lock:
+            return len(self._row_of.keys() | set(experts)) <= self.capacity
 
     def rows_for(self, experts) -> list[int]:
         """The rows of resident experts (repeats allowed), to remap router picks to pool rows."""
-        row_of = self._row_of
-        return [row_of[e] for e in experts]
+        with self._lock:
+            row_of = self._row_of
+            return [row_of[e] for e in experts]
 
     def pins(self) -> frozenset[int]:
         """The pinned experts."""
-        return frozenset(self._pinned)
+        with self._lock:
+            return frozenset(self._pinned)
 
     @property
     def unpinned_rows(self) -> int:
         """Rows left to experts that are not pinned."""
-        return self.capacity - len(self._pinned)
+        with self._lock:
+            return self.capacity - len(self._pinned)
 
     def pin(self, experts) -> None:
         """Keep resident experts in L0 until they are evicted by name (`evict`)."""
-        self._pinned.update(experts)
+        with self._lock:
+            self._pinned.update(experts)
 
     def access(self, experts) -> None:
-        for expert in experts:
-            self._policy.access(expert)
+        """The forward demands these experts: tell the policy, and count prefetched ones as useful."""
+        with self._lock:
+            for expert in experts:
+                self._policy.access(expert)
+                if expert in self._prefetched:
+                    self._prefetched.discard(expert)
+                    self.prefetch_useful += 1
 
     def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
         """Rows for experts not in L0, evicting residents outside the batch (the forward in flight)."""
-        rows = []
-        for _ in experts:
-            if self._free:
-                rows.append(self._free.pop())
-                continue
-            candidates = [e for e in self._row_of if e not in batch and e not in self._pinned]
-            rows.append(self._drop(self._policy.victim(candidates)))
-        return rows
+        with self._lock:
+            rows = []
+            for _ in experts:
+                if self._free:
+                    rows.append(self._free.pop())
+                    continue
+                candidates = [e for e in self._row_of if e not in batch and e not in self._pinned]
+                rows.append(self._drop(self._policy.victim(candidates)))
+            return rows
+
+    def spare_rows(self, experts: list[int], keep: set[int]) -> tuple[list[int], list[int]]:
+        """Rows for as many of the experts (best first) as free rows and evictable residents allow, never
+        evicting a pinned expert or one in `keep`; returns (experts given rows, rows)."""
+        with self._lock:
+            wanted = [e for e in experts if e not in self._row_of]
+            free = len(self._free)
+            candidates = [e for e in self._row_of if e not in keep and e not in self._pinned]
+            n = min(len(wanted), free + len(candidates))
+            wanted = wanted[:n]
+            return wanted, self.take_rows(wanted, keep)
 
     def release(self, rows: list[int]) -> None:
         """Give back rows from `take_rows` that were never published (they hold no expert)."""
-        self._free.extend(rows)
+        with self._lock:
+            self._free.extend(rows)
 
     def _drop(self, expert: int) -> int:
         """Take the expert out of L0; returns the row it held."""
@@ -134,16 +220,28 @@ class LayerPool:
         self._table[expert] = -1
         self._policy.evict(expert)
         self._pinned.discard(expert)
+        if expert in self._prefetched:
+            self._prefetched.discard(expert)
+            self.prefetch_wasted += 1
         return row
 
     def evict(self, expert: int) -> None:
-        self._free.append(self._drop(expert))
+        with self._lock:
+            self._free.append(self._drop(expert))
 
-    def publish(self, experts: list[int], rows: list[int]) -> None:
-        for expert, row in zip(experts, rows):
-            self._row_of[expert] = row
-            self._table[expert] = row
-            self._policy.insert(expert)
+    def publish(self, experts: list[int], rows: list[int], prefetched: bool = False) -> None:
+        with self._lock:
+            for expert, row in zip(experts, rows):
+                self._row_of[expert] = row
+                self._table[expert] = row
+                self._policy.insert(expert)
+            if prefetched:
+                self._prefetched.update(experts)
+
+    def prefetched(self) -> frozenset[int]:
+        """Experts loaded ahead and not demanded since (still resident)."""
+        with self._lock:
+            return frozenset(self._prefetched)
 
     def checksum(self, row: int) -> int:
         """record_checksum of the record in a row (docs/formats.md, "Checksums")."""
@@ -182,16 +280,37 @@ class ExpertPool:
         self.load_through_s = load_through_s
         self.layers = [LayerPool(files, capacity, policy) for _ in range(files.n_layers)]
         self._counts = TierCounts()
+        self._prefetch = PrefetchCounts()
+        self._counts_lock = threading.Lock()
         self._fds = files.open_fds(direct)
+        # Next-layer prefetch: one worker thread, started by the first prefetch(); jobs per layer.
+        self._jobs: dict[int, list[_Job]] = {}
+        self._jobs_lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._guesses: dict[int, list[int]] = {}
+        if client is not None:
+            client.count_prefetch(lambda: self.prefetch_counts.wire())
 
     @property
     def counts(self) -> TierCounts:
         """Where the experts of every lookup so far came from (a copy)."""
-        return replace(self._counts)
+        with self._counts_lock:
+            return replace(self._counts)
+
+    @property
+    def prefetch_counts(self) -> PrefetchCounts:
+        """What next-layer prefetch did so far (a copy)."""
+        with self._counts_lock:
+            out = replace(self._prefetch)
+        out.useful = sum(lp.prefetch_useful for lp in self.layers)
+        out.wasted = sum(lp.prefetch_wasted for lp in self.layers)
+        return out
 
     def count_l0_hits(self, n: int) -> None:
         """Count L0 hits that the caller served without a fetch (it knew the experts resident)."""
-        self._counts.l0_hits += n
+        with self._counts_lock:
+            self._counts.l0_hits += n
 
     @property
     def nbytes(self) -> int:
@@ -210,6 +329,7 @@ class ExpertPool:
 
     def evict(self, layer: int, expert: int) -> None:
         """Drop an expert from L0; waits for queued computations first, as `fetch` does."""
+        self.settle(layer)
         mx.synchronize()
         self.layers[layer].evict(expert)
 
@@ -225,12 +345,20 @@ class ExpertPool:
         for expert in batch:
             if not 0 <= expert < self.files.n_experts:
                 raise IndexError(f"expert {expert} out of range 0..{self.files.n_experts - 1}")
+        self.settle(layer)
+        with self._jobs_lock:
+            guesses = self._guesses.pop(layer, None)
+        if guesses is not None:
+            with self._counts_lock:
+                self._prefetch.guessed += len(guesses)
+                self._prefetch.picked += len(batch)
+                self._prefetch.right += len(batch.intersection(guesses))
         counts = TierCounts()
         missing = sorted(e for e in batch if not lp.holds(e))
         counts.l0_hits = len(batch) - len(missing)
         lp.access(batch)
         if not missing:
-            self._counts.add(counts)
+            self._add_counts(counts)
             if self.client is not None:
                 self.client.report(layer, [], [], picks)
             return counts
@@ -243,17 +371,39 @@ class ExpertPool:
         # The streamed forward has already synced on the router's choice, so the wait is free there.
         mx.synchronize()
         rows = lp.take_rows(missing, batch)
-        reported = False
+        reported = []
+
+        def load_through(copied: list[bool]) -> list[bool]:
+            # Report the L2 misses now, so that the daemon starts loading them, and copy them as they land.
+            reported.append(self._report(layer, missing, copied, picks))
+            return self._await_l2(layer, lp, missing, rows, copied)
+
+        through = self.load_through_s and self.client is not None and self.client.attached
+        copied = self._load(layer, lp, missing, rows, counts, load_through if through else None)
+        lp.publish(missing, rows)
+        self._add_counts(counts)
+        if not any(reported):
+            self._report(layer, missing, copied, picks)
+        return counts
+
+    def _add_counts(self, counts: TierCounts) -> None:
+        with self._counts_lock:
+            self._counts.add(counts)
+
+    def _load(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int], counts: TierCounts,
+              on_l2_miss=None) -> list[bool]:
+        """Fill the rows with the experts' records: L2 copies, the file for the rest, checked as configured.
+        Returns which came from L2 and sets `counts`; on failure the rows go back and nothing is published.
+        on_l2_miss(copied) -> copied: called when L2 lacked some (load-through), before the file is read."""
         try:
             start = time.perf_counter()
-            copied = self._copy_from_l2(layer, lp, missing, rows)
-            if self.load_through_s and not all(copied) and self.client is not None and self.client.attached:
-                reported = self._report(layer, missing, copied, picks)
-                copied = self._await_l2(layer, lp, missing, rows, copied)
+            copied = self._copy_from_l2(layer, lp, experts, rows)
+            if on_l2_miss is not None and not all(copied):
+                copied = on_l2_miss(copied)
             if self._check_l2:
-                copied = [ok and self._intact_copy(layer, lp, e, r) for e, r, ok in zip(missing, rows, copied)]
+                copied = [ok and self._intact_copy(layer, lp, e, r) for e, r, ok in zip(experts, rows, copied)]
             copied_at = time.perf_counter()
-            unread = [(e, r) for e, r, ok in zip(missing, rows, copied) if not ok]
+            unread = [(e, r) for e, r, ok in zip(experts, rows, copied) if not ok]
             self._read_from_l3(layer, lp, unread)
             if self._check_file:
                 for expert, row in unread:
@@ -262,16 +412,100 @@ class ExpertPool:
         except BaseException:
             lp.release(rows)  # nothing was published: the rows hold no expert
             raise
-        lp.publish(missing, rows)
         record = self.files.layout.nbytes
         counts.l2_hits = sum(copied)
         counts.l3_reads = len(unread)
         counts.bytes_copied = counts.l2_hits * record
         counts.bytes_read = counts.l3_reads * record
-        self._counts.add(counts)
-        if not reported:
-            self._report(layer, missing, copied, picks)
-        return counts
+        return copied
+
+    def prefetch(self, layer: int, guesses, keep=()) -> None:
+        """Load the guessed experts of `layer` that are not in L0, in the background; returns at once.
+
+        The worker takes free rows, then evicts only experts that are neither pinned, nor guessed, nor in
+        `keep` (what a queued computation may still read; the caller knows: docs/architecture.md, "Next-layer
+        prefetch"), and publishes each batch only when every byte is in place. At most as many guesses are
+        loaded as such rows allow. The next `fetch` of the layer scores the guesses and waits for the load."""
+        guesses = [int(e) for e in dict.fromkeys(guesses)]
+        for expert in guesses:
+            if not 0 <= expert < self.files.n_experts:
+                raise IndexError(f"expert {expert} out of range 0..{self.files.n_experts - 1}")
+        job = _Job(layer, guesses, frozenset(int(e) for e in keep))
+        with self._jobs_lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="moe-l2-prefetch", daemon=True)
+                self._worker.start()
+            self._jobs.setdefault(layer, []).append(job)
+            self._guesses[layer] = guesses
+        with self._counts_lock:
+            self._prefetch.requests += 1
+        self._queue.put(job)
+
+    def settle(self, layer: int) -> None:
+        """Cancel the layer's prefetches that have not started and wait for the one running, if any (the time
+        waited counts as `wait_s`: stall)."""
+        with self._jobs_lock:
+            jobs = self._jobs.pop(layer, [])
+            cancelled = 0
+            for job in jobs:
+                if job.state == "queued":
+                    job.state = "cancelled"
+                    cancelled += 1
+        if not jobs:
+            return
+        start = time.perf_counter()
+        for job in jobs:
+            if job.state != "cancelled":
+                job.done.wait()
+        with self._counts_lock:
+            self._prefetch.cancelled += cancelled
+            self._prefetch.wait_s += time.perf_counter() - start
+
+    def wait_prefetches(self, layer: int | None = None) -> None:
+        """Wait until the prefetches issued so far for the layer (None: every layer) have landed, without
+        cancelling any; for callers that know they have time to spare (a benchmark's compute, a test)."""
+        with self._jobs_lock:
+            jobs = [j for lay, js in self._jobs.items() if layer is None or lay == layer for j in js]
+        for job in jobs:
+            job.done.wait()
+
+    def _work(self) -> None:
+        """The prefetch worker: one job at a time, until close() sends None."""
+        while (job := self._queue.get()) is not None:
+            with self._jobs_lock:
+                if job.state == "cancelled":
+                    job.done.set()
+                    continue
+                job.state = "running"
+            try:
+                self._prefetch_job(job)
+            except Exception as exc:  # a wrong guess costs bandwidth, never the forward: fetch reads it again
+                log.warning("prefetch of MoE layer %d failed (%s); those experts are fetched on demand",
+                            job.layer, exc)
+                with self._counts_lock:
+                    self._prefetch.errors += 1
+            finally:
+                job.state = "done"
+                job.done.set()
+
+    def _prefetch_job(self, job: _Job) -> None:
+        lp = self.layers[job.layer]
+        start = time.perf_counter()
+        experts, rows = lp.spare_rows(job.guesses, set(job.guesses) | job.keep)
+        if not experts:
+            return
+        counts = TierCounts()
+        copied = self._load(job.layer, lp, experts, rows, counts)
+        lp.publish(experts, rows, prefetched=True)
+        with self._counts_lock:
+            self._prefetch.issued += len(experts)
+            self._prefetch.bytes_copied += counts.bytes_copied
+            self._prefetch.bytes_read += counts.bytes_read
+            self._prefetch.worker_s += time.perf_counter() - start
+        if self.client is not None:
+            # The daemon learns of the L2 lookups (and loads what it lacked); no routed picks: nothing was routed.
+            self.client.report(job.layer, [e for e, ok in zip(experts, copied) if ok],
+                               [e for e, ok in zip(experts, copied) if not ok], [])
 
     def _report(self, layer: int, missing: list[int], copied: list[bool], picks: list[int]) -> bool:
         """Tell the daemon what L2 had and lacked (it loads what it lacked); False when there is no daemon."""
@@ -319,6 +553,12 @@ class ExpertPool:
             self.files.read_into_rows(self._fds, layer, targets, threads=self.read_threads)
 
     def close(self) -> None:
+        if self._worker is not None:
+            for layer in range(self.files.n_layers):
+                self.settle(layer)
+            self._queue.put(None)
+            self._worker.join()
+            self._worker = None
         for fd in self._fds:
             os.close(fd)
         self._fds = []

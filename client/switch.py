@@ -5,7 +5,9 @@ arrays with the router's indices remapped to pool rows, so outputs are bit-ident
 Per layer it syncs the router's choice once (the pool must know which experts to fetch). When a batch needs
 more distinct experts than L0 holds, it runs in chunks of whole experts, each evaluated before the next one
 is fetched, so no queued computation ever reads a row that is being refilled (docs/architecture.md,
-"Client pool (L0)"). It asks the pool only through ExpertPool's and LayerPool's methods.
+"Client pool (L0)"). It asks the pool only through ExpertPool's and LayerPool's methods. With a NextLayer
+(client/nextlayer.py) it then has layer l+1's guessed experts prefetched while layer l computes
+(docs/architecture.md, "Next-layer prefetch").
 """
 
 from __future__ import annotations
@@ -80,14 +82,17 @@ class RoutingRecorder:
 class ForwardState:
     """State shared by the StreamedSwitch modules of one model."""
 
-    def __init__(self, pool: ExpertPool, stats: StreamStats, recorder: RoutingRecorder | None = None):
+    def __init__(self, pool: ExpertPool, stats: StreamStats, recorder: RoutingRecorder | None = None,
+                 next_layer=None):
         self.pool = pool
         self.stats = stats
         self.recorder = recorder
+        self.next_layer = next_layer  # a client.nextlayer.NextLayer, or None: no prefetch
         # The last MoE layer's output may never be evaluated (mlx-lm's prefill drops the last layer's
         # output); it must be, before that layer's rows are refilled. Every other layer's output is
-        # evaluated by the next layer's routing sync.
+        # evaluated by the next layer's routing sync. tail_experts: the experts it reads.
         self.tail: mx.array | None = None
+        self.tail_experts: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,11 @@ class StreamedSwitch(nn.Module):
         pool = fw.pool
         lp = pool.layers[self.layer]
         top_k = indices.shape[-1]
+        if fw.next_layer is not None:
+            # A prefetch into this layer is done (or cancelled) before its bookkeeping is read; waiting is stall.
+            t0 = time.perf_counter()
+            pool.settle(self.layer)
+            stats.fetch_s += time.perf_counter() - t0
         if indices.size == top_k and lp.holds_all() and fw.recorder is None:
             # One token, every expert of the layer resident (so L0 holds them all and never refills a row):
             # nothing to fetch, so no sync. The router picks top_k distinct experts, all of them L0 hits.
@@ -194,8 +204,18 @@ class StreamedSwitch(nn.Module):
             stats.chunked_calls += 1
             out = self._chunked(x, indices, chosen.reshape(-1, top_k), pool)
         if self._is_last():
-            fw.tail = out
+            fw.tail, fw.tail_experts = out, frozenset(experts)
+        if fw.next_layer is not None:
+            # Layer l+1's rows are read by nothing queued (docs/architecture.md, "Next-layer prefetch"), but
+            # for the last layer's unevaluated tail, whose experts the prefetch must keep.
+            keep = fw.tail_experts if fw.tail is not None and self.layer + 2 == pool.files.n_layers else ()
+            fw.next_layer.after(self.layer, x, chosen.reshape(-1, top_k), keep)
         return out
+
+    @property
+    def next_layer(self):
+        """The model's next-layer prefetcher (client.nextlayer.NextLayer), or None."""
+        return self._forward.next_layer
 
     def _is_last(self) -> bool:
         return self.layer == self._forward.pool.files.n_layers - 1

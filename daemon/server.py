@@ -284,6 +284,7 @@ class Server:
         model = self._model(req.model)
         model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in req.layers.items()})
         model.check_ids(req.routed)
+        model.counters.add_prefetch(req.prefetch)  # a few integers: counted at once
         pieces = report_pieces(req.layers, req.routed, REPORT_CHUNK_IDS)
         cost = sum(piece[2] for piece in pieces)
         if self._pending_ids + cost > MAX_PENDING_IDS:

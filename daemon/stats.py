@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import threading
 
+from moe_l2.protocol import PREFETCH_COUNTERS
+
 # stats lists at most this many of the records that failed their checksum (corrupt_records counts them all)
 _CORRUPT_LISTED = 64
 
@@ -42,6 +44,7 @@ class ModelCounters:
         self.bytes_loaded = 0  # read from the model files into L2
         self.bytes_served = 0  # copied out of L2 by clients
         self.load_latency = LatencyWindow()
+        self.prefetch = dict.fromkeys(PREFETCH_COUNTERS, 0)  # clients' next-layer prefetch, summed
 
     def add_lookups(self, hits: int, misses: int, record_bytes: int, picks: int) -> None:
         with self._lock:
@@ -49,6 +52,11 @@ class ModelCounters:
             self.hits += hits
             self.misses += misses
             self.bytes_served += hits * record_bytes
+
+    def add_prefetch(self, counters: dict[str, int]) -> None:
+        with self._lock:
+            for name, n in counters.items():
+                self.prefetch[name] += n
 
     def add_load(self, seconds: float, nbytes: int) -> None:
         self.load_latency.add(seconds)
@@ -85,6 +93,7 @@ class ModelCounters:
                 "bytes_served": self.bytes_served,
                 "load_latency_p50": self.load_latency.percentile(50),
                 "load_latency_p99": self.load_latency.percentile(99),
+                "prefetch": dict(self.prefetch),
             }
 
 

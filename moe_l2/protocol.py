@@ -27,6 +27,10 @@ MAX_PARTS = 3
 MAX_IDS = 16384
 # Longest value of each string field, in characters.
 MAX_STRING = {"model": 4096, "fingerprint": 64, "client": 256, "text": 64 << 10, "domain": 256, "kind": 32}
+# Next-layer prefetch counters a report may carry: increments since the client's previous report, times in
+# microseconds (docs/architecture.md, "Next-layer prefetch"). Each at most 2**53, so any sum stays exact.
+PREFETCH_COUNTERS = ("issued", "useful", "wasted", "guessed", "picked", "right", "worker_us", "wait_us")
+MAX_COUNTER = 2**53
 # How much of a refused value an error message (and the daemon's log) quotes, and the longest reason a client
 # takes from a reply.
 QUOTE_CHARS = 64
@@ -81,6 +85,11 @@ _VALIDATORS = {
     "layer_experts": (
         lambda v: isinstance(v, dict) and all(_is_int(k) and _is_int_list(p) for k, p in v.items()),
         "a map layer -> expert ids",
+    ),
+    "counters": (
+        lambda v: isinstance(v, dict)
+        and all(k in PREFETCH_COUNTERS and _is_int(n) and 0 <= n <= MAX_COUNTER for k, n in v.items()),
+        f"a map of counters ({', '.join(PREFETCH_COUNTERS)}) to integers 0..2**53",
     ),
     dict: (lambda v: isinstance(v, dict), "a map"),
     "str_or_none": (lambda v: v is None or isinstance(v, str), "a string or nil"),
@@ -149,15 +158,18 @@ class Prefetch(Message):
 @dataclass(frozen=True)
 class Report(Message):
     """What a client's lookups found in L2 (per layer the experts it copied and the ones it missed), and
-    every expert its router picked, L0 hits included (per layer, one id per pick), for online statistics."""
+    every expert its router picked, L0 hits included (per layer, one id per pick), for online statistics;
+    with `prefetch`, what its next-layer prefetch did since its previous report (PREFETCH_COUNTERS). Both are
+    optional: a report from before either existed decodes with them empty."""
 
     TYPE = "report"
-    FIELDS = {"model": str, "layers": "layer_lists", "routed": "layer_experts"}
-    OPTIONAL = ("routed",)
+    FIELDS = {"model": str, "layers": "layer_lists", "routed": "layer_experts", "prefetch": "counters"}
+    OPTIONAL = ("routed", "prefetch")
     REPLIES = False
     model: str = ""
     layers: dict[int, list[list[int]]] = field(default_factory=dict)
     routed: dict[int, list[int]] = field(default_factory=dict)
+    prefetch: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

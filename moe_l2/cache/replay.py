@@ -13,6 +13,12 @@ experts within the pin budget and load them). Layers are independent, so they ru
 
 Sequence order: `blocked` groups the sequences by domain (domains in name order, file order inside),
 `interleave` shuffles them with `--seed`. Results are deterministic for a given seed.
+
+`--prefetch` scores next-layer predictors (moe_l2.cache.prefetch) with the chosen policy: the sequences are
+split, the predictor learns from the first `prefetch_train` share and every policy is scored on the rest only.
+At each token, layer l+1's guesses (made at layer l, from layer l's experts) are loaded before layer l+1's
+lookup, never evicting another guess: every prefetch is taken to land in time, since it has layer l's whole
+compute to do so. The predictor keeps learning online, a block of tokens after guessing it.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 
+import numpy as np
+
 from .policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
 from .prediction import PredictorError
+from .prefetch import REPLAY_PREDICTORS, CooccurrencePredictor, Score, guess_streams
 from .profile import MIN_CONFIDENCE, Profile
 from .store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, LayerStore
 from .trace import TraceSet
@@ -96,6 +105,8 @@ class Task:
     hint_prior: float = HINT_PRIOR  # strength of the domain prior a hint adds
     record_tokens: bool = False
     hint_lift: float = HINT_MIN_LIFT
+    guesses: list | None = None  # per token, experts to load before its lookup (next-layer prefetch)
+    label: str = ""  # the result's name when it is not the policy's (a prefetch predictor)
 
 
 def replay_layer(task: Task) -> dict:
@@ -115,8 +126,20 @@ def replay_layer(task: Task) -> dict:
     load_order = getattr(policy, "load_order", None)
     slot, access, reserve, commit = store.slot, store.access, store.reserve, store.commit
     hits = lookups = loads = preloads = 0
+    prefetch_loads = useful = wasted = 0
+    prefetched: set[int] = set()
     per_token = array("H", bytes(2 * len(batches))) if task.record_tokens else None
     for t, batch in enumerate(batches):
+        if task.guesses is not None:
+            keep = frozenset(task.guesses[t])
+            for e in task.guesses[t]:
+                r = reserve(e, keep) if not store.has(e) else None
+                if r is not None:
+                    wasted += r.evicted in prefetched
+                    prefetched.discard(r.evicted)
+                    commit(r)
+                    prefetched.add(e)
+                    prefetch_loads += 1
         if t in hint_at:
             domain = hint_at[t]
             pinned = store.apply_hint(task.profile, domain, task.layer, share=task.hint_share,
@@ -137,16 +160,33 @@ def replay_layer(task: Task) -> dict:
             per_token[t] = h
         for e in batch:
             access(e)
+        if prefetched:
+            demanded = prefetched.intersection(batch)
+            useful += len(demanded)
+            prefetched -= demanded
         if load_order is not None:
             misses = load_order(misses)
         for e in misses:
             r = reserve(e)
             if r is not None:
+                if r.evicted in prefetched:
+                    wasted += 1
+                    prefetched.discard(r.evicted)
                 commit(r)
                 loads += 1
-    return {"layer": task.layer, "slots": task.slots, "policy": task.policy, "hits": hits, "lookups": lookups,
-            "loads": loads, "preloads": preloads,
+    return {"layer": task.layer, "slots": task.slots, "policy": task.label or task.policy, "hits": hits,
+            "lookups": lookups, "loads": loads, "preloads": preloads, "prefetch_loads": prefetch_loads,
+            "useful": useful, "wasted": wasted,
             "per_token": per_token.tobytes() if per_token is not None else None}
+
+
+def _routed(sequences: list) -> np.ndarray:
+    """(tokens, n_layers, top_k) expert ids of the sequences, in order."""
+    tokens = [token for s in sequences for token in s.experts]
+    try:
+        return np.asarray(tokens, dtype=np.int64)
+    except ValueError:
+        raise ReplayError("--prefetch needs every token to pick the same number of experts at every layer") from None
 
 
 def parse_slots(text: str | None, n_experts: int) -> list[int]:
@@ -168,11 +208,15 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
            prior: float = 0.0, hint_share: float = HINT_PIN_SHARE, hint_prior: float = HINT_PRIOR,
            hint_lift: float = HINT_MIN_LIFT,
            layers: list[int] | None = None, jobs: int = 1, switch_window: int = SWITCH_WINDOW,
-           belady: bool = True) -> dict:
+           belady: bool = True, prefetch: tuple[str, ...] = (), prefetch_train: float = 0.5,
+           prefetch_k: int | None = None) -> dict:
     """Run the trace and return the results as a JSON-able dict (see `render` for the table).
 
     hints: None, "prompt" (predict each sequence's domain from its prompt) or "oracle" (use the trace's
-    domain label: what a perfect predictor would give)."""
+    domain label: what a perfect predictor would give).
+    prefetch: next-layer predictors to score (REPLAY_PREDICTORS) with `policy`, each making prefetch_k
+    guesses per token and layer (default top_k), trained on the first prefetch_train share of the sequences;
+    with any, every policy is scored on the other sequences only."""
     if policy not in POLICIES:
         raise ReplayError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     for name in compare:
@@ -183,6 +227,19 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
     if hints and profile is None:
         raise ReplayError("--hints needs --profile: the predictor and the domains' experts come from a profile")
     sequences = order_sequences(traces.sequences, order, seed)
+    trained_on = []
+    if prefetch:
+        for name in prefetch:
+            if name not in REPLAY_PREDICTORS:
+                raise ReplayError(f"unknown prefetch predictor {name!r}; choose from {', '.join(REPLAY_PREDICTORS)}")
+        if traces.n_layers < 2:
+            raise ReplayError("--prefetch needs a trace of at least two MoE layers")
+        if not 0 <= prefetch_train < 1:
+            raise ReplayError(f"--prefetch-train is the share of sequences to learn from, in [0, 1); got {prefetch_train}")
+        split = round(prefetch_train * len(sequences))
+        if split >= len(sequences):
+            raise ReplayError("--prefetch-train leaves no sequence to score on: lower it or give more sequences")
+        trained_on, sequences = sequences[:split], sequences[split:]
     layers = list(range(traces.n_layers)) if layers is None else layers
     for layer in layers:
         if not 0 <= layer < traces.n_layers:
@@ -205,6 +262,24 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
                                   prior=prior if chosen else 0.0, hint_share=hint_share,
                                   hint_prior=hint_prior, record_tokens=name in (policy, "lru"),
                                   hint_lift=hint_lift))
+    k = traces.top_k if prefetch_k is None else prefetch_k
+    if prefetch:
+        if k < 1:
+            raise ReplayError(f"--prefetch-k must be at least 1, got {k}")
+        routed = _routed(sequences)
+    scores = {}
+    for name in prefetch:
+        predictor = CooccurrencePredictor.from_traces(trained_on, traces.n_layers, traces.n_experts)
+        guesses = guess_streams(name, predictor, routed, k)
+        score = Score()
+        for layer in range(1, traces.n_layers):
+            for guess, batch in zip(guesses[layer], routed[:, layer].tolist()):
+                score.add(guess, batch)
+        scores[name] = score.as_dict()
+        for n_slots in slots:
+            for layer in layers:
+                tasks.append(Task(layer, n_slots, policy, streams[layer], traces.n_experts, guesses=guesses[layer],
+                                  label=f"prefetch:{name}"))
     if jobs > 1 and len(tasks) > 1:
         with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn")) as pool:
             results = list(pool.map(replay_layer, tasks, chunksize=1))
@@ -226,6 +301,9 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         "prior": prior, "hint_share": hint_share, "hint_prior": hint_prior, "hint_lift": hint_lift,
         "layers": layers,
         "switch_window": switch_window, "domain_switches": len(starts), "capacities": [],
+        "prefetch": list(prefetch), "prefetch_k": k if prefetch else None,
+        "prefetch_trained_on": {"sequences": len(trained_on), "tokens": sum(s.n_tokens for s in trained_on)},
+        "prefetch_scores": scores,
     }
     by_key = {(r["slots"], r["policy"], r["layer"]): r for r in results}
     for n_slots in slots:
@@ -251,7 +329,23 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
                         sw_hits += total[i]
                         sw_lookups += sum(len(streams[layer][i]) for layer in layers)
                 result["switch_hit_rate"] = sw_hits / sw_lookups if sw_lookups else None
+            result["records_per_token"] = result["loads"] / n_tokens if n_tokens else None
             entry["policies"][name] = result
+        demand = entry["policies"][policy]["records_per_token"]
+        entry["prefetch"] = {}
+        for name in prefetch:
+            rs = [by_key[(n_slots, f"prefetch:{name}", layer)] for layer in layers]
+            hits, lookups = sum(r["hits"] for r in rs), sum(r["lookups"] for r in rs)
+            loaded = sum(r["loads"] + r["prefetch_loads"] for r in rs)
+            per_token = loaded / n_tokens if n_tokens else None
+            entry["prefetch"][name] = {
+                "hit_rate": hits / lookups if lookups else None, "hits": hits, "lookups": lookups,
+                "loads": sum(r["loads"] for r in rs), "prefetch_loads": sum(r["prefetch_loads"] for r in rs),
+                "useful": sum(r["useful"] for r in rs), "wasted": sum(r["wasted"] for r in rs),
+                "records_per_token": per_token,
+                "records_vs_demand": per_token / demand if demand else None,
+                "per_layer": [r["hits"] / r["lookups"] if r["lookups"] else None for r in rs],
+            }
         p, base, ceiling = (entry["policies"].get(n, {}).get("hit_rate") for n in (policy, "lru", "min"))
         if None not in (p, base, ceiling) and ceiling > base and policy != "lru":
             entry["gap_closed_vs_lru"] = (p - base) / (ceiling - base)

@@ -70,8 +70,9 @@ class LayerStore:
     def access(self, expert: int, count: int = 1) -> None:
         self.policy.access(expert, count)
 
-    def reserve(self, expert: int) -> Reservation | None:
-        """Give the expert a slot to be loaded into; None if it has one or every slot is pinned or loading."""
+    def reserve(self, expert: int, keep: frozenset[int] = frozenset()) -> Reservation | None:
+        """Give the expert a slot to be loaded into, never evicting one in `keep` (replay's prefetch keeps its
+        other guesses); None if it has one or every slot is pinned, kept or loading."""
         self.check_expert(expert)
         if expert in self._slot_of:
             return None
@@ -79,7 +80,8 @@ class LayerStore:
             slot, evicted = self._free.pop(), -1
         else:
             state, pinned = self._state, self._pinned
-            candidates = [e for e, s in self._slot_of.items() if state[s] == READY and e not in pinned]
+            candidates = [e for e, s in self._slot_of.items()
+                          if state[s] == READY and e not in pinned and e not in keep]
             if not candidates:
                 return None
             evicted = self.policy.victim(candidates)

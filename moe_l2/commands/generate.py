@@ -14,8 +14,8 @@ HELP = "generate text with an mlx-lm MoE model, its experts streamed"
 
 
 def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
-    """How a process streams its experts: the L0 size, the daemon, direct reads and checksum checks (the
-    options of `generate` and `serve`)."""
+    """How a process streams its experts: the L0 size, the daemon, direct reads, checksum checks and
+    next-layer prefetch (the options of `generate` and `serve`)."""
     l0 = parser.add_mutually_exclusive_group()
     l0.add_argument("--l0-slots", type=int, help="experts per layer kept in this process (default: moe-l2 plan's "
                                                  "for this machine: a quarter of the experts, fewer when "
@@ -31,6 +31,11 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check experts against the model's checksum manifest, if it has one: those read "
                              "from the model file (file, the default), those copied from moe-l2d's shared "
                              "memory too (all), or none (off)")
+    parser.add_argument("--prefetch", choices=("off", "router", "cooccurrence", "auto"), default="off",
+                        help="while a MoE layer computes, load the next layer's guessed experts in the "
+                             "background: guessed by the next layer's router (router), by expert co-occurrence "
+                             "learned online (cooccurrence), or router where the model has one (auto); off (the "
+                             "default) until benchmarks show it wins")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -91,6 +96,8 @@ def summary(result: dict, lm) -> dict:
         "daemon": None if client is None else {"address": client.address, "attached": client.attached,
                                                "attaches": client.attaches, "last_error": client.last_error},
         "streaming": result["stats"],  # StreamStats over this run: calls, sync/fetch/copy/pread seconds
+        "prefetch": None if lm.next_layer is None else {"predictor": lm.next_layer.describe(),
+                                                        **result["prefetch"].as_dict()},
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_mlx_bytes": mx.get_peak_memory(),
     }
@@ -110,8 +117,16 @@ def render(s: dict) -> str:
         f"L3 (disk) {format_pct(s['l3_rate'])}; read from disk {format_size(s['bytes_read'])}, "
         f"copied from L2 {format_size(s['bytes_copied'])}",
         f"L0 {s['l0_slots']} experts per layer ({format_size(s['l0_bytes'])}); {daemon}",
+        *([] if s["prefetch"] is None else [_render_prefetch(s["prefetch"])]),
         f"peak memory: RSS {format_size(s['peak_rss_bytes'])}, MLX {format_size(s['peak_mlx_bytes'])}",
     ])
+
+
+def _render_prefetch(p: dict) -> str:
+    return (f"prefetch ({p['predictor']}): guesses {format_pct(p['precision'])} precise, "
+            f"{format_pct(p['recall'])} recall; {p['issued']} experts loaded ahead, {p['useful']} used, "
+            f"{p['wasted']} evicted unused; stall hidden ~{1000 * p['hidden_s']:.1f} ms, "
+            f"waited {1000 * p['wait_s']:.1f} ms")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         lm = StreamedLM(args.model, l0_slots=args.l0_slots, l0_budget=args.l0_budget, socket=args.socket,
                         daemon=not args.no_daemon, client_wait_s=2.0, record=args.trace_out is not None,
-                        direct=DIRECT_IO[args.direct_io], verify=args.verify_checksums, download=True)
+                        direct=DIRECT_IO[args.direct_io], verify=args.verify_checksums, download=True,
+                        prefetch=args.prefetch)
     except (OSError, ValueError) as exc:
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 2

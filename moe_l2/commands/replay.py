@@ -1,5 +1,5 @@
 """`moe-l2 replay`: routing traces through the daemon's slot store and policies (moe_l2.cache.replay), with
-LRU, LFU and Belady's MIN beside; a table or JSON."""
+LRU, LFU and Belady's MIN beside, and next-layer prefetch predictors scored with --prefetch; a table or JSON."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import sys
 
 from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
+from moe_l2.cache.prefetch import REPLAY_PREDICTORS
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.replay import ORDERS, ReplayError, parse_slots, replay
 from moe_l2.cache.store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR
@@ -53,6 +54,9 @@ def render(result: dict, per_layer: bool = True) -> str:
     lines.append(f"gap closed: share of the distance from LRU to MIN that {result['policy']} covers; "
                  f"switch: hit rate over the first {result['switch_window']} tokens after each of the "
                  f"{result['domain_switches']} domain switches")
+    if result["prefetch"]:
+        lines.append("")
+        lines.extend(_render_prefetch(result))
     if per_layer:
         shown = [n for n in (result["policy"], "lru", "min") if n in names]
         lines.append("")
@@ -65,6 +69,29 @@ def render(result: dict, per_layer: bool = True) -> str:
                 cells.append(" /".join(_pct(entry["policies"][n]["per_layer"][i]) for n in shown))
             lines.append(f"{layer:>5}" + "".join(f"{c:>22}" for c in cells))
     return "\n".join(lines)
+
+
+def _render_prefetch(result: dict) -> list[str]:
+    trained = result["prefetch_trained_on"]
+    lines = [f"next-layer prefetch with {result['policy']}, {result['prefetch_k']} guesses per token and layer; "
+             f"learned from the first {trained['sequences']} sequences ({trained['tokens']} tokens), every "
+             "column above and below scored on the others only",
+             f"{'predictor':>14}{'precision':>10}{'recall':>8}"]
+    for name, score in result["prefetch_scores"].items():
+        lines.append(f"{name:>14}{_pct(score['precision']):>10}{_pct(score['recall']):>8}")
+    lines.append("")
+    lines.append(f"{'slots':>5} {'share':>6}{'predictor':>14}{'hit rate':>9}{'vs min':>8}"
+                 f"{'records/token':>14}{'vs ' + result['policy']:>14}{'useful':>10}{'wasted':>10}")
+    for entry in result["capacities"]:
+        ceiling = entry["policies"].get("min", {}).get("hit_rate")
+        for name, p in entry["prefetch"].items():
+            vs_min = "-" if ceiling is None else f"{100 * (p['hit_rate'] - ceiling):+.1f}"
+            lines.append(f"{entry['slots']:>5} {100 * entry['share']:5.1f}%{name:>14}{_pct(p['hit_rate']):>9}"
+                         f"{vs_min:>8}{p['records_per_token']:>14.2f}{p['records_vs_demand']:>13.2f}x"
+                         f"{p['useful']:>10}{p['wasted']:>10}")
+    lines.append("records/token: records loaded per token over all layers (demand loads plus prefetches); "
+                 f"vs {result['policy']}: against the demand policy's; every prefetch is taken to land in time")
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +123,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", metavar="L[,L...]", help="replay only these layers (default all)")
     parser.add_argument("--sequences", type=int, metavar="N", help="use only the first N sequences of the trace")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (layers run in parallel)")
+    parser.add_argument("--prefetch", metavar="P[,P...]",
+                        help="score next-layer prefetch predictors with the policy under test: "
+                             f"{', '.join(REPLAY_PREDICTORS)} (the trace holds no hidden states, so the router "
+                             "predictor cannot be replayed)")
+    parser.add_argument("--prefetch-train", type=float, default=0.5, metavar="F",
+                        help="share of the sequences the predictors learn from before scoring begins; with "
+                             "--prefetch every policy is scored on the rest only (default 0.5)")
+    parser.add_argument("--prefetch-k", type=int, metavar="K",
+                        help="guesses per token and layer (default: the trace's top-k)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -116,10 +152,12 @@ def run(args: argparse.Namespace) -> int:
                 raise ReplayError(f"--layers takes integers separated by commas, got {args.layers!r}") from None
         compare = tuple(c.strip() for c in args.compare.split(",") if c.strip())
         hints = "oracle" if args.oracle_hints else ("prompt" if args.hints else None)
+        prefetch = tuple(p.strip() for p in (args.prefetch or "").split(",") if p.strip())
         result = replay(traces, slots=slots, policy=args.policy, compare=compare, order=args.order,
                         seed=args.seed, profile=profile, hints=hints, prior=args.prior, layers=layers,
                         jobs=max(1, args.jobs), hint_share=args.hint_share, hint_prior=args.hint_prior,
-                        hint_lift=args.hint_lift)
+                        hint_lift=args.hint_lift, prefetch=prefetch, prefetch_train=args.prefetch_train,
+                        prefetch_k=args.prefetch_k)
     except (TraceError, ProfileError, ReplayError) as exc:
         print(f"moe-l2 replay: {exc}", file=sys.stderr)
         return 2

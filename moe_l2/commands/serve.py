@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
     lm_options = {"l0_slots": args.l0_slots, "l0_budget": args.l0_budget, "socket": args.socket,
                   "daemon": not args.no_daemon, "client_wait_s": 2.0, "direct": DIRECT_IO[args.direct_io],
-                  "verify": args.verify_checksums}
+                  "verify": args.verify_checksums, "prefetch": args.prefetch}
     provider = StreamedModelProvider(cli_args, model_dir, args.model, lm_options)
     status = 0
     try:

@@ -11,6 +11,7 @@ import time
 
 from moe_l2 import protocol
 from moe_l2.model.location import socket_arg
+from moe_l2.cache.prefetch import prefetch_rates
 from moe_l2.sizes import format_pct, format_size
 
 HELP = "hit rates, occupancy, loads and memory of the running daemon"
@@ -74,6 +75,7 @@ def render(reply: dict) -> str:
             f"served {format_size(m['bytes_served'])}  loaded {format_size(m['bytes_loaded'])}",
             f"  loads done {m['loads_done']}  errors {m['load_errors']}{_corrupt(m)}  in flight "
             f"{m['loads_in_flight']}  latency p50 {_ms(m['load_latency_p50'])}  p99 {_ms(m['load_latency_p99'])}",
+            *_prefetch(m),
             f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])}"
             + (f", {format_size(m['released_bytes'])} given back to the system" if m.get("released_bytes") else "")
             + ")",
@@ -83,6 +85,17 @@ def render(reply: dict) -> str:
                   f"{layer.get('slots', m['slots_per_layer']):12d}"
                   for i, layer in enumerate(m["layers"])]
     return "\n".join(lines)
+
+
+def _prefetch(m: dict) -> list[str]:
+    """The clients' next-layer prefetch, when any client reported one (a daemon from before: none)."""
+    p = m.get("prefetch")
+    if not p or not (p["issued"] or p["guessed"]):
+        return []
+    r = prefetch_rates(p)
+    return [f"  prefetch (clients): guesses {format_pct(r['precision'])} precise, {format_pct(r['recall'])} "
+            f"recall; {p['issued']} loaded ahead, {p['useful']} used, {p['wasted']} evicted unused; "
+            f"stall hidden ~{_ms(r['hidden_s'])}"]
 
 
 def _share(part: int, whole: int) -> str:

@@ -1,0 +1,93 @@
+"""NextLayer: the streamed forward's next-layer prefetch (docs/architecture.md, "Next-layer prefetch").
+
+After MoE layer l has fetched its experts and queued its computation, StreamedSwitch hands NextLayer the
+layer's input and the router's picks; NextLayer guesses layer l+1's experts and asks the pool to load the
+ones not in L0 in the background while layer l computes. Two predictors:
+
+- `router`: layer l+1's own router applied to layer l's input (the hidden state a layer later differs
+  little): its top experts, summed over the batch's tokens. Needs the router module beside the switch
+  (`find_router`); one small matmul and a sync of its result, which waits for nothing queued after it.
+- `cooccurrence`: `moe_l2.cache.prefetch.CooccurrencePredictor`, learned online from this model's routing.
+
+How many guesses: top_k per layer (what the router picks per token; more guesses lose precision fast on the
+shared traces, docs/policy-report.md), loaded only into rows that free up without evicting what queued work
+reads (the pool's rule), so an L0 of exactly top_k rows prefetches only over the previous token's experts.
+No wrap-around: the last layer prefetches nothing for the next token's layer 0.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from moe_l2.cache.prefetch import CooccurrencePredictor, top
+
+PREFETCH = ("off", "router", "cooccurrence", "auto")
+
+
+def find_router(model: nn.Module, switch_path: str, n_experts: int) -> tuple[str, object] | None:
+    """The router beside a switch module: a sibling whose 2-D weight has one row per expert (qwen3_moe's
+    `mlp.gate`, gpt_oss's `mlp.router`, deepseek's `MoEGate`). Returns (path, x -> logits) or None."""
+    parent_path = switch_path.rsplit(".", 1)[0]
+    parent = dict(model.named_modules()).get(parent_path)
+    if parent is None:
+        return None
+    for name, child in parent.children().items():
+        if not isinstance(child, nn.Module) or f"{parent_path}.{name}" == switch_path:
+            continue
+        weight = child.get("weight")
+        if not isinstance(weight, mx.array) or weight.ndim != 2 or weight.shape[0] != n_experts:
+            continue
+        if isinstance(child, (nn.Linear, nn.QuantizedLinear)):
+            return f"{parent_path}.{name}", child
+        if mx.issubdtype(weight.dtype, mx.floating):
+            return f"{parent_path}.{name}", (lambda x, w=weight: x @ w.T)
+    return None
+
+
+class NextLayer:
+    """Per model: which predictor guesses layer l+1, and the prefetch requests to the pool."""
+
+    def __init__(self, mode: str, pool, routers: list | None = None):
+        """mode: one of PREFETCH but off; routers: per MoE layer the (path, callable) of `find_router` or None
+        (`router` and `auto` need them for every layer after the first; `auto` falls back to cooccurrence)."""
+        if mode not in PREFETCH or mode == "off":
+            raise ValueError(f"prefetch mode must be one of {', '.join(PREFETCH[1:])}, not {mode!r}")
+        files = pool.files
+        self.pool = pool
+        self.n_layers = files.n_layers
+        self.k = files.top_k
+        found = routers is not None and all(r is not None for r in routers[1:])
+        if mode == "router" and not found:
+            raise ValueError(f"{files.path}: no router module found beside the switch layers; use --prefetch "
+                             "cooccurrence (or auto)")
+        self.predictor = "router" if mode == "router" or (mode == "auto" and found) else "cooccurrence"
+        self.routers = routers if self.predictor == "router" else None
+        self.cooccurrence = (CooccurrencePredictor(self.n_layers, files.n_experts)
+                             if self.predictor == "cooccurrence" and self.n_layers > 1 else None)
+        self._previous: tuple[int, np.ndarray] | None = None
+
+    def describe(self) -> str:
+        if self.predictor == "router":
+            return f"router ({self.routers[1][0].split('.')[-1]} of the next layer)"
+        return "cooccurrence (learned online)"
+
+    def after(self, layer: int, x: mx.array, chosen: np.ndarray, keep=()) -> None:
+        """Layer `layer` fetched its experts for tokens routed to `chosen` ((tokens, top_k)) and queued its
+        computation on `x`; learn, then prefetch layer+1's guesses. `keep`: experts of layer+1 that queued
+        work may still read (the last layer's unevaluated tail)."""
+        if self.cooccurrence is not None:
+            previous, self._previous = self._previous, (layer, chosen)
+            if previous is not None and previous[0] == layer - 1 and len(previous[1]) == len(chosen):
+                self.cooccurrence.observe_layer(layer - 1, previous[1], chosen)
+        if layer >= self.n_layers - 1:
+            return
+        self.pool.prefetch(layer + 1, self.guess(layer, x, chosen), keep)
+
+    def guess(self, layer: int, x: mx.array, chosen: np.ndarray) -> list[int]:
+        if self.routers is not None:
+            logits = self.routers[layer + 1][1](x)
+            probs = np.asarray(mx.softmax(logits.astype(mx.float32), axis=-1)).reshape(-1, logits.shape[-1])
+            return top(probs.sum(axis=0), self.k)
+        return self.cooccurrence.predict(layer, np.unique(chosen).tolist(), self.k)

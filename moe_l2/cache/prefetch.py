@@ -1,0 +1,224 @@
+"""Next-layer predictors: from the experts a token was routed to at MoE layer l, guess layer l+1's.
+
+The client's pool loads the guesses that are not in L0 in the background while layer l computes
+(docs/architecture.md, "Next-layer prefetch"); `moe-l2 replay --prefetch` scores the same predictors on
+traces. A predictor answers `predict(layer, experts, k)`: up to k guesses for layer+1, best first, and learns
+online through `observe(layer, experts, next_experts)`. Numpy only: core code, shared by client and replay.
+
+- `CooccurrencePredictor`: how often expert b was picked at layer l+1 by tokens that picked a at layer l,
+  counted online and seedable from traces (`from_traces`). A guess scores sum over the layer-l experts a of
+  P(b | a), smoothed towards layer l+1's overall frequency, which is also the cold start.
+- `RepeatPredictor`: layer l+1's experts of the previous token (the router-free baseline: routing repeats).
+
+`guess_streams` computes, for `moe-l2 replay --prefetch`, every token's guesses at once per layer, learning
+online in blocks of tokens so that no token is guessed by a predictor that has seen it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+# Pseudo-count of the smoothing towards layer l+1's frequency: how many observations of expert a at layer l
+# it takes before P(b | a) outweighs the marginal. Few: adjacent layers' routing is strongly tied.
+SMOOTHING = 2.0
+
+
+class NextLayerPredictor(Protocol):
+    def predict(self, layer: int, experts: Sequence[int], k: int) -> list[int]:
+        """Up to k guesses for layer+1's experts, best first, from the experts picked at `layer`."""
+
+    def observe(self, layer: int, experts: Sequence[int], next_experts: Sequence[int]) -> None:
+        """Learn from one token: it picked `experts` at `layer` and `next_experts` at layer+1."""
+
+
+def _check(layer: int, n_layers: int) -> None:
+    if not 0 <= layer < n_layers - 1:
+        raise IndexError(f"layer {layer}: next-layer guesses exist for layers 0..{n_layers - 2} of {n_layers}")
+
+
+def one_hot(rows: np.ndarray, n_experts: int) -> np.ndarray:
+    """(tokens, top_k) expert ids -> (tokens, n_experts) 0/1 float64 matrix."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
+    out = np.zeros((len(rows), n_experts))
+    np.put_along_axis(out, rows, 1.0, axis=1)
+    return out
+
+
+class CooccurrencePredictor:
+    """Expert-id co-occurrence between adjacent MoE layers, learned online."""
+
+    def __init__(self, n_layers: int, n_experts: int, smoothing: float = SMOOTHING):
+        if n_layers < 2:
+            raise ValueError("next-layer prediction needs at least two MoE layers")
+        self.n_layers = n_layers
+        self.n_experts = n_experts
+        self.smoothing = smoothing
+        # pairs[l][a, b]: tokens that picked a at layer l and b at layer l+1; picks[l][a]: tokens picking a.
+        self.pairs = np.zeros((n_layers - 1, n_experts, n_experts))
+        self.picks = np.zeros((n_layers, n_experts))
+
+    @classmethod
+    def from_traces(cls, sequences: Iterable, n_layers: int, n_experts: int,
+                    smoothing: float = SMOOTHING) -> "CooccurrencePredictor":
+        """Seeded from trace sequences (`moe_l2.cache.trace.TraceSequence`, or anything with `.experts`
+        [token][layer] -> ids)."""
+        p = cls(n_layers, n_experts, smoothing)
+        for s in sequences:
+            if s.experts:
+                p.observe_tokens(np.asarray(s.experts, dtype=np.int64))
+        return p
+
+    def observe_tokens(self, routed: np.ndarray) -> None:
+        """Learn from many tokens at once: routed is (tokens, n_layers, top_k) expert ids."""
+        hots = [one_hot(routed[:, layer], self.n_experts) for layer in range(self.n_layers)]
+        for layer in range(self.n_layers):
+            self.picks[layer] += hots[layer].sum(axis=0)
+        for layer in range(self.n_layers - 1):
+            self.pairs[layer] += hots[layer].T @ hots[layer + 1]
+
+    def observe_layer(self, layer: int, chosen: np.ndarray, next_chosen: np.ndarray) -> None:
+        """Learn from a batch of tokens at one pair of layers: (tokens, top_k) ids at layer and layer+1."""
+        _check(layer, self.n_layers)
+        a, b = one_hot(chosen, self.n_experts), one_hot(next_chosen, self.n_experts)
+        self.pairs[layer] += a.T @ b
+        self.picks[layer] += a.sum(axis=0)
+        self.picks[layer + 1] += b.sum(axis=0)
+
+    def observe(self, layer: int, experts: Sequence[int], next_experts: Sequence[int]) -> None:
+        _check(layer, self.n_layers)
+        a = np.asarray(sorted(set(experts)), dtype=np.int64)
+        b = np.asarray(sorted(set(next_experts)), dtype=np.int64)
+        self.pairs[layer][np.ix_(a, b)] += 1
+        self.picks[layer][a] += 1
+        self.picks[layer + 1][b] += 1
+
+    def scores(self, layer: int, weights: np.ndarray) -> np.ndarray:
+        """Scores of layer+1's experts for tokens whose layer-l picks are the rows of `weights`
+        ((tokens, n_experts) 0/1): sum over picked a of (pairs[a, b] + s * f(b)) / (n(a) + s)."""
+        nxt = self.picks[layer + 1]
+        total = nxt.sum()
+        marginal = nxt / total if total else np.full(self.n_experts, 1.0 / self.n_experts)
+        seen = self.picks[layer][:, None]
+        cond = (self.pairs[layer] + self.smoothing * marginal[None, :]) / (seen + self.smoothing)
+        return weights @ cond
+
+    def predict(self, layer: int, experts: Sequence[int], k: int) -> list[int]:
+        _check(layer, self.n_layers)
+        weights = np.zeros(self.n_experts)
+        weights[np.asarray(list(set(experts)), dtype=np.int64)] = 1.0
+        return top(self.scores(layer, weights[None, :])[0], k)
+
+
+class RepeatPredictor:
+    """Layer l+1's experts of the previous token: routing that repeats from token to token."""
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self._last: list[list[int]] = [[] for _ in range(n_layers)]
+
+    def predict(self, layer: int, experts: Sequence[int], k: int) -> list[int]:
+        _check(layer, self.n_layers)
+        return self._last[layer + 1][:k]
+
+    def observe(self, layer: int, experts: Sequence[int], next_experts: Sequence[int]) -> None:
+        _check(layer, self.n_layers)
+        self._last[layer + 1] = list(next_experts)
+
+
+# Replay's router-free predictors: co-occurrence (seeded, then learning online), layer l+1's overall frequency
+# alone (co-occurrence's cold start, as a baseline) and the previous token's experts.
+REPLAY_PREDICTORS = ("cooccurrence", "frequency", "repeat")
+# Tokens guessed at once by guess_streams before the predictor learns them.
+BLOCK = 256
+
+
+def guess_streams(name: str, predictor: CooccurrencePredictor, routed: np.ndarray, k: int,
+                  block: int = BLOCK) -> list[list[tuple[int, ...]] | None]:
+    """Per MoE layer, every token's k guesses for it made at the layer before (None for layer 0: nothing
+    precedes it); routed is (tokens, n_layers, top_k). The co-occurrence predictor guesses a block of tokens
+    from what it learned before the block, then learns the block (it is changed in place); `frequency` guesses
+    layer l+1's most frequent experts so far; `repeat` the previous token's."""
+    if name not in REPLAY_PREDICTORS:
+        raise ValueError(f"unknown prefetch predictor {name!r}; choose from {', '.join(REPLAY_PREDICTORS)}")
+    n_tokens, n_layers, _ = routed.shape
+    out: list[list[tuple[int, ...]] | None] = [None] + [[] for _ in range(n_layers - 1)]
+    if name == "repeat":
+        for layer in range(1, n_layers):
+            previous = [()] + [tuple(row[:k]) for row in routed[:-1, layer].tolist()]
+            out[layer] = previous
+        return out
+    n_experts = predictor.n_experts
+    for start in range(0, n_tokens, block):
+        chunk = routed[start:start + block]
+        for layer in range(n_layers - 1):
+            if name == "frequency":
+                scores = np.broadcast_to(predictor.picks[layer + 1], (len(chunk), n_experts))
+            else:
+                scores = predictor.scores(layer, one_hot(chunk[:, layer], n_experts))
+            order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+            out[layer + 1].extend(tuple(row) for row in order.tolist())
+        predictor.observe_tokens(chunk)
+    return out
+
+
+def top(scores: np.ndarray, k: int) -> list[int]:
+    """The k best-scoring ids, best first (ties: the lower id)."""
+    k = min(k, len(scores))
+    if k <= 0:
+        return []
+    order = np.argsort(-scores, kind="stable")
+    return order[:k].tolist()
+
+
+@dataclass
+class Score:
+    """Guesses against what the router picked: precision = right / guessed, recall = right / picked."""
+
+    guessed: int = 0
+    picked: int = 0
+    right: int = 0
+
+    def add(self, guesses: Iterable[int], picked: Iterable[int]) -> None:
+        g, p = set(guesses), set(picked)
+        self.guessed += len(g)
+        self.picked += len(p)
+        self.right += len(g & p)
+
+    @property
+    def precision(self) -> float | None:
+        return self.right / self.guessed if self.guessed else None
+
+    @property
+    def recall(self) -> float | None:
+        return self.right / self.picked if self.picked else None
+
+    def as_dict(self) -> dict:
+        return {"guessed": self.guessed, "picked": self.picked, "right": self.right,
+                "precision": self.precision, "recall": self.recall}
+
+
+def score_predictor(predictor: NextLayerPredictor, sequences: Iterable, k: int, *, learn: bool = True) -> Score:
+    """Precision and recall of k guesses per token and layer pair over trace sequences, in order; with
+    `learn` the predictor observes each token after it was scored (online: it never scores what it learned)."""
+    score = Score()
+    for s in sequences:
+        for token in s.experts:
+            for layer in range(len(token) - 1):
+                score.add(predictor.predict(layer, token[layer], k), token[layer + 1])
+                if learn:
+                    predictor.observe(layer, token[layer], token[layer + 1])
+    return score
+
+
+def prefetch_rates(c: dict) -> dict:
+    """From prefetch counters (protocol.PREFETCH_COUNTERS): the guesses' precision and recall, and the stall
+    hidden. The worker's time on experts that were then demanded is time the forward did not wait for them:
+    an estimate (every load is taken to cost the same), less the time fetches waited for the worker."""
+    per_load = c["worker_us"] / c["issued"] if c["issued"] else 0.0
+    return {"precision": c["right"] / c["guessed"] if c["guessed"] else None,
+            "recall": c["right"] / c["picked"] if c["picked"] else None,
+            "hidden_s": max(0.0, per_load * c["useful"] - c["wait_us"]) / 1e6}
