@@ -8,7 +8,7 @@ Run as ``python -P -m moe_l2.client.replayer``; it speaks JSON lines. The first 
 
     {"model": DIR, "capacity": L0 experts per layer, "direct": true|false|null, "socket": ADDRESS or null,
      "policy": L0 policy, "cgroup": DIR or null, "compute_ms": per layer, "warmup": tokens,
-     "load_through_ms": how long a miss waits for the daemon to load it into L2 (0: read the file at once),
+     "prefetch": true|false (next-layer prefetch, co-occurrence), "load_through_ms": how long a miss waits for the daemon to load it into L2 (0: read the file at once),
      "tokens": [[[experts of layer 0], ...], ...]}
 
 It answers ``{"ready": ...}`` once the pool exists, waits for a line, replays the warm-up tokens, answers
@@ -17,13 +17,17 @@ It answers ``{"ready": ...}`` once the pool exists, waits for a line, replays th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
 import sys
 import time
 
+import numpy as np
+
 from moe_l2.client.connection import L2Client
+from moe_l2.client.nextlayer import NextLayer
 from moe_l2.client.pool import ExpertPool
 from moe_l2.model import ModelFiles
 
@@ -67,14 +71,18 @@ def _wait_for_go() -> None:
         sys.exit(0)  # the bench went away
 
 
-def replay(pool: ExpertPool, tokens: list, compute_s: float) -> float:
-    """Fetch each token's experts layer by layer, computing (waiting) compute_s after each; returns the stall."""
+def replay(pool: ExpertPool, tokens: list, compute_s: float, next_layer: NextLayer | None = None) -> float:
+    """Fetch each token's experts layer by layer, computing (waiting) compute_s after each; returns the stall.
+    With next_layer, each layer's picks also start the prefetch of the next layer's guesses, as the streamed
+    forward does (it has no hidden state here, so only the co-occurrence predictor can guess)."""
     stall = 0.0
     clock = time.perf_counter
     for token in tokens:
         for layer, experts in enumerate(token):
             start = clock()
             pool.fetch(layer, experts)
+            if next_layer is not None:
+                next_layer.after(layer, None, np.asarray([experts]))
             done = clock()
             stall += done - start
             # The layer's compute: a sleep, so that background threads (the client's, a prefetch) may run.
@@ -100,17 +108,21 @@ def main() -> int:
         return 1
     pool = ExpertPool(files, job["capacity"], client, policy=job["policy"], direct=job["direct"], verify="off",
                       load_through_s=load_through_s)
+    next_layer = NextLayer("cooccurrence", pool) if job.get("prefetch") else None
     tokens, warmup, compute_s = job["tokens"], job["warmup"], job["compute_ms"] / 1e3
     _say({"ready": True, "anon_bytes": anon_bytes()})
     _wait_for_go()
-    replay(pool, tokens[:warmup], compute_s)
+    replay(pool, tokens[:warmup], compute_s, next_layer)
+    pool.wait_prefetches()
     _say({"warm": True})
     _wait_for_go()
-    before, disk_before = pool.counts, disk_read_bytes()
-    stall = replay(pool, tokens[warmup:], compute_s)
+    before, ahead, disk_before = pool.counts, pool.prefetch_counts, disk_read_bytes()
+    stall = replay(pool, tokens[warmup:], compute_s, next_layer)
+    pool.wait_prefetches()
     after, disk_after = pool.counts, disk_read_bytes()
     counts = {name: getattr(after, name) - getattr(before, name) for name in after.__dataclass_fields__}
-    _say({"tokens": len(tokens) - warmup, "stall_s": stall, "counts": counts, "record_bytes": files.layout.nbytes,
+    prefetch = dataclasses.asdict(pool.prefetch_counts.minus(ahead))
+    _say({"tokens": len(tokens) - warmup, "stall_s": stall, "counts": counts, "prefetch": prefetch,
           "disk_read_bytes": None if disk_before is None else disk_after - disk_before,
           "anon_bytes": anon_bytes()})
     pool.close()

@@ -40,7 +40,7 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
     # Every token of the trace is replayed once (2 processes, half the sequences each, nothing warms up):
     # each layer's distinct picks are one L0 lookup.
     lookups = sum(len(set(layer)) for s in read_traces(trace).sequences for token in s.experts for layer in token)
-    assert [c["name"] for c in result["configs"]] == ["page-cache", "pread", "moe-l2"]
+    assert [c["name"] for c in result["configs"]] == ["page-cache", "pread", "moe-l2", "moe-l2+prefetch"]
     by_name = {c["name"]: c for c in result["configs"]}
     for c in result["configs"]:
         if "skipped" in c:
@@ -65,6 +65,13 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
     assert moe["counts"]["l2_lookups"] == lookups - moe["counts"]["l0_hits"]
     assert moe["l2_slots"] >= 1 and moe["counts"]["l2_hits"] > 0
     assert moe["hit_rates"]["L2"] == pytest.approx(moe["counts"]["l2_hits"] / moe["counts"]["l2_lookups"])
+    # moe-l2+prefetch: each token's layer 0 guessed layer 1 (the last layer guesses nothing), and the guesses
+    # were scored against every pick of layer 1; the demand counts above stay consistent with prefetch on.
+    ahead = by_name["moe-l2+prefetch"]["prefetch"]
+    assert ahead["requests"] == 60 and ahead["guessed"] == 60 * files.top_k
+    assert ahead["picked"] == sum(len(set(t[1])) for s in read_traces(trace).sequences for t in s.experts)
+    assert 0 < ahead["issued"] and ahead["useful"] + ahead["wasted"] <= ahead["issued"]
+    assert moe["prefetch"] is None
     if "skipped" not in by_name["page-cache"]:
         pc = by_name["page-cache"]
         assert pc["l0_experts"] == files.top_k and 0 <= pc["hit_rates"]["page_cache"] <= 1

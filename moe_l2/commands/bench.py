@@ -34,7 +34,7 @@ from moe_l2.sizes import format_pct, format_size
 
 HELP = "replay a routing trace at real expert sizes: moe-l2 against the page cache and pread, same memory"
 
-CONFIGS = ("page-cache", "pread", "moe-l2")
+CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch")
 # Decode on Apple Silicon, per MoE layer: gpt-oss-20b (24 layers), MLX 4-bit, 91.5 tok/s on an M2 Max
 # (docs/architecture.md, "Measured against the page cache", cites the measurement): 1000 / 91.5 / 24 ms.
 DEFAULT_COMPUTE_MS = 0.45
@@ -222,7 +222,7 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
         job = {"model": str(files.path), "capacity": plan["capacity"], "policy": "lru",
                "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
-               "load_through_ms": args.load_through_ms}
+               "load_through_ms": args.load_through_ms, "prefetch": config == "moe-l2+prefetch"}
         for tokens, warm in parts:
             w = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.client.replayer"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
@@ -263,12 +263,13 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
 
 def _summary(config, share, plan, results, daemon_read, peak, files, compute_ms) -> dict:
     counts = {k: sum(r["counts"][k] for r in results) for k in results[0]["counts"]}
+    ahead = {k: sum(r["prefetch"][k] for r in results) for k in results[0]["prefetch"]}
     tokens = sum(r["tokens"] for r in results)
     lookups = counts["l0_hits"] + counts["l2_hits"] + counts["l3_reads"]
     l2_lookups = counts["l2_hits"] + counts["l3_reads"]
     client_disk = [r["disk_read_bytes"] for r in results]
     # Without /proc (macOS) the clients' reads are taken as all from disk: a bound, not a measurement.
-    disk = (counts["bytes_read"] if None in client_disk else sum(client_disk)) + daemon_read
+    disk = (counts["bytes_read"] + ahead["bytes_read"] if None in client_disk else sum(client_disk)) + daemon_read
     stall = sum(r["stall_s"] for r in results) / tokens
     compute = compute_ms / 1e3 * files.n_layers
     hit_rates = {"L0": counts["l0_hits"] / lookups if lookups else None,
@@ -281,7 +282,7 @@ def _summary(config, share, plan, results, daemon_read, peak, files, compute_ms)
             "hit_rates": hit_rates, "disk_bytes_per_token": disk / tokens, "peak_bytes": peak,
             "tokens": tokens, "l0_experts": plan["capacity"], "l2_slots": plan["slots"],
             "budget_bytes": plan["budget"], "counts": dict(counts, lookups=lookups, l2_lookups=l2_lookups),
-            "disk_bytes": disk}
+            "disk_bytes": disk, "prefetch": ahead if ahead["requests"] else None}
 
 
 def render(result: dict) -> str:
@@ -305,6 +306,14 @@ def render(result: dict) -> str:
                      f"{ratios[1]:>9}{format_pct(hr['L0'], 0, sign=False):>8}{format_pct(hr['L2'], 0, sign=False):>8}"
                      f"{format_pct(hr['page_cache'], 0, sign=False):>8}{c['disk_bytes_per_token'] / 1e6:>12.1f}"
                      f"{format_size(c['peak_bytes']):>11}")
+    for c in result["configs"]:
+        if c.get("prefetch"):
+            pf = c["prefetch"]
+            lines.append(f"{c['name']} at {format_pct(c['budget_share'], 0)}, {c['processes']} processes: guesses "
+                         f"{format_pct(pf['right'] / pf['guessed'] if pf['guessed'] else None)} right (precision), "
+                         f"{format_pct(pf['right'] / pf['picked'] if pf['picked'] else None)} of picks guessed "
+                         f"(recall); {pf['issued']} loaded ahead, {pf['useful']} used, {pf['wasted']} evicted unused; "
+                         f"{format_size((pf['bytes_read'] + pf['bytes_copied']) / c['tokens'])} per token")
     lines += ["", "tok/s = 1 / (compute + stall) for the layers replayed; stall: fetch time compute did not hide; "
               "pc hit: page-cache hits (from the kernel's disk-read count); peak: the processes' anonymous memory, "
               "the daemon's segments and, for page-cache, the cgroup's peak (page cache included)"]
