@@ -8,7 +8,8 @@ Run as ``python -P -m moe_l2.client.replayer``; it speaks JSON lines. The first 
 
     {"model": DIR, "capacity": L0 experts per layer, "direct": true|false|null, "socket": ADDRESS or null,
      "policy": L0 policy, "cgroup": DIR or null, "compute_ms": per layer, "warmup": tokens,
-     "prefetch": true|false (next-layer prefetch, co-occurrence), "load_through_ms": how long a miss waits for the daemon to load it into L2 (0: read the file at once),
+     "prefetch": true|false (next-layer prefetch, co-occurrence),
+     "load_through_ms": how long a miss waits for the daemon to load it into L2 (0: read the file at once),
      "tokens": [[[experts of layer 0], ...], ...]}
 
 It answers ``{"ready": ...}`` once the pool exists, waits for a line, replays the warm-up tokens, answers

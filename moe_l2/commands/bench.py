@@ -132,7 +132,8 @@ def _parts(traces, n_layers: int, processes: int, tokens: int | None, warmup: fl
     cap = None if tokens is None else tokens // processes
     parts = []
     for p in range(processes):
-        mine = [[list(layer) for layer in token[:n_layers]] for s in traces.sequences[p::processes] for token in s.experts]
+        mine = [[list(layer) for layer in token[:n_layers]]
+                for s in traces.sequences[p::processes] for token in s.experts]
         mine = mine[:cap]
         warm = int(warmup * len(mine))
         if len(mine) - warm < 1:
@@ -157,12 +158,13 @@ def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share
         slot = Geometry(layers, files.n_experts, files.n_experts, record).slot_stride * layers
         slots = min(files.n_experts, max(0, budget - processes * capacity * row) // slot)
         if slots < 1:
-            raise BudgetTooSmall(f"moe-l2 at {format_pct(share)} with {processes} processes: the L0s take the whole "
-                             f"budget ({format_size(budget)}), leaving no L2 slot: lower --l0-share or raise --budget")
+            raise BudgetTooSmall(f"{config} at {format_pct(share)} with {processes} processes: the L0s take the "
+                                 f"whole budget ({format_size(budget)}), leaving no L2 slot: lower --l0-share or "
+                                 "raise --budget")
     if capacity < top_k or processes * capacity * row > budget:
-        raise BudgetTooSmall(f"{config} at {format_pct(share)} ({format_size(budget)}) with {processes} processes: each "
-                         f"process needs L0 rows for top-{top_k} experts in every layer "
-                         f"({format_size(top_k * row)}): raise --budget or run fewer --processes")
+        raise BudgetTooSmall(f"{config} at {format_pct(share)} ({format_size(budget)}) with {processes} processes: "
+                             f"each process needs L0 rows for top-{top_k} experts in every layer "
+                             f"({format_size(top_k * row)}): raise --budget or run fewer --processes")
     return {"budget": budget, "capacity": capacity, "slots": slots}
 
 
