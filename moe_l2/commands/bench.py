@@ -291,10 +291,10 @@ def render(result: dict) -> str:
     lines = [f"{result['model']}: record {format_size(result['record_bytes'])}, experts "
              f"{format_size(result['expert_bytes'])}; trace {result['trace']}; compute {result['compute_ms']:g} ms "
              f"per layer; {result['machine']}", ""]
-    lines.append(f"{'config':<12}{'budget':>7}{'procs':>6}{'stall ms/tok':>13}{'tok/s':>8}{'vs page-cache':>14}"
+    lines.append(f"{'config':<16}{'budget':>7}{'procs':>6}{'stall ms/tok':>13}{'tok/s':>8}{'vs page-cache':>14}"
                  f"{'vs pread':>9}{'L0 hit':>8}{'L2 hit':>8}{'pc hit':>8}{'disk MB/tok':>12}{'peak':>11}")
     for c in result["configs"]:
-        head = f"{c['name']:<12}{format_pct(c['budget_share'], 0, sign=False):>7}{c['processes']:>6}"
+        head = f"{c['name']:<16}{format_pct(c['budget_share'], 0, sign=False):>7}{c['processes']:>6}"
         if "skipped" in c:
             lines.append(f"{head}  skipped: {c['skipped']}")
             continue
