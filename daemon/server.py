@@ -221,10 +221,11 @@ class Server:
         while len(self.clients) > MAX_CLIENTS:
             self.clients.popitem(last=False)
         g = model.geometry
-        return protocol.encode_reply(
-            req.id, epoch=self.epoch, fingerprint=model.files.fingerprint, index_segment=model.index_name,
-            data_segments=model.data_names, n_layers=g.n_layers, n_experts=g.n_experts, n_slots=g.n_slots,
-            record_bytes=g.record_bytes, slot_stride=g.slot_stride)
+        return protocol.HelloReply(
+            epoch=self.epoch, fingerprint=model.files.fingerprint, index_segment=model.index_name,
+            data_segments=list(model.data_names.values()), n_layers=g.n_layers, n_experts=g.n_experts,
+            n_slots=g.n_slots, record_bytes=g.record_bytes, slot_stride=g.slot_stride,
+            layers=list(model.layers)).encode(req.id)
 
     def _expire_clients(self) -> None:
         cutoff = time.monotonic() - CLIENT_TIMEOUT_S
@@ -280,11 +281,13 @@ class Server:
 
     def _report(self, identity: bytes, req: protocol.Report) -> None:
         """Check the whole report now (a refusal reaches its sender before any later reply on the
-        connection), queue it in pieces folded in between other requests."""
+        connection), queue it in pieces folded in between other requests. Layers the daemon does not serve
+        are left out (their clients read them from the model files)."""
         model = self._model(req.model)
-        model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in req.layers.items()})
-        model.check_ids(req.routed)
-        pieces = report_pieces(req.layers, req.routed, REPORT_CHUNK_IDS)
+        layers, routed = model.served_part(req.layers), model.served_part(req.routed)
+        model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in layers.items()})
+        model.check_ids(routed)
+        pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS)
         cost = sum(piece[2] for piece in pieces)
         if self._pending_ids + cost > MAX_PENDING_IDS:
             raise ProtocolError("Busy", f"moe-l2d is {self._pending_ids} looked-up expert ids behind; this "

@@ -45,6 +45,23 @@ def test_reply_round_trip():
     assert (error.id, error.ok, error.ename, error.evalue) == (43, False, "UnknownType", "no such type")
 
 
+def test_hello_reply_round_trip_with_and_without_served_layers():
+    fields = dict(epoch=7, fingerprint="ab" * 16, index_segment="/ml2x.0i", data_segments=["/ml2x.0.1"], n_layers=3,
+                  n_experts=16, n_slots=6, record_bytes=4096, slot_stride=4096)
+    served = protocol.HelloReply(**fields, layers=[1])
+    assert protocol.HelloReply.decode(protocol.decode_reply(served.encode(5))) == served
+    # A daemon from before --layers sends no layers: it serves them all.
+    old = protocol.decode_reply(protocol.encode_reply(5, **fields))
+    assert protocol.HelloReply.decode(old).layers is None
+    for name, value in (("layers", [1, "x"]), ("layers", None), ("epoch", "7")):
+        bad = protocol.decode_reply(protocol.encode_reply(5, **{**fields, "layers": [1], name: value}))
+        with pytest.raises(ProtocolError, match=name):
+            protocol.HelloReply.decode(bad)
+    del fields["index_segment"]
+    with pytest.raises(ProtocolError, match="index_segment"):
+        protocol.HelloReply.decode(protocol.decode_reply(protocol.encode_reply(5, **fields)))
+
+
 def _raw(**body):
     return msgpack.packb(body)
 
