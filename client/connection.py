@@ -234,8 +234,12 @@ _WARNED_NO_DAEMON: set[str] = set()
 
 class L2Client:
     def __init__(self, files: ModelFiles, address: str | None = None, *, heartbeat_s: float = 1.0,
-                 timeout_s: float = 2.0, wait_s: float = 1.0, trusted: frozenset[int] | None = None):
+                 timeout_s: float = 2.0, wait_s: float = 1.0, trusted: frozenset[int] | None = None,
+                 layers=None):
+        """layers: the MoE layers this process streams (a pipeline rank's), which its hello tells the daemon for
+        `stats`; None: all."""
         self.files = files
+        self.layers = sorted(layers) if layers is not None else []
         self.address = address or default_socket()
         self.trusted = trusted_uids() if trusted is None else trusted
         self.curve = curve_keys(self.address)
@@ -301,7 +305,7 @@ class L2Client:
                     pending = None
                 if pending is None and now >= next_hello:
                     msg = protocol.Hello(id=next(self._ids), model=self.model_path,
-                                         fingerprint=self.files.fingerprint, client=self.name)
+                                         fingerprint=self.files.fingerprint, client=self.name, layers=self.layers)
                     if self._send(sock, msg):
                         pending = (msg.id, now)
                         next_hello = now + self.heartbeat_s

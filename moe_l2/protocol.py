@@ -107,13 +107,17 @@ class Message:
 
 @dataclass(frozen=True)
 class Hello(Message):
-    """Attach to a model (also the client's heartbeat: the reply carries the daemon's epoch)."""
+    """Attach to a model (also the client's heartbeat: the reply carries the daemon's epoch). `layers`: the MoE
+    layers this client streams (a pipeline rank's), for `stats`; empty: not said (all). Optional, so a hello
+    from before the field decodes, and an older daemon ignores it."""
 
     TYPE = "hello"
-    FIELDS = {"model": str, "fingerprint": str, "client": str}
+    FIELDS = {"model": str, "fingerprint": str, "client": str, "layers": "int_list"}
+    OPTIONAL = ("layers",)
     model: str = ""
     fingerprint: str = ""
     client: str = ""
+    layers: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

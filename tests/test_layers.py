@@ -7,6 +7,7 @@ range is simply not a MoE layer); MoE layer 2 (decoder layer 3) is read from the
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -143,6 +144,28 @@ def test_stats_show_the_served_layers(daemon, files, capsys):
     metrics = {f.name: f for f in families(stats(daemon))}
     assert [s.value for s in metrics["moe_l2_served_layers"].samples] == [2]
     assert {s.labels["layer"] for s in metrics["moe_l2_layer_slots"].samples} == {"0", "1"}
+
+
+def test_clients_say_which_layers_they_stream_and_stats_show_it(daemon, files, capsys):
+    rank = L2Client(files, daemon.socket, wait_s=5, layers=[1, 2])  # decoder layers 2-3: 3 is not served
+    plain = L2Client(files, daemon.socket, wait_s=5)
+    try:
+        assert rank.attached and plain.attached
+        clients = {c["name"]: c for c in stats(daemon)["daemon"]["client_list"]}
+        assert (clients[rank.name]["layer_ids"], clients[rank.name]["unserved_layer_ids"]) == ([2, 3], [3])
+        assert clients[plain.name]["layer_ids"] is None and clients[plain.name]["model"] == str(files.path)
+        assert cli(["stats", "--socket", daemon.socket]) == 0
+        table = capsys.readouterr().out
+        assert f"{rank.name}  {os.getpid()}" in table and "layers 2-3 (3 from its files)" in table
+        assert f"{plain.name}  {os.getpid()}" in table and "all layers" in table
+    finally:
+        rank.close()
+        plain.close()
+    # A hello naming a layer the model does not have is refused, and the daemon keeps serving.
+    reply = request(daemon.socket, protocol.Hello(id=1, model=str(files.path), fingerprint=files.fingerprint,
+                                                  client="x:1:y", layers=[files.n_layers]))
+    assert not reply.ok and reply.ename == "BadField" and "has MoE layers 0..2" in reply.evalue
+    assert stats(daemon)["daemon"]["errors"] == 1
 
 
 @pytest.mark.parametrize("value, status, words", [

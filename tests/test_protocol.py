@@ -10,6 +10,7 @@ from moe_l2.protocol import ProtocolError
 
 MESSAGES = [
     protocol.Hello(id=1, model="/models/q", fingerprint="ab" * 16, client="host:1:x"),
+    protocol.Hello(id=12, model="/models/q", fingerprint="ab" * 16, client="host:1:x", layers=[0, 1, 2]),
     protocol.Stats(id=2),
     protocol.Stats(id=10, routing=True),
     protocol.Hint(id=3, model="fp", text="integrate x^2 dx", domain=None),
@@ -36,6 +37,8 @@ def test_optional_fields_may_be_left_out():
     assert protocol.decode_request(_raw(v=1, type="stats", id=3)) == protocol.Stats(id=3)
     report = protocol.decode_request(_raw(v=1, type="report", id=4, model="m", layers={}))
     assert report == protocol.Report(id=4, model="m")
+    hello = protocol.decode_request(_raw(v=1, type="hello", id=5, model="m", fingerprint="f", client="c"))
+    assert hello == protocol.Hello(id=5, model="m", fingerprint="f", client="c", layers=[])
 
 
 def test_reply_round_trip():

@@ -61,6 +61,15 @@ def served(m: dict) -> str:
     return f"serves decoder layers {format_ranges(ids)}: {len(ids)} of {m['n_layers']} MoE layers"
 
 
+def client_layers(c: dict) -> str:
+    """The decoder layers an attached client said it streams, and those of them it reads from its files."""
+    ids = c.get("layer_ids")
+    if not ids:
+        return "all layers"
+    unserved = c.get("unserved_layer_ids")
+    return f"layers {format_ranges(ids)}" + (f" ({format_ranges(unserved)} from its files)" if unserved else "")
+
+
 def _layer_number(i: int, layer: dict) -> int:
     return layer.get("layer", i)  # the MoE layer; a daemon from before --layers lists every layer in order
 
@@ -98,6 +107,10 @@ def render(reply: dict) -> str:
                   f"{layer['pinned']:6d}  {layer.get('slots', m['slots_per_layer']):12d}  "
                   f"{layer.get('layer_id', '-'):>13}"
                   for i, layer in enumerate(m["layers"])]
+    clients = d.get("client_list", [])
+    if clients:
+        lines += ["", "client  pid  idle  streams"]
+        lines += [f"{c['name']}  {c['pid'] or '-'}  {c['idle_s']:.0f} s  {client_layers(c)}" for c in clients]
     return "\n".join(lines)
 
 
@@ -156,10 +169,10 @@ def watch_frame(prev: dict | None, cur: dict, seconds: float):
             table.add_row(str(layer["layer"]), str(layer["slots"]), str(layer["resident"]), str(layer["loading"]),
                           str(layer["pinned"]), format_pct(layer["hit_rate"]))
         parts.append(table)
-    clients = Table("client", "pid", "idle", title=f"{d['clients']} client(s) attached", title_justify="left",
-                    box=None, padding=(0, 2))
+    clients = Table("client", "pid", "idle", "streams", title=f"{d['clients']} client(s) attached",
+                    title_justify="left", box=None, padding=(0, 2))
     for c in d.get("client_list", []):
-        clients.add_row(c["name"], str(c["pid"] or "-"), f"{c['idle_s']:.0f} s")
+        clients.add_row(c["name"], str(c["pid"] or "-"), f"{c['idle_s']:.0f} s", client_layers(c))
     parts += [Text(""), clients]
     return Group(*parts)
 
