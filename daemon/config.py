@@ -223,13 +223,18 @@ def _path(value, what: str, kind: str = "a file name") -> Path:
         raise ConfigError(f"{what}: {exc}") from None
 
 
-def _socket(value, what: str) -> str:
+def _parsed(value, what: str, example: str, parse, errors):
+    """parse(value) for a string value, any other or one that `parse` refuses a ConfigError naming `what`."""
     if not isinstance(value, str):
-        raise ConfigError(f"{what} must be a string such as ipc://PATH, got {value!r}")
+        raise ConfigError(f"{what} must be a string such as {example}, got {value!r}")
     try:
-        return expand_socket(value)
-    except PathError as exc:
+        return parse(value)
+    except errors as exc:
         raise ConfigError(f"{what}: {exc}") from None
+
+
+def _socket(value, what: str) -> str:
+    return _parsed(value, what, "ipc://PATH", expand_socket, PathError)
 
 
 def _direct_io(value, what: str) -> bool | None:
@@ -248,14 +253,7 @@ def _size(text, what: str) -> int | None:
 
 
 def _layers(text, what: str) -> tuple[tuple[int, int], ...] | None:
-    if text is None:
-        return None
-    if not isinstance(text, str):
-        raise ConfigError(f"{what} must be a string of decoder layer ranges such as \"0-23\", got {text!r}")
-    try:
-        return parse_ranges(text)
-    except ValueError as exc:
-        raise ConfigError(f"{what}: {exc}") from None
+    return None if text is None else _parsed(text, what, "\"0-23\" (decoder layer ranges)", parse_ranges, ValueError)
 
 
 def _per_model(values: list, flag: str, key: str, models: list) -> list:

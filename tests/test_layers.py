@@ -27,7 +27,7 @@ from moe_l2.layout import Geometry, segment_names
 from moe_l2.model import ModelFiles
 from moe_l2.plan import Memory, ModelSizes, plan
 
-from .conftest import assert_resident_exact, budget_for, segment_exists, stats, wait_for
+from .conftest import assert_resident_exact, assert_same_as_whole, budget_for, segment_exists, stats, wait_for
 
 SERVED, UNSERVED = [0, 1], 2  # MoE layers of --layers 0-2
 TEXT = "The cache keeps the experts that the router picks most often close to the model. " * 3
@@ -83,6 +83,7 @@ def test_tokens_match_the_whole_model_and_unserved_layers_come_from_the_file(dae
         with StreamedLM(files.path, l0_slots=files.top_k + 1, socket=daemon.socket, client_wait_s=5) as lm:
             assert lm.client.attached and lm.client.attachment.layers == frozenset(SERVED)
             assert [r.token for r in stream_generate(lm.model, lm.tokenizer, ids, max_tokens=16)] == expected
+            assert_same_as_whole(lm.model(ids[None]), whole(ids[None]), chunked=True)
             runs.append(lm.pool.counts)
         wait_for(lambda: stats(daemon)["daemon"]["loads_in_flight"] == 0, what="loads")
     assert runs[1].l2_hits > 0 and runs[1].l3_reads > 0
