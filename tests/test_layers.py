@@ -7,6 +7,7 @@ range is simply not a MoE layer); MoE layer 2 (decoder layer 3) is read from the
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from moe_l2.daemon.metrics import families
 from moe_l2.generator import make_model
 from moe_l2.layout import Geometry, segment_names
 from moe_l2.model import ModelFiles
-from moe_l2.plan import Memory, ModelSizes, plan
+from moe_l2.plan import DEFAULT_KV_BYTES, MEMORY_FILE_ENV, Memory, ModelSizes, os_headroom, plan
 
 from .conftest import assert_resident_exact, assert_same_as_whole, budget_for, segment_exists, stats, wait_for
 
@@ -72,6 +73,23 @@ def test_the_budget_per_served_layer_is_larger_with_auto_budgets_too(files):
     assert (every.l0_slots, every.l2_slots, served.l0_slots, served.l2_slots) == (8, 8, 8, 12)
     assert served.l2_budget == Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, 12,
                                                    len(SERVED)) <= every.l2_budget
+
+
+def test_budget_auto_and_moe_l2_plan_size_l2_for_the_served_layers(daemon_factory, files, tmp_path, monkeypatch,
+                                                                   capsys):
+    sizes = ModelSizes.of(files)
+    total = 16 << 30  # available: the OS, one process' weights, KV and 8 L0 slots, and 8 L2 slots in every layer
+    memory = Memory(total, os_headroom(total) + sizes.non_expert_bytes + DEFAULT_KV_BYTES + 8 * sizes.l0_slot_bytes
+                    + budget_for(files, 8))
+    (tmp_path / "memory.json").write_text(json.dumps({"total": memory.total, "available": memory.available}))
+    monkeypatch.setenv(MEMORY_FILE_ENV, str(tmp_path / "memory.json"))
+    expected = plan(memory, ModelSizes.of(files, len(SERVED)))
+    assert expected.l2_slots > plan(memory, sizes).l2_slots
+    daemon = daemon_factory([files.path], "auto", "--layers", "0-2")
+    assert stats(daemon)["models"][0]["slots_per_layer"] == expected.l2_slots
+    assert cli(["plan", "--model", str(files.path), "--layers", "0-2"]) == 0
+    assert (f"{expected.l2_slots} of 16 experts per layer of the 2 MoE layers in decoder layers 0-2 "
+            f"(moe-l2d --budget {expected.l2_budget} --layers 0-2)") in capsys.readouterr().out
 
 
 def test_tokens_match_the_whole_model_and_unserved_layers_come_from_the_file(daemon, files):
