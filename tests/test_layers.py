@@ -92,15 +92,15 @@ def test_budget_auto_and_moe_l2_plan_size_l2_for_the_served_layers(daemon_factor
             f"(moe-l2d --budget {expected.l2_budget} --layers 0-2)") in capsys.readouterr().out
 
 
-def test_tokens_match_the_whole_model_and_unserved_layers_come_from_the_file(daemon, files):
+def test_tokens_match_the_model_loaded_whole(daemon, files):
     whole, tokenizer = load(str(files.path))
-    ids = mx.array(tokenizer.encode(TEXT)[:40])
-    expected = [r.token for r in stream_generate(whole, tokenizer, ids, max_tokens=16)]
+    ids = mx.array(tokenizer.encode(TEXT)[:24])
+    expected = [r.token for r in stream_generate(whole, tokenizer, ids, max_tokens=8)]
     runs = []
     for _ in range(2):
         with StreamedLM(files.path, l0_slots=files.top_k + 1, socket=daemon.socket, client_wait_s=5) as lm:
             assert lm.client.attached and lm.client.attachment.layers == frozenset(SERVED)
-            assert [r.token for r in stream_generate(lm.model, lm.tokenizer, ids, max_tokens=16)] == expected
+            assert [r.token for r in stream_generate(lm.model, lm.tokenizer, ids, max_tokens=8)] == expected
             assert_same_as_whole(lm.model(ids[None]), whole(ids[None]), chunked=True)
             runs.append(lm.pool.counts)
         wait_for(lambda: stats(daemon)["daemon"]["loads_in_flight"] == 0, what="loads")
