@@ -261,7 +261,7 @@ def test_generate_reports_prefetch_in_its_summary(capsys, model_dir, whole):
     assert 0 <= p["precision"] <= 1 and 0 <= p["recall"] <= 1
     assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", TEXT, "--no-daemon", "--l0-slots", "5",
                         "--max-tokens", "6", "--prefetch", "router"]) == 0
-    assert "prefetch (router" in capsys.readouterr().out
+    assert "prefetch by router (the next layer's gate): guesses" in capsys.readouterr().out
 
 
 def test_router_prefetch_is_refused_where_no_router_is_found(model_dir, model_files):
@@ -271,7 +271,7 @@ def test_router_prefetch_is_refused_where_no_router_is_found(model_dir, model_fi
         assert NextLayer("auto", lm.pool, [None] * model_files.n_layers).predictor == "cooccurrence"
 
 
-def test_l2_client_sends_prefetch_increments(model_files, running_daemon):
+def test_l2_client_sends_prefetch_increments(model_files, running_daemon, capsys):
     client = L2Client(model_files, running_daemon.socket, wait_s=5)
     totals = {"issued": 0, "useful": 0, "wasted": 0, "guessed": 0, "picked": 0, "right": 0, "worker_us": 0,
               "wait_us": 0}
@@ -283,5 +283,8 @@ def test_l2_client_sends_prefetch_increments(model_files, running_daemon):
             wait_for(lambda: stats(running_daemon)["models"][0]["prefetch"]["issued"] == 3 * step,
                      what="prefetch counters")
         assert stats(running_daemon)["models"][0]["prefetch"]["right"] == 6
+        assert moe_l2_main(["stats", "--socket", running_daemon.socket]) == 0
+        assert "prefetch (clients): guesses 75.0% precise, 75.0% recall; 6 loaded ahead, 4 used" in \
+            capsys.readouterr().out
     finally:
         client.close()
