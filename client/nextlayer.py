@@ -70,7 +70,7 @@ class NextLayer:
 
     def describe(self) -> str:
         if self.predictor == "router":
-            return f"router ({self.routers[1][0].split('.')[-1]} of the next layer)"
+            return f"router (the next layer's {self.routers[1][0].split('.')[-1]})"
         return "cooccurrence (learned online)"
 
     def after(self, layer: int, x: mx.array, chosen: np.ndarray, keep=()) -> None:

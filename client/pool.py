@@ -11,27 +11,27 @@ one raises CorruptRecord instead of feeding a wrong weight to a forward pass); r
 checked by the daemon before it published them, and are checked again only with verify="all"
 (docs/architecture.md, "Integrity", has the measured cost).
 
-`prefetch(layer, guesses)` hands guesses for a layer to a background worker that loads the ones not in L0
-into rows no queued computation reads, and publishes them only when whole; `fetch` of that layer first waits
-for it (docs/architecture.md, "Next-layer prefetch").
+`prefetch(layer, guesses)` hands guesses for a layer to a background worker (client/prefetcher.py) that loads
+the ones not in L0 into rows no queued computation reads, and publishes them only when whole; `fetch` of that
+layer first waits for it (docs/architecture.md, "Next-layer prefetch").
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 from moe_l2 import _native
 from moe_l2.cache.policy import make_policy
-from moe_l2.cache.prefetch import prefetch_rates
 from moe_l2.model import ModelFiles
 from moe_l2.model.records import record_checksum
+
+from moe_l2.client.prefetcher import PrefetchCounts, Prefetcher
 
 log = logging.getLogger("moe-l2.client")
 
@@ -59,55 +59,6 @@ class TierCounts:
     def add(self, other: "TierCounts") -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-@dataclass
-class PrefetchCounts:
-    """What next-layer prefetch did: experts loaded ahead (`issued`), of which demanded before eviction
-    (`useful`) or evicted undemanded (`wasted`); the rest are still resident. Guesses are scored against the
-    next fetch of their layer (`guessed`, `picked`, `right`: precision and recall of the predictor)."""
-
-    requests: int = 0    # prefetch() calls
-    cancelled: int = 0   # of them dropped unstarted because their layer's fetch came first
-    guessed: int = 0
-    picked: int = 0
-    right: int = 0
-    issued: int = 0
-    useful: int = 0
-    wasted: int = 0
-    bytes_copied: int = 0  # from L2
-    bytes_read: int = 0    # from the model files
-    worker_s: float = 0.0  # the worker's time loading
-    wait_s: float = 0.0    # fetches waiting for a prefetch of their layer to finish (stall)
-    errors: int = 0        # prefetches that failed (the demand fetch reads those experts again)
-
-    def add(self, other: "PrefetchCounts") -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def minus(self, other: "PrefetchCounts") -> "PrefetchCounts":
-        return PrefetchCounts(**{n: getattr(self, n) - getattr(other, n) for n in self.__dataclass_fields__})
-
-    def as_dict(self) -> dict:
-        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out.update(prefetch_rates(self.wire()))
-        return out
-
-    def wire(self) -> dict[str, int]:
-        """The totals as a report carries them (protocol.PREFETCH_COUNTERS)."""
-        out = {name: getattr(self, name) for name in ("issued", "useful", "wasted", "guessed", "picked", "right")}
-        out["worker_us"] = round(self.worker_s * 1e6)
-        out["wait_us"] = round(self.wait_s * 1e6)
-        return out
-
-
-@dataclass
-class _Job:
-    layer: int
-    guesses: list[int]
-    keep: frozenset[int]
-    state: str = "queued"  # queued -> running -> done, or queued -> cancelled
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 class LayerPool:
@@ -280,15 +231,9 @@ class ExpertPool:
         self.load_through_s = load_through_s
         self.layers = [LayerPool(files, capacity, policy) for _ in range(files.n_layers)]
         self._counts = TierCounts()
-        self._prefetch = PrefetchCounts()
         self._counts_lock = threading.Lock()
         self._fds = files.open_fds(direct)
-        # Next-layer prefetch: one worker thread, started by the first prefetch(); jobs per layer.
-        self._jobs: dict[int, list[_Job]] = {}
-        self._jobs_lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
-        self._guesses: dict[int, list[int]] = {}
+        self._prefetcher = Prefetcher(self)
         if client is not None:
             client.count_prefetch(lambda: self.prefetch_counts.wire())
 
@@ -301,11 +246,7 @@ class ExpertPool:
     @property
     def prefetch_counts(self) -> PrefetchCounts:
         """What next-layer prefetch did so far (a copy)."""
-        with self._counts_lock:
-            out = replace(self._prefetch)
-        out.useful = sum(lp.prefetch_useful for lp in self.layers)
-        out.wasted = sum(lp.prefetch_wasted for lp in self.layers)
-        return out
+        return self._prefetcher.counts()
 
     def count_l0_hits(self, n: int) -> None:
         """Count L0 hits that the caller served without a fetch (it knew the experts resident)."""
@@ -345,14 +286,7 @@ class ExpertPool:
         for expert in batch:
             if not 0 <= expert < self.files.n_experts:
                 raise IndexError(f"expert {expert} out of range 0..{self.files.n_experts - 1}")
-        self.settle(layer)
-        with self._jobs_lock:
-            guesses = self._guesses.pop(layer, None)
-        if guesses is not None:
-            with self._counts_lock:
-                self._prefetch.guessed += len(guesses)
-                self._prefetch.picked += len(batch)
-                self._prefetch.right += len(batch.intersection(guesses))
+        self._prefetcher.before_fetch(layer, batch)
         counts = TierCounts()
         missing = sorted(e for e in batch if not lp.holds(e))
         counts.l0_hits = len(batch) - len(missing)
@@ -379,22 +313,26 @@ class ExpertPool:
             return self._await_l2(layer, lp, missing, rows, copied)
 
         through = self.load_through_s and self.client is not None and self.client.attached
-        copied = self._load(layer, lp, missing, rows, counts, load_through if through else None)
+        copied, loaded = self.load_rows(layer, missing, rows, load_through if through else None)
         lp.publish(missing, rows)
-        self._add_counts(counts)
+        loaded.l0_hits = counts.l0_hits
+        self._add_counts(loaded)
         if not any(reported):
             self._report(layer, missing, copied, picks)
-        return counts
+        return loaded
 
     def _add_counts(self, counts: TierCounts) -> None:
         with self._counts_lock:
             self._counts.add(counts)
 
-    def _load(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int], counts: TierCounts,
-              on_l2_miss=None) -> list[bool]:
-        """Fill the rows with the experts' records: L2 copies, the file for the rest, checked as configured.
-        Returns which came from L2 and sets `counts`; on failure the rows go back and nothing is published.
-        on_l2_miss(copied) -> copied: called when L2 lacked some (load-through), before the file is read."""
+    def load_rows(self, layer: int, experts: list[int], rows: list[int],
+                  on_l2_miss=None) -> tuple[list[bool], TierCounts]:
+        """Fill rows taken for the experts with their records: L2 copies, the file for the rest, checked as
+        configured; nothing is published. Returns which came from L2 and the counts; on failure the rows go
+        back. For `fetch` and the prefetch worker. on_l2_miss(copied) -> copied: called when L2 lacked some
+        (load-through), before the file is read."""
+        lp = self.layers[layer]
+        counts = TierCounts()
         try:
             start = time.perf_counter()
             copied = self._copy_from_l2(layer, lp, experts, rows)
@@ -417,95 +355,21 @@ class ExpertPool:
         counts.l3_reads = len(unread)
         counts.bytes_copied = counts.l2_hits * record
         counts.bytes_read = counts.l3_reads * record
-        return copied
+        return copied, counts
 
     def prefetch(self, layer: int, guesses, keep=()) -> None:
-        """Load the guessed experts of `layer` that are not in L0, in the background; returns at once.
-
-        The worker takes free rows, then evicts only experts that are neither pinned, nor guessed, nor in
-        `keep` (what a queued computation may still read; the caller knows: docs/architecture.md, "Next-layer
-        prefetch"), and publishes each batch only when every byte is in place. At most as many guesses are
-        loaded as such rows allow. The next `fetch` of the layer scores the guesses and waits for the load."""
-        guesses = [int(e) for e in dict.fromkeys(guesses)]
-        for expert in guesses:
-            if not 0 <= expert < self.files.n_experts:
-                raise IndexError(f"expert {expert} out of range 0..{self.files.n_experts - 1}")
-        job = _Job(layer, guesses, frozenset(int(e) for e in keep))
-        with self._jobs_lock:
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._work, name="moe-l2-prefetch", daemon=True)
-                self._worker.start()
-            self._jobs.setdefault(layer, []).append(job)
-            self._guesses[layer] = guesses
-        with self._counts_lock:
-            self._prefetch.requests += 1
-        self._queue.put(job)
+        """Load the guessed experts of `layer` that are not in L0, in the background; returns at once
+        (client.prefetcher.Prefetcher.prefetch has the rules). The next `fetch` of the layer waits for it."""
+        self._prefetcher.prefetch(layer, guesses, keep)
 
     def settle(self, layer: int) -> None:
-        """Cancel the layer's prefetches that have not started and wait for the one running, if any (the time
-        waited counts as `wait_s`: stall)."""
-        with self._jobs_lock:
-            jobs = self._jobs.pop(layer, [])
-            cancelled = 0
-            for job in jobs:
-                if job.state == "queued":
-                    job.state = "cancelled"
-                    cancelled += 1
-        if not jobs:
-            return
-        start = time.perf_counter()
-        for job in jobs:
-            if job.state != "cancelled":
-                job.done.wait()
-        with self._counts_lock:
-            self._prefetch.cancelled += cancelled
-            self._prefetch.wait_s += time.perf_counter() - start
+        """Cancel the layer's prefetches that have not started and wait for the one running, if any."""
+        self._prefetcher.settle(layer)
 
     def wait_prefetches(self, layer: int | None = None) -> None:
         """Wait until the prefetches issued so far for the layer (None: every layer) have landed, without
         cancelling any; for callers that know they have time to spare (a benchmark's compute, a test)."""
-        with self._jobs_lock:
-            jobs = [j for lay, js in self._jobs.items() if layer is None or lay == layer for j in js]
-        for job in jobs:
-            job.done.wait()
-
-    def _work(self) -> None:
-        """The prefetch worker: one job at a time, until close() sends None."""
-        while (job := self._queue.get()) is not None:
-            with self._jobs_lock:
-                if job.state == "cancelled":
-                    job.done.set()
-                    continue
-                job.state = "running"
-            try:
-                self._prefetch_job(job)
-            except Exception as exc:  # a wrong guess costs bandwidth, never the forward: fetch reads it again
-                log.warning("prefetch of MoE layer %d failed (%s); those experts are fetched on demand",
-                            job.layer, exc)
-                with self._counts_lock:
-                    self._prefetch.errors += 1
-            finally:
-                job.state = "done"
-                job.done.set()
-
-    def _prefetch_job(self, job: _Job) -> None:
-        lp = self.layers[job.layer]
-        start = time.perf_counter()
-        experts, rows = lp.spare_rows(job.guesses, set(job.guesses) | job.keep)
-        if not experts:
-            return
-        counts = TierCounts()
-        copied = self._load(job.layer, lp, experts, rows, counts)
-        lp.publish(experts, rows, prefetched=True)
-        with self._counts_lock:
-            self._prefetch.issued += len(experts)
-            self._prefetch.bytes_copied += counts.bytes_copied
-            self._prefetch.bytes_read += counts.bytes_read
-            self._prefetch.worker_s += time.perf_counter() - start
-        if self.client is not None:
-            # The daemon learns of the L2 lookups (and loads what it lacked); no routed picks: nothing was routed.
-            self.client.report(job.layer, [e for e, ok in zip(experts, copied) if ok],
-                               [e for e, ok in zip(experts, copied) if not ok], [])
+        self._prefetcher.wait(layer)
 
     def _report(self, layer: int, missing: list[int], copied: list[bool], picks: list[int]) -> bool:
         """Tell the daemon what L2 had and lacked (it loads what it lacked); False when there is no daemon."""
@@ -553,12 +417,7 @@ class ExpertPool:
             self.files.read_into_rows(self._fds, layer, targets, threads=self.read_threads)
 
     def close(self) -> None:
-        if self._worker is not None:
-            for layer in range(self.files.n_layers):
-                self.settle(layer)
-            self._queue.put(None)
-            self._worker.join()
-            self._worker = None
+        self._prefetcher.close()
         for fd in self._fds:
             os.close(fd)
         self._fds = []

@@ -175,11 +175,6 @@ class StreamedSwitch(nn.Module):
         pool = fw.pool
         lp = pool.layers[self.layer]
         top_k = indices.shape[-1]
-        if fw.next_layer is not None:
-            # A prefetch into this layer is done (or cancelled) before its bookkeeping is read; waiting is stall.
-            t0 = time.perf_counter()
-            pool.settle(self.layer)
-            stats.fetch_s += time.perf_counter() - t0
         if indices.size == top_k and lp.holds_all() and fw.recorder is None:
             # One token, every expert of the layer resident (so L0 holds them all and never refills a row):
             # nothing to fetch, so no sync. The router picks top_k distinct experts, all of them L0 hits.
@@ -189,6 +184,12 @@ class StreamedSwitch(nn.Module):
         t0 = time.perf_counter()
         chosen = np.asarray(indices)  # the one device-to-host sync of this layer
         stats.sync_s += time.perf_counter() - t0
+        if fw.next_layer is not None:
+            # A prefetch into this layer had the sync (the previous layer's compute) to land; it is done or
+            # cancelled before the layer's bookkeeping is read. Waiting for it is stall.
+            t0 = time.perf_counter()
+            pool.settle(self.layer)
+            stats.fetch_s += time.perf_counter() - t0
         if fw.recorder is not None:
             fw.recorder.record(self.layer, chosen.reshape(-1, top_k))
 

@@ -231,11 +231,13 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
     if prefetch:
         for name in prefetch:
             if name not in REPLAY_PREDICTORS:
-                raise ReplayError(f"unknown prefetch predictor {name!r}; choose from {', '.join(REPLAY_PREDICTORS)}")
+                raise ReplayError(f"unknown prefetch predictor {name!r}; "
+                                  f"choose from {', '.join(REPLAY_PREDICTORS)}")
         if traces.n_layers < 2:
             raise ReplayError("--prefetch needs a trace of at least two MoE layers")
         if not 0 <= prefetch_train < 1:
-            raise ReplayError(f"--prefetch-train is the share of sequences to learn from, in [0, 1); got {prefetch_train}")
+            raise ReplayError(f"--prefetch-train is the share of sequences to learn from, in [0, 1); "
+                              f"got {prefetch_train}")
         split = round(prefetch_train * len(sequences))
         if split >= len(sequences):
             raise ReplayError("--prefetch-train leaves no sequence to score on: lower it or give more sequences")

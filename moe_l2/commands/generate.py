@@ -123,7 +123,7 @@ def render(s: dict) -> str:
 
 
 def _render_prefetch(p: dict) -> str:
-    return (f"prefetch ({p['predictor']}): guesses {format_pct(p['precision'])} precise, "
+    return (f"prefetch by {p['predictor']}: guesses {format_pct(p['precision'])} precise, "
             f"{format_pct(p['recall'])} recall; {p['issued']} experts loaded ahead, {p['useful']} used, "
             f"{p['wasted']} evicted unused; stall hidden ~{1000 * p['hidden_s']:.1f} ms, "
             f"waited {1000 * p['wait_s']:.1f} ms")

@@ -1,0 +1,197 @@
+"""Prefetcher: the background worker behind ExpertPool.prefetch (docs/architecture.md, "Next-layer prefetch").
+
+One thread per pool, started by the first prefetch. A job loads a layer's guessed experts that are not in L0
+into rows that free up without evicting a pinned expert, another guess or one in `keep` (what queued work
+may still read), through the pool's own load path (L2 copy, else the model file, checked as configured),
+and publishes them only when every byte is in place. The pool's fetch of that layer first calls `settle`: a
+job not started yet is cancelled, a running one waited for (stall). No MLX call runs on the worker; the
+copies and reads release the GIL. Counts what it did in PrefetchCounts.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from moe_l2.cache.prefetch import prefetch_rates
+
+log = logging.getLogger("moe-l2.client")
+
+
+@dataclass
+class PrefetchCounts:
+    """What next-layer prefetch did: experts loaded ahead (`issued`), of which demanded before eviction
+    (`useful`) or evicted undemanded (`wasted`); the rest are still resident. Guesses are scored against the
+    next fetch of their layer (`guessed`, `picked`, `right`: precision and recall of the predictor)."""
+
+    requests: int = 0    # prefetch() calls
+    cancelled: int = 0   # of them dropped unstarted because their layer's fetch came first
+    guessed: int = 0
+    picked: int = 0
+    right: int = 0
+    issued: int = 0
+    useful: int = 0
+    wasted: int = 0
+    bytes_copied: int = 0  # from L2
+    bytes_read: int = 0    # from the model files
+    worker_s: float = 0.0  # the worker's time loading
+    wait_s: float = 0.0    # fetches waiting for a prefetch of their layer to finish (stall)
+    errors: int = 0        # prefetches that failed (the demand fetch reads those experts again)
+
+    def add(self, other: "PrefetchCounts") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def minus(self, other: "PrefetchCounts") -> "PrefetchCounts":
+        return PrefetchCounts(**{n: getattr(self, n) - getattr(other, n) for n in self.__dataclass_fields__})
+
+    def as_dict(self) -> dict:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out.update(prefetch_rates(self.wire()))
+        return out
+
+    def wire(self) -> dict[str, int]:
+        """The totals as a report carries them (protocol.PREFETCH_COUNTERS)."""
+        out = {name: getattr(self, name) for name in ("issued", "useful", "wasted", "guessed", "picked", "right")}
+        out["worker_us"] = round(self.worker_s * 1e6)
+        out["wait_us"] = round(self.wait_s * 1e6)
+        return out
+
+
+@dataclass
+class _Job:
+    layer: int
+    guesses: list[int]
+    keep: frozenset[int]
+    state: str = "queued"  # queued -> running -> done, or queued -> cancelled
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Prefetcher:
+    """The prefetch jobs of one ExpertPool and the thread that runs them."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self._counts = PrefetchCounts()
+        self._counts_lock = threading.Lock()
+        self._jobs: dict[int, list[_Job]] = {}
+        self._jobs_lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._guesses: dict[int, list[int]] = {}
+
+    def counts(self) -> PrefetchCounts:
+        """What prefetch did so far (a copy; useful and wasted are the layers' own counts)."""
+        with self._counts_lock:
+            out = replace(self._counts)
+        out.useful = sum(lp.prefetch_useful for lp in self.pool.layers)
+        out.wasted = sum(lp.prefetch_wasted for lp in self.pool.layers)
+        return out
+
+    def prefetch(self, layer: int, guesses, keep=()) -> None:
+        """Queue a job for the guessed experts of `layer`; returns at once. At most as many guesses are
+        loaded as rows allow that may be evicted (neither pinned, nor guessed, nor in `keep`)."""
+        n_experts = self.pool.files.n_experts
+        guesses = [int(e) for e in dict.fromkeys(guesses)]
+        for expert in guesses:
+            if not 0 <= expert < n_experts:
+                raise IndexError(f"expert {expert} out of range 0..{n_experts - 1}")
+        job = _Job(layer, guesses, frozenset(int(e) for e in keep))
+        with self._jobs_lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="moe-l2-prefetch", daemon=True)
+                self._worker.start()
+            self._jobs.setdefault(layer, []).append(job)
+            self._guesses[layer] = guesses
+        with self._counts_lock:
+            self._counts.requests += 1
+        self._queue.put(job)
+
+    def before_fetch(self, layer: int, batch: set[int]) -> None:
+        """Settle the layer, then score its latest guesses against the batch the forward demands."""
+        self.settle(layer)
+        with self._jobs_lock:
+            guesses = self._guesses.pop(layer, None)
+        if guesses is not None:
+            with self._counts_lock:
+                self._counts.guessed += len(guesses)
+                self._counts.picked += len(batch)
+                self._counts.right += len(batch.intersection(guesses))
+
+    def settle(self, layer: int) -> None:
+        """Cancel the layer's jobs that have not started and wait for the one running, if any (the time
+        waited counts as `wait_s`: stall)."""
+        with self._jobs_lock:
+            jobs = self._jobs.pop(layer, [])
+            cancelled = 0
+            for job in jobs:
+                if job.state == "queued":
+                    job.state = "cancelled"
+                    cancelled += 1
+        if not jobs:
+            return
+        start = time.perf_counter()
+        for job in jobs:
+            if job.state != "cancelled":
+                job.done.wait()
+        with self._counts_lock:
+            self._counts.cancelled += cancelled
+            self._counts.wait_s += time.perf_counter() - start
+
+    def wait(self, layer: int | None = None) -> None:
+        """Wait until the jobs queued so far for the layer (None: every layer) are done, cancelling none."""
+        with self._jobs_lock:
+            jobs = [j for lay, js in self._jobs.items() if layer is None or lay == layer for j in js]
+        for job in jobs:
+            job.done.wait()
+
+    def _work(self) -> None:
+        """One job at a time, until close() sends None."""
+        while (job := self._queue.get()) is not None:
+            with self._jobs_lock:
+                if job.state == "cancelled":
+                    job.done.set()
+                    continue
+                job.state = "running"
+            try:
+                self._run(job)
+            except Exception as exc:  # a wrong guess costs bandwidth, never the forward: fetch reads it again
+                log.warning("prefetch of MoE layer %d failed (%s); those experts are fetched on demand",
+                            job.layer, exc)
+                with self._counts_lock:
+                    self._counts.errors += 1
+            finally:
+                job.state = "done"
+                job.done.set()
+
+    def _run(self, job: _Job) -> None:
+        pool = self.pool
+        lp = pool.layers[job.layer]
+        start = time.perf_counter()
+        experts, rows = lp.spare_rows(job.guesses, set(job.guesses) | job.keep)
+        if not experts:
+            return
+        copied, counts = pool.load_rows(job.layer, experts, rows)
+        lp.publish(experts, rows, prefetched=True)
+        with self._counts_lock:
+            self._counts.issued += len(experts)
+            self._counts.bytes_copied += counts.bytes_copied
+            self._counts.bytes_read += counts.bytes_read
+            self._counts.worker_s += time.perf_counter() - start
+        if pool.client is not None:
+            # The daemon learns of the L2 lookups (and loads what it lacked); no routed picks: nothing was routed.
+            pool.client.report(job.layer, [e for e, ok in zip(experts, copied) if ok],
+                               [e for e, ok in zip(experts, copied) if not ok], [])
+
+    def close(self) -> None:
+        """Cancel what has not started, wait for the rest, stop the thread."""
+        if self._worker is None:
+            return
+        for layer in range(self.pool.files.n_layers):
+            self.settle(layer)
+        self._queue.put(None)
+        self._worker.join()
+        self._worker = None

@@ -1,0 +1,290 @@
+"""Next-layer prefetch: tokens stay the model loaded whole's, no row that queued work reads is ever written,
+the predictors find a known answer, replay scores them, and the counters add up."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+
+from moe_l2.cache.prefetch import CooccurrencePredictor, RepeatPredictor, Score, score_predictor
+from moe_l2.cache.replay import replay
+from moe_l2.cache.trace import TraceWriter, read_traces
+from moe_l2.cli import main as moe_l2_main
+from moe_l2.client.connection import L2Client
+from moe_l2.client.mlx_lm import StreamedLM
+from moe_l2.client.nextlayer import NextLayer
+from moe_l2.client.pool import ExpertPool
+
+from .conftest import assert_every_tier_exact, assert_resident_exact, budget_for, stats, wait_for
+
+TEXT = "The router picks a few experts per token, and the next layer's picks follow from this layer's. " * 3
+
+
+@pytest.fixture(scope="module")
+def whole(model_dir):
+    return load(str(model_dir))
+
+
+@pytest.fixture
+def landing(monkeypatch):
+    """Every prefetch lands before the forward goes on (a tiny model computes faster than a thread wakes):
+    the worker's writes then happen at every layer, which is what the tests are about."""
+    original = ExpertPool.prefetch
+
+    def prefetch_and_wait(pool, layer, guesses, keep=()):
+        original(pool, layer, guesses, keep)
+        pool.wait_prefetches(layer)
+
+    monkeypatch.setattr(ExpertPool, "prefetch", prefetch_and_wait)
+
+
+def greedy(model, tokenizer, n_prompt=40, max_tokens=12) -> list[int]:
+    ids = tokenizer.encode(TEXT)[:n_prompt]
+    # Prefill in steps of 8: mlx-lm drops each step's last-layer output unevaluated (the tail).
+    return [r.token for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
+                                             prefill_step_size=8)]
+
+
+def assert_counts_add_up(pool: ExpertPool) -> None:
+    c = pool.prefetch_counts
+    still = sum(len(lp.prefetched()) for lp in pool.layers)
+    assert c.issued == c.useful + c.wasted + still
+    assert c.right <= min(c.guessed, c.picked)
+
+
+@pytest.mark.parametrize("mode", ["router", "cooccurrence"])
+def test_tokens_are_the_whole_models_at_every_l0_size(model_dir, model_files, whole, landing, mode):
+    model, tokenizer = whole
+    expected = greedy(model, tokenizer)
+    for slots in (model_files.top_k, model_files.top_k + 2, model_files.n_experts):
+        with StreamedLM(model_dir, l0_slots=slots, daemon=False, prefetch=mode) as lm:
+            assert lm.next_layer.predictor == mode
+            assert greedy(lm.model, lm.tokenizer) == expected, slots
+            c = lm.pool.prefetch_counts
+            assert c.requests > 0 and c.guessed > 0
+            if slots < model_files.n_experts:
+                assert c.issued > 0 and c.bytes_read == c.issued * model_files.layout.nbytes
+            assert_counts_add_up(lm.pool)
+            for layer, lp in enumerate(lm.pool.layers):  # what the worker wrote is the file's bytes
+                assert_resident_exact(lm.pool, model_files, layer, lp.prefetched())
+
+
+def test_tokens_are_the_whole_models_when_prefetches_race_the_forward(model_dir, model_files, whole):
+    model, tokenizer = whole
+    expected = greedy(model, tokenizer)
+    with StreamedLM(model_dir, l0_slots=model_files.top_k + 1, daemon=False, prefetch="auto") as lm:
+        assert greedy(lm.model, lm.tokenizer) == expected  # whether a prefetch lands or is cancelled
+        assert lm.pool.prefetch_counts.requests > 0
+        assert_counts_add_up(lm.pool)
+
+
+def test_with_a_daemon_prefetch_copies_from_l2_and_stats_show_it(daemon_factory, model_dir, model_files, whole,
+                                                                 landing):
+    running_daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)))
+    assert_every_tier_exact(model_files, running_daemon)  # also leaves every expert loaded in L2
+    model, tokenizer = whole
+    expected = greedy(model, tokenizer)
+    with StreamedLM(model_dir, l0_slots=model_files.top_k + 1, socket=running_daemon.socket, client_wait_s=5,
+                    prefetch="cooccurrence") as lm:
+        assert lm.client.attached
+        assert greedy(lm.model, lm.tokenizer) == expected
+        c = lm.pool.prefetch_counts
+        assert c.issued > 0 and c.bytes_copied > 0
+        wire = c.wire()
+        wait_for(lambda: stats(running_daemon)["models"][0]["prefetch"] == wire, what="prefetch counters")
+
+
+def test_a_wrong_guess_never_overwrites_rows_that_queued_work_reads(model_files):
+    """The adversarial case at an L0 of exactly top_k rows: every row of the last layer is read by a lazy,
+    unevaluated computation (the tail); a prefetch of other experts with `keep` loads nothing, and the
+    computation later reads the file's bytes. Without `keep`, the same prefetch overwrites those rows: the
+    check would catch it. A lazy computation on layer l is never touched by a prefetch of layer l+1."""
+    k, last = model_files.top_k, model_files.n_layers - 1
+    pool = ExpertPool(model_files, capacity=k)
+    try:
+        tail = list(range(k))
+        wrong = list(range(k, 2 * k))
+        piece = model_files.layout.pieces[0]
+
+        def lazy_read(layer, experts):
+            return pool.arrays(layer)[piece.key][pool.table(layer)[mx.array(experts)]]
+
+        def truth(layer, experts):
+            rows = [np.frombuffer(model_files.read_record(layer, e)[piece.offset:piece.offset + piece.nbytes],
+                                  dtype=np.uint8) for e in experts]
+            return np.stack(rows)
+
+        def as_bytes(a):
+            return np.asarray(a).reshape(len(tail), -1).view(np.uint8)
+
+        pool.fetch(last, tail)
+        pool.fetch(last - 1, tail)
+        out_last, out_before = lazy_read(last, tail), lazy_read(last - 1, tail)
+        rows = mx.array(pool.layers[last].rows_for(tail))
+        control = pool.arrays(last)[piece.key][rows]  # queued like out_last, but its rows will not be kept
+        pool.prefetch(last, wrong, keep=tail)
+        pool.wait_prefetches()
+        assert pool.prefetch_counts.issued == 0
+        assert (as_bytes(out_last) == truth(last, tail)).all()
+        pool.prefetch(last, wrong)  # layer last-1's lazy read is pending: a prefetch of `last` may go ahead
+        pool.wait_prefetches()
+        assert pool.prefetch_counts.issued == k
+        assert (as_bytes(out_before) == truth(last - 1, tail)).all()
+        assert not (as_bytes(control) == truth(last, tail)).all()  # what `keep` prevented
+        assert not any(pool.layers[last].holds(e) for e in tail)
+        assert_resident_exact(pool, model_files, last, wrong)
+        pool.fetch(last, tail)  # demanded after all: the prefetched ones were wasted
+        assert pool.prefetch_counts.wasted == k and pool.prefetch_counts.useful == 0
+        assert_counts_add_up(pool)
+    finally:
+        pool.close()
+
+
+def test_the_streamed_tail_survives_a_wrong_prefetch(model_dir, model_files, landing, monkeypatch):
+    """The same at the model: a one-token forward leaves its last layer's output unevaluated, reading every
+    row of an L0 of top_k rows; the next forward prefetches wrong guesses into that layer. Evaluated after,
+    the tail equals the output of a pool that holds every expert."""
+    ids = mx.array([[5]]), mx.array([[9]])
+    with StreamedLM(model_dir, l0_slots=model_files.n_experts, daemon=False) as ref:
+        ref.model(ids[0], cache=make_prompt_cache(ref.model))
+        want = ref.switches[-1]._forward.tail
+        mx.eval(want)
+    with StreamedLM(model_dir, l0_slots=model_files.top_k, daemon=False, prefetch="cooccurrence") as lm:
+        forward = lm.switches[-1]._forward
+        tails = []
+
+        def wrong(self, layer, x, chosen):
+            # Guess the experts the unevaluated tail does not read (all of them, for the last layer).
+            guesses = [e for e in range(model_files.n_experts) if e not in forward.tail_experts]
+            tails.append(set(forward.tail_experts))
+            return guesses[:model_files.top_k]
+
+        monkeypatch.setattr(NextLayer, "guess", wrong)
+        cache = make_prompt_cache(lm.model)
+        lm.model(ids[0], cache=cache)
+        tail = forward.tail
+        lm.model(ids[1], cache=cache)
+        assert mx.array_equal(tail, want).item()
+        assert lm.pool.prefetch_counts.requests > 0
+
+
+def known_answer_trace(path, *, n_layers=4, n_experts=16, top_k=2, seqs=6, tokens=60, seed=0):
+    """Layer l+1's experts are a fixed function of layer l's: e -> (3e + 1) mod n."""
+    rng = random.Random(seed)
+    with TraceWriter(path, model="toy", n_layers=n_layers, n_experts=n_experts, top_k=top_k) as w:
+        for i in range(seqs):
+            w.begin(seq=f"s{i}", domain=None, prompt=None)
+            for _ in range(tokens):
+                layer = rng.sample(range(n_experts), top_k)
+                token = [layer]
+                for _ in range(n_layers - 1):
+                    layer = [(3 * e + 1) % n_experts for e in layer]
+                    token.append(layer)
+                w.add_token(token)
+            w.end()
+    return path
+
+
+def test_cooccurrence_precision_on_a_known_answer(tmp_path):
+    traces = read_traces([known_answer_trace(tmp_path / "f.jsonl")])
+    train, test = traces.sequences[:3], traces.sequences[3:]
+    frozen = CooccurrencePredictor.from_traces(train, traces.n_layers, traces.n_experts)
+    score = score_predictor(frozen, test, traces.top_k, learn=False)
+    assert score.precision == 1.0 and score.recall == 1.0
+    online = score_predictor(CooccurrencePredictor(traces.n_layers, traces.n_experts), traces.sequences, 2)
+    assert online.precision > 0.9  # wrong only while it has not yet seen an expert
+    # Routing with no relation between layers: no better than chance (2 of 16).
+    rng = random.Random(1)
+    for s in test:
+        s.experts = [[rng.sample(range(traces.n_experts), 2) for _ in range(traces.n_layers)] for _ in s.experts]
+    assert score_predictor(frozen, test, 2, learn=False).precision < 0.3
+    assert score_predictor(RepeatPredictor(traces.n_layers), test, 2).precision < 0.3
+
+
+def test_score_counts_precision_and_recall():
+    s = Score()
+    s.add([1, 2, 3], [2, 3])
+    s.add([4], [5, 6])
+    assert (s.guessed, s.picked, s.right) == (4, 4, 2)
+    assert s.precision == 0.5 and s.recall == 0.5
+
+
+def test_replay_prefetch_beats_demand_caching_on_a_known_answer(tmp_path, capsys):
+    path = known_answer_trace(tmp_path / "f.jsonl")
+    traces = read_traces([path])
+    r = replay(traces, slots=[4], compare=("lru",), prefetch=("cooccurrence", "repeat"), prefetch_train=0.5)
+    assert r["prefetch_trained_on"]["sequences"] == 3
+    scored = sum(s.n_tokens for s in traces.sequences[3:])  # interleave, seed 0: the same split as `replay`'s
+    assert r["tokens"] == scored
+    assert r["prefetch_scores"]["cooccurrence"]["precision"] == 1.0
+    entry = r["capacities"][0]
+    pf, demand = entry["prefetch"]["cooccurrence"], entry["policies"]
+    # Layers 1..3 are prefetched exactly; layer 0 is demand-cached as before.
+    assert pf["hit_rate"] > demand["min"]["hit_rate"]
+    assert pf["wasted"] == 0 and pf["useful"] == pf["prefetch_loads"]
+    assert pf["records_vs_demand"] == pytest.approx(pf["records_per_token"] / demand[r["policy"]]["records_per_token"])
+    # The command: a table, and the same numbers in JSON.
+    assert moe_l2_main(["replay", "--trace", str(path), "--slots", "4", "--prefetch", "cooccurrence",
+                        "--jobs", "1"]) == 0
+    assert "next-layer prefetch" in capsys.readouterr().out
+    assert moe_l2_main(["replay", "--trace", str(path), "--slots", "4", "--prefetch", "cooccurrence",
+                        "--jobs", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["capacities"][0]["prefetch"]["cooccurrence"]["hit_rate"] == pf["hit_rate"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--prefetch", "oracle"], "unknown prefetch predictor"),
+    (["--prefetch", "cooccurrence", "--prefetch-train", "1"], "prefetch-train"),
+    (["--prefetch", "cooccurrence", "--prefetch-k", "0"], "prefetch-k"),
+])
+def test_replay_prefetch_errors(tmp_path, capsys, args, words):
+    path = known_answer_trace(tmp_path / "f.jsonl", seqs=2, tokens=5)
+    assert moe_l2_main(["replay", "--trace", str(path), "--slots", "4", "--jobs", "1", *args]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_generate_reports_prefetch_in_its_summary(capsys, model_dir, whole):
+    model, tokenizer = whole
+    assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", TEXT, "--no-daemon", "--l0-slots", "5",
+                        "--max-tokens", "6", "--prefetch", "cooccurrence", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    p = s["prefetch"]
+    assert p["predictor"].startswith("cooccurrence") and p["guessed"] > 0
+    assert 0 <= p["precision"] <= 1 and 0 <= p["recall"] <= 1
+    assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", TEXT, "--no-daemon", "--l0-slots", "5",
+                        "--max-tokens", "6", "--prefetch", "router"]) == 0
+    assert "prefetch by router (the next layer's gate): guesses" in capsys.readouterr().out
+
+
+def test_router_prefetch_is_refused_where_no_router_is_found(model_dir, model_files):
+    with StreamedLM(model_dir, l0_slots=5, daemon=False) as lm:
+        with pytest.raises(ValueError, match="no router"):
+            NextLayer("router", lm.pool, [None] * model_files.n_layers)
+        assert NextLayer("auto", lm.pool, [None] * model_files.n_layers).predictor == "cooccurrence"
+
+
+def test_l2_client_sends_prefetch_increments(model_files, running_daemon, capsys):
+    client = L2Client(model_files, running_daemon.socket, wait_s=5)
+    totals = {"issued": 0, "useful": 0, "wasted": 0, "guessed": 0, "picked": 0, "right": 0, "worker_us": 0,
+              "wait_us": 0}
+    client.count_prefetch(lambda: dict(totals))
+    try:
+        for step in (1, 2):
+            totals.update(issued=3 * step, useful=2 * step, guessed=4 * step, picked=4 * step, right=3 * step)
+            client.report(0, [], [1], [1])
+            wait_for(lambda: stats(running_daemon)["models"][0]["prefetch"]["issued"] == 3 * step,
+                     what="prefetch counters")
+        assert stats(running_daemon)["models"][0]["prefetch"]["right"] == 6
+        assert moe_l2_main(["stats", "--socket", running_daemon.socket]) == 0
+        assert "prefetch (clients): guesses 75.0% precise, 75.0% recall; 6 loaded ahead, 4 used" in \
+            capsys.readouterr().out
+    finally:
+        client.close()
