@@ -13,6 +13,7 @@ import os
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generation_stream
 
 __all__ = ["RANK_PLACEHOLDER", "rank_socket", "share_text", "gather_json", "speaks_for_daemon"]
 
@@ -25,8 +26,17 @@ def rank_socket(address: str | None, group: mx.distributed.Group) -> str | None:
     return None if address is None else address.replace(RANK_PLACEHOLDER, str(group.rank()))
 
 
+def _settle() -> None:
+    """Wait for the work queued on mlx-lm's generation stream: its loop leaves the next token's forward in
+    flight, and under a pipeline that forward holds collectives; collectives must run in the same order on
+    every rank, so a collective of ours must not overtake it."""
+    mx.synchronize(generation_stream)
+    mx.synchronize(mx.default_stream(mx.cpu))
+
+
 def _bytes_from_rank0(group: mx.distributed.Group, data: bytes) -> bytes:
     """Rank 0's bytes on every rank (the others' `data` is ignored): a sum where only rank 0 adds anything."""
+    _settle()
     mine = data if group.rank() == 0 else b""
     size = mx.distributed.all_sum(mx.array([len(mine)], dtype=mx.int32), group=group, stream=mx.cpu)
     n = int(size.item())
@@ -44,6 +54,7 @@ def share_text(group: mx.distributed.Group, text: str | None) -> str | None:
 
 def gather_json(group: mx.distributed.Group, value) -> list:
     """Every rank's JSON-able `value`, in rank order, on every rank."""
+    _settle()
     data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
     sizes = mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32), group=group, stream=mx.cpu)
     sizes = [int(n) for n in sizes.tolist()]
@@ -57,6 +68,7 @@ def speaks_for_daemon(group: mx.distributed.Group, address: str | None) -> bool:
     """Whether this rank is the one that sends per-request messages (hints) to its daemon: the lowest rank of
     those on the same host with the same daemon address, so each daemon hears a request once
     (docs/distributed.md)."""
+    _settle()
     key = f"{os.uname().nodename}\0{address}".encode()
     digest = np.frombuffer(hashlib.sha1(key).digest(), dtype=np.uint8)
     keys = np.array(mx.distributed.all_gather(mx.array(digest)[None], group=group, stream=mx.cpu))
