@@ -1,0 +1,214 @@
+"""Pipeline-parallel streaming under mlx.distributed: two ranks on this host with `mlx.launch --backend ring`,
+each streaming its own stage's experts, checked against the model loaded whole in one process
+(docs/distributed.md)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import stream_generate
+
+from moe_l2.cache.profile import Profile
+from moe_l2.cache.trace import read_traces
+from moe_l2.client.generation import encode_prompt
+from moe_l2.client.mlx_lm import l0_slots_for
+from moe_l2.client.pool import ExpertPool
+from moe_l2.daemon.process import short_tempdir
+from moe_l2.generator import make_model
+from moe_l2.model import ModelFiles
+
+from .conftest import budget_for, stats, synthetic_trace, wait_for
+
+PROMPT = "what is the integral of this derivative"
+TOKENS = 16
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def pipelined_dir(tmp_path_factory) -> Path:
+    """qwen3_moe (mlx-lm pipelines it), 4 MoE layers x 16 experts: rank 1 runs layers 0-1, rank 0 layers 2-3."""
+    out = tmp_path_factory.mktemp("models") / "qwen3-4layers"
+    make_model(out, arch="qwen3_moe", layers=4, experts=16, top_k=4, hidden_size=128, moe_hidden_size=64,
+               bits=4, seed=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipelined_files(pipelined_dir) -> ModelFiles:
+    return ModelFiles.open(pipelined_dir)
+
+
+def whole_tokens(model_dir, max_tokens: int) -> list[int]:
+    """Greedy tokens of the model loaded whole by mlx-lm, in this process, for the prompt as generate sends it."""
+    whole, tokenizer = load(str(model_dir))
+    ids = encode_prompt(tokenizer, PROMPT)
+    return [r.token for r in stream_generate(whole, tokenizer, mx.array(ids), max_tokens=max_tokens)]
+
+
+@pytest.fixture(scope="module")
+def expected(pipelined_dir) -> list[int]:
+    return whole_tokens(pipelined_dir, TOKENS)
+
+
+@pytest.fixture
+def profile_path(tmp_path, pipelined_files) -> str:
+    """A profile over the model's shape, so that the daemons accept and count hints."""
+    files = pipelined_files
+    trace = synthetic_trace(tmp_path / "toy.jsonl.gz", n_layers=files.n_layers, n_experts=files.n_experts,
+                            top_k=files.top_k, seqs=6, tokens=40)
+    profile = Profile.from_traces(read_traces(trace))
+    profile.save(tmp_path / "toy.json")
+    return str(tmp_path / "toy.json")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(model_dir, *args: str, max_tokens: int = TOKENS) -> list[str]:
+    """`moe-l2 generate --json` on two local ranks over the ring backend."""
+    return [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+            str(BIN / "moe-l2"), "generate", "--model", str(model_dir), "--prompt", PROMPT,
+            "--max-tokens", str(max_tokens), "--l0-slots", "6", "--json", *args]
+
+
+def launch(model_dir, *args: str, max_tokens: int = TOKENS) -> dict:
+    done = subprocess.run(launch_command(model_dir, *args, max_tokens=max_tokens), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return one_summary(done.stdout)
+
+
+def one_summary(stdout: str) -> dict:
+    """Rank 0 alone prints: exactly one JSON line."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, stdout
+    return json.loads(lines[0])
+
+
+@pytest.fixture
+def rank_dirs():
+    """Runtime dirs base/0 and base/1, and the --socket that names each rank's daemon through {rank}."""
+    base = short_tempdir()
+    for rank in (0, 1):
+        (base / str(rank)).mkdir(mode=0o700)
+    yield base, f"ipc://{base}/{{rank}}/moe-l2d.sock"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_pool_for_a_stage_holds_only_its_layers(pipelined_files):
+    files = pipelined_files
+    pool = ExpertPool(files, capacity=4, layers=[3, 2])
+    try:
+        assert sorted(pool.layers) == [2, 3]
+        assert pool.nbytes == 2 * 4 * files.layout.nbytes
+        pool.fetch(3, [0, 1, 2, 3])
+        assert pool.layers[3].record(2) == files.read_record(3, 2)
+        with pytest.raises(KeyError):
+            pool.fetch(0, [0])
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="non-empty subset"):
+        ExpertPool(files, capacity=4, layers=[4])
+    # A budget buys slots over the stage's layers only: half the layers, twice the slots.
+    budget = 2 * files.n_layers * files.layout.nbytes * files.top_k
+    assert l0_slots_for(files, budget=str(budget), n_layers=files.n_layers // 2) == 4 * files.top_k
+    assert l0_slots_for(files, budget=str(budget)) == 2 * files.top_k
+
+
+@pytest.mark.slow
+def test_two_ranks_without_daemons_give_the_whole_models_tokens(pipelined_dir, pipelined_files, expected):
+    s = launch(pipelined_dir, "--no-daemon")
+    assert s["tokens"] == expected
+    assert [r["layers"] for r in s["ranks"]] == [[2, 3], [0, 1]]  # mlx-lm's split: rank 0 runs the last layers
+    for r in s["ranks"]:
+        assert r["daemon"] is None and r["l2_hits"] == 0 and r["l3_reads"] > 0
+        assert r["l0_bytes"] == 2 * 6 * pipelined_files.layout.nbytes  # L0 for its own two layers only
+    assert s["expert_lookups"] == sum(r["expert_lookups"] for r in s["ranks"])
+
+
+@pytest.mark.slow
+def test_two_ranks_each_with_its_own_daemon(daemon_factory, rank_dirs, pipelined_dir, pipelined_files, expected,
+                                            profile_path):
+    files = pipelined_files
+    base, address = rank_dirs
+    daemons = [daemon_factory([pipelined_dir], str(budget_for(files, files.n_experts)), "--profile", profile_path,
+                              runtime_dir=base / str(rank)) for rank in (0, 1)]
+    first = launch(pipelined_dir, "--socket", address)
+    assert first["tokens"] == expected
+    for rank, (r, daemon) in enumerate(zip(first["ranks"], daemons)):
+        assert r["daemon"]["attached"] and r["daemon"]["address"] == daemon.socket
+        # Each daemon hears one hint for the request, and only its rank's layers' experts.
+        wait_for(lambda: stats(daemon)["models"][0]["loads_in_flight"] == 0, what="demand loads")
+        m = stats(daemon)["models"][0]
+        assert m["hints"] == 1
+        own = set(r["layers"])
+        for layer, info in enumerate(m["layers"]):
+            picked = info["hits"] + info["misses"]
+            assert (picked > 0) == (layer in own), (rank, layer, info)
+    second = launch(pipelined_dir, "--socket", address)
+    assert second["tokens"] == expected
+    assert all(r["l2_hits"] > 0 for r in second["ranks"])  # the first run's misses were loaded into each L2
+    assert [stats(d)["models"][0]["hints"] for d in daemons] == [2, 2]
+
+
+@pytest.mark.slow
+def test_ranks_sharing_a_daemon_send_its_hint_once(daemon_factory, pipelined_dir, pipelined_files, expected,
+                                                   profile_path):
+    daemon = daemon_factory([pipelined_dir], str(budget_for(pipelined_files, 8)), "--profile", profile_path)
+    s = launch(pipelined_dir, "--socket", daemon.socket)
+    assert s["tokens"] == expected
+    assert all(r["daemon"]["attached"] for r in s["ranks"])
+    assert stats(daemon)["models"][0]["hints"] == 1
+
+
+@pytest.mark.slow
+def test_a_daemon_killed_mid_generation_leaves_its_rank_on_the_files(daemon_factory, rank_dirs, pipelined_dir,
+                                                                     pipelined_files):
+    files = pipelined_files
+    max_tokens = 96
+    want = whole_tokens(pipelined_dir, max_tokens)
+    base, address = rank_dirs
+    daemons = [daemon_factory([pipelined_dir], str(budget_for(files, 8)), runtime_dir=base / str(rank))
+               for rank in (0, 1)]
+    run = subprocess.Popen(launch_command(pipelined_dir, "--socket", address, max_tokens=max_tokens),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Rank 1's daemon dies once it has served that rank (it loaded what the rank missed).
+        wait_for(lambda: stats(daemons[1])["models"][0]["loads_done"] > 0, timeout=120, what="rank 1's loads")
+        daemons[1].kill9()
+        killed_at = time.monotonic()
+        stdout, stderr = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    assert run.returncode == 0, stderr
+    s = one_summary(stdout)
+    assert s["tokens"] == want
+    rank0, rank1 = s["ranks"]
+    assert rank0["daemon"]["attached"]
+    # The kill came before the end of the run: rank 1 noticed it and went on from the model files.
+    assert not rank1["daemon"]["attached"] and rank1["daemon"]["last_error"], (time.monotonic() - killed_at, rank1)
+    assert rank1["daemon"]["attaches"] == 1 and rank1["l3_reads"] > 0
+
+
+@pytest.mark.slow
+def test_a_model_without_pipeline_support_is_refused_clearly(tmp_path):
+    model = tmp_path / "mixtral"
+    make_model(model, arch="mixtral", layers=2, experts=8, top_k=2, hidden_size=128, moe_hidden_size=64,
+               bits=4, seed=1)
+    done = subprocess.run(launch_command(model, "--no-daemon"), capture_output=True, text=True, timeout=300)
+    assert "exited with code 2" in done.stderr  # mlx.launch itself exits 0 whatever its ranks do
+    assert "mlx-lm has no pipeline parallelism for the mixtral model" in done.stderr
+    assert "qwen3_moe" in done.stderr and "deepseek_v3" in done.stderr
+    assert "Traceback" not in done.stderr
