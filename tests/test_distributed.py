@@ -5,11 +5,14 @@ each streaming its own stage's experts, checked against the model loaded whole i
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
@@ -47,10 +50,11 @@ def pipelined_files(pipelined_dir) -> ModelFiles:
     return ModelFiles.open(pipelined_dir)
 
 
-def whole_tokens(model_dir, max_tokens: int) -> list[int]:
-    """Greedy tokens of the model loaded whole by mlx-lm, in this process, for the prompt as generate sends it."""
+def whole_tokens(model_dir, max_tokens: int, chat: bool = True) -> list[int]:
+    """Greedy tokens of the model loaded whole by mlx-lm, in this process, for the prompt as generate sends it
+    (chat) or as a completion request gives it (not chat)."""
     whole, tokenizer = load(str(model_dir))
-    ids = encode_prompt(tokenizer, PROMPT)
+    ids = encode_prompt(tokenizer, PROMPT, chat)
     return [r.token for r in stream_generate(whole, tokenizer, mx.array(ids), max_tokens=max_tokens)]
 
 
@@ -76,11 +80,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(model_dir, *args: str, max_tokens: int = TOKENS) -> list[str]:
-    """`moe-l2 generate --json` on two local ranks over the ring backend."""
+def on_two_ranks(*command: str) -> list[str]:
+    """`moe-l2 COMMAND` on two local ranks over the ring backend."""
     return [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
-            str(BIN / "moe-l2"), "generate", "--model", str(model_dir), "--prompt", PROMPT,
-            "--max-tokens", str(max_tokens), "--l0-slots", "6", "--json", *args]
+            str(BIN / "moe-l2"), *command]
+
+
+def launch_command(model_dir, *args: str, max_tokens: int = TOKENS) -> list[str]:
+    """`moe-l2 generate --json` on two ranks."""
+    return on_two_ranks("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", str(max_tokens),
+                        "--l0-slots", "6", "--json", *args)
 
 
 def launch(model_dir, *args: str, max_tokens: int = TOKENS) -> dict:
@@ -212,3 +221,48 @@ def test_a_model_without_pipeline_support_is_refused_clearly(tmp_path):
     assert "mlx-lm has no pipeline parallelism for the mixtral model" in done.stderr
     assert "qwen3_moe" in done.stderr and "deepseek_v3" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_serve_on_two_ranks_answers_with_the_whole_models_tokens(daemon_factory, rank_dirs, pipelined_dir,
+                                                                 pipelined_files, profile_path, tmp_path):
+    files = pipelined_files
+    want = whole_tokens(pipelined_dir, TOKENS, chat=False)
+    base, address = rank_dirs
+    daemons = [daemon_factory([pipelined_dir], str(budget_for(files, 8)), "--profile", profile_path,
+                              runtime_dir=base / str(rank)) for rank in (0, 1)]
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        # Its own session: mlx.launch does not pass SIGTERM on to its ranks, so the test signals them all.
+        server = subprocess.Popen(on_two_ranks("serve", "--model", str(pipelined_dir), "--port", str(port),
+                                               "--socket", address, "--l0-slots", "6", "--log-level", "WARNING"),
+                                  stdout=log, stderr=log, start_new_session=True)
+    try:
+        def healthy() -> bool:
+            assert server.poll() is None, log_path.read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(healthy, timeout=120, what="the server's /health")
+        body = json.dumps({"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0.0, "logprobs": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            answer = json.loads(r.read())
+        assert [entry["id"] for entry in answer["choices"][0]["logprobs"]["content"]] == want
+        # Rank 0 alone received the request; both daemons got its hint, once.
+        wait_for(lambda: [stats(d)["models"][0]["hints"] for d in daemons] == [1, 1], what="one hint per daemon")
+        assert all(stats(d)["daemon"]["clients"] == 1 for d in daemons)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    log = log_path.read_text()
+    assert "rank 1, MoE layers 0-1" in log and "rank 0, MoE layers 2-3" in log, log
