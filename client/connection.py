@@ -105,15 +105,24 @@ def check_segment(segment, trusted: frozenset[int]) -> None:
 
 @dataclass(frozen=True)
 class Attachment:
-    """The segments of one daemon epoch; replaced whole, never changed, so a copy in progress keeps its own."""
+    """The segments of one daemon epoch; replaced whole, never changed, so a copy in progress keeps its own.
+    `data` has one entry per MoE layer: None for a layer the daemon does not serve (moe-l2d --layers), which
+    the pool reads from the model files without asking the daemon."""
 
     epoch: int
     geometry: Geometry
     index: object
     data: tuple
+    layers: frozenset[int]  # the MoE layers the daemon serves
+
+    def serves(self, layer: int) -> bool:
+        return layer in self.layers
 
 
-def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] | None = None) -> Attachment:
+def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] | None = None,
+                    layers=None) -> Attachment:
+    """Map the daemon's segments read-only. `layers`: the served MoE layers the hello reply names (None: a
+    daemon from before --layers, which serves all); the index header must name the same."""
     trusted = trusted_uids() if trusted is None else trusted
     index = _native.Segment.open(index_name, readonly=True)
     check_segment(index, trusted)
@@ -124,12 +133,16 @@ def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] 
         raise ValueError(f"segment {index_name} has a record layout other than {files.path}'s")
     if index.nbytes < header.geometry.index_bytes:
         raise ValueError(f"segment {index_name} is smaller than its header says")
-    data = tuple(_native.Segment.open(name, readonly=True) for name in header.data_names)
-    for segment in data:
+    served = frozenset(layer for layer, name in enumerate(header.data_names) if name)
+    if served != frozenset(range(files.n_layers) if layers is None else layers):
+        raise ValueError(f"segment {index_name} has data segments for MoE layers {sorted(served)}, but the daemon's "
+                         f"hello names {'all' if layers is None else sorted(layers)}")
+    data = tuple(_native.Segment.open(name, readonly=True) if name else None for name in header.data_names)
+    for segment in filter(None, data):
         check_segment(segment, trusted)
         if segment.nbytes < header.geometry.data_bytes:
             raise ValueError(f"data segment {segment.name} is smaller than its header says")
-    return Attachment(header.epoch, header.geometry, index, data)
+    return Attachment(header.epoch, header.geometry, index, data, served)
 
 
 def request(address: str | None, message: protocol.Message, timeout_s: float = 5.0) -> protocol.Reply:
@@ -221,8 +234,12 @@ _WARNED_NO_DAEMON: set[str] = set()
 
 class L2Client:
     def __init__(self, files: ModelFiles, address: str | None = None, *, heartbeat_s: float = 1.0,
-                 timeout_s: float = 2.0, wait_s: float = 1.0, trusted: frozenset[int] | None = None):
+                 timeout_s: float = 2.0, wait_s: float = 1.0, trusted: frozenset[int] | None = None,
+                 layers=None):
+        """layers: the MoE layers this process streams (a pipeline rank's), which its hello tells the daemon for
+        `stats`; None: all."""
         self.files = files
+        self.layers = sorted(layers) if layers is not None else []
         self.address = address or default_socket()
         self.trusted = trusted_uids() if trusted is None else trusted
         self.curve = curve_keys(self.address)
@@ -259,7 +276,10 @@ class L2Client:
 
     def report(self, layer: int, hits: list[int], misses: list[int], routed: list[int]) -> None:
         """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
-        loads the misses and counts the picks)."""
+        loads the misses and counts the picks). Nothing for a layer the daemon does not serve."""
+        attachment = self.attachment
+        if attachment is not None and not attachment.serves(layer):
+            return
         self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS]))
         for start in range(MAX_REPORT_IDS, len(routed), MAX_REPORT_IDS):  # a long prefill, pick by pick
             self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS]))
@@ -285,7 +305,7 @@ class L2Client:
                     pending = None
                 if pending is None and now >= next_hello:
                     msg = protocol.Hello(id=next(self._ids), model=self.model_path,
-                                         fingerprint=self.files.fingerprint, client=self.name)
+                                         fingerprint=self.files.fingerprint, client=self.name, layers=self.layers)
                     if self._send(sock, msg):
                         pending = (msg.id, now)
                         next_hello = now + self.heartbeat_s
@@ -359,12 +379,17 @@ class L2Client:
         if not reply.ok:
             self._detach(f"{reply.ename}: {reply.evalue}")
             return
+        try:
+            hello = protocol.HelloReply.decode(reply)
+        except protocol.ProtocolError as exc:
+            self._detach(exc.evalue)
+            return
         current = self.attachment
-        if current is not None and current.epoch == reply.payload.get("epoch"):
+        if current is not None and current.epoch == hello.epoch:
             return
         try:
             check_socket(self.address, self.trusted)
-            self.attachment = attach_segments(self.files, reply.payload["index_segment"], self.trusted)
+            self.attachment = attach_segments(self.files, hello.index_segment, self.trusted, hello.layers)
         except UntrustedDaemon as exc:
             self._refuse_daemon(f"refusing moe-l2d on {self.address}: {exc}; reading experts from "
                                 f"{self.files.path}")

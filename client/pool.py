@@ -271,7 +271,7 @@ class ExpertPool:
 
     def _copy_from_l2(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int]) -> list[bool]:
         attachment = self.client.attachment if self.client is not None else None
-        if attachment is None:
+        if attachment is None or not attachment.serves(layer):  # an unserved layer: the file (moe-l2d --layers)
             return [False] * len(experts)
         g = attachment.geometry
         return _native.copy_records(attachment.index, attachment.data[layer], g.slot_of_offset(layer),

@@ -15,12 +15,13 @@ import zmq.auth
 from moe_l2 import __version__
 from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
 from moe_l2.model import DIRECT_IO
+from moe_l2.model.files import parse_ranges
 from moe_l2.model.location import PathError, expand_path, expand_socket, path_arg, socket_arg
 from moe_l2.runtime import SOCKET_NAME, runtime_dir
 from moe_l2.sizes import parse_size
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-MODEL_KEYS = ("path", "budget", "policy", "profile", "direct_io")
+MODEL_KEYS = ("path", "budget", "policy", "profile", "direct_io", "layers")
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,9 @@ class ModelConfig:
     policy: str = DEFAULT_POLICY
     profile: Path | None = None  # domain profile from `moe-l2 profile`, loaded and checked at start
     direct_io: bool | None = None  # None: the model's default (on for packed models)
+    # Decoder layer ranges (first, last) whose experts this daemon serves; None: all. Checked against the
+    # model at start (ModelFiles.moe_layers_in); docs/architecture.md, "Served layers".
+    layers: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "on, off")
     parser.add_argument("--profile", action="append", type=path_arg, default=[], metavar="FILE",
                         help="domain profile (moe-l2 profile) for hints; once for all models or once per --model")
+    parser.add_argument("--layers", action="append", default=[], metavar="A-B[,C-D...]",
+                        help="serve only these decoder layers (model.layers.N, as mlx-lm's pipeline numbers "
+                             "them), e.g. 0-23 for the ranks on this host; the budget covers only their MoE "
+                             "layers, clients read the others from the model files (default: all); once for all "
+                             "models or once per --model")
     parser.add_argument("--socket", type=socket_arg,
                         help="ZeroMQ address to bind (default ipc://RUNTIME_DIR/moe-l2d.sock)")
     parser.add_argument("--runtime-dir", type=path_arg, help="directory for the socket and lock file")
@@ -214,13 +223,18 @@ def _path(value, what: str, kind: str = "a file name") -> Path:
         raise ConfigError(f"{what}: {exc}") from None
 
 
-def _socket(value, what: str) -> str:
+def _parsed(value, what: str, example: str, parse, errors):
+    """parse(value) for a string value, any other or one that `parse` refuses a ConfigError naming `what`."""
     if not isinstance(value, str):
-        raise ConfigError(f"{what} must be a string such as ipc://PATH, got {value!r}")
+        raise ConfigError(f"{what} must be a string such as {example}, got {value!r}")
     try:
-        return expand_socket(value)
-    except PathError as exc:
+        return parse(value)
+    except errors as exc:
         raise ConfigError(f"{what}: {exc}") from None
+
+
+def _socket(value, what: str) -> str:
+    return _parsed(value, what, "ipc://PATH", expand_socket, PathError)
 
 
 def _direct_io(value, what: str) -> bool | None:
@@ -236,6 +250,19 @@ def _size(text, what: str) -> int | None:
         return parse_size(text)
     except ValueError as exc:
         raise ConfigError(f"{what}: {exc}") from None
+
+
+def _layers(text, what: str) -> tuple[tuple[int, int], ...] | None:
+    return None if text is None else _parsed(text, what, "\"0-23\" (decoder layer ranges)", parse_ranges, ValueError)
+
+
+def _per_model(values: list, flag: str, key: str, models: list) -> list:
+    """A flag given once for all --model or once per --model, as one value (or None) per --model."""
+    if values and not models:
+        raise ConfigError(f"{flag} needs a --model to apply to (in a config file, set {key} in [[model]])")
+    if values and len(values) not in (1, len(models)):
+        raise ConfigError(f"give {flag} once, or once per --model ({len(models)} models, {len(values)} {flag})")
+    return values * len(models) if len(values) == 1 else (values or [None] * len(models))
 
 
 def resolve(args: argparse.Namespace) -> DaemonConfig:
@@ -268,13 +295,10 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
         direct = _direct_io(entry["direct_io"], f"direct_io of {entry['path']}") if "direct_io" in entry \
             else default_direct
         models.append(ModelConfig(path, _size(entry["budget"], f"budget of {entry['path']}"),
-                                  entry.get("policy", default_policy), profile, direct))
-    profiles = getattr(args, "profile", None) or []
-    if profiles and not args.model:
-        raise ConfigError("--profile needs a --model to apply to (in a config file, set profile in [[model]])")
-    if profiles and len(profiles) not in (1, len(args.model)):
-        raise ConfigError(f"give --profile once, or once per --model ({len(args.model)} models, "
-                          f"{len(profiles)} profiles)")
+                                  entry.get("policy", default_policy), profile, direct,
+                                  _layers(entry.get("layers"), f"layers of {entry['path']}")))
+    profiles = _per_model(getattr(args, "profile", None) or [], "--profile", "profile", args.model)
+    layers = _per_model(getattr(args, "layers", None) or [], "--layers", "layers", args.model)
     if args.model:
         if not args.budget:
             raise ConfigError("--budget is required with --model, e.g. --budget 8GiB")
@@ -282,9 +306,9 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
             raise ConfigError(f"give --budget once, or once per --model ({len(args.model)} models, "
                               f"{len(args.budget)} budgets)")
         budgets = args.budget * len(args.model) if len(args.budget) == 1 else args.budget
-        profiles = profiles * len(args.model) if len(profiles) == 1 else (profiles or [None] * len(args.model))
-        models += [ModelConfig(path, _size(b, "--budget"), default_policy, profile, default_direct)
-                   for path, b, profile in zip(args.model, budgets, profiles)]
+        models += [ModelConfig(path, _size(b, "--budget"), default_policy, profile, default_direct,
+                               _layers(served, "--layers"))
+                   for path, b, profile, served in zip(args.model, budgets, profiles, layers)]
     elif args.budget:
         raise ConfigError("--budget needs a --model to apply to")
     if not models:

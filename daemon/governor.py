@@ -57,8 +57,8 @@ class Governor:
         self.total, self.available = memory.total, memory.available
         self.checks += 1
         for model in self.models:
-            per_slot = model.geometry.n_layers * model.geometry.slot_stride
-            capacity = min(s.capacity for s in model.stores)
+            per_slot = model.geometry.served * model.geometry.slot_stride  # served layers only
+            capacity = min(s.capacity for s in model.stores.values())
             if memory.available < self.floor:
                 step = max(1, -(-(self.floor - memory.available) // per_slot))
                 if model.resize(capacity - step):
@@ -66,15 +66,15 @@ class Governor:
                     log.warning("available memory %s is below the floor %s: %s now holds %d slots per layer "
                                 "(of %d); it grows back when memory recovers", format_size(memory.available),
                                 format_size(self.floor), model.files.path,
-                                min(s.capacity for s in model.stores), model.geometry.n_slots)
+                                min(s.capacity for s in model.stores.values()), model.geometry.n_slots)
             elif capacity < model.geometry.n_slots:
                 spare = memory.available - self.floor - self.floor // 4
                 step = spare // per_slot
-                if step > 0 and model.resize(max(s.capacity for s in model.stores) + step):
+                if step > 0 and model.resize(max(s.capacity for s in model.stores.values()) + step):
                     self.grows += 1
                     log.info("available memory %s: %s grows back to %d slots per layer (of %d)",
                              format_size(memory.available), model.files.path,
-                             min(s.capacity for s in model.stores), model.geometry.n_slots)
+                             min(s.capacity for s in model.stores.values()), model.geometry.n_slots)
 
     def figures(self) -> dict:
         return {"total": self.total, "available": self.available, "floor": self.floor, "checks": self.checks,

@@ -22,6 +22,7 @@ from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import build_in_child_processes
+from moe_l2.model.files import format_ranges
 from moe_l2.model.location import resolve_model
 from moe_l2.plan import ModelSizes, default_floor, plan, read_memory
 from moe_l2.sizes import format_size
@@ -247,25 +248,30 @@ class Daemon:
                     profile.check_model(files.n_layers, files.n_experts, str(m.path))
                 except ProfileError as exc:
                     raise StartupError(f"cannot serve {m.path}: {exc}") from None
-            budget = m.budget if m.budget is not None else self._auto_budget(files)
             try:
-                geometry = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, budget)
+                layers = None if m.layers is None else files.moe_layers_in(m.layers)
+            except ValueError as exc:
+                raise StartupError(f"cannot serve {m.path} with --layers: {exc}") from None
+            n_served = None if layers is None else len(layers)
+            budget = m.budget if m.budget is not None else self._auto_budget(files, n_served)
+            try:
+                geometry = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, budget, n_served)
             except BudgetError as exc:
                 raise StartupError(f"cannot serve {m.path}: {exc}") from None
-            opened.append((m, files, geometry, profile))
-        fingerprints = [files.fingerprint for _, files, _, _ in opened]
+            opened.append((m, files, geometry, profile, layers))
+        fingerprints = [files.fingerprint for _, files, *_ in opened]
         if len(set(fingerprints)) != len(fingerprints):
             raise StartupError("the same model is listed twice; serve each model once")
-        needed = sum(g.index_bytes + g.n_layers * g.data_bytes for _, _, g, _ in opened)
-        check_memory(needed)
-        for i, (m, files, geometry, profile) in enumerate(opened):
-            self.models.append(ServedModel(i, files, geometry, instance=self.config.socket, epoch=self.epoch,
-                                           policy=m.policy, shm_mode=self.config.shm_mode, profile=profile,
-                                           direct_io=m.direct_io))
+        check_memory(sum(g.shm_bytes for _, _, g, *_ in opened))
+        for i, (m, files, geometry, profile, layers) in enumerate(opened):
+            served = ServedModel(i, files, geometry, instance=self.config.socket, epoch=self.epoch, policy=m.policy,
+                                 shm_mode=self.config.shm_mode, profile=profile, direct_io=m.direct_io, layers=layers)
+            self.models.append(served)
             self._write_state()
             g = geometry
-            log.info("serving %s: %d layers x %d experts, %d slots per layer (%s of shared memory)",
-                     files.path, g.n_layers, g.n_experts, g.n_slots, format_size(self.models[-1].shm_bytes))
+            log.info("serving %s: decoder layers %s (%d of %d MoE layers) x %d experts, %d slots per layer (%s of "
+                     "shared memory)", files.path, format_ranges(served.layer_ids), g.served, g.n_layers, g.n_experts,
+                     g.n_slots, format_size(served.shm_bytes))
         self._warn_unlocked()
         self.loader = Loader(self.config.loader_threads)
         memory = read_memory()
@@ -289,9 +295,10 @@ class Daemon:
                                    "--metrics address") from None
             log.info("metrics on http://%s:%d/metrics", host, port)
 
-    def _auto_budget(self, files: ModelFiles) -> int:
-        """--budget auto: what moe-l2 plan prints for this machine's memory and --processes."""
-        p = plan(read_memory(), ModelSizes.of(files), self.config.processes)
+    def _auto_budget(self, files: ModelFiles, n_served: int | None) -> int:
+        """--budget auto: what moe-l2 plan prints for this machine's memory and --processes, for the served
+        layers' L2."""
+        p = plan(read_memory(), ModelSizes.of(files, n_served), self.config.processes)
         if not p.l2_slots:
             raise StartupError(f"cannot serve {files.path} with --budget auto: {format_size(p.available)} of "
                                f"available memory leaves nothing for L2 beside {p.processes} process(es) and "
@@ -304,7 +311,7 @@ class Daemon:
 
     def _warn_unlocked(self) -> None:
         """Once per start: segments whose pages could not be locked can be swapped or compressed."""
-        unlocked = [s for m in self.models for s in (m.index, *m.data) if not s.locked]
+        unlocked = [s for m in self.models for s in (m.index, *m.data.values()) if not s.locked]
         if unlocked:
             log.warning("%s (and %d more); %s of shared memory is committed but not locked, so the system may "
                         "swap or compress it: allow locking with LimitMEMLOCK=infinity (systemd) or a larger "

@@ -76,7 +76,8 @@ def families(payload: dict) -> list:
     gauges = {name: GaugeMetricFamily(f"moe_l2_{name}", doc, labels=["model"]) for name, doc in (
         ("slots_per_layer", "L2 slots per layer configured"),
         ("released_bytes", "shared memory the governor gave back to the system"),
-        ("model_loads_in_flight", "this model's loads in flight"))}
+        ("model_loads_in_flight", "this model's loads in flight"),
+        ("served_layers", "MoE layers this daemon serves (moe-l2d --layers; the others are read from the files)"))}
     layer_gauges = {name: GaugeMetricFamily(f"moe_l2_layer_{name}", doc, labels=["model", "layer"]) for name, doc
                     in (("slots", "L2 slots in use in the layer (fewer than configured while shrunk)"),
                         ("resident", "experts resident in the layer"), ("pinned", "experts pinned in the layer"))}
@@ -91,9 +92,10 @@ def families(payload: dict) -> list:
         for name, key in (("slots_per_layer", "slots_per_layer"), ("released_bytes", "released_bytes"),
                           ("model_loads_in_flight", "loads_in_flight")):
             gauges[name].add_metric(label, m[key])
-        for i, layer in enumerate(m["layers"]):
+        gauges["served_layers"].add_metric(label, len(m["layers"]))
+        for layer in m["layers"]:  # the served layers, by MoE layer number
             for name, family in (*layer_gauges.items(), *layer_counters.items()):
-                family.add_metric([m["path"], str(i)], layer[name])
+                family.add_metric([m["path"], str(layer["layer"])], layer[name])
     return out + [*counters.values(), *gauges.values(), *layer_gauges.values(), *layer_counters.values()]
 
 

@@ -18,6 +18,7 @@ from moe_l2.cache.profile import MIN_CONFIDENCE, Profile
 from moe_l2.cache.store import LayerStore, Reservation
 from moe_l2.layout import META_CHECKSUM, META_EXPERT, META_SEQ, Geometry, IndexHeader, segment_names
 from moe_l2.model import ModelFiles
+from moe_l2.model.files import format_ranges
 from moe_l2.protocol import ProtocolError
 
 from .stats import ModelCounters
@@ -28,15 +29,19 @@ log = logging.getLogger("moe-l2d.model")
 class ServedModel:
     def __init__(self, index: int, files: ModelFiles, geometry: Geometry, *, instance: str, epoch: int,
                  policy: str = DEFAULT_POLICY, shm_mode: int = 0o600, profile: Profile | None = None,
-                 direct_io: bool | None = None):
+                 direct_io: bool | None = None, layers: tuple[int, ...] | None = None):
+        """layers: the MoE layers served (moe-l2d --layers, as ModelFiles.moe_layers_in gives them); None:
+        all. The others have no data segment and no store: clients read them from the model files."""
         self.files = files
         self.geometry = geometry
         self.policy = policy
         self.lock = threading.Lock()
         self.counters = ModelCounters()
-        self.index_name, self.data_names = segment_names(instance, index, files.n_layers)
-        self.stores = [LayerStore(files.n_experts, geometry.n_slots, make_policy(policy, geometry.n_slots))
-                       for _ in range(files.n_layers)]
+        self.layers = tuple(range(files.n_layers)) if layers is None else tuple(layers)
+        self.index_name, names = segment_names(instance, index, files.n_layers, self.layers)
+        self.data_names = dict(zip(self.layers, names))
+        self.stores = {layer: LayerStore(files.n_experts, geometry.n_slots, make_policy(policy, geometry.n_slots))
+                       for layer in self.layers}
         if profile is not None:
             profile.check_model(files.n_layers, files.n_experts, str(files.path))
         self.profile = profile
@@ -50,7 +55,7 @@ class ServedModel:
         self.layer_misses = [0] * files.n_layers
         self.released: set[tuple[int, int]] = set()  # (layer, slot) whose pages the governor gave back
         self.index = None
-        self.data: list = []
+        self.data: dict = {}  # served layer -> its data segment
         self.fds = files.open_fds(direct_io)
         # Linux can tell whether the filesystem took O_DIRECT; macOS' F_NOCACHE cannot be queried.
         self.direct_io = ModelFiles.direct_fds(self.fds) if hasattr(os, "O_DIRECT") else \
@@ -63,12 +68,15 @@ class ServedModel:
 
     def _create_segments(self, epoch: int, shm_mode: int) -> None:
         g = self.geometry
-        for name in (self.index_name, *self.data_names):
+        for name in self.segment_names:
             if _native.Segment.unlink(name):
                 log.info("reclaimed shared-memory segment %s left by an earlier daemon", name)
         self.index = _native.Segment.create(self.index_name, g.index_bytes, shm_mode)
-        self.data = [_native.Segment.create(name, g.data_bytes, shm_mode) for name in self.data_names]
-        header = IndexHeader(g, epoch, self.files.fingerprint, self.index_name, tuple(self.data_names)).pack()
+        for layer, name in self.data_names.items():
+            self.data[layer] = _native.Segment.create(name, g.data_bytes, shm_mode)
+        # An unserved layer's name is empty: clients read it from the model files (moe_l2/layout.py).
+        names = tuple(self.data_names.get(layer, "") for layer in range(g.n_layers))
+        header = IndexHeader(g, epoch, self.files.fingerprint, self.index_name, names).pack()
         view = self.index.view()
         view[:len(header)] = header
         absent = b"\xff" * (4 * g.n_experts)
@@ -80,17 +88,37 @@ class ServedModel:
 
     @property
     def segment_names(self) -> list[str]:
-        return [self.index_name, *self.data_names]
+        return [self.index_name, *self.data_names.values()]
 
     @property
     def shm_bytes(self) -> int:
-        return self.geometry.index_bytes + self.geometry.n_layers * self.geometry.data_bytes
+        return self.geometry.shm_bytes
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The decoder layer numbers (model.layers.N) of the served MoE layers."""
+        return [self.files.layer_ids[layer] for layer in self.layers]
 
     def check_layer(self, layer: int) -> LayerStore:
         if not 0 <= layer < self.geometry.n_layers:
             raise IndexError(f"layer {layer} out of range: {self.files.path} has MoE layers "
                              f"0..{self.geometry.n_layers - 1}")
-        return self.stores[layer]
+        store = self.stores.get(layer)
+        if store is None:
+            raise IndexError(f"MoE layer {layer} (decoder layer {self.files.layer_ids[layer]}) of {self.files.path} "
+                             f"is not served by this daemon, which serves decoder layers "
+                             f"{format_ranges(self.layer_ids)} (moe-l2d --layers): its clients read it from the "
+                             "model files")
+        return store
+
+    def served_part(self, layers: dict) -> dict:
+        """The entries of {layer: ...} for served layers. A report names the layers its client read from the
+        model files too (a client of an earlier daemon, or one that reports everything): those are ignored,
+        not refused (docs/architecture.md, "Served layers"); a layer outside the model is still an error."""
+        for layer in layers:
+            if not 0 <= layer < self.geometry.n_layers:
+                self.check_layer(layer)
+        return {layer: value for layer, value in layers.items() if layer in self.stores}
 
     def check_ids(self, layers) -> None:
         """Raise IndexError for the first layer or expert of {layer: expert ids} out of range. Every request
@@ -138,7 +166,7 @@ class ServedModel:
         g = self.geometry
         taken, given = [], []
         with self.lock:
-            for layer, store in enumerate(self.stores):
+            for layer, store in self.stores.items():
                 for r in store.shrink(target):
                     self._begin_fill(layer, r)
                     self.index.seq_end_write(g.meta_offset(layer, r.slot) + META_SEQ)
@@ -249,7 +277,7 @@ class ServedModel:
                     "active_domain": self.active_domain, "pinned": {}, "loads": 0}
         pinned: dict[int, list[int]] = {}
         loads = 0
-        for layer, store in enumerate(self.stores):
+        for layer, store in self.stores.items():
             with self.lock:
                 pinned[layer] = store.apply_hint(self.profile, domain, layer)
             loads += self.demand(layer, pinned[layer], loader)
@@ -265,11 +293,12 @@ class ServedModel:
         """The stats of this model: hit rate, per-layer occupancy, pins, loads, bytes; with `routing`, the
         online routing counts too."""
         with self.lock:
-            layers = [{"resident": s.resident, "loading": s.loading, "pinned": s.pin_count, "slots": s.capacity,
-                       "hits": hits, "misses": misses,
+            layers = [{"layer": layer, "layer_id": self.files.layer_ids[layer], "resident": s.resident,
+                       "loading": s.loading, "pinned": s.pin_count, "slots": s.capacity,
+                       "hits": self.layer_hits[layer], "misses": self.layer_misses[layer],
                        "permanent_pins": s.pins("permanent"), "domain_pins": s.pins("domain"),
                        "experts": s.residents()}
-                      for s, hits, misses in zip(self.stores, self.layer_hits, self.layer_misses)]
+                      for layer, s in self.stores.items()]
             counts = {d: [list(row) for row in rows] for d, rows in self.routing.items()} if routing else None
         snap = self.counters.snapshot()
         snap.update({
@@ -277,6 +306,9 @@ class ServedModel:
             "fingerprint": self.files.fingerprint,
             "policy": self.policy,
             "n_layers": self.geometry.n_layers,
+            "served_layers": list(self.layers),  # MoE layer numbers; layer_ids: their decoder layers
+            "served_layer_ids": self.layer_ids,
+            "layer_ids": list(self.files.layer_ids),
             "n_experts": self.geometry.n_experts,
             "slots_per_layer": self.geometry.n_slots,
             "record_bytes": self.geometry.record_bytes,
@@ -303,9 +335,9 @@ class ServedModel:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
-        for segment in (self.index, *self.data):
+        for segment in (self.index, *self.data.values()):
             if segment is not None:
                 segment.close()
         for name in self.segment_names:
             _native.Segment.unlink(name)
-        self.index, self.data = None, []
+        self.index, self.data = None, {}

@@ -55,8 +55,10 @@ class Server:
         self.loader = loader
         self.epoch = epoch
         self.started = time.time()
-        # identity -> (client name, last hello), oldest hello first.
-        self.clients: collections.OrderedDict[bytes, tuple[str, float]] = collections.OrderedDict()
+        # identity -> (client name, last hello, its model, the MoE layers it streams or () when it did not
+        # say), oldest hello first.
+        self.clients: collections.OrderedDict[bytes, tuple[str, float, ServedModel, tuple[int, ...]]] = \
+            collections.OrderedDict()
         self.requests = 0
         self.errors = 0
         # Report pieces waiting to be folded in, and the requests their senders made after them (see _run_work);
@@ -216,15 +218,20 @@ class Server:
                     f"{protocol.quote(req.fingerprint)} vs {same_path[0]}): the model changed on disk; "
                     "restart moe-l2d")
             self._model(req.fingerprint)
+        for layer in req.layers:
+            if not 0 <= layer < model.geometry.n_layers:
+                raise ProtocolError("BadField", f"hello: the client streams MoE layer {layer}, but {model.files.path} "
+                                                f"has MoE layers 0..{model.geometry.n_layers - 1}")
         self.clients.pop(identity, None)
-        self.clients[identity] = (req.client, time.monotonic())
+        self.clients[identity] = (req.client, time.monotonic(), model, tuple(sorted(set(req.layers))))
         while len(self.clients) > MAX_CLIENTS:
             self.clients.popitem(last=False)
         g = model.geometry
-        return protocol.encode_reply(
-            req.id, epoch=self.epoch, fingerprint=model.files.fingerprint, index_segment=model.index_name,
-            data_segments=model.data_names, n_layers=g.n_layers, n_experts=g.n_experts, n_slots=g.n_slots,
-            record_bytes=g.record_bytes, slot_stride=g.slot_stride)
+        return protocol.HelloReply(
+            epoch=self.epoch, fingerprint=model.files.fingerprint, index_segment=model.index_name,
+            data_segments=list(model.data_names.values()), n_layers=g.n_layers, n_experts=g.n_experts,
+            n_slots=g.n_slots, record_bytes=g.record_bytes, slot_stride=g.slot_stride,
+            layers=list(model.layers)).encode(req.id)
 
     def _expire_clients(self) -> None:
         cutoff = time.monotonic() - CLIENT_TIMEOUT_S
@@ -236,13 +243,18 @@ class Server:
         return len(self.clients)
 
     def _client_list(self) -> list[dict]:
-        """Attached clients by name; L2Client names itself host:pid:nonce (client/connection.py)."""
+        """Attached clients by name (L2Client names itself host:pid:nonce, client/connection.py), their model,
+        and the decoder layers they said they stream (None: not said), with those the daemon does not serve
+        and they read from their files (docs/architecture.md, "Served layers")."""
         now = time.monotonic()
         out = []
-        for name, seen in self.clients.values():
+        for name, seen, model, layers in self.clients.values():
             parts = name.split(":")
             pid = int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
-            out.append({"name": name, "pid": pid, "idle_s": now - seen})
+            ids = model.files.layer_ids
+            out.append({"name": name, "pid": pid, "idle_s": now - seen, "model": str(model.files.path),
+                        "layer_ids": [ids[layer] for layer in layers] if layers else None,
+                        "unserved_layer_ids": [ids[layer] for layer in layers if layer not in model.layers]})
         return out
 
     def _stats(self, identity: bytes, req: protocol.Stats) -> bytes:
@@ -280,11 +292,13 @@ class Server:
 
     def _report(self, identity: bytes, req: protocol.Report) -> None:
         """Check the whole report now (a refusal reaches its sender before any later reply on the
-        connection), queue it in pieces folded in between other requests."""
+        connection), queue it in pieces folded in between other requests. Layers the daemon does not serve
+        are left out (their clients read them from the model files)."""
         model = self._model(req.model)
-        model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in req.layers.items()})
-        model.check_ids(req.routed)
-        pieces = report_pieces(req.layers, req.routed, REPORT_CHUNK_IDS)
+        layers, routed = model.served_part(req.layers), model.served_part(req.routed)
+        model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in layers.items()})
+        model.check_ids(routed)
+        pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS)
         cost = sum(piece[2] for piece in pieces)
         if self._pending_ids + cost > MAX_PENDING_IDS:
             raise ProtocolError("Busy", f"moe-l2d is {self._pending_ids} looked-up expert ids behind; this "

@@ -91,6 +91,6 @@ class ModelCounters:
 def shm_lock_figures(models) -> dict:
     """Bytes of the served models' shared memory whose pages are locked in memory, and the rest, which the
     system may swap or compress (docs/architecture.md, "Shared memory")."""
-    segments = [s for m in models for s in (m.index, *m.data) if s is not None]
+    segments = [s for m in models for s in (m.index, *m.data.values()) if s is not None]
     locked = sum(s.nbytes for s in segments if s.locked)
     return {"shm_locked_bytes": locked, "shm_unlocked_bytes": sum(s.nbytes for s in segments) - locked}

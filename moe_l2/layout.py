@@ -4,7 +4,9 @@ Index segment:
     header   magic, layout version, epoch, fingerprint, geometry, one data-segment name per layer
     slot_of  per layer, n_experts x int32: the slot holding the expert, -1 when absent
     meta     per layer, n_slots x SlotMeta {int32 expert, uint32 seq, uint32 checksum, uint32 reserved}
-Data segment, one per layer: n_slots x slot_stride bytes; slot s holds one record at s * slot_stride.
+Data segment, one per served layer: n_slots x slot_stride bytes; slot s holds one record at s * slot_stride.
+The index covers every MoE layer; a layer the daemon does not serve (moe-l2d --layers) has no data segment
+and an empty name in the header, and its slot_of stays -1 (docs/architecture.md, "Shared memory").
 
 ``seq`` is the slot's seqlock: odd while the daemon writes the slot, even when the record is whole.
 """
@@ -44,29 +46,39 @@ class BudgetError(ValueError):
 
 @dataclass(frozen=True)
 class Geometry:
-    """Sizes of one model's segments; everything else follows from these."""
+    """Sizes of one model's segments; everything else follows from these. `n_served` of the `n_layers` MoE
+    layers have a data segment (None: all of them); the budget pays for those only."""
 
     n_layers: int
     n_experts: int
     n_slots: int
     record_bytes: int
+    n_served: int | None = None
 
     @classmethod
-    def for_budget(cls, n_layers: int, n_experts: int, record_bytes: int, budget: int) -> "Geometry":
-        """As many slots per layer as the budget pays for (index segment included), at most one per expert."""
-        probe = cls(n_layers, n_experts, n_experts, record_bytes)
-        per_slot = n_layers * probe.slot_stride
+    def for_budget(cls, n_layers: int, n_experts: int, record_bytes: int, budget: int,
+                   n_served: int | None = None) -> "Geometry":
+        """As many slots per served layer as the budget pays for (index segment included), at most one per
+        expert."""
+        probe = cls(n_layers, n_experts, n_experts, record_bytes, n_served)
+        per_slot = probe.served * probe.slot_stride
         n_slots = min(n_experts, max(0, budget - probe.index_bytes) // per_slot)
         if n_slots < 1:
             raise BudgetError(f"budget {format_size(budget)} is too small: one slot per layer takes "
                               f"{format_size(per_slot + probe.index_bytes)}; raise --budget")
-        return cls(n_layers, n_experts, n_slots, record_bytes)
+        return cls(n_layers, n_experts, n_slots, record_bytes, n_served)
 
     @classmethod
-    def budget_for(cls, n_layers: int, n_experts: int, record_bytes: int, n_slots: int) -> int:
-        """The smallest budget that buys `n_slots` slots per layer: the inverse of `for_budget`."""
-        probe = cls(n_layers, n_experts, n_experts, record_bytes)  # for_budget's worst-case index
-        return probe.index_bytes + n_slots * n_layers * probe.slot_stride
+    def budget_for(cls, n_layers: int, n_experts: int, record_bytes: int, n_slots: int,
+                   n_served: int | None = None) -> int:
+        """The smallest budget that buys `n_slots` slots per served layer: the inverse of `for_budget`."""
+        probe = cls(n_layers, n_experts, n_experts, record_bytes, n_served)  # for_budget's worst-case index
+        return probe.index_bytes + n_slots * probe.served * probe.slot_stride
+
+    @property
+    def served(self) -> int:
+        """The MoE layers with a data segment."""
+        return self.n_layers if self.n_served is None else self.n_served
 
     @property
     def slot_stride(self) -> int:
@@ -94,6 +106,11 @@ class Geometry:
     def data_bytes(self) -> int:
         return self.n_slots * self.slot_stride
 
+    @property
+    def shm_bytes(self) -> int:
+        """The index segment and every served layer's data segment."""
+        return self.index_bytes + self.served * self.data_bytes
+
 
 @dataclass(frozen=True)
 class IndexHeader:
@@ -120,25 +137,27 @@ class IndexHeader:
         if version != LAYOUT_VERSION:
             raise ValueError(f"index segment layout version {version}, this client reads {LAYOUT_VERSION}: "
                              "install the same moe-l2 release for the client and the daemon")
-        geometry = Geometry(n_layers, n_experts, n_slots, record_bytes)
-        if geometry.slot_stride != slot_stride:
-            raise ValueError(f"index segment slot stride {slot_stride} differs from this machine's "
-                             f"{geometry.slot_stride} (page size {page_size()})")
         names = []
         for layer in range(n_layers):
             raw = bytes(buf[_HEADER.size + layer * NAME_BYTES:_HEADER.size + (layer + 1) * NAME_BYTES])
             names.append(raw.rstrip(b"\0").decode())
+        served = sum(map(bool, names))
+        geometry = Geometry(n_layers, n_experts, n_slots, record_bytes, None if served == n_layers else served)
+        if geometry.slot_stride != slot_stride:
+            raise ValueError(f"index segment slot stride {slot_stride} differs from this machine's "
+                             f"{geometry.slot_stride} (page size {page_size()})")
         return cls(geometry, epoch, fp.rstrip(b"\0").decode(), index_name.rstrip(b"\0").decode(), tuple(names))
 
 
-def segment_names(instance: str, model_index: int, n_layers: int) -> tuple[str, list[str]]:
-    """Deterministic names, so that a daemon restarted after a crash finds and unlinks what it left.
+def segment_names(instance: str, model_index: int, n_layers: int, served=None) -> tuple[str, list[str]]:
+    """Deterministic names, so that a daemon restarted after a crash finds and unlinks what it left: the
+    index, and a data segment per MoE layer of `served` (None: all `n_layers`), named by its layer.
 
     ``instance`` identifies the daemon (its socket address); names stay under macOS' 31-character limit.
     """
     tag = hashlib.sha1(instance.encode()).hexdigest()[:8]
     index = f"/ml2{tag}.{model_index}i"
-    data = [f"/ml2{tag}.{model_index}.{layer}" for layer in range(n_layers)]
+    data = [f"/ml2{tag}.{model_index}.{layer}" for layer in (range(n_layers) if served is None else served)]
     for name in (index, *data):
         if len(name) > MAX_SHM_NAME:
             raise ValueError(f"shared-memory name {name!r} exceeds {MAX_SHM_NAME} characters")

@@ -66,13 +66,15 @@ class ModelSizes:
     top_k: int
     record_bytes: int
     non_expert_bytes: int  # what every process loads besides the experts (attention, embeddings, ...)
+    l2_layers: int | None = None  # the MoE layers L2 serves (moe-l2d --layers); None: all
 
     @classmethod
-    def of(cls, files) -> "ModelSizes":
+    def of(cls, files, l2_layers: int | None = None) -> "ModelSizes":
         """From a `moe_l2.model.ModelFiles`: the non-expert bytes are the files' size less the records."""
         expert = files.n_layers * files.n_experts * files.layout.nbytes
         on_disk = sum(os.path.getsize(p) for p in files.files)
-        return cls(files.n_layers, files.n_experts, files.top_k, files.layout.nbytes, max(0, on_disk - expert))
+        return cls(files.n_layers, files.n_experts, files.top_k, files.layout.nbytes, max(0, on_disk - expert),
+                   l2_layers)
 
     @property
     def expert_bytes(self) -> int:
@@ -84,7 +86,7 @@ class ModelSizes:
         return self.n_layers * self.record_bytes
 
     def l2_budget_for(self, slots: int) -> int:
-        return Geometry.budget_for(self.n_layers, self.n_experts, self.record_bytes, slots)
+        return Geometry.budget_for(self.n_layers, self.n_experts, self.record_bytes, slots, self.l2_layers)
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,8 @@ def plan(memory: Memory, model: ModelSizes, processes: int = 1, *, kv_bytes: int
     rest = pool - processes * l0_slots * per_slot
     budget = min(rest, model.l2_budget_for(model.n_experts))
     try:
-        l2_slots = Geometry.for_budget(model.n_layers, model.n_experts, model.record_bytes, budget).n_slots
+        l2_slots = Geometry.for_budget(model.n_layers, model.n_experts, model.record_bytes, budget,
+                                       model.l2_layers).n_slots
     except BudgetError:
         l2_slots = 0
     return Plan(memory.total, memory.available, processes, headroom, model.non_expert_bytes, kv_bytes,

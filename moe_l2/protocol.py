@@ -84,6 +84,7 @@ _VALIDATORS = {
     ),
     dict: (lambda v: isinstance(v, dict), "a map"),
     "str_or_none": (lambda v: v is None or isinstance(v, str), "a string or nil"),
+    list: (lambda v: isinstance(v, list), "a list"),
 }
 
 
@@ -106,13 +107,17 @@ class Message:
 
 @dataclass(frozen=True)
 class Hello(Message):
-    """Attach to a model (also the client's heartbeat: the reply carries the daemon's epoch)."""
+    """Attach to a model (also the client's heartbeat: the reply carries the daemon's epoch). `layers`: the MoE
+    layers this client streams (a pipeline rank's), for `stats`; empty: not said (all). Optional, so a hello
+    from before the field decodes, and an older daemon ignores it."""
 
     TYPE = "hello"
-    FIELDS = {"model": str, "fingerprint": str, "client": str}
+    FIELDS = {"model": str, "fingerprint": str, "client": str, "layers": "int_list"}
+    OPTIONAL = ("layers",)
     model: str = ""
     fingerprint: str = ""
     client: str = ""
+    layers: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,48 @@ def encode_error(req_id: int, ename: str, evalue: str) -> bytes:
         {"v": PROTOCOL_VERSION, "id": req_id, "status": "error", "ename": ename, "evalue": evalue},
         use_bin_type=True,
     )
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    """What a hello's reply tells the client: the daemon's epoch and the model's segments and geometry, and the
+    MoE layers the daemon serves (moe-l2d --layers); the client reads the others from the model files.
+
+    `layers` is None for a daemon from before --layers, whose reply has no such field: it serves every layer.
+    The field is new in a reply that kept its old fields, so PROTOCOL_VERSION stays 1: an older client ignores
+    it (and then refuses a daemon that serves fewer layers at the index header, whose data segment names for
+    the unserved layers are empty, reading everything from its files), and a newer client reads an older
+    daemon's reply as serving all layers."""
+
+    epoch: int
+    fingerprint: str
+    index_segment: str
+    data_segments: list[str]
+    n_layers: int
+    n_experts: int
+    n_slots: int
+    record_bytes: int
+    slot_stride: int
+    layers: list[int] | None = None
+
+    def encode(self, req_id: int) -> bytes:
+        return encode_reply(req_id, **{name: getattr(self, name) for name in self.__dataclass_fields__})
+
+    @classmethod
+    def decode(cls, reply: Reply) -> "HelloReply":
+        """From a decoded ok reply; ProtocolError("MalformedFrame") when a field is missing or of a wrong type."""
+        values = {}
+        for name, ftype in (("epoch", int), ("fingerprint", str), ("index_segment", str), ("data_segments", list),
+                            ("n_layers", int), ("n_experts", int), ("n_slots", int), ("record_bytes", int),
+                            ("slot_stride", int), ("layers", "int_list")):
+            if name not in reply.payload and name == "layers":
+                continue
+            valid, what = _VALIDATORS[ftype]
+            value = reply.payload.get(name)
+            _check(valid(value), "MalformedFrame", f"the daemon's hello reply has {quote(value)} for {name!r}, "
+                                                   f"not {what}")
+            values[name] = value
+        return cls(**values)
 
 
 @dataclass(frozen=True)

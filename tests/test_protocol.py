@@ -10,6 +10,7 @@ from moe_l2.protocol import ProtocolError
 
 MESSAGES = [
     protocol.Hello(id=1, model="/models/q", fingerprint="ab" * 16, client="host:1:x"),
+    protocol.Hello(id=12, model="/models/q", fingerprint="ab" * 16, client="host:1:x", layers=[0, 1, 2]),
     protocol.Stats(id=2),
     protocol.Stats(id=10, routing=True),
     protocol.Hint(id=3, model="fp", text="integrate x^2 dx", domain=None),
@@ -36,6 +37,8 @@ def test_optional_fields_may_be_left_out():
     assert protocol.decode_request(_raw(v=1, type="stats", id=3)) == protocol.Stats(id=3)
     report = protocol.decode_request(_raw(v=1, type="report", id=4, model="m", layers={}))
     assert report == protocol.Report(id=4, model="m")
+    hello = protocol.decode_request(_raw(v=1, type="hello", id=5, model="m", fingerprint="f", client="c"))
+    assert hello == protocol.Hello(id=5, model="m", fingerprint="f", client="c", layers=[])
 
 
 def test_reply_round_trip():
@@ -43,6 +46,23 @@ def test_reply_round_trip():
     assert reply == protocol.Reply(id=42, ok=True, payload={"epoch": 7, "data_segments": ["/a", "/b"]})
     error = protocol.decode_reply(protocol.encode_error(43, "UnknownType", "no such type"))
     assert (error.id, error.ok, error.ename, error.evalue) == (43, False, "UnknownType", "no such type")
+
+
+def test_hello_reply_round_trip_with_and_without_served_layers():
+    fields = dict(epoch=7, fingerprint="ab" * 16, index_segment="/ml2x.0i", data_segments=["/ml2x.0.1"], n_layers=3,
+                  n_experts=16, n_slots=6, record_bytes=4096, slot_stride=4096)
+    served = protocol.HelloReply(**fields, layers=[1])
+    assert protocol.HelloReply.decode(protocol.decode_reply(served.encode(5))) == served
+    # A daemon from before --layers sends no layers: it serves them all.
+    old = protocol.decode_reply(protocol.encode_reply(5, **fields))
+    assert protocol.HelloReply.decode(old).layers is None
+    for name, value in (("layers", [1, "x"]), ("layers", None), ("epoch", "7")):
+        bad = protocol.decode_reply(protocol.encode_reply(5, **{**fields, "layers": [1], name: value}))
+        with pytest.raises(ProtocolError, match=name):
+            protocol.HelloReply.decode(bad)
+    del fields["index_segment"]
+    with pytest.raises(ProtocolError, match="index_segment"):
+        protocol.HelloReply.decode(protocol.decode_reply(protocol.encode_reply(5, **fields)))
 
 
 def _raw(**body):

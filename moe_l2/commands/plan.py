@@ -11,6 +11,7 @@ from moe_l2.cache.policy import DEFAULT_POLICY
 from moe_l2.cache.replay import ReplayError, replay
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.model import ModelFiles
+from moe_l2.model.files import parse_ranges
 from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.plan import DEFAULT_KV_BYTES, ModelSizes, Plan, PlanError, plan, read_memory
 from moe_l2.sizes import format_pct, format_size, parse_size
@@ -30,15 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", action="append", metavar="FILE", type=path_arg,
                         help="routing trace of this model (moe-l2 generate --trace); repeat to add files: "
                              "prints the expected hit rate of each tier at the planned sizes")
+    parser.add_argument("--layers", default=None, metavar="A-B[,C-D...]",
+                        help="plan L2 for a daemon that serves only these decoder layers (moe-l2d --layers): the "
+                             "same memory buys more slots per layer; a trace is replayed over those layers")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def tier_hit_rates(traces, p: Plan) -> dict:
-    """Replay the trace at L0's capacity with the pool's policy and at L2's with the daemon's. The tiers are
-    inclusive (L2 is at least as large as L0 and sees the same experts), so what L0 misses and L2 holds is
-    L2's share and the rest is read from disk; every process is assumed to route like the trace."""
+def tier_hit_rates(traces, p: Plan, layers: list[int] | None = None) -> dict:
+    """Replay the trace (over `layers`, None: all) at L0's capacity with the pool's policy and at L2's with the
+    daemon's. The tiers are inclusive (L2 is at least as large as L0 and sees the same experts), so what L0
+    misses and L2 holds is L2's share and the rest is read from disk; every process is assumed to route like
+    the trace."""
     slots = sorted({p.l0_slots, *([p.l2_slots] if p.l2_slots else [])})
-    result = replay(traces, slots=slots, policy=DEFAULT_POLICY, compare=(L0_POLICY,), belady=False)
+    result = replay(traces, slots=slots, policy=DEFAULT_POLICY, compare=(L0_POLICY,), belady=False, layers=layers)
     rate = {(c["slots"], name): r["hit_rate"] or 0.0 for c in result["capacities"]
             for name, r in c["policies"].items()}
     l0 = rate[(p.l0_slots, L0_POLICY)]
@@ -46,7 +51,7 @@ def tier_hit_rates(traces, p: Plan) -> dict:
     return {"tokens": result["tokens"], "l0": l0, "l2": max(0.0, l2_alone - l0), "l3": 1.0 - max(l0, l2_alone)}
 
 
-def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None) -> str:
+def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, layers: str | None = None) -> str:
     lines = [
         f"plan for {files.path}: {sizes.n_layers} layers x {sizes.n_experts} experts, top-{sizes.top_k}; experts "
         f"{format_size(sizes.expert_bytes)}, other weights {format_size(sizes.non_expert_bytes)}",
@@ -56,8 +61,10 @@ def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None) ->
         f"{format_size(p.kv_per_process)}, L0 {p.l0_slots} experts per layer ({format_size(p.l0_per_process)})",
     ]
     if p.l2_slots:
+        served = "" if layers is None else f" of the {sizes.l2_layers} MoE layers in decoder layers {layers}"
         lines.append(f"  L2, one shared copy     {format_size(p.l2_budget)}: {p.l2_slots} of {p.n_experts} experts "
-                     f"per layer (moe-l2d --budget {p.l2_budget})")
+                     f"per layer{served} (moe-l2d --budget {p.l2_budget}"
+                     + ("" if layers is None else f" --layers {layers}") + ")")
     else:
         lines.append("  L2                      nothing left: lower --processes or --kv, or free memory")
     if rates is not None:
@@ -69,7 +76,8 @@ def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None) ->
 def run(args: argparse.Namespace) -> int:
     try:
         files = ModelFiles.open(resolve_model(args.model))
-        sizes = ModelSizes.of(files)
+        served = None if args.layers is None else list(files.moe_layers_in(parse_ranges(args.layers)))
+        sizes = ModelSizes.of(files, None if served is None else len(served))
         kv = DEFAULT_KV_BYTES if args.kv is None else parse_size(args.kv)
         p = plan(read_memory(), sizes, args.processes, kv_bytes=kv)
         rates = None
@@ -79,12 +87,12 @@ def run(args: argparse.Namespace) -> int:
                 raise PlanError(f"the trace is of a model with {traces.n_layers} layers x {traces.n_experts} "
                                 f"experts, {args.model} has {sizes.n_layers} x {sizes.n_experts}: give a trace "
                                 "of this model")
-            rates = tier_hit_rates(traces, p)
+            rates = tier_hit_rates(traces, p, served)
     except (OSError, ValueError, TraceError, ReplayError) as exc:
         print(f"moe-l2 plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"plan": p.to_dict(), "hit_rates": rates}, indent=1))
     else:
-        print(render(files, sizes, p, rates))
+        print(render(files, sizes, p, rates, args.layers))
     return 0

@@ -10,6 +10,7 @@ import sys
 import time
 
 from moe_l2 import protocol
+from moe_l2.model.files import format_ranges
 from moe_l2.model.location import socket_arg
 from moe_l2.sizes import format_pct, format_size
 
@@ -51,6 +52,28 @@ def _corrupt(m: dict) -> str:
             f"{m['corrupt_loads']} loads: see the daemon log)")
 
 
+def served(m: dict) -> str:
+    """Which decoder layers the daemon serves of the model (moe-l2d --layers); a daemon from before --layers
+    serves all and does not say."""
+    ids = m.get("served_layer_ids")
+    if ids is None or len(ids) == m["n_layers"]:
+        return f"all {m['n_layers']} MoE layers served"
+    return f"serves decoder layers {format_ranges(ids)}: {len(ids)} of {m['n_layers']} MoE layers"
+
+
+def client_layers(c: dict) -> str:
+    """The decoder layers an attached client said it streams, and those of them it reads from its files."""
+    ids = c.get("layer_ids")
+    if not ids:
+        return "all layers"
+    unserved = c.get("unserved_layer_ids")
+    return f"layers {format_ranges(ids)}" + (f" ({format_ranges(unserved)} from its files)" if unserved else "")
+
+
+def _layer_number(i: int, layer: dict) -> int:
+    return layer.get("layer", i)  # the MoE layer; a daemon from before --layers lists every layer in order
+
+
 def render(reply: dict) -> str:
     d = reply["daemon"]
     lines = [
@@ -65,11 +88,12 @@ def render(reply: dict) -> str:
                      f"L2 shrunk {memory['shrinks']} times, grown back {memory['grows']} times")
     for m in reply["models"]:
         resident = sum(layer["resident"] for layer in m["layers"])
-        slots = m["slots_per_layer"] * m["n_layers"]
+        slots = m["slots_per_layer"] * len(m["layers"])
         lines += [
             "",
             f"model {m['path']}  ({m['n_layers']} layers x {m['n_experts']} experts, "
             f"{m['slots_per_layer']} slots per layer, policy {m['policy']})",
+            f"  {served(m)}",
             f"  hit rate {format_pct(m['hit_rate'])}  hits {m['hits']}  misses {m['misses']}  "
             f"served {format_size(m['bytes_served'])}  loaded {format_size(m['bytes_loaded'])}",
             f"  loads done {m['loads_done']}  errors {m['load_errors']}{_corrupt(m)}  in flight "
@@ -77,11 +101,16 @@ def render(reply: dict) -> str:
             f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])}"
             + (f", {format_size(m['released_bytes'])} given back to the system" if m.get("released_bytes") else "")
             + ")",
-            "  layer  resident  loading  pinned  slots in use",
+            "  layer  resident  loading  pinned  slots in use  decoder layer",
         ]
-        lines += [f"  {i:5d}  {layer['resident']:8d}  {layer['loading']:7d}  {layer['pinned']:6d}  "
-                  f"{layer.get('slots', m['slots_per_layer']):12d}"
+        lines += [f"  {_layer_number(i, layer):5d}  {layer['resident']:8d}  {layer['loading']:7d}  "
+                  f"{layer['pinned']:6d}  {layer.get('slots', m['slots_per_layer']):12d}  "
+                  f"{layer.get('layer_id', '-'):>13}"
                   for i, layer in enumerate(m["layers"])]
+    clients = d.get("client_list", [])
+    if clients:
+        lines += ["", "client  pid  idle  streams"]
+        lines += [f"{c['name']}  {c['pid'] or '-'}  {c['idle_s']:.0f} s  {client_layers(c)}" for c in clients]
     return "\n".join(lines)
 
 
@@ -98,11 +127,14 @@ def model_rates(prev: dict | None, cur: dict, seconds: float) -> dict:
     hits, misses = delta("hits"), delta("misses")
     picks = max(delta("picks") if "picks" in cur else 0, hits + misses)
     layers = []
+    earlier = {_layer_number(i, layer): layer for i, layer in enumerate(prev["layers"])} if prev is not None else {}
     for i, layer in enumerate(cur["layers"]):
-        before = prev["layers"][i] if prev is not None else None
+        number = _layer_number(i, layer)
+        before = earlier.get(number)
         h, m = delta("hits", before, layer), delta("misses", before, layer)
-        layers.append({"slots": layer["slots"], "resident": layer["resident"], "loading": layer["loading"],
-                       "pinned": layer["pinned"], "hit_rate": h / (h + m) if h + m else None})
+        layers.append({"layer": number, "slots": layer["slots"], "resident": layer["resident"],
+                       "loading": layer["loading"], "pinned": layer["pinned"],
+                       "hit_rate": h / (h + m) if h + m else None})
     return {"picks": picks, "l0": picks - hits - misses, "l2": hits, "l3": misses,
             "disk_bytes_per_s": delta("bytes_loaded") / seconds if seconds > 0 else 0.0, "layers": layers}
 
@@ -127,19 +159,20 @@ def watch_frame(prev: dict | None, cur: dict, seconds: float):
         r = model_rates(before, m, seconds)
         parts.append(Text(""))
         parts.append(Text(f"{m['path']}  {m['n_layers']} layers x {m['n_experts']} experts, "
-                          f"{m['slots_per_layer']} L2 slots per layer, policy {m['policy']}", style="bold"))
+                          f"{m['slots_per_layer']} L2 slots per layer, policy {m['policy']}; {served(m)}",
+                          style="bold"))
         parts.append(Text(f"{span}: L0 {_share(r['l0'], r['picks'])}  L2 {_share(r['l2'], r['picks'])}  disk "
                           f"{_share(r['l3'], r['picks'])} of {r['picks']} picks  |  disk "
                           f"{r['disk_bytes_per_s'] / 1e6:.1f} MB/s  |  loads in flight {m['loads_in_flight']}"))
         table = Table("layer", "slots", "resident", "loading", "pinned", "L2 hit rate", box=None, padding=(0, 2))
-        for n, layer in enumerate(r["layers"]):
-            table.add_row(str(n), str(layer["slots"]), str(layer["resident"]), str(layer["loading"]),
+        for layer in r["layers"]:
+            table.add_row(str(layer["layer"]), str(layer["slots"]), str(layer["resident"]), str(layer["loading"]),
                           str(layer["pinned"]), format_pct(layer["hit_rate"]))
         parts.append(table)
-    clients = Table("client", "pid", "idle", title=f"{d['clients']} client(s) attached", title_justify="left",
-                    box=None, padding=(0, 2))
+    clients = Table("client", "pid", "idle", "streams", title=f"{d['clients']} client(s) attached",
+                    title_justify="left", box=None, padding=(0, 2))
     for c in d.get("client_list", []):
-        clients.add_row(c["name"], str(c["pid"] or "-"), f"{c['idle_s']:.0f} s")
+        clients.add_row(c["name"], str(c["pid"] or "-"), f"{c['idle_s']:.0f} s", client_layers(c))
     parts += [Text(""), clients]
     return Group(*parts)
 

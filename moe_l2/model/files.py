@@ -43,6 +43,35 @@ def _with_real_paths(fingerprint: str, files) -> str:
     return h.hexdigest()[:32]
 
 
+def parse_ranges(text: str) -> tuple[tuple[int, int], ...]:
+    """"A-B[,C-D...]" (or a single "N") as (first, last) pairs of decoder layer numbers, inclusive."""
+    ranges = []
+    for part in str(text).split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"layers {text!r} must be decoder layer ranges such as 0-23 or 0-11,24-35")
+        first, last = int(first), int(last if dash else first)
+        if last < first:
+            raise ValueError(f"layers {text!r}: the range {first}-{last} is empty; write it first-last")
+        ranges.append((first, last))
+    return tuple(ranges)
+
+
+def format_ranges(ids) -> str:
+    """Sorted layer numbers as ranges, e.g. [1, 2, 3, 5] -> "1-3,5" (what --layers takes)."""
+    ranges: list[list[int]] = []
+    for i in sorted(ids):
+        if ranges and ranges[-1][1] == i - 1:
+            ranges[-1][1] = i
+        else:
+            ranges.append([i, i])
+    return format_ranges_of(ranges)
+
+
+def format_ranges_of(ranges) -> str:
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
+
+
 class ModelFiles:
     """A MoE model's files, config, MoE layers and expert records (safetensors, packed or GGUF).
 
@@ -143,6 +172,28 @@ class ModelFiles:
         if checksum != expected:
             raise CorruptRecord(self.path, layer, expert, self.record_files(layer, expert), expected, checksum,
                                 source)
+
+    # -- decoder layers (moe-l2d --layers) ----------------------------------------------------------
+
+    @property
+    def decoder_layers(self) -> int:
+        """The model's decoder layers, MoE or dense, as mlx-lm's pipeline numbers them (model.layers.N)."""
+        count = self.config.get("num_hidden_layers") or self.config.get(f"{self.model_type}.block_count")
+        return int(count) if count else self.layer_ids[-1] + 1
+
+    def moe_layers_in(self, ranges) -> tuple[int, ...]:
+        """The MoE layer numbers of the decoder layers in `ranges` ((first, last) pairs, inclusive); dense
+        layers in a range are skipped. A range past the model's decoder layers, or ranges without any MoE
+        layer, raise ValueError naming the model's MoE layers."""
+        moe = f"its MoE layers are decoder layers {format_ranges(self.layer_ids)}"
+        for first, last in ranges:
+            if last >= self.decoder_layers:
+                raise ValueError(f"layers {first}-{last}: {self.path} has decoder layers 0-{self.decoder_layers - 1}"
+                                 f"; {moe}")
+        served = tuple(i for i, lid in enumerate(self.layer_ids) if any(a <= lid <= b for a, b in ranges))
+        if not served:
+            raise ValueError(f"layers {format_ranges_of(ranges)} hold no MoE layer of {self.path}: {moe}")
+        return served
 
     # -- reading records the fast way (daemon loader, client pool) ---------------------------------
 
