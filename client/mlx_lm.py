@@ -210,7 +210,9 @@ class StreamedLM:
         self.stats = StreamStats()
         self.model, self.config, layers = load_model(path, self.files, model_config=model_config, group=group)
         self.recorder = RoutingRecorder(self.files.n_layers) if record else None
-        self.client = L2Client(self.files, socket, wait_s=client_wait_s) if daemon else None
+        # A pipeline stage tells its daemon which layers it streams (moe-l2d --layers serves a host's stages).
+        stage = layers if len(layers) < self.files.n_layers else None
+        self.client = L2Client(self.files, socket, wait_s=client_wait_s, layers=stage) if daemon else None
         try:
             self.pool = ExpertPool(self.files, l0_slots_for(self.files, l0_slots, l0_budget, len(layers)),
                                    self.client, policy=policy, direct=direct, verify=verify, layers=layers)
