@@ -176,11 +176,11 @@ def main(argv=None) -> int:
         for tier in ("warm L2", "files"):
             one, two = (split(results[tier, n], args.tokens) for n in (1, 2))
             same = results[tier, 1][0]["tokens"] == results[tier, 2][0]["tokens"]
-            rss_one = results[tier, 1][0]["peak_rss"]
-            rss_two = max(r["peak_rss"] for r in results[tier, 2])
+            peak = {k: max(r[k] for r in results[tier, 2]) / results[tier, 1][0][k] for k in ("peak_rss", "peak_mlx")}
             print(f"{tier}: 2 ranks / 1 rank: total {two['total'] / one['total']:.2f}x, compute "
                   f"{two['compute'] / one['compute']:.2f}x, stall {two['stall'] / max(one['stall'], 1e-9):.2f}x; "
-                  f"largest rank's peak RSS {rss_two / rss_one:.2f}x; same tokens: {'yes' if same else 'NO'}")
+                  f"largest rank's peak RSS {peak['peak_rss']:.2f}x, MLX {peak['peak_mlx']:.2f}x; "
+                  f"same tokens: {'yes' if same else 'NO'}")
     return 0
 
 

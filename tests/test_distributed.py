@@ -27,30 +27,16 @@ from moe_l2.client.mlx_lm import l0_slots_for
 from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.process import short_tempdir
 from moe_l2.generator import make_model
-from moe_l2.model import ModelFiles
 
 from .conftest import budget_for, stats, synthetic_trace, wait_for
 
 PROMPT = "what is the integral of this derivative"
 TOKENS = 16
 BIN = Path(sys.executable).parent
-# mlx-lm's split of the 4 decoder layers over two ranks: rank 0 runs the last ones. Each rank's daemon serves
-# its rank's layers (moe-l2d --layers).
-RANK_LAYERS = ("2-3", "0-1")
-
-
-@pytest.fixture(scope="module")
-def pipelined_dir(tmp_path_factory) -> Path:
-    """qwen3_moe (mlx-lm pipelines it), 4 MoE layers x 16 experts: rank 1 runs layers 0-1, rank 0 layers 2-3."""
-    out = tmp_path_factory.mktemp("models") / "qwen3-4layers"
-    make_model(out, arch="qwen3_moe", layers=4, experts=16, top_k=4, hidden_size=128, moe_hidden_size=64,
-               bits=4, seed=3)
-    return out
-
-
-@pytest.fixture(scope="module")
-def pipelined_files(pipelined_dir) -> ModelFiles:
-    return ModelFiles.open(pipelined_dir)
+# The subject is conftest's model_dir: qwen3_moe (mlx-lm pipelines it) with 3 MoE layers. mlx-lm's split over
+# two ranks gives the extra layer to the low rank and the last layers to rank 0: rank 0 runs 1-2, rank 1 runs 0.
+# Each rank's daemon serves its rank's layers (moe-l2d --layers).
+RANK_LAYERS = ("1-2", "0-0")
 
 
 def whole_tokens(model_dir, max_tokens: int, chat: bool = True) -> list[int]:
@@ -62,14 +48,14 @@ def whole_tokens(model_dir, max_tokens: int, chat: bool = True) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def expected(pipelined_dir) -> list[int]:
-    return whole_tokens(pipelined_dir, TOKENS)
+def expected(model_dir) -> list[int]:
+    return whole_tokens(model_dir, TOKENS)
 
 
 @pytest.fixture
-def profile_path(tmp_path, pipelined_files) -> str:
+def profile_path(tmp_path, model_files) -> str:
     """A profile over the model's shape, so that the daemons accept and count hints."""
-    files = pipelined_files
+    files = model_files
     trace = synthetic_trace(tmp_path / "toy.jsonl.gz", n_layers=files.n_layers, n_experts=files.n_experts,
                             top_k=files.top_k, seqs=6, tokens=40)
     profile = Profile.from_traces(read_traces(trace))
@@ -119,45 +105,45 @@ def rank_dirs():
     shutil.rmtree(base, ignore_errors=True)
 
 
-def test_a_pool_for_a_stage_holds_only_its_layers(pipelined_files):
-    files = pipelined_files
-    pool = ExpertPool(files, capacity=4, layers=[3, 2])
+def test_a_pool_for_a_stage_holds_only_its_layers(model_files):
+    files = model_files
+    pool = ExpertPool(files, capacity=4, layers=[2, 1])
     try:
-        assert sorted(pool.layers) == [2, 3]
+        assert sorted(pool.layers) == [1, 2]
         assert pool.nbytes == 2 * 4 * files.layout.nbytes
-        pool.fetch(3, [0, 1, 2, 3])
-        assert pool.layers[3].record(2) == files.read_record(3, 2)
+        pool.fetch(2, [0, 1, 2, 3])
+        assert pool.layers[2].record(2) == files.read_record(2, 2)
         with pytest.raises(KeyError):
             pool.fetch(0, [0])
     finally:
         pool.close()
     with pytest.raises(ValueError, match="non-empty subset"):
-        ExpertPool(files, capacity=4, layers=[4])
-    # A budget buys slots over the stage's layers only: half the layers, twice the slots.
-    budget = 2 * files.n_layers * files.layout.nbytes * files.top_k
-    assert l0_slots_for(files, budget=str(budget), n_layers=files.n_layers // 2) == 4 * files.top_k
-    assert l0_slots_for(files, budget=str(budget)) == 2 * files.top_k
+        ExpertPool(files, capacity=4, layers=[3])
+    # A budget buys slots over the stage's layers only: a third of the layers, three times the slots.
+    budget = files.n_layers * files.layout.nbytes * files.top_k
+    assert l0_slots_for(files, budget=str(budget), n_layers=1) == 3 * files.top_k
+    assert l0_slots_for(files, budget=str(budget)) == files.top_k
 
 
 @pytest.mark.slow
-def test_two_ranks_without_daemons_give_the_whole_models_tokens(pipelined_dir, pipelined_files, expected):
-    s = launch(pipelined_dir, "--no-daemon")
+def test_two_ranks_without_daemons_give_the_whole_models_tokens(model_dir, model_files, expected):
+    s = launch(model_dir, "--no-daemon")
     assert s["tokens"] == expected
-    assert [r["layers"] for r in s["ranks"]] == [[2, 3], [0, 1]]  # mlx-lm's split: rank 0 runs the last layers
+    assert [r["layers"] for r in s["ranks"]] == [[1, 2], [0]]  # mlx-lm's split: rank 0 runs the last layers
     for r in s["ranks"]:
         assert r["daemon"] is None and r["l2_hits"] == 0 and r["l3_reads"] > 0
-        assert r["l0_bytes"] == 2 * 6 * pipelined_files.layout.nbytes  # L0 for its own two layers only
+        assert r["l0_bytes"] == len(r["layers"]) * 6 * model_files.layout.nbytes  # L0 for its own layers only
     assert s["expert_lookups"] == sum(r["expert_lookups"] for r in s["ranks"])
 
 
 @pytest.mark.slow
-def test_two_ranks_each_with_its_own_daemon(daemon_factory, rank_dirs, pipelined_dir, pipelined_files, expected,
+def test_two_ranks_each_with_its_own_daemon(daemon_factory, rank_dirs, model_dir, model_files, expected,
                                             profile_path):
-    files = pipelined_files
+    files = model_files
     base, address = rank_dirs
-    daemons = [daemon_factory([pipelined_dir], str(budget_for(files, files.n_experts)), "--profile", profile_path,
+    daemons = [daemon_factory([model_dir], str(budget_for(files, files.n_experts)), "--profile", profile_path,
                               "--layers", RANK_LAYERS[rank], runtime_dir=base / str(rank)) for rank in (0, 1)]
-    first = launch(pipelined_dir, "--socket", address)
+    first = launch(model_dir, "--socket", address)
     assert first["tokens"] == expected
     for r, daemon in zip(first["ranks"], daemons):
         assert r["daemon"]["attached"] and r["daemon"]["address"] == daemon.socket
@@ -166,17 +152,17 @@ def test_two_ranks_each_with_its_own_daemon(daemon_factory, rank_dirs, pipelined
         m = stats(daemon)["models"][0]
         assert m["hints"] == 1
         assert m["served_layers"] == r["layers"] and all(info["hits"] + info["misses"] > 0 for info in m["layers"])
-    second = launch(pipelined_dir, "--socket", address)
+    second = launch(model_dir, "--socket", address)
     assert second["tokens"] == expected
     assert all(r["l2_hits"] > 0 for r in second["ranks"])  # the first run's misses were loaded into each L2
     assert [stats(d)["models"][0]["hints"] for d in daemons] == [2, 2]
 
 
 @pytest.mark.slow
-def test_ranks_sharing_a_daemon_send_its_hint_once(daemon_factory, pipelined_dir, pipelined_files, expected,
+def test_ranks_sharing_a_daemon_send_its_hint_once(daemon_factory, model_dir, model_files, expected,
                                                    profile_path):
-    daemon = daemon_factory([pipelined_dir], str(budget_for(pipelined_files, 8)), "--profile", profile_path)
-    s = launch(pipelined_dir, "--socket", daemon.socket)
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, 8)), "--profile", profile_path)
+    s = launch(model_dir, "--socket", daemon.socket)
     assert s["tokens"] == expected
     assert all(r["daemon"]["attached"] for r in s["ranks"])
     assert stats(daemon)["models"][0]["hints"] == 1
@@ -185,15 +171,15 @@ def test_ranks_sharing_a_daemon_send_its_hint_once(daemon_factory, pipelined_dir
 
 
 @pytest.mark.slow
-def test_a_daemon_killed_mid_generation_leaves_its_rank_on_the_files(daemon_factory, rank_dirs, pipelined_dir,
-                                                                     pipelined_files):
-    files = pipelined_files
+def test_a_daemon_killed_mid_generation_leaves_its_rank_on_the_files(daemon_factory, rank_dirs, model_dir,
+                                                                     model_files):
+    files = model_files
     max_tokens = 96
-    want = whole_tokens(pipelined_dir, max_tokens)
+    want = whole_tokens(model_dir, max_tokens)
     base, address = rank_dirs
-    daemons = [daemon_factory([pipelined_dir], str(budget_for(files, 8)), "--layers", RANK_LAYERS[rank],
+    daemons = [daemon_factory([model_dir], str(budget_for(files, 8)), "--layers", RANK_LAYERS[rank],
                               runtime_dir=base / str(rank)) for rank in (0, 1)]
-    run = subprocess.Popen(launch_command(pipelined_dir, "--socket", address, max_tokens=max_tokens),
+    run = subprocess.Popen(launch_command(model_dir, "--socket", address, max_tokens=max_tokens),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # Rank 1's daemon dies once it has served that rank (it loaded what the rank missed).
@@ -226,18 +212,18 @@ def test_a_model_without_pipeline_support_is_refused_clearly(tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_on_two_ranks_answers_with_the_whole_models_tokens(daemon_factory, rank_dirs, pipelined_dir,
-                                                                 pipelined_files, profile_path, tmp_path):
-    files = pipelined_files
-    want = whole_tokens(pipelined_dir, TOKENS, chat=False)
+def test_serve_on_two_ranks_answers_with_the_whole_models_tokens(daemon_factory, rank_dirs, model_dir,
+                                                                 model_files, profile_path, tmp_path):
+    files = model_files
+    want = whole_tokens(model_dir, TOKENS, chat=False)
     base, address = rank_dirs
-    daemons = [daemon_factory([pipelined_dir], str(budget_for(files, 8)), "--profile", profile_path,
+    daemons = [daemon_factory([model_dir], str(budget_for(files, 8)), "--profile", profile_path,
                               "--layers", RANK_LAYERS[rank], runtime_dir=base / str(rank)) for rank in (0, 1)]
     port = free_port()
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
         # Its own session: mlx.launch does not pass SIGTERM on to its ranks, so the test signals them all.
-        server = subprocess.Popen(on_two_ranks("serve", "--model", str(pipelined_dir), "--port", str(port),
+        server = subprocess.Popen(on_two_ranks("serve", "--model", str(model_dir), "--port", str(port),
                                                "--socket", address, "--l0-slots", "6", "--log-level", "WARNING"),
                                   stdout=log, stderr=log, start_new_session=True)
     try:
@@ -258,7 +244,7 @@ def test_serve_on_two_ranks_answers_with_the_whole_models_tokens(daemon_factory,
         assert [entry["id"] for entry in answer["choices"][0]["logprobs"]["content"]] == want
         # Rank 0 alone received the request; both daemons got its hint, once.
         wait_for(lambda: [stats(d)["models"][0]["hints"] for d in daemons] == [1, 1], what="one hint per daemon")
-        for daemon, layers in zip(daemons, ([2, 3], [0, 1])):
+        for daemon, layers in zip(daemons, ([1, 2], [0])):
             clients = stats(daemon)["daemon"]["client_list"]
             assert [(c["layer_ids"], c["unserved_layer_ids"]) for c in clients] == [(layers, [])]
     finally:
@@ -269,4 +255,4 @@ def test_serve_on_two_ranks_answers_with_the_whole_models_tokens(daemon_factory,
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
     log = log_path.read_text()
-    assert "rank 1, MoE layers 0-1" in log and "rank 0, MoE layers 2-3" in log, log
+    assert "rank 1, MoE layers 0-0" in log and "rank 0, MoE layers 1-2" in log, log
