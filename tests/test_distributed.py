@@ -126,12 +126,20 @@ def test_a_pool_for_a_stage_holds_only_its_layers(model_files):
 
 
 @pytest.mark.slow
-def test_two_ranks_without_daemons_give_the_whole_models_tokens(model_dir, model_files, expected):
-    s = launch(model_dir, "--no-daemon")
+@pytest.mark.parametrize("daemon", ["none", "down"])
+def test_two_ranks_without_daemons_give_the_whole_models_tokens(model_dir, model_files, expected, tmp_path, daemon):
+    if daemon == "none":
+        s = launch(model_dir, "--no-daemon")
+    else:  # each rank's daemon socket names a daemon that is not running
+        s = launch(model_dir, "--socket", f"ipc://{tmp_path}/{{rank}}.sock")
     assert s["tokens"] == expected
     assert [r["layers"] for r in s["ranks"]] == [[1, 2], [0]]  # mlx-lm's split: rank 0 runs the last layers
-    for r in s["ranks"]:
-        assert r["daemon"] is None and r["l2_hits"] == 0 and r["l3_reads"] > 0
+    for rank, r in enumerate(s["ranks"]):
+        if daemon == "none":
+            assert r["daemon"] is None
+        else:
+            assert r["daemon"]["address"] == f"ipc://{tmp_path}/{rank}.sock" and not r["daemon"]["attached"]
+        assert r["l2_hits"] == 0 and r["l3_reads"] > 0
         assert r["l0_bytes"] == len(r["layers"]) * 6 * model_files.layout.nbytes  # L0 for its own layers only
     assert s["expert_lookups"] == sum(r["expert_lookups"] for r in s["ranks"])
 
