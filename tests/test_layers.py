@@ -17,6 +17,8 @@ import pytest
 from mlx_lm import load, stream_generate
 
 from moe_l2 import protocol
+from moe_l2.cache.profile import Profile
+from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main as cli
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.mlx_lm import StreamedLM
@@ -28,7 +30,8 @@ from moe_l2.layout import Geometry, segment_names
 from moe_l2.model import ModelFiles
 from moe_l2.plan import DEFAULT_KV_BYTES, MEMORY_FILE_ENV, Memory, ModelSizes, os_headroom, plan
 
-from .conftest import assert_resident_exact, assert_same_as_whole, budget_for, segment_exists, stats, wait_for
+from .conftest import (assert_resident_exact, assert_same_as_whole, budget_for, segment_exists, stats,
+                       synthetic_trace, wait_for)
 
 SERVED, UNSERVED = [0, 1], 2  # MoE layers of --layers 0-2
 TEXT = "The cache keeps the experts that the router picks most often close to the model. " * 3
@@ -92,15 +95,15 @@ def test_budget_auto_and_moe_l2_plan_size_l2_for_the_served_layers(daemon_factor
             f"(moe-l2d --budget {expected.l2_budget} --layers 0-2)") in capsys.readouterr().out
 
 
-def test_tokens_match_the_whole_model_and_unserved_layers_come_from_the_file(daemon, files):
+def test_tokens_match_the_model_loaded_whole(daemon, files):
     whole, tokenizer = load(str(files.path))
-    ids = mx.array(tokenizer.encode(TEXT)[:40])
-    expected = [r.token for r in stream_generate(whole, tokenizer, ids, max_tokens=16)]
+    ids = mx.array(tokenizer.encode(TEXT)[:24])
+    expected = [r.token for r in stream_generate(whole, tokenizer, ids, max_tokens=8)]
     runs = []
     for _ in range(2):
         with StreamedLM(files.path, l0_slots=files.top_k + 1, socket=daemon.socket, client_wait_s=5) as lm:
             assert lm.client.attached and lm.client.attachment.layers == frozenset(SERVED)
-            assert [r.token for r in stream_generate(lm.model, lm.tokenizer, ids, max_tokens=16)] == expected
+            assert [r.token for r in stream_generate(lm.model, lm.tokenizer, ids, max_tokens=8)] == expected
             assert_same_as_whole(lm.model(ids[None]), whole(ids[None]), chunked=True)
             runs.append(lm.pool.counts)
         wait_for(lambda: stats(daemon)["daemon"]["loads_in_flight"] == 0, what="loads")
@@ -149,6 +152,22 @@ def test_requests_for_an_unserved_layer_are_refused_and_reports_ignored(daemon, 
     assert [layer["experts"] for layer in m["layers"]] == [[5], []]
     assert request(daemon.socket, protocol.Prefetch(id=5, model=fp, layer=files.n_layers, experts=[1])).ename \
         == "OutOfRange"
+
+
+def test_a_hint_pins_and_loads_in_the_served_layers_only(daemon_factory, files, tmp_path):
+    trace = synthetic_trace(tmp_path / "t.jsonl.gz", n_layers=files.n_layers, n_experts=files.n_experts, top_k=4,
+                            seqs=6, tokens=40)
+    Profile.from_traces(read_traces(trace)).save(tmp_path / "p.json")
+    daemon = daemon_factory([files.path], str(budget_for(files, 4)), "--layers", "0-2", "--profile",
+                            str(tmp_path / "p.json"))
+    reply = request(daemon.socket, protocol.Hint(id=1, model=files.fingerprint, domain="alpha"))
+    assert reply.ok and sorted(reply.payload["pinned"]) == SERVED
+    assert all(reply.payload["pinned"][layer] for layer in SERVED)
+    wait_for(lambda: stats(daemon)["daemon"]["loads_in_flight"] == 0, what="preloads")
+    m = stats(daemon)["models"][0]
+    assert [sorted(layer["domain_pins"]) for layer in m["layers"]] == [sorted(reply.payload["pinned"][layer])
+                                                                        for layer in SERVED]
+    assert m["loads_done"] == sum(map(len, reply.payload["pinned"].values())) and m["load_errors"] == 0
 
 
 def test_stats_show_the_served_layers(daemon, files, capsys):
