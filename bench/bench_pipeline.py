@@ -9,6 +9,8 @@ same bytes in total), and one moe-l2d on this host (one host: one daemon, docs/d
 --l2-slots experts per layer for both. Each setup runs twice, "warm L2" against the daemon after a warm-up
 generation, and "files" without a daemon (misses read from the page cache). Sampling at temperature 1 with a
 fixed seed (greedy decoding of random weights routes to a handful of experts); both setups draw the same tokens.
+The reference, "mlx-lm whole", is mlx-lm's own model with every weight in memory, in one process and pipelined
+the same way (model.model.pipeline), nothing streamed: what a pipeline costs without moe-l2.
 
 Per decoded token (decode only: the prompt's forward is left out), in ms:
 - total: the wall time from the first token to the last over the tokens in between, on rank 0;
@@ -19,7 +21,9 @@ Per decoded token (decode only: the prompt's forward is left out), in ms:
   for one token's hidden state, averaged over 200 rounds;
 - compute: the rest (attention, routers, expert matmuls, sampling, and the graph's host overhead).
 and the experts copied from L2 and read from the files per token (the whole run's, prompt included, over
-the decoded tokens). Peak memory per rank: resident set (VmHWM) and MLX's peak. Ratios: two ranks over one.
+the decoded tokens). Per rank: peak resident set (VmHWM) and MLX's peak memory, and the process' CPU time
+over the wall time of the decode (the ring backend polls while a rank waits for its peer, so a waiting stage
+keeps a core busy: on one host its ranks compete for the cores). Ratios: two ranks over one.
 """
 
 from __future__ import annotations
@@ -55,30 +59,36 @@ def transfer_seconds(group, hidden_size: int, dtype) -> float:
     return (time.perf_counter() - start) / TRANSFER_ROUNDS
 
 
-def decode(lm, ids: list[int], tokens: int) -> dict:
-    """Sample `tokens` tokens; the wall time and the expert stall from the first token on (the prompt's forward
-    left out), and where the experts came from."""
+def decode(model, tokenizer, ids: list[int], tokens: int, lm=None) -> dict:
+    """Sample `tokens` tokens; the wall time, CPU time and (streamed: `lm` given) the expert stall from the first
+    token on (the prompt's forward left out), and where the experts came from."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    from moe_l2.client.pool import TierCounts
+
+    fetch_s = (lambda: lm.stats.fetch_s) if lm is not None else (lambda: 0.0)
+    counts = (lambda: lm.pool.counts) if lm is not None else TierCounts
     mx.random.seed(0)
     out, first = [], None
-    before = lm.pool.counts
-    for response in stream_generate(lm.model, lm.tokenizer, mx.array(ids), max_tokens=tokens,
-                                    sampler=make_sampler(1.0)):
+    before = counts()
+    for response in stream_generate(model, tokenizer, mx.array(ids), max_tokens=tokens, sampler=make_sampler(1.0)):
         out.append(response.token)
         if first is None:
-            first = (time.perf_counter(), lm.stats.fetch_s)
-    after = lm.pool.counts
-    return {"tokens": out, "decode_s": time.perf_counter() - first[0], "decode_fetch_s": lm.stats.fetch_s - first[1],
+            first = (time.perf_counter(), fetch_s(), time.process_time())
+    after = counts()
+    return {"tokens": out, "decode_s": time.perf_counter() - first[0], "decode_fetch_s": fetch_s() - first[1],
+            "decode_cpu_s": time.process_time() - first[2],
             "l0_hits": after.l0_hits - before.l0_hits, "l2_hits": after.l2_hits - before.l2_hits,
             "l3_reads": after.l3_reads - before.l3_reads}
 
 
 def worker(args) -> int:
-    """One rank's part: load the stage, warm up, generate, and report; rank 0 prints every rank's figures."""
+    """One rank's part: load the stage (streamed, or mlx-lm's whole model with --whole), warm up, generate,
+    and report; rank 0 prints every rank's figures."""
     import mlx.core as mx
+    from mlx_lm import load
 
     from moe_l2.client.distributed import gather_json
     from moe_l2.client.generation import encode_prompt
@@ -86,28 +96,40 @@ def worker(args) -> int:
 
     group = mx.distributed.init()
     pipelined = group.size() > 1
-    with StreamedLM(args.model, l0_slots=args.l0_slots, socket=args.socket, daemon=args.socket is not None,
-                    client_wait_s=5.0, group=group if pipelined else None) as lm:
-        ids = encode_prompt(lm.tokenizer, PROMPT)
-        if args.socket is not None:
-            decode(lm, ids, args.tokens)  # warm L2: the daemon loads what this run misses
-            time.sleep(1.0)
-        run = decode(lm, ids, args.tokens)
-        dtype = lm.model.model.embed_tokens(mx.array([[0]])).dtype  # the hidden state's, sent between stages
-        transfer = transfer_seconds(group, lm.config["hidden_size"], dtype) if pipelined else 0.0
-        mine = {"rank": group.rank(), "layers": sorted(lm.pool.layers), **run, "l0_bytes": lm.pool.nbytes,
-                "transfer_s": transfer, "peak_rss": peak_rss_bytes(), "peak_mlx": mx.get_peak_memory()}
+    if args.whole:  # the reference: mlx-lm's own pipeline over the whole model's weights, nothing streamed
+        model, tokenizer = load(str(args.model), lazy=True)
+        if pipelined:
+            model.model.pipeline(group)
+        mx.eval(model.parameters())
+        ids = encode_prompt(tokenizer, PROMPT)
+        decode(model, tokenizer, ids, args.tokens)  # the same warm-up as the streamed runs get
+        run = decode(model, tokenizer, ids, args.tokens)
+        mine = {"rank": group.rank(), **run}
+    else:
+        with StreamedLM(args.model, l0_slots=args.l0_slots, socket=args.socket, daemon=args.socket is not None,
+                        client_wait_s=5.0, group=group if pipelined else None) as lm:
+            model = lm.model
+            ids = encode_prompt(lm.tokenizer, PROMPT)
+            if args.socket is not None:
+                decode(model, lm.tokenizer, ids, args.tokens, lm)  # warm L2: the daemon loads what this run misses
+                time.sleep(1.0)
+            run = decode(model, lm.tokenizer, ids, args.tokens, lm)
+            mine = {"rank": group.rank(), **run}
+    dtype = model.model.embed_tokens(mx.array([[0]])).dtype  # the hidden state's, sent between stages
+    transfer = transfer_seconds(group, model.args.hidden_size, dtype) if pipelined else 0.0
+    mine.update(transfer_s=transfer, peak_rss=peak_rss_bytes(), peak_mlx=mx.get_peak_memory())
     ranks = gather_json(group, mine) if pipelined else [mine]
     if group.rank() == 0:
         print(json.dumps(ranks), flush=True)
     return 0
 
 
-def run_setup(model: Path, ranks: int, socket: str | None, args) -> list[dict]:
+def run_setup(model: Path, ranks: int, socket: str | None, args, whole: bool = False) -> list[dict]:
     here = Path(__file__).resolve()
     bin_dir = Path(sys.executable).parent
     worker_cmd = [sys.executable, "-P", str(here), "--worker", "--model", str(model), "--tokens", str(args.tokens),
-                  "--l0-slots", str(args.l0_slots), *(["--socket", socket] if socket else [])]
+                  "--l0-slots", str(args.l0_slots), *(["--socket", socket] if socket else []),
+                  *(["--whole"] if whole else [])]
     cmd = worker_cmd if ranks == 1 else [str(bin_dir / "mlx.launch"), "-n", str(ranks), "--backend", "ring", "--",
                                          *worker_cmd]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
@@ -134,6 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--l2-slots", type=int, default=16, help="L2 experts per MoE layer (default 16)")
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -154,26 +177,26 @@ def main(argv=None) -> int:
               f"{files.layout.nbytes / 1024:.0f} KiB, top-{files.top_k}; L0 {args.l0_slots} and L2 {args.l2_slots} "
               f"experts per layer in both setups; {args.tokens} decoded tokens")
         results = {}
-        for tier in ("warm L2", "files"):
+        for tier in ("mlx-lm whole", "warm L2", "files"):
             for ranks in (1, 2):
-                if tier == "files":
-                    results[tier, ranks] = run_setup(model, ranks, None, args)
+                if tier != "warm L2":
+                    results[tier, ranks] = run_setup(model, ranks, None, args, whole=tier == "mlx-lm whole")
                     continue
                 with DaemonProcess.serving([model], budget) as daemon:
                     results[tier, ranks] = run_setup(model, ranks, daemon.socket, args)
-        header = (f"{'setup':<18}{'total':>9}{'compute':>9}{'transfer':>9}{'stall':>9}{'L2/tok':>8}{'L3/tok':>8}"
-                  "  per-rank peak RSS / MLX")
+        header = (f"{'setup':<22}{'total':>9}{'compute':>9}{'transfer':>9}{'stall':>9}{'L2/tok':>8}{'L3/tok':>8}"
+                  "  per rank: peak RSS / MLX, CPU time over wall time in decode")
         print(header)
         print("-" * len(header))
         for (tier, ranks), per_rank in results.items():
             s = split(per_rank, args.tokens)
-            peaks = ", ".join(f"r{r['rank']} {r['peak_rss'] / 2**20:.0f} / {r['peak_mlx'] / 2**20:.1f} MiB"
-                              for r in per_rank)
+            peaks = ", ".join(f"r{r['rank']} {r['peak_rss'] / 2**20:.0f} / {r['peak_mlx'] / 2**20:.1f} MiB, "
+                              f"CPU {r['decode_cpu_s'] / r['decode_s']:.0%}" for r in per_rank)
             name = f"{tier}, {ranks} rank{'s' if ranks > 1 else ''}"
             per_token = [sum(r[k] for r in per_rank) / args.tokens for k in ("l2_hits", "l3_reads")]
-            print(f"{name:<18}{s['total']:>7.1f}ms{s['compute']:>7.1f}ms{s['transfer']:>7.2f}ms{s['stall']:>7.2f}ms"
+            print(f"{name:<22}{s['total']:>7.1f}ms{s['compute']:>7.1f}ms{s['transfer']:>7.2f}ms{s['stall']:>7.2f}ms"
                   f"{per_token[0]:>8.1f}{per_token[1]:>8.1f}  {peaks}")
-        for tier in ("warm L2", "files"):
+        for tier in ("mlx-lm whole", "warm L2", "files"):
             one, two = (split(results[tier, n], args.tokens) for n in (1, 2))
             same = results[tier, 1][0]["tokens"] == results[tier, 2][0]["tokens"]
             peak = {k: max(r[k] for r in results[tier, 2]) / results[tier, 1][0][k] for k in ("peak_rss", "peak_mlx")}
