@@ -22,8 +22,7 @@ Per decoded token (decode only: the prompt's forward is left out), in ms:
 - compute: the rest (attention, routers, expert matmuls, sampling, and the graph's host overhead).
 and the experts copied from L2 and read from the files per token (the whole run's, prompt included, over
 the decoded tokens). Per rank: peak resident set (VmHWM) and MLX's peak memory, and the process' CPU time
-over the wall time of the decode (the ring backend polls while a rank waits for its peer, so a waiting stage
-keeps a core busy: on one host its ranks compete for the cores). Ratios: two ranks over one.
+over the wall time of the decode (how busy the rank was). Ratios: two ranks over one.
 """
 
 from __future__ import annotations
