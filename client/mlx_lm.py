@@ -132,13 +132,15 @@ def load_model(path, files: ModelFiles, *, model_config: dict | None = None,
 
 
 def pipeline_models() -> list[str]:
-    """The MoE model types of the installed mlx-lm that implement pipeline parallelism (their module uses
-    PipelineMixin and mlx-lm's switch layers)."""
+    """The MoE model types of the installed mlx-lm that implement pipeline parallelism: their module uses
+    PipelineMixin and switch layers or a sparse MoE block (a module that wraps one of them, such as
+    qwen3_5_moe, is not listed)."""
     import mlx_lm.models
 
     folder = Path(mlx_lm.models.__path__[0])
     return sorted(f.stem for f in folder.glob("*.py")
-                  if "PipelineMixin" in (text := f.read_text(encoding="utf-8")) and "switch_layers" in text)
+                  if "PipelineMixin" in (text := f.read_text(encoding="utf-8"))
+                  and ("switch_layers" in text or "SparseMoe" in text))
 
 
 def pipeline_stage(model: nn.Module, files: ModelFiles, group: mx.distributed.Group) -> list[int]:
@@ -148,7 +150,8 @@ def pipeline_stage(model: nn.Module, files: ModelFiles, group: mx.distributed.Gr
     if not hasattr(inner, "pipeline"):
         raise ValueError(f"{files.path}: mlx-lm has no pipeline parallelism for the {files.model_type} model, so "
                          f"it cannot be split over {group.size()} ranks; the MoE models it pipelines: "
-                         f"{', '.join(pipeline_models())}. Run this model in one process (without mlx.launch)")
+                         f"{', '.join(pipeline_models())} (and models built on them). Run this model in one "
+                         "process (without mlx.launch)")
     inner.pipeline(group)
     start, end = inner.start_idx, inner.end_idx
     layers = [i for i, decoder in enumerate(files.layer_ids) if start <= decoder < end]
