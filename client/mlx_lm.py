@@ -32,7 +32,8 @@ from moe_l2.model.location import resolve_model
 from moe_l2.plan import ModelSizes, plan, read_memory
 from moe_l2.sizes import format_size, parse_size
 
-__all__ = ["StreamedLM", "stream_experts", "load_model", "l0_slots_for", "peak_rss_bytes", "hit_rates"]
+__all__ = ["StreamedLM", "stream_experts", "load_model", "pipeline_models", "pipeline_stage", "l0_slots_for",
+           "peak_rss_bytes", "hit_rates"]
 
 
 def _switch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -58,8 +59,10 @@ def _check_layout(path: str, module: nn.Module, files: ModelFiles) -> None:
                          "the model with mlx_lm.convert first")
 
 
-def _switch_layers(model: nn.Module, files: ModelFiles) -> list[tuple[str, nn.Module, int]]:
-    """(module path, SwitchGLU / SwitchMLP, MoE layer) for every switch module, in MoE layer order."""
+def _switch_layers(model: nn.Module, files: ModelFiles, layers=None) -> list[tuple[str, nn.Module, int]]:
+    """(module path, SwitchGLU / SwitchMLP, MoE layer) for every switch module, in MoE layer order; `layers`:
+    the MoE layers the model runs (a pipeline stage's), None for all."""
+    layers = range(files.n_layers) if layers is None else sorted(layers)
     found = _switch_modules(model)
     if not found:
         raise ValueError(f"{files.path}: the {files.model_type} model has no SwitchGLU / SwitchMLP to stream")
@@ -71,11 +74,11 @@ def _switch_layers(model: nn.Module, files: ModelFiles) -> list[tuple[str, nn.Mo
             raise ValueError(f"{files.path}: {path} matches no single MoE layer of the checkpoint "
                              f"(its expert tensors are in layers {files.layer_ids})")
         out[layer] = (path, module, layer)
-    missing = sorted(set(range(files.n_layers)) - out.keys())
+    missing = sorted(set(layers) - out.keys())
     if missing:
         raise ValueError(f"{files.path}: the checkpoint has experts for layers "
                          f"{[files.layer_ids[i] for i in missing]}, which the model does not route")
-    return [out[i] for i in range(files.n_layers)]
+    return [out[i] for i in layers]
 
 
 def _stand_ins(model: nn.Module, files: ModelFiles) -> dict[str, mx.array]:
@@ -89,12 +92,13 @@ def stream_experts(model: nn.Module, pool: ExpertPool, stats: StreamStats | None
     """Swap every SwitchGLU / SwitchMLP of a (lazily loaded) model for a StreamedSwitch over `pool`.
 
     prefetch: next-layer prefetch, one of client.nextlayer.PREFETCH (the switches share one NextLayer).
-    The replaced modules' arrays are dropped unevaluated. Returns the new modules, MoE layer order."""
+    The model must run exactly the pool's layers. The replaced modules' arrays are dropped unevaluated.
+    Returns the new modules, MoE layer order."""
     files = pool.files
-    found = _switch_layers(model, files)
+    found = _switch_layers(model, files, pool.layers.keys())
     next_layer = None
     if prefetch != "off":
-        routers = [find_router(model, path, files.n_experts) for path, _, _ in found]
+        routers = {layer: find_router(model, path, files.n_experts) for path, _, layer in found}
         next_layer = NextLayer(prefetch, pool, routers)
     forward = ForwardState(pool, stats if stats is not None else StreamStats(), recorder, next_layer)
     switches = []
@@ -106,11 +110,11 @@ def stream_experts(model: nn.Module, pool: ExpertPool, stats: StreamStats | None
     return switches
 
 
-def load_model(path, pool: ExpertPool, *, model_config: dict | None = None, stats: StreamStats | None = None,
-               recorder: RoutingRecorder | None = None,
-               prefetch: str = "off") -> tuple[nn.Module, dict, list[StreamedSwitch]]:
-    """mlx_lm.utils.load_model, with the routed experts streamed through `pool` and never read here."""
-    files = pool.files
+def load_model(path, files: ModelFiles, *, model_config: dict | None = None,
+               group: mx.distributed.Group | None = None) -> tuple[nn.Module, dict, list[int]]:
+    """mlx_lm.utils.load_model, lazily and with the routed experts left out (stand-ins that are never read);
+    with a `group` of several ranks, only this rank's pipeline stage is kept, as mlx_lm.utils.sharded_load
+    does (docs/distributed.md). Returns the model, its config and the MoE layers it runs."""
     expert_names = files.expert_tensor_names()
 
     def classes(config):
@@ -128,19 +132,50 @@ def load_model(path, pool: ExpertPool, *, model_config: dict | None = None, stat
         return WithoutExperts, args_class
 
     model, config = _mlx_lm_load_model(Path(path), lazy=True, model_config=model_config, get_model_classes=classes)
-    switches = stream_experts(model, pool, stats, recorder, prefetch)
-    mx.eval(model.parameters())
-    return model, config, switches
+    if group is None or group.size() == 1:
+        return model, config, list(range(files.n_layers))
+    return model, config, pipeline_stage(model, files, group)
 
 
-def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str | None = None) -> int:
-    """L0 experts per layer: `slots`, or as many as `budget` bytes buy over all layers, or the plan's for this
-    machine's memory (moe_l2.plan: a quarter of the experts, at least twice the experts per token, fewer when
-    memory is short). At least top_k: a token needs them all."""
+def pipeline_models() -> list[str]:
+    """The MoE model types of the installed mlx-lm that implement pipeline parallelism: their module uses
+    PipelineMixin and switch layers or a sparse MoE block (a module that wraps one of them, such as
+    qwen3_5_moe, is not listed)."""
+    import mlx_lm.models
+
+    folder = Path(mlx_lm.models.__path__[0])
+    return sorted(f.stem for f in folder.glob("*.py")
+                  if "PipelineMixin" in (text := f.read_text(encoding="utf-8"))
+                  and ("switch_layers" in text or "SparseMoe" in text))
+
+
+def pipeline_stage(model: nn.Module, files: ModelFiles, group: mx.distributed.Group) -> list[int]:
+    """Cut a lazily loaded model down to this rank's stage with mlx-lm's own split (rank 0 runs the last
+    decoder layers); returns the MoE layers the stage runs."""
+    inner = getattr(model, "model", None)
+    if not hasattr(inner, "pipeline"):
+        raise ValueError(f"{files.path}: mlx-lm has no pipeline parallelism for the {files.model_type} model, so "
+                         f"it cannot be split over {group.size()} ranks; the MoE models it pipelines: "
+                         f"{', '.join(pipeline_models())} (and models built on them). Run this model in one "
+                         "process (without mlx.launch)")
+    inner.pipeline(group)
+    start, end = inner.start_idx, inner.end_idx
+    layers = [i for i, decoder in enumerate(files.layer_ids) if start <= decoder < end]
+    if not layers:
+        raise ValueError(f"{files.path}: rank {group.rank()} runs decoder layers {start}..{end - 1}, which have "
+                         f"no routed experts; run on fewer ranks")
+    return layers
+
+
+def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str | None = None,
+                 n_layers: int | None = None) -> int:
+    """L0 experts per layer: `slots`, or as many as `budget` bytes buy over the process' `n_layers` MoE layers
+    (default: all), or the plan's for this machine's memory (moe_l2.plan: a quarter of the experts, at least
+    twice the experts per token, fewer when memory is short). At least top_k: a token needs them all."""
     if slots is not None and budget is not None:
         raise ValueError("give the L0 size as slots or as a budget, not both")
     if budget is not None:
-        per_slot = files.n_layers * files.layout.nbytes
+        per_slot = (n_layers or files.n_layers) * files.layout.nbytes
         slots = parse_size(budget) // per_slot
         if slots < files.top_k:
             raise ValueError(f"an L0 budget of {format_size(parse_size(budget))} buys {slots} experts per layer; "
@@ -173,22 +208,28 @@ class StreamedLM:
                  socket: str | None = None, daemon: bool = True, client_wait_s: float = 1.0,
                  policy: str = "lru", record: bool = False, model_config: dict | None = None,
                  direct: bool | None = None, verify: str = "file", download: bool = False,
-                 tokenizer_config: dict | None = None, prefetch: str = "off"):
+                 tokenizer_config: dict | None = None, prefetch: str = "off",
+                 group: mx.distributed.Group | None = None):
+        """prefetch: next-layer prefetch, one of client.nextlayer.PREFETCH.
+        group: the mlx.distributed group to run a pipeline stage in (several ranks: this rank's layers
+        only, docs/distributed.md); None or one rank: the whole model."""
         from moe_l2.client.connection import L2Client
 
         # A directory or a Hugging Face repo id; `download` fetches a missing one as mlx-lm does.
         path = resolve_model(path, download)
         self.files = ModelFiles.open(path)
         self.stats = StreamStats()
+        self.model, self.config, layers = load_model(path, self.files, model_config=model_config, group=group)
         self.recorder = RoutingRecorder(self.files.n_layers) if record else None
-        self.client = L2Client(self.files, socket, wait_s=client_wait_s) if daemon else None
+        # A pipeline stage tells its daemon which layers it streams (moe-l2d --layers serves a host's stages).
+        stage = layers if len(layers) < self.files.n_layers else None
+        self.client = L2Client(self.files, socket, wait_s=client_wait_s, layers=stage) if daemon else None
         try:
-            self.pool = ExpertPool(self.files, l0_slots_for(self.files, l0_slots, l0_budget), self.client,
-                                   policy=policy, direct=direct, verify=verify)
+            self.pool = ExpertPool(self.files, l0_slots_for(self.files, l0_slots, l0_budget, len(layers)),
+                                   self.client, policy=policy, direct=direct, verify=verify, layers=layers)
             try:
-                self.model, self.config, self.switches = load_model(path, self.pool, model_config=model_config,
-                                                                    stats=self.stats, recorder=self.recorder,
-                                                                    prefetch=prefetch)
+                self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, prefetch)
+                mx.eval(self.model.parameters())
                 self.tokenizer = load_tokenizer(Path(path), tokenizer_config,
                                                 eos_token_ids=self.config.get("eos_token_id"))
             except BaseException:

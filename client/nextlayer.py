@@ -49,16 +49,17 @@ def find_router(model: nn.Module, switch_path: str, n_experts: int) -> tuple[str
 class NextLayer:
     """Per model: which predictor guesses layer l+1, and the prefetch requests to the pool."""
 
-    def __init__(self, mode: str, pool, routers: list | None = None):
-        """mode: one of PREFETCH but off; routers: per MoE layer the (path, callable) of `find_router` or None
-        (`router` and `auto` need them for every layer after the first; `auto` falls back to cooccurrence)."""
+    def __init__(self, mode: str, pool, routers: dict | None = None):
+        """mode: one of PREFETCH but off; routers: MoE layer -> the (path, callable) of `find_router` or None,
+        for the pool's layers (`router` needs one for every layer but the pool's first; `auto` falls back to
+        cooccurrence)."""
         if mode not in PREFETCH or mode == "off":
             raise ValueError(f"prefetch mode must be one of {', '.join(PREFETCH[1:])}, not {mode!r}")
         files = pool.files
         self.pool = pool
         self.n_layers = files.n_layers
         self.k = files.top_k
-        found = routers is not None and all(r is not None for r in routers[1:])
+        found = bool(routers) and all(r is not None for layer, r in routers.items() if layer != min(routers))
         if mode == "router" and not found:
             raise ValueError(f"{files.path}: no router module found beside the switch layers; use --prefetch "
                              "cooccurrence (or auto)")
@@ -70,7 +71,8 @@ class NextLayer:
 
     def describe(self) -> str:
         if self.predictor == "router":
-            return f"router (the next layer's {self.routers[1][0].split('.')[-1]})"
+            path = next(r[0] for r in self.routers.values() if r is not None)
+            return f"router (the next layer's {path.split('.')[-1]})"
         return "cooccurrence (learned online)"
 
     def after(self, layer: int, x: mx.array, chosen: np.ndarray, keep=()) -> None:
@@ -81,7 +83,7 @@ class NextLayer:
             previous, self._previous = self._previous, (layer, chosen)
             if previous is not None and previous[0] == layer - 1 and len(previous[1]) == len(chosen):
                 self.cooccurrence.observe_layer(layer - 1, previous[1], chosen)
-        if layer >= self.n_layers - 1:
+        if layer + 1 not in self.pool.layers:  # the last layer, or a pipeline stage's last one
             return
         self.pool.prefetch(layer + 1, self.guess(layer, x, chosen), keep)
 

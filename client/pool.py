@@ -210,15 +210,20 @@ class LayerPool:
 class ExpertPool:
     def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = "lru",
                  read_threads: int | None = None, direct: bool | None = None, verify: str = "file",
-                 load_through_s: float = 0.0):
+                 load_through_s: float = 0.0, layers=None):
         """direct: read the model files with direct I/O (O_DIRECT / F_NOCACHE): True, False, or None for
         the model's default (ModelFiles.direct_default: on for packed models).
         verify: which records to check against the model's checksum manifest, one of VERIFY.
         load_through_s: on an L2 miss, report it at once and wait up to this long for the daemon to load the
         record, then copy it from L2, instead of reading the file as well (0: read the file at once;
-        docs/architecture.md, "Measured against the page cache")."""
+        docs/architecture.md, "Measured against the page cache").
+        layers: the MoE layers this process runs (a pipeline stage's: docs/distributed.md); L0 rows are
+        allocated for those only. None: every layer."""
         if not 1 <= capacity <= files.n_experts:
             raise ValueError(f"L0 capacity must be 1..{files.n_experts} experts per layer, got {capacity}")
+        layers = range(files.n_layers) if layers is None else sorted(set(layers))
+        if not layers or not all(0 <= layer < files.n_layers for layer in layers):
+            raise ValueError(f"layers must be a non-empty subset of the MoE layers 0..{files.n_layers - 1}")
         if verify not in VERIFY:
             raise ValueError(f"verify must be one of {', '.join(VERIFY)}, not {verify!r}")
         # Nothing to check against without a manifest: no checksum is computed then.
@@ -229,7 +234,7 @@ class ExpertPool:
         self.client = client
         self.read_threads = read_threads or min(8, os.cpu_count() or 1)
         self.load_through_s = load_through_s
-        self.layers = [LayerPool(files, capacity, policy) for _ in range(files.n_layers)]
+        self.layers = {layer: LayerPool(files, capacity, policy) for layer in layers}
         self._counts = TierCounts()
         self._counts_lock = threading.Lock()
         self._fds = files.open_fds(direct)
@@ -255,7 +260,7 @@ class ExpertPool:
 
     @property
     def nbytes(self) -> int:
-        return self.files.n_layers * self.capacity * sum(p.nbytes for p in self.files.layout.pieces)
+        return len(self.layers) * self.capacity * sum(p.nbytes for p in self.files.layout.pieces)
 
     def arrays(self, layer: int) -> dict[str, mx.array]:
         return self.layers[layer].arrays

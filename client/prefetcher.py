@@ -87,8 +87,8 @@ class Prefetcher:
         """What prefetch did so far (a copy; useful and wasted are the layers' own counts)."""
         with self._counts_lock:
             out = replace(self._counts)
-        out.useful = sum(lp.prefetch_useful for lp in self.pool.layers)
-        out.wasted = sum(lp.prefetch_wasted for lp in self.pool.layers)
+        out.useful = sum(lp.prefetch_useful for lp in self.pool.layers.values())
+        out.wasted = sum(lp.prefetch_wasted for lp in self.pool.layers.values())
         return out
 
     def prefetch(self, layer: int, guesses, keep=()) -> None:
@@ -190,7 +190,7 @@ class Prefetcher:
         """Cancel what has not started, wait for the rest, stop the thread."""
         if self._worker is None:
             return
-        for layer in range(self.pool.files.n_layers):
+        for layer in self.pool.layers:
             self.settle(layer)
         self._queue.put(None)
         self._worker.join()

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.processors import load_processor
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server
 
+from moe_l2.client.distributed import speaks_for_daemon
 from moe_l2.client.mlx_lm import StreamedLM
 
 __all__ = ["StreamedModelProvider", "HintingResponseGenerator", "StreamedAPIHandler", "serve", "prompt_text"]
@@ -30,8 +31,9 @@ class StreamedModelProvider(ModelProvider):
     """mlx_lm.server's ModelProvider for the one model this server streams.
 
     `cli_args` carries mlx_lm.server's option names; `lm_options` are StreamedLM's keyword arguments (L0 size,
-    daemon socket or none, direct I/O). The model answers to its resolved path (what GET /v1/models lists),
-    to the `--model` text as given and to mlx-lm's "default_model"."""
+    daemon socket or none, direct I/O, the mlx.distributed group of a pipeline). The model answers to its
+    resolved path (what GET /v1/models lists), to the `--model` text as given and to mlx-lm's
+    "default_model"."""
 
     def __init__(self, cli_args, model_dir: Path, given: str, lm_options: dict):
         self.model_id = str(Path(model_dir).resolve())
@@ -39,6 +41,9 @@ class StreamedModelProvider(ModelProvider):
         super().__init__(cli_args)
         self._model_map[given] = self.model_id
         self._lm_options = lm_options
+        group = lm_options.get("group")
+        self.rank = 0 if group is None else group.rank()
+        self.speaks = True  # whether this rank sends the hints to its daemon (docs/distributed.md)
         self.lm: StreamedLM | None = None
         self.load_error: Exception | None = None
         self.loaded = threading.Event()
@@ -52,6 +57,9 @@ class StreamedModelProvider(ModelProvider):
                              "'draft_model' out of the request")
         if self.lm is None:
             self.lm = StreamedLM(self.model_id, tokenizer_config=self._tokenizer_config, **self._lm_options)
+            group = self._lm_options.get("group")
+            if group is not None:  # a collective: every rank loads here, on its generation thread
+                self.speaks = speaks_for_daemon(group, self.lm.client.address if self.lm.client else None)
         tokenizer = self.lm.tokenizer
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
@@ -76,7 +84,7 @@ class StreamedModelProvider(ModelProvider):
     def hint(self, text: str) -> None:
         """Tell the daemon what a request is about (a queue put: the daemon may preload its domain)."""
         lm = self.lm
-        if text and lm is not None and lm.client is not None:
+        if text and self.speaks and lm is not None and lm.client is not None:
             lm.client.hint(text)
 
     def close(self) -> None:
@@ -99,11 +107,15 @@ def prompt_text(request) -> str:
 
 
 class HintingResponseGenerator(ResponseGenerator):
-    """mlx_lm.server's ResponseGenerator that hints the daemon as each request arrives, before its prefill."""
+    """mlx_lm.server's ResponseGenerator that hints the daemon as its generation thread takes each request,
+    before its prefill. There every rank of a pipeline sees the request (mlx_lm.server shares it from rank 0,
+    whose HTTP thread alone received it), so every host's daemon gets the hint."""
 
-    def generate(self, request, generation_args, progress_callback=None):
-        self.model_provider.hint(prompt_text(request))
-        return super().generate(request, generation_args, progress_callback)
+    def _share_request(self, request):
+        shared = super()._share_request(request)
+        if shared is not None:
+            self.model_provider.hint(prompt_text(shared[1]))
+        return shared
 
 
 class StreamedAPIHandler(APIHandler):
@@ -123,11 +135,24 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt  # mlx_lm.server shuts down on KeyboardInterrupt: SIGTERM does the same
 
 
+def _follow(generator: HintingResponseGenerator) -> None:
+    """A rank other than 0: run rank 0's requests until SIGTERM or SIGINT (or until rank 0 goes away and the
+    generation thread's collective fails)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        generator.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def serve(host: str, port: int, provider: StreamedModelProvider, on_ready=None) -> None:
     """Load the model on mlx_lm.server's generation thread, then serve HTTP until SIGINT or SIGTERM.
 
     Raises the load's error (before anything listens) if the model cannot be loaded. `on_ready(provider)` runs
-    once the model is loaded, before the first request is accepted."""
+    once the model is loaded, before the first request is accepted. Under mlx.launch, only rank 0 listens; the
+    other ranks run their pipeline stage for every request rank 0 shares, until they are stopped."""
     generator = HintingResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size))
     try:
         provider.loaded.wait()
@@ -135,11 +160,17 @@ def serve(host: str, port: int, provider: StreamedModelProvider, on_ready=None) 
             raise provider.load_error
         if on_ready is not None:
             on_ready(provider)
+        if provider.rank != 0:
+            _follow(generator)
+            return
         previous = signal.signal(signal.SIGTERM, _interrupt)
         try:
             _run_http_server(host, port, generator, handler_class=StreamedAPIHandler)
         finally:
             signal.signal(signal.SIGTERM, previous)
     finally:
-        generator.stop_and_join()
+        # A follower's generation thread may wait in a collective for a rank 0 that is gone: it is left to the
+        # process' exit, as mlx_lm.server leaves it.
+        if provider.rank == 0:
+            generator.stop_and_join()
         provider.close()

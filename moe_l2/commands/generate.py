@@ -23,7 +23,8 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
     l0.add_argument("--l0-budget", help="memory for this process' experts over all layers, e.g. 2GiB")
     daemon = parser.add_mutually_exclusive_group()
     daemon.add_argument("--socket", default=None, type=socket_arg,
-                        help="moe-l2d address (default: the local runtime dir)")
+                        help="moe-l2d address (default: the local runtime dir); under mlx.launch, {rank} in it "
+                             "is replaced by the process' rank (one daemon per rank)")
     daemon.add_argument("--no-daemon", action="store_true", help="read missing experts from the model files only")
     parser.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
                         help="read missing experts with O_DIRECT / F_NOCACHE (auto: for packed models)")
@@ -93,6 +94,7 @@ def summary(result: dict, lm) -> dict:
         "bytes_copied": c.bytes_copied,
         "l0_slots": lm.pool.capacity,
         "l0_bytes": lm.pool.nbytes,
+        "layers": sorted(lm.pool.layers),  # the MoE layers this process ran
         "daemon": None if client is None else {"address": client.address, "attached": client.attached,
                                                "attaches": client.attaches, "last_error": client.last_error},
         "streaming": result["stats"],  # StreamStats over this run: calls, sync/fetch/copy/pread seconds
@@ -103,22 +105,50 @@ def summary(result: dict, lm) -> dict:
     }
 
 
+# What each rank reports of its own streaming; the rest of the summary is the same on every rank.
+_PER_RANK = ("expert_lookups", "l0_hits", "l2_hits", "l3_reads", "bytes_read", "bytes_copied", "l0_slots",
+             "l0_bytes", "layers", "daemon", "streaming", "prefetch", "peak_rss_bytes", "peak_mlx_bytes")
+_SUMMED = ("expert_lookups", "l0_hits", "l2_hits", "l3_reads", "bytes_read", "bytes_copied", "l0_bytes")
+
+
+def merge_ranks(summaries: list[dict]) -> dict:
+    """One summary for a pipelined run: rank 0's, with the expert counts summed over the ranks, the peaks the
+    largest rank's, and each rank's own figures under "ranks" (docs/distributed.md)."""
+    s = dict(summaries[0])
+    s["ranks"] = [{"rank": r, **{k: one[k] for k in _PER_RANK}} for r, one in enumerate(summaries)]
+    for key in _SUMMED:
+        s[key] = sum(one[key] for one in summaries)
+    for key in ("peak_rss_bytes", "peak_mlx_bytes"):
+        s[key] = max(one[key] for one in summaries)
+    s["layers"] = sorted(layer for one in summaries for layer in one["layers"])
+    lookups = s["expert_lookups"]
+    for tier, count in (("l0_hit_rate", "l0_hits"), ("l2_hit_rate", "l2_hits"), ("l3_rate", "l3_reads")):
+        s[tier] = s[count] / lookups if lookups else None
+    return s
+
+
+def _daemon_text(daemon: dict | None) -> str:
+    if daemon is None:
+        return "no daemon"
+    if daemon["attached"]:
+        return f"moe-l2d at {daemon['address']}"
+    return f"moe-l2d not attached ({daemon['last_error'] or 'no answer'})"
+
+
 def render(s: dict) -> str:
-    if s["daemon"] is None:
-        daemon = "no daemon"
-    elif s["daemon"]["attached"]:
-        daemon = f"moe-l2d at {s['daemon']['address']}"
-    else:
-        daemon = f"moe-l2d not attached ({s['daemon']['last_error'] or 'no answer'})"
+    ranks = [f"rank {r['rank']}: MoE layers {r['layers'][0]}-{r['layers'][-1]}, {r['expert_lookups']} lookups, "
+             f"L3 {r['l3_reads']}, L0 {r['l0_slots']} experts per layer; {_daemon_text(r['daemon'])}; "
+             f"peak RSS {format_size(r['peak_rss_bytes'])}" for r in s.get("ranks", [])]
     return "\n".join([
         f"prompt {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tok/s; "
         f"decode {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
         f"experts: {s['expert_lookups']} lookups: L0 {format_pct(s['l0_hit_rate'])}, L2 {format_pct(s['l2_hit_rate'])}, "
         f"L3 (disk) {format_pct(s['l3_rate'])}; read from disk {format_size(s['bytes_read'])}, "
         f"copied from L2 {format_size(s['bytes_copied'])}",
-        f"L0 {s['l0_slots']} experts per layer ({format_size(s['l0_bytes'])}); {daemon}",
+        f"L0 {s['l0_slots']} experts per layer ({format_size(s['l0_bytes'])}); {_daemon_text(s['daemon'])}",
         *([] if s["prefetch"] is None else [_render_prefetch(s["prefetch"])]),
         f"peak memory: RSS {format_size(s['peak_rss_bytes'])}, MLX {format_size(s['peak_mlx_bytes'])}",
+        *ranks,
     ])
 
 
@@ -132,46 +162,67 @@ def _render_prefetch(p: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
+    from moe_l2.client.distributed import gather_json, rank_socket, share_text, speaks_for_daemon
     from moe_l2.client.generation import encode_prompt, generate_streamed
     from moe_l2.client.mlx_lm import StreamedLM
     from moe_l2.model import DIRECT_IO, CorruptRecord
     from moe_l2.cache.trace import TraceWriter
 
+    # Under mlx.launch every rank runs this with the same flags: each runs its pipeline stage, rank 0 reads the
+    # prompt and alone prints (docs/distributed.md).
+    group = mx.distributed.init()
+    pipelined = group.size() > 1
+    rank0 = group.rank() == 0
     if args.max_tokens < 1:
         print("moe-l2 generate: --max-tokens must be at least 1", file=sys.stderr)
         return 2
-    try:
-        prompt = _read_prompt(args)
-    except OSError as exc:
-        print(f"moe-l2 generate: cannot read the prompt: {exc}", file=sys.stderr)
+    if pipelined and args.trace_out is not None:
+        print("moe-l2 generate: --trace-out records one process' routing: run without mlx.launch to write a trace",
+              file=sys.stderr)
+        return 2
+    prompt = None
+    if rank0:
+        try:
+            prompt = _read_prompt(args)
+        except OSError as exc:
+            print(f"moe-l2 generate: cannot read the prompt: {exc}", file=sys.stderr)
+    if pipelined:
+        prompt = share_text(group, prompt)
+    if prompt is None:
         return 2
     try:
-        lm = StreamedLM(args.model, l0_slots=args.l0_slots, l0_budget=args.l0_budget, socket=args.socket,
-                        daemon=not args.no_daemon, client_wait_s=2.0, record=args.trace_out is not None,
-                        direct=DIRECT_IO[args.direct_io], verify=args.verify_checksums, download=True,
-                        prefetch=args.prefetch)
+        lm = StreamedLM(args.model, l0_slots=args.l0_slots, l0_budget=args.l0_budget,
+                        socket=rank_socket(args.socket, group), daemon=not args.no_daemon, client_wait_s=2.0,
+                        record=args.trace_out is not None, direct=DIRECT_IO[args.direct_io],
+                        verify=args.verify_checksums, download=True, prefetch=args.prefetch,
+                        group=group if pipelined else None)
     except (OSError, ValueError) as exc:
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 2
     with lm:
         if lm.client is not None and not lm.client.attached:
-            print(f"moe-l2 generate: not attached to moe-l2d at {lm.client.address} "
-                  f"({lm.client.last_error or 'no answer'}); reading experts from the model files",
-                  file=sys.stderr)
-        if lm.client is not None:
+            print(f"moe-l2 generate: {f'rank {group.rank()}: ' if pipelined else ''}not attached to moe-l2d at "
+                  f"{lm.client.address} ({lm.client.last_error or 'no answer'}); reading experts from the model "
+                  "files", file=sys.stderr)
+        # A collective: every rank asks, whether or not it has a daemon link.
+        speaks = not pipelined or speaks_for_daemon(group, lm.client.address if lm.client is not None else None)
+        if lm.client is not None and speaks:
             lm.client.hint(prompt)  # the daemon preloads the prompt's domain while we prefill
         mx.random.seed(args.seed)
         ids = encode_prompt(lm.tokenizer, prompt, not args.ignore_chat_template)
         if not ids:
-            print("moe-l2 generate: the prompt is empty", file=sys.stderr)
+            if rank0:
+                print("moe-l2 generate: the prompt is empty", file=sys.stderr)
             return 2
-        show = None if args.json else (lambda text: print(text, end="", flush=True))
+        show = None if args.json or not rank0 else (lambda text: print(text, end="", flush=True))
         try:
             result = generate_streamed(lm, ids, args.max_tokens, temp=args.temp, on_text=show)
         except CorruptRecord as exc:
             print(f"\nmoe-l2 generate: {exc}", file=sys.stderr)
             return 1
         s = summary(result, lm)
+        if pipelined:
+            s = merge_ranks(gather_json(group, s))
         if args.trace_out is not None:
             # Every token the model processed: the prompt's, then each generated one fed back.
             routed = lm.recorder.take()[: len(ids) + len(result["tokens"])]
@@ -180,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
                              top_k=f.top_k, append=True) as writer:
                 writer.write(routed, seq=f"generate-{time.time_ns()}", domain=args.trace_domain, prompt=prompt)
             s["trace_out"] = str(args.trace_out)
+    if not rank0:
+        return 0
     if args.json:
         print(json.dumps(s))
     else:

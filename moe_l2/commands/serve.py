@@ -20,8 +20,9 @@ from moe_l2.model.location import resolve_model
 HELP = "serve an mlx-lm MoE model over an OpenAI-compatible HTTP API, its experts streamed"
 
 # mlx_lm.server options this command has no use for, with the values its code expects.
+# Under mlx.launch the model is split in pipeline stages (docs/distributed.md), never tensor-parallel.
 _FIXED = {"adapter_path": None, "draft_model": None, "num_draft_tokens": 3, "trust_remote_code": False,
-          "pipeline": False}
+          "pipeline": True}
 
 
 def _json_object(text: str) -> dict:
@@ -117,12 +118,19 @@ def _announce(host: str, port: int):
         else:
             daemon = (f"moe-l2d not attached at {client.address} ({client.last_error or 'no answer'}): experts "
                       "from the model files until it answers")
-        print(f"moe-l2 serve: {provider.model_id} on http://{host}:{port}/v1 (L0 {lm.pool.capacity} experts per "
-              f"layer; {daemon})", file=sys.stderr, flush=True)
+        layers = sorted(lm.pool.layers)
+        where = (f"on http://{host}:{port}/v1" if provider.rank == 0 else "rank 0's requests")
+        stage = (f"rank {provider.rank}, MoE layers {layers[0]}-{layers[-1]}; "
+                 if len(layers) < lm.files.n_layers else "")
+        print(f"moe-l2 serve: {provider.model_id} {where} ({stage}L0 {lm.pool.capacity} experts per layer; "
+              f"{daemon})", file=sys.stderr, flush=True)
     return ready
 
 
 def run(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+
+    from moe_l2.client.distributed import rank_socket
     from moe_l2.client.serving import StreamedModelProvider, serve
     from moe_l2.model import DIRECT_IO
 
@@ -134,9 +142,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"moe-l2 serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
-    lm_options = {"l0_slots": args.l0_slots, "l0_budget": args.l0_budget, "socket": args.socket,
+    # Under mlx.launch every rank runs its pipeline stage; rank 0 alone listens (docs/distributed.md).
+    group = mx.distributed.init()
+    lm_options = {"l0_slots": args.l0_slots, "l0_budget": args.l0_budget, "socket": rank_socket(args.socket, group),
                   "daemon": not args.no_daemon, "client_wait_s": 2.0, "direct": DIRECT_IO[args.direct_io],
-                  "verify": args.verify_checksums, "prefetch": args.prefetch}
+                  "verify": args.verify_checksums, "prefetch": args.prefetch,
+                  "group": group if group.size() > 1 else None}
     provider = StreamedModelProvider(cli_args, model_dir, args.model, lm_options)
     status = 0
     try:
