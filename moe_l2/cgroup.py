@@ -14,8 +14,6 @@ from pathlib import Path
 
 __all__ = ["MemoryCgroup"]
 
-_ROOT = Path("/sys/fs/cgroup")
-
 
 class MemoryCgroup:
     """A fresh child group; processes join it by writing their pid to `procs` (the bench's workers do)."""
@@ -29,10 +27,11 @@ class MemoryCgroup:
         """(the group, "") or (None, why none can be made here)."""
         if sys.platform != "linux":
             return None, f"{sys.platform} has no memory cgroups"
-        v2 = "memory" in _read(_ROOT / "cgroup.controllers").split()
-        parent = _ROOT if v2 else _ROOT / "memory"
+        root = Path("/sys/fs/cgroup")
+        v2 = "memory" in _read(root / "cgroup.controllers").split()
+        parent = root if v2 else root / "memory"
         if not v2 and not (parent / "memory.limit_in_bytes").exists():
-            return None, f"no cgroup memory controller at {_ROOT} (v2) or {parent} (v1)"
+            return None, f"no cgroup memory controller at {root} (v2) or {parent} (v1)"
         path = parent / name
         try:
             path.mkdir()

@@ -54,7 +54,7 @@ def greedy(model, tokenizer, n_prompt=40, max_tokens=12) -> list[int]:
 
 def assert_counts_add_up(pool: ExpertPool) -> None:
     c = pool.prefetch_counts
-    still = sum(len(lp.prefetched()) for lp in pool.layers)
+    still = sum(len(lp.prefetched()) for lp in pool.layers.values())
     assert c.issued == c.useful + c.wasted + still
     assert c.right <= min(c.guessed, c.picked)
 
@@ -72,7 +72,7 @@ def test_tokens_are_the_whole_models_at_every_l0_size(model_dir, model_files, wh
             if slots < model_files.n_experts:
                 assert c.issued > 0 and c.bytes_read == c.issued * model_files.layout.nbytes
             assert_counts_add_up(lm.pool)
-            for layer, lp in enumerate(lm.pool.layers):  # what the worker wrote is the file's bytes
+            for layer, lp in lm.pool.layers.items():  # what the worker wrote is the file's bytes
                 assert_resident_exact(lm.pool, model_files, layer, lp.prefetched())
 
 
@@ -267,8 +267,8 @@ def test_generate_reports_prefetch_in_its_summary(capsys, model_dir, whole):
 def test_router_prefetch_is_refused_where_no_router_is_found(model_dir, model_files):
     with StreamedLM(model_dir, l0_slots=5, daemon=False) as lm:
         with pytest.raises(ValueError, match="no router"):
-            NextLayer("router", lm.pool, [None] * model_files.n_layers)
-        assert NextLayer("auto", lm.pool, [None] * model_files.n_layers).predictor == "cooccurrence"
+            NextLayer("router", lm.pool, dict.fromkeys(range(model_files.n_layers)))
+        assert NextLayer("auto", lm.pool, dict.fromkeys(range(model_files.n_layers))).predictor == "cooccurrence"
 
 
 def test_l2_client_sends_prefetch_increments(model_files, running_daemon, capsys):
@@ -288,3 +288,21 @@ def test_l2_client_sends_prefetch_increments(model_files, running_daemon, capsys
             capsys.readouterr().out
     finally:
         client.close()
+
+
+def test_a_pipeline_stage_prefetches_only_its_own_layers(model_files):
+    """A stage's pool holds some layers (docs/distributed.md): its last layer asks for no prefetch of the next
+    layer, which another rank runs; a layer before it does."""
+    assert model_files.n_layers >= 3
+    pool = ExpertPool(model_files, model_files.top_k, layers=[0, 1])
+    try:
+        next_layer = NextLayer("cooccurrence", pool)
+        chosen = np.array([list(range(model_files.top_k))])
+        next_layer.after(1, mx.zeros((1, 8)), chosen)
+        assert pool.prefetch_counts.requests == 0
+        next_layer.after(0, mx.zeros((1, 8)), chosen)
+        pool.wait_prefetches()
+        assert pool.prefetch_counts.requests == 1 and pool.prefetch_counts.errors == 0
+        assert pool.layers[1].prefetched()
+    finally:
+        pool.close()
