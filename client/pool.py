@@ -233,6 +233,8 @@ class ExpertPool:
         self.capacity = capacity
         self.client = client
         self.read_threads = read_threads or min(8, os.cpu_count() or 1)
+        # Large records are copied from L2 on several threads: one core does not reach the memory bandwidth.
+        self.copy_threads = min(8, os.cpu_count() or 1)
         self.load_through_s = load_through_s
         self.layers = {layer: LayerPool(files, capacity, policy) for layer in layers}
         self._counts = TierCounts()
@@ -403,7 +405,7 @@ class ExpertPool:
         g = attachment.geometry
         return _native.copy_records(attachment.index, attachment.data[layer], g.slot_of_offset(layer),
                                     g.meta_offset(layer), g.n_experts, g.n_slots, g.slot_stride,
-                                    lp.copy_pieces, experts, rows)
+                                    lp.copy_pieces, experts, rows, self.copy_threads)
 
     def _intact_copy(self, layer: int, lp: LayerPool, expert: int, row: int) -> bool:
         """Whether a record copied from L2 matches the manifest; one that does not is read from the file."""

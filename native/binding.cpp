@@ -173,8 +173,9 @@ void init_memory(nb::module_& m) {
 void init_copy(nb::module_& m) {
   m.def("copy_records", &copy_records, "index"_a, "data"_a, "slot_of_off"_a, "meta_off"_a,
         "n_experts"_a, "n_slots"_a, "slot_stride"_a, "pieces"_a, "experts"_a, "rows"_a,
+        "threads"_a = 1,
         "Copy the L2 records of experts into rows of the pieces' destinations, checked by each "
-        "slot's seqlock, with the GIL released. Result i is False where experts[i] is absent "
+        "slot's seqlock, on up to `threads` threads, with the GIL released. Result i is False where experts[i] is absent "
         "or was being written (its rows may then be partly written).");
 }
 

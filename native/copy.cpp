@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include <nanobind/nanobind.h>
@@ -23,6 +24,16 @@ struct Piece {
   std::byte* dst;
 };
 
+// Records are copied in pieces of at most this many bytes, so that several threads share one large
+// record (one core does not reach the machine's memory bandwidth; docs/architecture.md, "Native module").
+constexpr size_t kChunk = size_t(1) << 20;
+
+struct Chunk {
+  const std::byte* src;
+  std::byte* dst;
+  size_t nbytes;
+};
+
 uint32_t load(const std::byte* p, int order) {
   return __atomic_load_n(reinterpret_cast<const uint32_t*>(p), order);
 }
@@ -33,8 +44,11 @@ std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t 
                                int64_t meta_off_in, int64_t n_experts_in, int64_t n_slots_in,
                                int64_t slot_stride_in, const std::vector<CopyPiece>& pieces_in,
                                const std::vector<int64_t>& experts,
-                               const std::vector<int64_t>& rows) {
+                               const std::vector<int64_t>& rows, int64_t threads) {
   const char* fn = "copy_records";
+  if (threads < 1) {
+    throw_value_error(fn, "threads must be >= 1, got " + std::to_string(threads));
+  }
   size_t slot_of_off = to_size(fn, "slot_of_off", slot_of_off_in);
   size_t meta_off = to_size(fn, "meta_off", meta_off_in);
   size_t n_experts = to_size(fn, "n_experts", n_experts_in);
@@ -88,6 +102,11 @@ std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t 
   std::vector<bool> copied(experts.size(), false);
   {
     nb::gil_scoped_release unlocked;
+    // Seqlock reader, split over threads: each present record's seq before any of its bytes are read,
+    // the bytes in chunks on up to `threads` threads, then each seq again once every thread is done.
+    std::vector<uint32_t> seq_before(experts.size(), 0);
+    std::vector<const std::byte*> metas(experts.size(), nullptr);
+    std::vector<Chunk> chunks;
     for (size_t i = 0; i < experts.size(); ++i) {
       auto expert = static_cast<int32_t>(experts[i]);
       auto slot = static_cast<int32_t>(load(idx + slot_of_off + 4 * size_t(expert), __ATOMIC_ACQUIRE));
@@ -99,13 +118,30 @@ std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t 
       if ((s1 & 1u) || static_cast<int32_t>(load(meta + kMetaExpert, __ATOMIC_RELAXED)) != expert) {
         continue;
       }
+      seq_before[i] = s1;
+      metas[i] = meta;
       const std::byte* record = src + size_t(slot) * slot_stride;
       for (const Piece& p : pieces) {
-        std::memcpy(p.dst + size_t(rows[i]) * p.nbytes, record + p.src_off, p.nbytes);
+        for (size_t at = 0; at < p.nbytes; at += kChunk) {
+          chunks.push_back({record + p.src_off + at, p.dst + size_t(rows[i]) * p.nbytes + at,
+                            std::min(kChunk, p.nbytes - at)});
+        }
       }
-      // The record bytes must be read before seq is read again.
+    }
+    std::atomic<size_t> next{0};
+    auto loop = [&] {
+      for (size_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks.size();) {
+        std::memcpy(chunks[c].dst, chunks[c].src, chunks[c].nbytes);
+      }
+      // This thread's reads of record bytes are ordered before the seqs are read again (after the join).
       __atomic_thread_fence(__ATOMIC_ACQUIRE);
-      copied[i] = load(meta + kMetaSeq, __ATOMIC_RELAXED) == s1;
+    };
+    // A few chunks are copied faster than threads start.
+    size_t workers = chunks.size() >= 4 ? std::min(chunks.size(), size_t(threads)) : 1;
+    run_on_threads(workers, loop);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    for (size_t i = 0; i < experts.size(); ++i) {
+      copied[i] = metas[i] != nullptr && load(metas[i] + kMetaSeq, __ATOMIC_RELAXED) == seq_before[i];
     }
   }
   return copied;

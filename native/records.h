@@ -33,14 +33,14 @@ void run_on_threads(size_t n_threads, Loop&& loop) {
 // (src_off, nbytes, dst): one piece of a record and the pool memory whose rows receive it.
 using CopyPiece = std::tuple<int64_t, int64_t, Memory*>;
 
-// Seqlock-checked copy of records from the L2 shared-memory store. Result i is true iff the
-// record of experts[i] was present and copied without a concurrent write (docs/architecture.md,
-// "Native module": the reader side of the seqlock).
+// Seqlock-checked copy of records from the L2 shared-memory store, on up to `threads` threads.
+// Result i is true iff the record of experts[i] was present and copied without a concurrent write
+// (docs/architecture.md, "Native module": the reader side of the seqlock).
 std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t slot_of_off,
                                int64_t meta_off, int64_t n_experts, int64_t n_slots,
                                int64_t slot_stride, const std::vector<CopyPiece>& pieces,
                                const std::vector<int64_t>& experts,
-                               const std::vector<int64_t>& rows);
+                               const std::vector<int64_t>& rows, int64_t threads);
 
 // (fd, file_offset, nbytes, dst, dst_offset): read nbytes of a file into dst.
 using ReadJob = std::tuple<int, int64_t, int64_t, Memory*, int64_t>;

@@ -287,10 +287,10 @@ class Store:
         self.index.seq_end_write(self.seq_off(slot))
         self.index.store_i32(self.SLOT_OF + 4 * expert, slot)
 
-    def copy(self, pieces, experts, rows, index=None):
+    def copy(self, pieces, experts, rows, index=None, threads=1):
         return native.copy_records(
             index or self.index, self.data, self.SLOT_OF, self.meta,
-            self.n_experts, self.n_slots, self.stride, pieces, experts, rows,
+            self.n_experts, self.n_slots, self.stride, pieces, experts, rows, threads,
         )
 
 
@@ -317,6 +317,25 @@ def test_copy_records_copies_exact_bytes(shm_name):
     assert bytes(memoryview(arr[2])) == records[5][:1000]
 
 
+def test_copy_records_on_threads_copies_exact_bytes(shm_name):
+    """Records of several MiB go in 1 MiB chunks over threads: every byte lands in its row, an absent expert
+    is reported as such."""
+    stride = 5 << 20
+    store = Store(shm_name, n_experts=4, n_slots=3, stride=stride)
+    records = {e: os.urandom(stride) for e in (0, 2, 3)}
+    for slot, e in enumerate(records):
+        store.fill(slot, e, records[e])
+    pieces_spec = [(0, (3 << 20) + 17), ((3 << 20) + 4096, (2 << 20) - 8192)]  # uneven last chunks
+    pools = [native.Buffer(4 * n) for _, n in pieces_spec]
+    pieces = [(off, n, pool) for (off, n), pool in zip(pieces_spec, pools)]
+    experts, rows = [3, 1, 0, 2], [0, 1, 2, 3]
+    assert store.copy(pieces, experts, rows, threads=4) == [True, False, True, True]
+    for e, row in zip(experts, rows):
+        for (off, n), pool in zip(pieces_spec, pools):
+            got = bytes(pool.view()[row * n : (row + 1) * n])
+            assert got == (records[e][off : off + n] if e in records else bytes(n))
+
+
 def test_copy_records_refuses_absent_busy_and_foreign_slots(shm_name):
     store = Store(shm_name)
     for e, slot in ((0, 0), (1, 1), (2, 2)):
@@ -340,19 +359,20 @@ def test_copy_records_bounds_are_checked(shm_name):
     pool = native.Buffer(64 * 4)
     good = [(0, 64, pool)]
 
-    def bad(match, pieces=good, experts=(0,), rows=(0,), **layout):
+    def bad(match, pieces=good, experts=(0,), rows=(0,), threads=1, **layout):
         args = dict(slot_of_off=store.SLOT_OF, meta_off=store.meta, n_experts=store.n_experts,
                     n_slots=store.n_slots, slot_stride=store.stride)
         args.update(layout)
         with pytest.raises(ValueError, match=r"\[copy_records\] " + match):
             native.copy_records(store.index, store.data, pieces=pieces, experts=list(experts),
-                                rows=list(rows), **args)
+                                rows=list(rows), threads=threads, **args)
 
     bad(r"experts\[0\] = 8 is outside \[0, 8\)", experts=[8])
     bad(r"experts\[1\] = -1", experts=[0, -1], rows=[0, 1])
     bad(r"rows\[0\] must be >= 0", rows=[-1])
     bad(r"bytes \[0, 320\) are outside buffer", rows=[4])
     bad(r"experts and rows differ in length", experts=[0, 1])
+    bad(r"threads must be >= 1, got 0", threads=0)
     stride = store.stride  # two pages: 8 KiB with 4 KiB pages, 32 KiB on Apple Silicon's 16 KiB pages
     bad(rf"pieces\[0\] \[{stride - 192}, {stride + 8}\) overruns the {stride}-byte slot",
         pieces=[(stride - 192, 200, pool)])
@@ -371,21 +391,20 @@ from moe_l2 import _native as native
 index = native.Segment.open(sys.argv[1], readonly=False)
 data = native.Segment.open(sys.argv[2], readonly=False)
 seq_off, size = int(sys.argv[3]), int(sys.argv[4])
-versions = [bytes([v]) * size for v in range(256)]
 view = data.view()
 version = 0
 while index.load_u32(0) == 0:
     version += 1
     index.seq_begin_write(seq_off)
-    view[:size] = versions[version & 0xFF]
+    view[:size] = bytes([version & 0xFF]) * size
     index.seq_end_write(seq_off)
     time.sleep(0.0001)
 """
 
 
-def test_copy_records_never_returns_a_torn_record(shm_name):
+@pytest.mark.parametrize("record, threads", [(256 << 10, 1), (4 << 20, 4)])  # one thread; chunks on four
+def test_copy_records_never_returns_a_torn_record(shm_name, record, threads):
     """Every copy reported True holds a single version of a record another process rewrites."""
-    record = 256 << 10
     half = record // 2
     store = Store(shm_name, n_experts=2, n_slots=1, stride=record)
     store.fill(0, 1, bytes(record))
@@ -402,7 +421,7 @@ def test_copy_records_never_returns_a_torn_record(shm_name):
             while time.monotonic() < deadline and (consistent < 100 or rejected_torn < 5):
                 if proc.poll() is not None:
                     pytest.fail("the writer process died:\n" + proc.stderr.read().decode())
-                (ok,) = store.copy(pieces, [1], [1])
+                (ok,) = store.copy(pieces, [1], [1], threads=threads)
                 first, second = (bytes(pool.view()[half:]) for pool in pools)
                 uniform = first == second == first[:1] * half
                 if ok:
