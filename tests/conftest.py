@@ -34,6 +34,16 @@ def model_files(model_dir) -> ModelFiles:
     return ModelFiles.open(model_dir)
 
 
+def retire(daemons) -> None:
+    """Stop daemons, unlink what they left in shared memory, then remove their runtime dirs (one dir may serve
+    several daemons in turn: none is removed while a daemon in it runs)."""
+    for daemon in daemons:
+        daemon.stop()
+        daemon.unlink_leftovers()
+    for daemon in daemons:
+        shutil.rmtree(daemon.runtime_dir, ignore_errors=True)
+
+
 @pytest.fixture
 def daemon_factory():
     started: list[DaemonProcess] = []
@@ -47,10 +57,8 @@ def daemon_factory():
         return daemon.start()
 
     yield start
-    for daemon in started:
-        daemon.stop()
-        daemon.unlink_leftovers()
-    for directory in dirs:
+    retire(started)
+    for directory in dirs:  # also those of daemons that never got as far as starting
         shutil.rmtree(directory, ignore_errors=True)
 
 

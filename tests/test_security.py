@@ -28,7 +28,7 @@ from moe_l2.generator import make_model
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.model import ModelFiles
 
-from .conftest import budget_for, stats, wait_for
+from .conftest import budget_for, retire, stats, wait_for
 
 NOBODY = 65534
 AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
@@ -114,10 +114,7 @@ def hostile_daemon(public_model):
         return daemon.start()
 
     yield start
-    for daemon in started:
-        daemon.stop()
-        daemon.unlink_leftovers()
-        shutil.rmtree(daemon.runtime_dir, ignore_errors=True)
+    retire(started)
 
 
 # 10.2: a daemon run by another user is refused; the client reads from the file.
