@@ -34,24 +34,6 @@ def _settle() -> None:
     mx.synchronize(mx.default_stream(mx.cpu))
 
 
-def _bytes_from_rank0(group: mx.distributed.Group, data: bytes) -> bytes:
-    """Rank 0's bytes on every rank (the others' `data` is ignored): a sum where only rank 0 adds anything."""
-    _settle()
-    mine = data if group.rank() == 0 else b""
-    size = mx.distributed.all_sum(mx.array([len(mine)], dtype=mx.int32), group=group, stream=mx.cpu)
-    n = int(size.item())
-    buffer = np.frombuffer(mine, dtype=np.uint8) if mine else np.zeros(n, dtype=np.uint8)
-    total = mx.distributed.all_sum(mx.array(buffer, dtype=mx.int32), group=group, stream=mx.cpu)
-    return bytes(np.array(total, dtype=np.uint8))
-
-
-def share_text(group: mx.distributed.Group, text: str | None) -> str | None:
-    """Rank 0's text (None when rank 0 has none, e.g. it could not read the prompt) on every rank; only rank
-    0 needs to hold it, so a prompt on rank 0's standard input reaches every host."""
-    shared = json.loads(_bytes_from_rank0(group, json.dumps({"text": text}).encode()))
-    return shared["text"]
-
-
 def gather_json(group: mx.distributed.Group, value) -> list:
     """Every rank's JSON-able `value`, in rank order, on every rank."""
     _settle()
@@ -64,12 +46,15 @@ def gather_json(group: mx.distributed.Group, value) -> list:
     return [json.loads(bytes(row[:n])) for row, n in zip(rows, sizes)]
 
 
+def share_text(group: mx.distributed.Group, text: str | None) -> str | None:
+    """Rank 0's text (None when rank 0 has none, e.g. it could not read the prompt) on every rank; only rank
+    0 needs to hold it, so a prompt on rank 0's standard input reaches every host."""
+    return gather_json(group, text if group.rank() == 0 else None)[0]
+
+
 def speaks_for_daemon(group: mx.distributed.Group, address: str | None) -> bool:
     """Whether this rank is the one that sends per-request messages (hints) to its daemon: the lowest rank of
     those on the same host with the same daemon address, so each daemon hears a request once
     (docs/distributed.md)."""
-    _settle()
-    key = f"{os.uname().nodename}\0{address}".encode()
-    digest = np.frombuffer(hashlib.sha1(key).digest(), dtype=np.uint8)
-    keys = np.array(mx.distributed.all_gather(mx.array(digest)[None], group=group, stream=mx.cpu))
-    return next(r for r in range(group.size()) if (keys[r] == digest).all()) == group.rank()
+    key = hashlib.sha1(f"{os.uname().nodename}\0{address}".encode()).hexdigest()
+    return gather_json(group, key).index(key) == group.rank()

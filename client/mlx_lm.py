@@ -91,7 +91,7 @@ def stream_experts(model: nn.Module, pool: ExpertPool, stats: StreamStats | None
                    recorder: RoutingRecorder | None = None, prefetch: str = "off") -> list[StreamedSwitch]:
     """Swap every SwitchGLU / SwitchMLP of a (lazily loaded) model for a StreamedSwitch over `pool`.
 
-    prefetch: next-layer prefetch, one of client.nextlayer.PREFETCH (the switches share one NextLayer).
+    prefetch: next-layer prefetch, one of moe_l2.cache.prefetch.PREFETCH (the switches share one NextLayer).
     The model must run exactly the pool's layers. The replaced modules' arrays are dropped unevaluated.
     Returns the new modules, MoE layer order."""
     files = pool.files
@@ -210,7 +210,7 @@ class StreamedLM:
                  direct: bool | None = None, verify: str = "file", download: bool = False,
                  tokenizer_config: dict | None = None, prefetch: str = "off",
                  group: mx.distributed.Group | None = None):
-        """prefetch: next-layer prefetch, one of client.nextlayer.PREFETCH.
+        """prefetch: next-layer prefetch, one of moe_l2.cache.prefetch.PREFETCH.
         group: the mlx.distributed group to run a pipeline stage in (several ranks: this rank's layers
         only, docs/distributed.md); None or one rank: the whole model."""
         from moe_l2.client.connection import L2Client

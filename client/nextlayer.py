@@ -21,9 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from moe_l2.cache.prefetch import CooccurrencePredictor, top
-
-PREFETCH = ("off", "router", "cooccurrence", "auto")
+from moe_l2.cache.prefetch import PREFETCH, CooccurrencePredictor, top
 
 
 def find_router(model: nn.Module, switch_path: str, n_experts: int) -> tuple[str, object] | None:

@@ -38,6 +38,8 @@ log = logging.getLogger("moe-l2.client")
 # ExpertPool(verify=...): which records are checked against the model's checksum manifest, if it has one:
 # none, those read from the model file (the default), or those and the ones copied from L2.
 VERIFY = ("off", "file", "all")
+# Threads for the model file's reads and for copies from L2, by default: the cores, up to 8.
+THREADS = min(8, os.cpu_count() or 1)
 # load_through_s: how often L2 is looked at again for a record the daemon is loading.
 LOAD_POLL_S = 0.0005
 
@@ -232,9 +234,9 @@ class ExpertPool:
         self.files = files
         self.capacity = capacity
         self.client = client
-        self.read_threads = read_threads or min(8, os.cpu_count() or 1)
+        self.read_threads = read_threads or THREADS
         # Large records are copied from L2 on several threads: one core does not reach the memory bandwidth.
-        self.copy_threads = min(8, os.cpu_count() or 1)
+        self.copy_threads = THREADS
         self.load_through_s = load_through_s
         self.layers = {layer: LayerPool(files, capacity, policy) for layer in layers}
         self._counts = TierCounts()
@@ -316,7 +318,7 @@ class ExpertPool:
 
         def load_through(copied: list[bool]) -> list[bool]:
             # Report the L2 misses now, so that the daemon starts loading them, and copy them as they land.
-            reported.append(self._report(layer, missing, copied, picks))
+            reported.append(self.report_lookups(layer, missing, copied, picks))
             return self._await_l2(layer, lp, missing, rows, copied)
 
         through = self.load_through_s and self.client is not None and self.client.attached
@@ -325,7 +327,7 @@ class ExpertPool:
         loaded.l0_hits = counts.l0_hits
         self._add_counts(loaded)
         if not any(reported):
-            self._report(layer, missing, copied, picks)
+            self.report_lookups(layer, missing, copied, picks)
         return loaded
 
     def _add_counts(self, counts: TierCounts) -> None:
@@ -378,7 +380,7 @@ class ExpertPool:
         cancelling any; for callers that know they have time to spare (a benchmark's compute, a test)."""
         self._prefetcher.wait(layer)
 
-    def _report(self, layer: int, missing: list[int], copied: list[bool], picks: list[int]) -> bool:
+    def report_lookups(self, layer: int, missing: list[int], copied: list[bool], picks: list[int]) -> bool:
         """Tell the daemon what L2 had and lacked (it loads what it lacked); False when there is no daemon."""
         if self.client is None:
             return False

@@ -181,10 +181,8 @@ class Prefetcher:
             self._counts.bytes_copied += counts.bytes_copied
             self._counts.bytes_read += counts.bytes_read
             self._counts.worker_s += time.perf_counter() - start
-        if pool.client is not None:
-            # The daemon learns of the L2 lookups (and loads what it lacked); no routed picks: nothing was routed.
-            pool.client.report(job.layer, [e for e, ok in zip(experts, copied) if ok],
-                               [e for e, ok in zip(experts, copied) if not ok], [])
+        # The daemon learns of the L2 lookups (and loads what it lacked); no routed picks: nothing was routed.
+        pool.report_lookups(job.layer, experts, copied, [])
 
     def close(self) -> None:
         """Cancel what has not started, wait for the rest, stop the thread."""

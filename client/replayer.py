@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import sys
 import time
 
 import numpy as np
 
 from moe_l2.client.connection import L2Client
+from moe_l2.client.mlx_lm import peak_rss_bytes
 from moe_l2.client.nextlayer import NextLayer
 from moe_l2.client.pool import ExpertPool
 from moe_l2.model import ModelFiles
@@ -43,10 +43,7 @@ def anon_bytes(pid: int | str = "self") -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    if pid != "self":
-        return 0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    return peak_rss_bytes() if pid == "self" else 0
 
 
 def disk_read_bytes(pid: int | str = "self") -> int | None:

@@ -22,6 +22,9 @@ from typing import Protocol
 
 import numpy as np
 
+# The client's prefetch modes (`generate`/`serve --prefetch`, client.nextlayer.NextLayer): off, the next
+# layer's router on this layer's input, CooccurrencePredictor, or router where the model has one.
+PREFETCH = ("off", "router", "cooccurrence", "auto")
 # Pseudo-count of the smoothing towards layer l+1's frequency: how many observations of expert a at layer l
 # it takes before P(b | a) outweighs the marginal. Few: adjacent layers' routing is strongly tied.
 SMOOTHING = 2.0
@@ -219,6 +222,6 @@ def prefetch_rates(c: dict) -> dict:
     hidden. The worker's time on experts that were then demanded is time the forward did not wait for them:
     an estimate (every load is taken to cost the same), less the time fetches waited for the worker."""
     per_load = c["worker_us"] / c["issued"] if c["issued"] else 0.0
-    return {"precision": c["right"] / c["guessed"] if c["guessed"] else None,
-            "recall": c["right"] / c["picked"] if c["picked"] else None,
+    score = Score(c["guessed"], c["picked"], c["right"])
+    return {"precision": score.precision, "recall": score.recall,
             "hidden_s": max(0.0, per_load * c["useful"] - c["wait_us"]) / 1e6}

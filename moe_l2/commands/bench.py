@@ -21,6 +21,7 @@ from pathlib import Path
 import platformdirs
 
 from moe_l2 import protocol
+from moe_l2.cache.prefetch import Score
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.cgroup import MemoryCgroup
 from moe_l2.client.connection import request
@@ -311,9 +312,10 @@ def render(result: dict) -> str:
     for c in result["configs"]:
         if c.get("prefetch"):
             pf = c["prefetch"]
+            score = Score(pf["guessed"], pf["picked"], pf["right"])
             lines.append(f"{c['name']} at {format_pct(c['budget_share'], 0)}, {c['processes']} processes: guesses "
-                         f"{format_pct(pf['right'] / pf['guessed'] if pf['guessed'] else None)} right (precision), "
-                         f"{format_pct(pf['right'] / pf['picked'] if pf['picked'] else None)} of picks guessed "
+                         f"{format_pct(score.precision)} right (precision), "
+                         f"{format_pct(score.recall)} of picks guessed "
                          f"(recall); {pf['issued']} loaded ahead, {pf['useful']} used, {pf['wasted']} evicted unused; "
                          f"{format_size((pf['bytes_read'] + pf['bytes_copied']) / c['tokens'])} per token")
     lines += ["", "tok/s = 1 / (compute + stall) for the layers replayed; stall: fetch time compute did not hide; "

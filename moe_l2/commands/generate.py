@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from moe_l2.cache.prefetch import PREFETCH
 from moe_l2.model.location import path_arg, socket_arg
 from moe_l2.sizes import format_pct, format_size
 
@@ -32,7 +33,7 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check experts against the model's checksum manifest, if it has one: those read "
                              "from the model file (file, the default), those copied from moe-l2d's shared "
                              "memory too (all), or none (off)")
-    parser.add_argument("--prefetch", choices=("off", "router", "cooccurrence", "auto"), default="off",
+    parser.add_argument("--prefetch", choices=PREFETCH, default="off",
                         help="while a MoE layer computes, load the next layer's guessed experts in the "
                              "background: guessed by the next layer's router (router), by expert co-occurrence "
                              "learned online (cooccurrence), or router where the model has one (auto); off (the "
