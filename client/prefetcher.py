@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from moe_l2.cache.prefetch import prefetch_rates
+from moe_l2.protocol import PREFETCH_COUNTERS
 
 log = logging.getLogger("moe-l2.client")
 
@@ -55,10 +56,8 @@ class PrefetchCounts:
 
     def wire(self) -> dict[str, int]:
         """The totals as a report carries them (protocol.PREFETCH_COUNTERS)."""
-        out = {name: getattr(self, name) for name in ("issued", "useful", "wasted", "guessed", "picked", "right")}
-        out["worker_us"] = round(self.worker_s * 1e6)
-        out["wait_us"] = round(self.wait_s * 1e6)
-        return out
+        return {name: round(getattr(self, name.removesuffix("_us") + "_s") * 1e6) if name.endswith("_us")
+                else getattr(self, name) for name in PREFETCH_COUNTERS}
 
 
 @dataclass
