@@ -4,6 +4,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -144,6 +145,9 @@ void init_memory(nb::module_& m) {
                   "Remove a segment's name; False if there was none. Mappings stay valid. With "
                   "owner (a uid), only a segment fstat says that uid owns; PermissionError for "
                   "another's.")
+      .def("array", &Segment::array, "offset"_a, "shape"_a, "strides"_a, "dtype"_a,
+           "A zero-copy MLX view: element [i, j, ...] at offset + (i * strides[0] + ...) * itemsize "
+           "bytes; it keeps the mapping alive.")
       .def_prop_ro("name", &Segment::name)
       .def_prop_ro("locked", &Segment::locked,
                    "Whether create() locked the pages in memory (False for opened segments).")
@@ -177,6 +181,11 @@ void init_copy(nb::module_& m) {
         "Copy the L2 records of experts into rows of the pieces' destinations, checked by each "
         "slot's seqlock, on up to `threads` threads, with the GIL released. Result i is False where experts[i] is absent "
         "or was being written (its rows may then be partly written).");
+  m.def("lend_records", &lend_records, "index"_a, "slot_of_off"_a, "meta_off"_a, "n_experts"_a,
+        "n_slots"_a, "experts"_a,
+        "(slot, seq) of each expert L2 holds whole, slot -1 for the rest: records to compute on in place.");
+  m.def("records_unchanged", &records_unchanged, "index"_a, "meta_off"_a, "n_slots"_a, "slots"_a,
+        "seqs"_a, "Whether each lent slot still has the seq it was lent with.");
 }
 
 void init_pread(nb::module_& m) {

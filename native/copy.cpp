@@ -147,4 +147,73 @@ std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t 
   return copied;
 }
 
+std::vector<std::pair<int64_t, int64_t>> lend_records(const Memory& index, int64_t slot_of_off_in,
+                                                      int64_t meta_off_in, int64_t n_experts_in,
+                                                      int64_t n_slots_in,
+                                                      const std::vector<int64_t>& experts) {
+  const char* fn = "lend_records";
+  size_t slot_of_off = to_size(fn, "slot_of_off", slot_of_off_in);
+  size_t meta_off = to_size(fn, "meta_off", meta_off_in);
+  size_t n_experts = to_size(fn, "n_experts", n_experts_in);
+  size_t n_slots = to_size(fn, "n_slots", n_slots_in);
+  if (slot_of_off % 4 != 0 || meta_off % 4 != 0) {
+    throw_value_error(fn, "slot_of_off and meta_off must be 4-byte aligned");
+  }
+  index.check_range(fn, slot_of_off, checked_mul(fn, n_experts, 4));
+  index.check_range(fn, meta_off, checked_mul(fn, n_slots, kMetaSize));
+  auto region = index.region(fn);
+  const std::byte* idx = region->data;
+  std::vector<std::pair<int64_t, int64_t>> lent;
+  for (size_t i = 0; i < experts.size(); ++i) {
+    if (experts[i] < 0 || static_cast<size_t>(experts[i]) >= n_experts) {
+      throw_value_error(fn, "experts[" + std::to_string(i) + "] = " + std::to_string(experts[i]) +
+                                " is outside [0, " + std::to_string(n_experts) + ")");
+    }
+    auto expert = static_cast<int32_t>(experts[i]);
+    auto slot = static_cast<int32_t>(load(idx + slot_of_off + 4 * size_t(expert), __ATOMIC_ACQUIRE));
+    int64_t seq = 0;
+    if (slot >= 0 && static_cast<size_t>(slot) < n_slots) {
+      const std::byte* meta = idx + meta_off + kMetaSize * size_t(slot);
+      uint32_t s = load(meta + kMetaSeq, __ATOMIC_ACQUIRE);
+      if ((s & 1u) || static_cast<int32_t>(load(meta + kMetaExpert, __ATOMIC_RELAXED)) != expert) {
+        slot = -1;
+      }
+      seq = s;
+    } else {
+      slot = -1;
+    }
+    lent.emplace_back(slot, seq);
+  }
+  return lent;
+}
+
+std::vector<bool> records_unchanged(const Memory& index, int64_t meta_off_in, int64_t n_slots_in,
+                                    const std::vector<int64_t>& slots,
+                                    const std::vector<int64_t>& seqs) {
+  const char* fn = "records_unchanged";
+  size_t meta_off = to_size(fn, "meta_off", meta_off_in);
+  size_t n_slots = to_size(fn, "n_slots", n_slots_in);
+  if (meta_off % 4 != 0) {
+    throw_value_error(fn, "meta_off must be 4-byte aligned");
+  }
+  if (slots.size() != seqs.size()) {
+    throw_value_error(fn, "slots and seqs differ in length (" + std::to_string(slots.size()) +
+                              " != " + std::to_string(seqs.size()) + ")");
+  }
+  index.check_range(fn, meta_off, checked_mul(fn, n_slots, kMetaSize));
+  auto region = index.region(fn);
+  // Whatever read the records (a finished MLX evaluation) is ordered before these loads.
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  std::vector<bool> unchanged(slots.size(), false);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] < 0 || static_cast<size_t>(slots[i]) >= n_slots) {
+      throw_value_error(fn, "slots[" + std::to_string(i) + "] = " + std::to_string(slots[i]) +
+                                " is outside [0, " + std::to_string(n_slots) + ")");
+    }
+    const std::byte* meta = region->data + meta_off + kMetaSize * size_t(slots[i]);
+    unchanged[i] = load(meta + kMetaSeq, __ATOMIC_RELAXED) == static_cast<uint32_t>(seqs[i]);
+  }
+  return unchanged;
+}
+
 }  // namespace moe_l2

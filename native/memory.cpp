@@ -10,6 +10,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <mlx/allocator.h>
+#include <mlx/backend/cuda/cuda.h>
+#include <mlx/backend/metal/metal.h>
+
 namespace mx = mlx::core;
 
 namespace moe_l2 {
@@ -433,6 +437,67 @@ Segment Segment::open(const std::string& name, bool readonly) {
   }
   return Segment(name, std::make_shared<Mapping>(addr, nbytes), readonly,
                  static_cast<unsigned>(st.st_uid), static_cast<unsigned>(st.st_mode & 07777));
+}
+
+mx::array Segment::array(int64_t offset_in, const std::vector<int64_t>& shape_in,
+                         const std::vector<int64_t>& strides_in, mx::Dtype dtype) const {
+  const char* fn = "Segment.array";
+  size_t offset = to_size(fn, "offset", offset_in);
+  size_t itemsize = mx::size_of(dtype);
+  if (offset % itemsize != 0) {
+    throw_value_error(fn, "offset " + std::to_string(offset) + " is not a multiple of the " +
+                              std::to_string(itemsize) + "-byte item size");
+  }
+  if (shape_in.empty() || shape_in.size() != strides_in.size()) {
+    throw_value_error(fn, "shape and strides must be non-empty and of one length");
+  }
+  mx::Shape shape;
+  mx::Strides strides;
+  size_t last = 0;  // the largest element index the view reaches
+  bool row_major = true;
+  size_t expect = 1;
+  for (size_t k = shape_in.size(); k-- > 0;) {
+    int64_t d = shape_in[k];
+    if (d < 1 || d > std::numeric_limits<mx::ShapeElem>::max()) {
+      throw_value_error(fn, "shape dimension " + std::to_string(d) + " is out of range");
+    }
+    size_t stride = to_size(fn, "stride", strides_in[k]);
+    last = checked_add(fn, last, checked_mul(fn, static_cast<size_t>(d - 1), stride));
+    row_major = row_major && (d == 1 || stride == expect);
+    expect = checked_mul(fn, expect, static_cast<size_t>(d));
+  }
+  for (size_t k = 0; k < shape_in.size(); ++k) {
+    shape.push_back(static_cast<mx::ShapeElem>(shape_in[k]));
+    strides.push_back(strides_in[k]);
+  }
+  size_t span = checked_add(fn, last, 1);
+  check_range(fn, offset, checked_mul(fn, span, itemsize));
+
+  auto mapping = region(fn);
+  mx::allocator::Buffer buffer = mx::allocator::make_buffer(mapping->data, mapping->nbytes);
+  int64_t base = 0;  // bytes from the buffer's start to the mapping's
+  mx::allocator::Deleter release;
+  if (buffer.ptr() != nullptr) {
+    // Metal: a no-copy MTLBuffer over the page-aligned mapping.
+    release = [mapping](mx::allocator::Buffer b) { mx::allocator::release(b); };
+  } else if (!mx::metal::is_available() && !mx::cu::is_available()) {
+    // CPU kernels read data() = buffer.raw_ptr() + offset and nothing else of the buffer: a small
+    // allocation of MLX's own anchors the view, and the offset reaches the mapping from it. The anchor
+    // is shared with no other array, so MLX never donates (writes) it or reads past it.
+    buffer = mx::allocator::allocator().malloc(itemsize);
+    base = reinterpret_cast<intptr_t>(mapping->data) -
+           reinterpret_cast<intptr_t>(buffer.raw_ptr());
+    release = [mapping](mx::allocator::Buffer b) { mx::allocator::allocator().free(b); };
+  } else {
+    throw std::runtime_error(prefixed(
+        fn, "this MLX build cannot compute on shared memory in place (no Metal, not the CPU "
+            "backend); copy the records instead"));
+  }
+  mx::array::Flags flags{row_major, row_major, false};
+  mx::array view = unbacked(std::move(shape), dtype);
+  view.set_data(mx::allocator::Data(buffer, std::move(release)), span, std::move(strides), flags,
+                base + static_cast<int64_t>(offset));
+  return view;
 }
 
 bool Segment::unlink(const std::string& name, int64_t owner) {

@@ -117,6 +117,12 @@ class Segment : public Memory {
   unsigned owner_uid() const { return owner_uid_; }
   unsigned mode() const { return mode_; }
   bool closed() const { return region_ == nullptr; }
+  // A zero-copy MLX view of the mapped bytes: element [i0, i1, ...] is at byte offset + sum(i_k *
+  // strides[k]) * itemsize, so one array can span every slot of a layer with the slot stride as its
+  // first stride. The view keeps the mapping alive. Where MLX cannot read the memory in place (a CUDA
+  // build) it raises; callers copy instead (docs/architecture.md, "Zero-copy L2 reads").
+  mlx::core::array array(int64_t offset, const std::vector<int64_t>& shape,
+                         const std::vector<int64_t>& strides, mlx::core::Dtype dtype) const;
   // Gives the pages of [offset, offset + nbytes) back to the system (Linux: munlock, then
   // MADV_REMOVE frees the tmpfs pages; they read as zeros until written again). Returns whether
   // the pages were freed: false where the platform cannot (macOS keeps them, see

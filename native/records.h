@@ -7,6 +7,7 @@
 #include <system_error>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "memory.h"
@@ -41,6 +42,18 @@ std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t 
                                int64_t slot_stride, const std::vector<CopyPiece>& pieces,
                                const std::vector<int64_t>& experts,
                                const std::vector<int64_t>& rows, int64_t threads);
+
+// Records computed on in place (Segment.array, docs/architecture.md "Zero-copy L2 reads"), the reader
+// side of the seqlock in two steps. lend_records: (slot, seq) of each expert that L2 holds and no
+// writer is filling, slot -1 for the rest. records_unchanged: once the computation has read them,
+// whether each lent slot's seq is still the one lent (true: the bytes read were the whole record).
+std::vector<std::pair<int64_t, int64_t>> lend_records(const Memory& index, int64_t slot_of_off,
+                                                      int64_t meta_off, int64_t n_experts,
+                                                      int64_t n_slots,
+                                                      const std::vector<int64_t>& experts);
+std::vector<bool> records_unchanged(const Memory& index, int64_t meta_off, int64_t n_slots,
+                                    const std::vector<int64_t>& slots,
+                                    const std::vector<int64_t>& seqs);
 
 // (fd, file_offset, nbytes, dst, dst_offset): read nbytes of a file into dst.
 using ReadJob = std::tuple<int, int64_t, int64_t, Memory*, int64_t>;
