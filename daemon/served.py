@@ -129,8 +129,9 @@ class ServedModel:
             for expert in experts:
                 store.check_expert(expert)
 
-    def demand(self, layer: int, experts, loader) -> int:
-        """Load the experts that are neither resident nor on their way; returns how many loads started."""
+    def demand(self, layer: int, experts, loader, keep: frozenset[int] = frozenset()) -> int:
+        """Load the experts that are neither resident nor on their way, evicting none in `keep`; returns how
+        many loads started."""
         self.check_ids({layer: experts})
         store = self.stores[layer]
         reservations = []
@@ -138,7 +139,7 @@ class ServedModel:
             for expert in experts:
                 if store.has(expert):
                     continue
-                reservation = store.reserve(expert)
+                reservation = store.reserve(expert, keep)
                 if reservation is None:
                     break  # every slot pinned or loading: later misses will come back
                 self._begin_fill(layer, reservation)
@@ -225,7 +226,9 @@ class ServedModel:
                 self.layer_misses[layer] += len(misses)
             hits_total += len(hits)
             misses_total += len(misses)
-            self.demand(layer, misses, loader)
+            # The batch's own experts are never evicted for its misses: a client may be computing on them in
+            # place right now (docs/architecture.md, "Zero-copy L2 reads").
+            self.demand(layer, misses, loader, keep=frozenset(lookups[layer]).union(routed.get(layer, ())))
         # A report that names its routed picks counts those (a piece of a split report may name an empty
         # list: its lookups are not picks); one that does not is counted by its L2 lookups.
         n_picks = sum(len(experts) for experts in routed.values()) if routed else hits_total + misses_total
