@@ -168,23 +168,26 @@ def pipeline_stage(model: nn.Module, files: ModelFiles, group: mx.distributed.Gr
 
 
 def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str | None = None,
-                 n_layers: int | None = None) -> int:
-    """L0 experts per layer: `slots`, or as many as `budget` bytes buy over the process' `n_layers` MoE layers
-    (default: all), or the plan's for this machine's memory (moe_l2.plan: a quarter of the experts, at least
-    twice the experts per token, fewer when memory is short). At least top_k: a token needs them all."""
+                 n_layers: int | None = None, shared: bool = False) -> int:
+    """L0 experts per layer (shared: in all, rows any of the process' `n_layers` MoE layers takes): `slots`, or
+    as many as `budget` bytes buy, or the plan's for this machine's memory (moe_l2.plan: a quarter of the
+    experts, at least twice the experts per token, fewer when memory is short; in all, that many per layer).
+    At least top_k: a token needs them all."""
+    n_layers = n_layers or files.n_layers
+    where = "in all" if shared else "per layer"
     if slots is not None and budget is not None:
         raise ValueError("give the L0 size as slots or as a budget, not both")
     if budget is not None:
-        per_slot = (n_layers or files.n_layers) * files.layout.nbytes
+        per_slot = files.layout.nbytes * (1 if shared else n_layers)
         slots = parse_size(budget) // per_slot
         if slots < files.top_k:
-            raise ValueError(f"an L0 budget of {format_size(parse_size(budget))} buys {slots} experts per layer; "
+            raise ValueError(f"an L0 budget of {format_size(parse_size(budget))} buys {slots} experts {where}; "
                              f"a token needs {files.top_k}: give at least {format_size(files.top_k * per_slot)}")
     elif slots is None:
-        slots = plan(read_memory(), ModelSizes.of(files)).l0_slots
+        slots = plan(read_memory(), ModelSizes.of(files)).l0_slots * (n_layers if shared else 1)
     elif slots < files.top_k:
-        raise ValueError(f"L0 needs at least {files.top_k} slots per layer (the experts of one token), got {slots}")
-    return min(slots, files.n_experts)
+        raise ValueError(f"L0 needs at least {files.top_k} slots {where} (the experts of one token), got {slots}")
+    return min(slots, files.n_experts * (n_layers if shared else 1))
 
 
 def peak_rss_bytes() -> int:
@@ -209,12 +212,18 @@ class StreamedLM:
                  policy: str = "lru", record: bool = False, model_config: dict | None = None,
                  direct: bool | None = None, verify: str = "file", download: bool = False,
                  tokenizer_config: dict | None = None, prefetch: str = "off",
-                 group: mx.distributed.Group | None = None):
+                 group: mx.distributed.Group | None = None, lend: bool = True, shared_l0: bool = False):
         """prefetch: next-layer prefetch, one of moe_l2.cache.prefetch.PREFETCH.
+        lend: compute on the records L2 holds in place, without copying them (ExpertPool `lend`).
+        shared_l0: l0_slots (or l0_budget) buys rows in all, which every layer takes from (ExpertPool
+        `shared_l0`), instead of rows in every layer.
         group: the mlx.distributed group to run a pipeline stage in (several ranks: this rank's layers
         only, docs/distributed.md); None or one rank: the whole model."""
         from moe_l2.client.connection import L2Client
 
+        if shared_l0 and prefetch != "off":
+            raise ValueError("next-layer prefetch loads into the next layer's own L0 rows: it cannot run with a "
+                             "shared L0 (drop --l0-shared or --prefetch)")
         # A directory or a Hugging Face repo id; `download` fetches a missing one as mlx-lm does.
         path = resolve_model(path, download)
         self.files = ModelFiles.open(path)
@@ -225,8 +234,10 @@ class StreamedLM:
         stage = layers if len(layers) < self.files.n_layers else None
         self.client = L2Client(self.files, socket, wait_s=client_wait_s, layers=stage) if daemon else None
         try:
-            self.pool = ExpertPool(self.files, l0_slots_for(self.files, l0_slots, l0_budget, len(layers)),
-                                   self.client, policy=policy, direct=direct, verify=verify, layers=layers)
+            self.pool = ExpertPool(self.files,
+                                   l0_slots_for(self.files, l0_slots, l0_budget, len(layers), shared_l0),
+                                   self.client, policy=policy, direct=direct, verify=verify, layers=layers,
+                                   lend=lend, shared_l0=shared_l0)
             try:
                 self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, prefetch)
                 mx.eval(self.model.parameters())

@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from moe_l2 import _native
-from moe_l2.cache.policy import make_policy
 from moe_l2.model import ModelFiles
-from moe_l2.model.records import record_checksum
 
+from moe_l2.client.l2view import L2View, Loan
+from moe_l2.client.layerpool import LayerPool, SharedRows
 from moe_l2.client.prefetcher import PrefetchCounts, Prefetcher
 
 log = logging.getLogger("moe-l2.client")
@@ -52,6 +52,9 @@ class PoolTooSmall(ValueError):
 class TierCounts:
     l0_hits: int = 0
     l2_hits: int = 0
+    l2_lent: int = 0       # of l2_hits, those computed on in place (ExpertPool.borrow), not copied
+    l2_awaited: int = 0    # of l2_hits, those L2 lacked when looked up: the daemon read them while the pool
+                           # waited (load-through), so they cost a disk read
     l3_reads: int = 0
     bytes_copied: int = 0  # from L2
     bytes_read: int = 0    # from the model files
@@ -63,156 +66,10 @@ class TierCounts:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-class LayerPool:
-    """One layer of L0: `capacity` rows per record piece, which expert holds which row, the pins and the
-    eviction policy. Callers go through the methods; only the pool changes its bookkeeping. The bookkeeping
-    is behind a lock: the prefetch worker changes one layer while the forward reads another."""
-
-    def __init__(self, files: ModelFiles, capacity: int, policy: str):
-        self.capacity = capacity
-        self.n_experts = files.n_experts
-        self.record_bytes = files.layout.nbytes
-        self.pieces = files.layout.pieces
-        self.buffers = {p.key: _native.Buffer(capacity * p.nbytes) for p in self.pieces}
-        self.arrays = {p.key: self.buffers[p.key].array(0, [capacity, *p.shape], getattr(mx, p.dtype))
-                       for p in self.pieces}
-        self._table_buffer = _native.Buffer(4 * files.n_experts)
-        self._table_buffer.view()[:] = b"\xff" * (4 * files.n_experts)  # -1: not in L0
-        self._table = self._table_buffer.view().cast("i")
-        self.table = self._table_buffer.array(0, [files.n_experts], mx.int32)
-        self.copy_pieces = [(p.offset, p.nbytes, self.buffers[p.key]) for p in self.pieces]
-        self._row_of: dict[int, int] = {}
-        self._free = list(range(capacity - 1, -1, -1))
-        self._pinned: set[int] = set()
-        self._policy = make_policy(policy)
-        self._lock = threading.RLock()
-        self._prefetched: set[int] = set()  # loaded ahead and not demanded since
-        self.prefetch_useful = self.prefetch_wasted = 0
-
-    def holds(self, expert: int) -> bool:
-        with self._lock:
-            return expert in self._row_of
-
-    def holds_all(self) -> bool:
-        """Every expert of the layer is resident: L0 never refills a row of this layer again."""
-        with self._lock:
-            return len(self._row_of) == self.n_experts
-
-    def fits(self, experts) -> bool:
-        """The batch can be resident at once, beside the pinned experts outside it."""
-        with self._lock:
-            return len(self._pinned | set(experts)) <= self.capacity
-
-    def has_room_for(self, experts) -> bool:
-        """Making the batch resident evicts nothing."""
-        with self._lock:
-            return len(self._row_of.keys() | set(experts)) <= self.capacity
-
-    def rows_for(self, experts) -> list[int]:
-        """The rows of resident experts (repeats allowed), to remap router picks to pool rows."""
-        with self._lock:
-            row_of = self._row_of
-            return [row_of[e] for e in experts]
-
-    def pins(self) -> frozenset[int]:
-        """The pinned experts."""
-        with self._lock:
-            return frozenset(self._pinned)
-
-    @property
-    def unpinned_rows(self) -> int:
-        """Rows left to experts that are not pinned."""
-        with self._lock:
-            return self.capacity - len(self._pinned)
-
-    def pin(self, experts) -> None:
-        """Keep resident experts in L0 until they are evicted by name (`evict`)."""
-        with self._lock:
-            self._pinned.update(experts)
-
-    def access(self, experts) -> None:
-        """The forward demands these experts: tell the policy, and count prefetched ones as useful."""
-        with self._lock:
-            for expert in experts:
-                self._policy.access(expert)
-                if expert in self._prefetched:
-                    self._prefetched.discard(expert)
-                    self.prefetch_useful += 1
-
-    def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
-        """Rows for experts not in L0, evicting residents outside the batch (the forward in flight)."""
-        with self._lock:
-            rows = []
-            for _ in experts:
-                if self._free:
-                    rows.append(self._free.pop())
-                    continue
-                candidates = [e for e in self._row_of if e not in batch and e not in self._pinned]
-                rows.append(self._drop(self._policy.victim(candidates)))
-            return rows
-
-    def spare_rows(self, experts: list[int], keep: set[int]) -> tuple[list[int], list[int]]:
-        """Rows for as many of the experts (best first) as free rows and evictable residents allow, never
-        evicting a pinned expert or one in `keep`; returns (experts given rows, rows)."""
-        with self._lock:
-            wanted = [e for e in experts if e not in self._row_of]
-            free = len(self._free)
-            candidates = [e for e in self._row_of if e not in keep and e not in self._pinned]
-            n = min(len(wanted), free + len(candidates))
-            wanted = wanted[:n]
-            return wanted, self.take_rows(wanted, keep)
-
-    def release(self, rows: list[int]) -> None:
-        """Give back rows from `take_rows` that were never published (they hold no expert)."""
-        with self._lock:
-            self._free.extend(rows)
-
-    def _drop(self, expert: int) -> int:
-        """Take the expert out of L0; returns the row it held."""
-        row = self._row_of.pop(expert)
-        self._table[expert] = -1
-        self._policy.evict(expert)
-        self._pinned.discard(expert)
-        if expert in self._prefetched:
-            self._prefetched.discard(expert)
-            self.prefetch_wasted += 1
-        return row
-
-    def evict(self, expert: int) -> None:
-        with self._lock:
-            self._free.append(self._drop(expert))
-
-    def publish(self, experts: list[int], rows: list[int], prefetched: bool = False) -> None:
-        with self._lock:
-            for expert, row in zip(experts, rows):
-                self._row_of[expert] = row
-                self._table[expert] = row
-                self._policy.insert(expert)
-            if prefetched:
-                self._prefetched.update(experts)
-
-    def prefetched(self) -> frozenset[int]:
-        """Experts loaded ahead and not demanded since (still resident)."""
-        with self._lock:
-            return frozenset(self._prefetched)
-
-    def checksum(self, row: int) -> int:
-        """record_checksum of the record in a row (docs/formats.md, "Checksums")."""
-        return record_checksum(self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes] for p in self.pieces)
-
-    def record(self, expert: int) -> bytes:
-        """The expert's record as L0 holds it, laid out like ModelFiles.read_record (for verification)."""
-        row = self._row_of[expert]
-        out = bytearray(self.record_bytes)
-        for p in self.pieces:
-            out[p.offset:p.offset + p.nbytes] = self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes]
-        return bytes(out)
-
-
 class ExpertPool:
     def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = "lru",
                  read_threads: int | None = None, direct: bool | None = None, verify: str = "file",
-                 load_through_s: float = 0.0, layers=None):
+                 load_through_s: float = 0.0, layers=None, lend: bool = True, shared_l0: bool = False):
         """direct: read the model files with direct I/O (O_DIRECT / F_NOCACHE): True, False, or None for
         the model's default (ModelFiles.direct_default: on for packed models).
         verify: which records to check against the model's checksum manifest, one of VERIFY.
@@ -220,12 +77,21 @@ class ExpertPool:
         record, then copy it from L2, instead of reading the file as well (0: read the file at once;
         docs/architecture.md, "Measured against the page cache").
         layers: the MoE layers this process runs (a pipeline stage's: docs/distributed.md); L0 rows are
-        allocated for those only. None: every layer."""
-        if not 1 <= capacity <= files.n_experts:
-            raise ValueError(f"L0 capacity must be 1..{files.n_experts} experts per layer, got {capacity}")
+        allocated for those only. None: every layer.
+        lend: `borrow` may lend L2's records in place (where MLX can compute on shared memory: L2View.supported);
+        False: it never does, and every lookup copies (`fetch` always copies).
+        shared_l0: `capacity` rows in all, which every layer takes from, evicting the least recently used expert
+        of any layer (client/layerpool.py), instead of `capacity` rows in each layer; LRU only, no prefetch."""
         layers = range(files.n_layers) if layers is None else sorted(set(layers))
         if not layers or not all(0 <= layer < files.n_layers for layer in layers):
             raise ValueError(f"layers must be a non-empty subset of the MoE layers 0..{files.n_layers - 1}")
+        most = files.n_experts * (len(layers) if shared_l0 else 1)
+        if not 1 <= capacity <= most:
+            raise ValueError(f"L0 capacity must be 1..{most} experts {'in all' if shared_l0 else 'per layer'}, "
+                             f"got {capacity}")
+        if shared_l0 and policy != "lru":
+            raise ValueError(f"a shared L0 evicts the least recently used expert of any layer; policy {policy!r} "
+                             "needs per-layer rows")
         if verify not in VERIFY:
             raise ValueError(f"verify must be one of {', '.join(VERIFY)}, not {verify!r}")
         # Nothing to check against without a manifest: no checksum is computed then.
@@ -238,7 +104,12 @@ class ExpertPool:
         # Large records are copied from L2 on several threads: one core does not reach the memory bandwidth.
         self.copy_threads = THREADS
         self.load_through_s = load_through_s
-        self.layers = {layer: LayerPool(files, capacity, policy) for layer in layers}
+        # Lent records are not checked against the manifest: verify="all" copies every one.
+        self.lend = lend and L2View.supported() and not self._check_l2
+        self._view: L2View | None = None
+        self.shared_l0 = shared_l0
+        shared = SharedRows(files, capacity) if shared_l0 else None
+        self.layers = {layer: LayerPool(files, capacity, policy, shared) for layer in layers}
         self._counts = TierCounts()
         self._counts_lock = threading.Lock()
         self._fds = files.open_fds(direct)
@@ -264,7 +135,8 @@ class ExpertPool:
 
     @property
     def nbytes(self) -> int:
-        return len(self.layers) * self.capacity * sum(p.nbytes for p in self.files.layout.pieces)
+        rows = self.capacity * (1 if self.shared_l0 else len(self.layers))
+        return rows * sum(p.nbytes for p in self.files.layout.pieces)
 
     def arrays(self, layer: int) -> dict[str, mx.array]:
         return self.layers[layer].arrays
@@ -289,21 +161,88 @@ class ExpertPool:
         `experts` are the router's picks (repeats allowed); the daemon is told all of them, L0 hits
         included, for its routing statistics, and which ones it had or lacked in L2.
         """
+        picks = [int(e) for e in experts]
+        return self._fetch(layer, picks, set(picks), None)
+
+    def borrow(self, layer: int, experts) -> tuple[TierCounts, Loan | None]:
+        """`fetch`, except that the misses L2 holds whole are lent (computed on in shared memory, without a
+        copy: client/l2view.py) and only the rest are made resident in L0. Returns (counts, loan); the loan is
+        None, and nothing was fetched, where nothing can be lent (no daemon, an unserved layer, an MLX build
+        that cannot compute in place, L2 holds none of the misses) or the rest does not fit L0. The caller
+        computes the lent experts on `loan.arrays()` rows `loan.slot_of()`, evaluates, and computes the layer
+        again from L0 if `loan.torn()` names any (docs/architecture.md, "Zero-copy L2 reads")."""
         lp = self.layers[layer]
         picks = [int(e) for e in experts]
         batch = set(picks)
+        view = self._l2_view()
+        if view is None or not view.attachment.serves(layer):
+            return TierCounts(), None
+        try:
+            view.arrays(layer)
+        except RuntimeError as exc:  # an MLX build that cannot compute on mapped memory: copy from now on
+            log.warning("%s; copying experts from shared memory instead", exc)
+            self.lend = False
+            return TierCounts(), None
+        self._check_experts(batch)
+        self._prefetcher.before_fetch(layer, batch)
+        missing = sorted(e for e in batch if not lp.holds(e))
+        loan = view.lend(layer, missing)
+        absent = sorted(set(missing) - set(loan.experts))
+        reported = bool(absent and self.load_through_s and self.client.attached)
+        if reported:
+            # Load-through: one read per miss, the daemon's, into L2, where the layer then computes on it.
+            self.client.report(layer, list(loan.experts), absent, picks)
+            before = len(loan.experts)
+            loan = self._await_loan(view, loan, absent)
+        rest = batch - set(loan.experts)
+        if not (loan or reported) or not lp.fits(rest):
+            return TierCounts(), None
+        return self._fetch(layer, picks, rest, loan, reported, len(loan.experts) - before if reported else 0), loan
+
+    def _await_loan(self, view: L2View, loan: Loan, absent: list[int]) -> Loan:
+        """The loan, with what of `absent` the daemon loads into L2 within load_through_s."""
+        deadline = time.perf_counter() + self.load_through_s
+        while absent and self.client.attached and time.perf_counter() < deadline:
+            time.sleep(LOAD_POLL_S)
+            more = view.lend(loan.layer, absent)
+            if more:
+                loan = loan.plus(more)
+                absent = sorted(set(absent) - set(more.experts))
+        return loan
+
+    def _l2_view(self) -> L2View | None:
+        """The L2View of the daemon epoch attached now, or None."""
+        attachment = self.client.attachment if self.client is not None and self.lend else None
+        if attachment is None:
+            return None
+        if self._view is None or self._view.attachment is not attachment:
+            self._view = L2View(attachment, self.files.layout)
+        return self._view
+
+    def _check_experts(self, batch: set[int]) -> None:
         for expert in batch:
             if not 0 <= expert < self.files.n_experts:
                 raise IndexError(f"expert {expert} out of range 0..{self.files.n_experts - 1}")
+
+    def _fetch(self, layer: int, picks: list[int], batch: set[int], loan: Loan | None,
+               reported: bool = False, awaited: int = 0) -> TierCounts:
+        """Make `batch` resident in L0; the loan's experts (not in batch) count as L2 hits, `awaited` of them
+        loaded through. reported: the daemon was told of this lookup already (and waited for: no load-through
+        again)."""
+        lp = self.layers[layer]
+        lent = list(loan.experts) if loan else []
+        self._check_experts(batch)
         self._prefetcher.before_fetch(layer, batch)
         counts = TierCounts()
         missing = sorted(e for e in batch if not lp.holds(e))
         counts.l0_hits = len(batch) - len(missing)
         lp.access(batch)
+        counts.l2_lent, counts.l2_awaited = len(lent), awaited
         if not missing:
+            counts.l2_hits = len(lent)
             self._add_counts(counts)
-            if self.client is not None:
-                self.client.report(layer, [], [], picks)
+            if self.client is not None and not reported:
+                self.client.report(layer, lent, [], picks)
             return counts
         if not lp.fits(batch):
             raise PoolTooSmall(f"layer {layer}: a batch of {len(batch)} experts does not fit an L0 pool of "
@@ -314,20 +253,23 @@ class ExpertPool:
         # The streamed forward has already synced on the router's choice, so the wait is free there.
         mx.synchronize()
         rows = lp.take_rows(missing, batch)
-        reported = []
+        told = []
 
         def load_through(copied: list[bool]) -> list[bool]:
             # Report the L2 misses now, so that the daemon starts loading them, and copy them as they land.
-            reported.append(self.report_lookups(layer, missing, copied, picks))
+            told.append(self.report_lookups(layer, missing, copied, picks, lent))
             return self._await_l2(layer, lp, missing, rows, copied)
 
-        through = self.load_through_s and self.client is not None and self.client.attached
+        through = self.load_through_s and self.client is not None and self.client.attached and not reported
         copied, loaded = self.load_rows(layer, missing, rows, load_through if through else None)
         lp.publish(missing, rows)
         loaded.l0_hits = counts.l0_hits
+        loaded.l2_hits += len(lent)
+        loaded.l2_lent = len(lent)
+        loaded.l2_awaited += awaited
         self._add_counts(loaded)
-        if not any(reported):
-            self.report_lookups(layer, missing, copied, picks)
+        if not (reported or any(told)):
+            self.report_lookups(layer, missing, copied, picks, lent)
         return loaded
 
     def _add_counts(self, counts: TierCounts) -> None:
@@ -346,7 +288,9 @@ class ExpertPool:
             start = time.perf_counter()
             copied = self._copy_from_l2(layer, lp, experts, rows)
             if on_l2_miss is not None and not all(copied):
+                present = sum(copied)
                 copied = on_l2_miss(copied)
+                counts.l2_awaited = sum(copied) - present
             if self._check_l2:
                 copied = [ok and self._intact_copy(layer, lp, e, r) for e, r, ok in zip(experts, rows, copied)]
             copied_at = time.perf_counter()
@@ -369,6 +313,9 @@ class ExpertPool:
     def prefetch(self, layer: int, guesses, keep=()) -> None:
         """Load the guessed experts of `layer` that are not in L0, in the background; returns at once
         (client.prefetcher.Prefetcher.prefetch has the rules). The next `fetch` of the layer waits for it."""
+        if self.shared_l0:
+            raise ValueError("next-layer prefetch needs per-layer L0 rows: with a shared L0 it could take a row "
+                             "of the layer being computed")
         self._prefetcher.prefetch(layer, guesses, keep)
 
     def settle(self, layer: int) -> None:
@@ -380,11 +327,13 @@ class ExpertPool:
         cancelling any; for callers that know they have time to spare (a benchmark's compute, a test)."""
         self._prefetcher.wait(layer)
 
-    def report_lookups(self, layer: int, missing: list[int], copied: list[bool], picks: list[int]) -> bool:
-        """Tell the daemon what L2 had and lacked (it loads what it lacked); False when there is no daemon."""
+    def report_lookups(self, layer: int, missing: list[int], copied: list[bool], picks: list[int],
+                       lent=()) -> bool:
+        """Tell the daemon what L2 had (copied or lent) and lacked (it loads what it lacked); False when there
+        is no daemon."""
         if self.client is None:
             return False
-        self.client.report(layer, [e for e, ok in zip(missing, copied) if ok],
+        self.client.report(layer, [*lent, *(e for e, ok in zip(missing, copied) if ok)],
                            [e for e, ok in zip(missing, copied) if not ok], picks)
         return True
 

@@ -49,6 +49,8 @@ class StreamStats:
     fetch_s: float = 0.0    # in ExpertPool.fetch (L2 copies and preads included)
     copy_s: float = 0.0     # L2 -> L0 copies (part of fetch_s)
     pread_s: float = 0.0    # L3 -> L0 reads (part of fetch_s)
+    lent_calls: int = 0     # calls that computed some experts in place in L2 (client/l2view.py)
+    torn_calls: int = 0     # of those, calls computed again because the daemon rewrote a lent slot meanwhile
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -198,10 +200,13 @@ class StreamedSwitch(nn.Module):
             if fw.tail is not None and not lp.has_room_for(experts):
                 mx.eval(fw.tail)  # about to evict rows the previous forward's output may still read
             fw.tail = None
-        if lp.fits(experts):
+        out = self._lent(x, indices, chosen.reshape(-1, top_k), pool, experts)
+        if out is None and lp.fits(experts):
             self._fetch(experts)
             out = self._whole(x, indices, pool)
-        else:
+            if pool.shared_l0:
+                mx.eval(out)  # the next layer may take these rows (client/layerpool.py)
+        elif out is None:
             stats.chunked_calls += 1
             out = self._chunked(x, indices, chosen.reshape(-1, top_k), pool)
         if self._is_last():
@@ -228,6 +233,48 @@ class StreamedSwitch(nn.Module):
         stats.fetch_s += time.perf_counter() - t0
         stats.copy_s += counts.copy_s
         stats.pread_s += counts.read_s
+
+    def _lent(self, x: mx.array, indices: mx.array, chosen: np.ndarray, pool: ExpertPool,
+              experts: list[int]) -> mx.array | None:
+        """The layer with the experts L2 holds computed in place on its shared memory and the rest on L0 rows,
+        evaluated; None where the pool lends nothing (then nothing was fetched) or the daemon rewrote a lent
+        slot during the computation (then the caller computes it again from L0: docs/architecture.md,
+        "Zero-copy L2 reads"). Each (token, expert) pair runs through the same kernel as in `_whole`."""
+        stats = self._forward.stats
+        t0 = time.perf_counter()
+        counts, loan = pool.borrow(self.layer, experts)
+        stats.fetch_s += time.perf_counter() - t0
+        if loan is None:
+            return None
+        stats.copy_s += counts.copy_s
+        stats.pread_s += counts.read_s
+        stats.lent_calls += 1
+        lp = pool.layers[self.layer]
+        slot_of = loan.slot_of()
+        n_tokens, top_k = chosen.shape
+        flat = chosen.reshape(-1)
+        x = mx.expand_dims(x, (-2, -3)).reshape(n_tokens, 1, 1, x.shape[-1])
+        in_l2 = np.array([e in slot_of for e in flat.tolist()])
+        do_sort = indices.size >= _SORT_FROM
+        pieces, outs = [], []
+        for arrays, pairs, rows_for in ((pool.arrays(self.layer), np.flatnonzero(~in_l2), lp.rows_for),
+                                        (loan.arrays(), np.flatnonzero(in_l2), lambda es: [slot_of[e] for e in es])):
+            if not pairs.size:
+                continue
+            rows = np.array(rows_for(flat[pairs].tolist()), dtype=np.uint32)
+            if do_sort:  # sorted_indices promises ascending rows
+                by_row = np.argsort(rows, kind="stable")
+                pairs, rows = pairs[by_row], rows[by_row]
+            pieces.append(pairs)
+            outs.append(self._experts(arrays, x[mx.array(pairs // top_k)].squeeze(1), mx.array(rows), do_sort,
+                                      indices.size))
+        out = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(pieces)))]
+        out = mx.unflatten(out, 0, indices.shape).squeeze(-2)
+        mx.eval(out)
+        if loan.torn():
+            stats.torn_calls += 1
+            return None
+        return out
 
     def _whole(self, x: mx.array, indices: mx.array, pool: ExpertPool) -> mx.array:
         """SwitchGLU.__call__ with the expert ids remapped, on device, to pool rows."""

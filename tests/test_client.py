@@ -130,6 +130,40 @@ def test_layer_pool_methods_follow_the_slot_table(model_files):
         whole.close()
 
 
+def test_a_shared_l0_gives_rows_to_any_layer_and_evicts_the_least_recently_used(model_files):
+    """ExpertPool(shared_l0=True): `capacity` rows in all; a layer takes free rows, then the row of the least
+    recently used expert of any layer outside its batch; pins hold rows for every layer."""
+    assert model_files.n_layers >= 2
+    pool = ExpertPool(model_files, capacity=4, shared_l0=True)
+    try:
+        l0, l1 = pool.layers[0], pool.layers[1]
+        assert pool.arrays(0) is pool.arrays(1) and pool.nbytes == 4 * model_files.layout.nbytes
+        pool.fetch(0, [1, 2])
+        pool.fetch(1, [5])
+        assert l1.has_room_for([6]) and not l1.has_room_for([6, 7])  # one row left in all
+        pool.fetch(0, [1])  # 1 is now more recent than 2 and 5
+        pool.fetch(1, [6, 7])  # takes the last free row, then the oldest expert outside the batch: layer 0's 2
+        assert l0.holds(1) and not l0.holds(2) and l1.holds(5) and l1.holds(6) and l1.holds(7)
+        assert pool.table(0)[2].item() == -1 and not l0.holds_all()
+        rows = {pool.table(0)[1].item(), *(pool.table(1)[e].item() for e in (5, 6, 7))}
+        assert rows == {0, 1, 2, 3}  # four experts of two layers in the four rows
+        for layer, experts in ((0, [1]), (1, [5, 6, 7])):
+            assert_resident_exact(pool, model_files, layer, experts)
+        pool.pin(1, [5])
+        assert l0.unpinned_rows == 3 and l0.fits([0, 1, 2]) and not l0.fits([0, 1, 2, 3])
+        pool.fetch(0, [0, 2, 3])  # no free row: the oldest unpinned experts go (layer 0's 1, layer 1's 6 and 7)
+        assert l1.holds(5) and not l1.holds(6) and not l1.holds(7) and not l0.holds(1)
+        assert_resident_exact(pool, model_files, 0, [0, 2, 3])
+        with pytest.raises(ValueError, match="per-layer L0 rows"):
+            pool.prefetch(1, [0])
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="per-layer rows"):
+        ExpertPool(model_files, capacity=4, shared_l0=True, policy="lfu")
+    with pytest.raises(ValueError, match="experts in all"):
+        ExpertPool(model_files, capacity=model_files.n_layers * model_files.n_experts + 1, shared_l0=True)
+
+
 def start_hammers(files: ModelFiles, socket: str, seconds: float, n: int = 3) -> list[subprocess.Popen]:
     procs = [subprocess.Popen([sys.executable, str(HAMMER), str(files.path), socket, str(seconds), str(seed)],
                               stdout=subprocess.PIPE, text=True) for seed in range(n)]

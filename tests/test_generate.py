@@ -79,8 +79,11 @@ def test_trace_out_records_every_processed_token(capsys, model_dir, model_files,
             assert len(set(chosen)) == model_files.top_k and all(0 <= e < model_files.n_experts for e in chosen)
 
 
-def test_through_the_daemon_the_second_run_copies_from_l2(capsys, running_daemon, model_dir, model_files, expected):
-    args = ["--model", str(model_dir), "--prompt", PROMPT, "--socket", running_daemon.socket, "--l0-slots", "4"]
+@pytest.mark.parametrize("l2_reads", ["in-place", "copy"])
+def test_through_the_daemon_the_second_run_finds_experts_in_l2(capsys, running_daemon, model_dir, model_files,
+                                                                expected, l2_reads):
+    args = ["--model", str(model_dir), "--prompt", PROMPT, "--socket", running_daemon.socket, "--l0-slots", "4",
+            "--l2-reads", l2_reads]
     cold = run_json(capsys, *args)
     wait_for(lambda: stats(running_daemon)["daemon"]["loads_in_flight"] == 0, what="loads")
     warm = run_json(capsys, *args)
@@ -88,7 +91,20 @@ def test_through_the_daemon_the_second_run_copies_from_l2(capsys, running_daemon
         assert s["tokens"] == expected
         assert s["daemon"]["attached"] and s["daemon"]["address"] == running_daemon.socket
     assert cold["l3_reads"] > 0
-    assert warm["l2_hits"] > 0 and warm["bytes_copied"] == warm["l2_hits"] * model_files.layout.nbytes
+    assert warm["l2_hits"] > 0
+    assert (warm["l2_lent"] > 0) == (l2_reads == "in-place")
+    assert warm["bytes_copied"] == (warm["l2_hits"] - warm["l2_lent"]) * model_files.layout.nbytes
+
+
+def test_a_shared_l0_gives_the_same_tokens_and_refuses_prefetch(capsys, running_daemon, model_dir, model_files,
+                                                                expected):
+    s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", running_daemon.socket,
+                 "--l0-slots", str(model_files.top_k + 1), "--l0-shared")
+    assert s["tokens"] == expected and s["l0_shared"]
+    assert s["l0_bytes"] == (model_files.top_k + 1) * model_files.layout.nbytes
+    assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-daemon", "--l0-shared",
+                        "--prefetch", "cooccurrence"]) == 2
+    assert "drop --l0-shared or --prefetch" in capsys.readouterr().err
 
 
 def test_an_absent_daemon_means_reading_the_file(capsys, model_dir, tmp_path, expected):

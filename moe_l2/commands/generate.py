@@ -22,6 +22,11 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
                                                  "for this machine: a quarter of the experts, fewer when "
                                                  "memory is short)")
     l0.add_argument("--l0-budget", help="memory for this process' experts over all layers, e.g. 2GiB")
+    parser.add_argument("--l0-shared", action="store_true",
+                        help="one set of L0 rows for all layers (--l0-slots counts rows in all), evicting the least "
+                             "recently used expert of any layer: with experts computed in place in moe-l2d's shared "
+                             "memory, L0 only catches its misses, and a few rows leave the memory to L2 "
+                             "(not with --prefetch)")
     daemon = parser.add_mutually_exclusive_group()
     daemon.add_argument("--socket", default=None, type=socket_arg,
                         help="moe-l2d address (default: the local runtime dir); under mlx.launch, {rank} in it "
@@ -33,6 +38,10 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check experts against the model's checksum manifest, if it has one: those read "
                              "from the model file (file, the default), those copied from moe-l2d's shared "
                              "memory too (all), or none (off)")
+    parser.add_argument("--l2-reads", choices=("in-place", "copy"), default="in-place",
+                        help="experts that moe-l2d's shared memory holds: computed on where they are (in-place, "
+                             "the default; a layer whose experts the daemon replaced meanwhile is computed "
+                             "again) or copied into this process first (copy)")
     parser.add_argument("--prefetch", choices=PREFETCH, default="off",
                         help="while a MoE layer computes, load the next layer's guessed experts in the "
                              "background: guessed by the next layer's router (router), by expert co-occurrence "
@@ -87,6 +96,7 @@ def summary(result: dict, lm) -> dict:
         "expert_lookups": rates["lookups"],
         "l0_hits": c.l0_hits,
         "l2_hits": c.l2_hits,
+        "l2_lent": c.l2_lent,
         "l3_reads": c.l3_reads,
         "l0_hit_rate": rates["l0"],
         "l2_hit_rate": rates["l2"],
@@ -95,6 +105,7 @@ def summary(result: dict, lm) -> dict:
         "bytes_copied": c.bytes_copied,
         "l0_slots": lm.pool.capacity,
         "l0_bytes": lm.pool.nbytes,
+        "l0_shared": lm.pool.shared_l0,  # l0_slots counts rows in all, not per layer
         "layers": sorted(lm.pool.layers),  # the MoE layers this process ran
         "daemon": None if client is None else {"address": client.address, "attached": client.attached,
                                                "attaches": client.attaches, "last_error": client.last_error},
@@ -107,9 +118,9 @@ def summary(result: dict, lm) -> dict:
 
 
 # What each rank reports of its own streaming; the rest of the summary is the same on every rank.
-_PER_RANK = ("expert_lookups", "l0_hits", "l2_hits", "l3_reads", "bytes_read", "bytes_copied", "l0_slots",
+_PER_RANK = ("expert_lookups", "l0_hits", "l2_hits", "l2_lent", "l3_reads", "bytes_read", "bytes_copied", "l0_slots",
              "l0_bytes", "layers", "daemon", "streaming", "prefetch", "peak_rss_bytes", "peak_mlx_bytes")
-_SUMMED = ("expert_lookups", "l0_hits", "l2_hits", "l3_reads", "bytes_read", "bytes_copied", "l0_bytes")
+_SUMMED = ("expert_lookups", "l0_hits", "l2_hits", "l2_lent", "l3_reads", "bytes_read", "bytes_copied", "l0_bytes")
 
 
 def merge_ranks(summaries: list[dict]) -> dict:
@@ -145,8 +156,9 @@ def render(s: dict) -> str:
         f"decode {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
         f"experts: {s['expert_lookups']} lookups: L0 {format_pct(s['l0_hit_rate'])}, L2 {format_pct(s['l2_hit_rate'])}, "
         f"L3 (disk) {format_pct(s['l3_rate'])}; read from disk {format_size(s['bytes_read'])}, "
-        f"copied from L2 {format_size(s['bytes_copied'])}",
-        f"L0 {s['l0_slots']} experts per layer ({format_size(s['l0_bytes'])}); {_daemon_text(s['daemon'])}",
+        f"copied from L2 {format_size(s['bytes_copied'])}, {s['l2_lent']} computed in place in L2",
+        f"L0 {s['l0_slots']} experts {'in all' if s['l0_shared'] else 'per layer'} ({format_size(s['l0_bytes'])}); "
+        f"{_daemon_text(s['daemon'])}",
         *([] if s["prefetch"] is None else [_render_prefetch(s["prefetch"])]),
         f"peak memory: RSS {format_size(s['peak_rss_bytes'])}, MLX {format_size(s['peak_mlx_bytes'])}",
         *ranks,
@@ -196,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
                         socket=rank_socket(args.socket, group), daemon=not args.no_daemon, client_wait_s=2.0,
                         record=args.trace_out is not None, direct=DIRECT_IO[args.direct_io],
                         verify=args.verify_checksums, download=True, prefetch=args.prefetch,
-                        group=group if pipelined else None)
+                        group=group if pipelined else None, lend=args.l2_reads == "in-place",
+                        shared_l0=args.l0_shared)
     except (OSError, ValueError) as exc:
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,217 @@
+"""L0's bookkeeping: LayerPool, one layer's rows, residents, pins and eviction policy; and SharedRows, the
+rows every layer of a pool takes from when L0 is one pool for all layers.
+
+Per layer (the default), each layer owns `capacity` rows and evicts by its own policy. Shared
+(`ExpertPool(shared_l0=True)`), the pool has `capacity` rows in all and a layer takes a free row, or the row of
+the least recently used expert of any layer outside the batch it is making resident. That suits an L0 that
+only catches L2's misses while the layers compute on L2 in place: a few rows in all instead of top-k rows in
+every layer leave the memory to the shared L2 (docs/architecture.md, "Client pool (L0)").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import mlx.core as mx
+
+from moe_l2 import _native
+from moe_l2.cache.policy import make_policy
+from moe_l2.model import ModelFiles
+from moe_l2.model.records import record_checksum
+
+
+class SharedRows:
+    """`capacity` rows per record piece for every layer of a pool, one lock for all of them, and the experts
+    holding rows from the least to the most recently used."""
+
+    def __init__(self, files: ModelFiles, capacity: int):
+        self.capacity = capacity
+        self.buffers, self.arrays = _rows(files, capacity)
+        self.free = list(range(capacity - 1, -1, -1))
+        self.lock = threading.RLock()
+        self.order: OrderedDict[tuple[LayerPool, int], None] = OrderedDict()
+        self.layers: list[LayerPool] = []
+
+    def touch(self, lp: "LayerPool", expert: int) -> None:
+        self.order[(lp, expert)] = None
+        self.order.move_to_end((lp, expert))
+
+    def victim(self, taker: "LayerPool", batch: set[int]) -> tuple["LayerPool", int]:
+        """The least recently used expert of any layer, outside the taker's batch and unpinned."""
+        for lp, expert in self.order:
+            if not (lp is taker and expert in batch) and expert not in lp._pinned:
+                return lp, expert
+        raise RuntimeError("no L0 row to take: every row holds the batch or a pinned expert")
+
+    def pinned(self) -> int:
+        return sum(len(lp._pinned) for lp in self.layers)
+
+
+def _rows(files: ModelFiles, capacity: int) -> tuple[dict, dict]:
+    """C++-owned buffers of `capacity` rows per record piece, and MLX arrays over them."""
+    buffers = {p.key: _native.Buffer(capacity * p.nbytes) for p in files.layout.pieces}
+    arrays = {p.key: buffers[p.key].array(0, [capacity, *p.shape], getattr(mx, p.dtype)) for p in files.layout.pieces}
+    return buffers, arrays
+
+
+class LayerPool:
+    """One layer of L0: `capacity` rows per record piece (its own, or SharedRows' for every layer), which expert
+    holds which row, the pins and the eviction policy. Callers go through the methods; only the pool changes its
+    bookkeeping. The bookkeeping is behind a lock: the prefetch worker changes one layer while the forward
+    reads another."""
+
+    def __init__(self, files: ModelFiles, capacity: int, policy: str, shared: SharedRows | None = None):
+        self.capacity = capacity if shared is None else shared.capacity
+        self.n_experts = files.n_experts
+        self.record_bytes = files.layout.nbytes
+        self.pieces = files.layout.pieces
+        self._shared = shared
+        if shared is None:
+            self.buffers, self.arrays = _rows(files, capacity)
+            self._free = list(range(capacity - 1, -1, -1))
+            self._lock = threading.RLock()
+        else:
+            self.buffers, self.arrays, self._free, self._lock = shared.buffers, shared.arrays, shared.free, shared.lock
+            shared.layers.append(self)
+        self._table_buffer = _native.Buffer(4 * files.n_experts)
+        self._table_buffer.view()[:] = b"\xff" * (4 * files.n_experts)  # -1: not in L0
+        self._table = self._table_buffer.view().cast("i")
+        self.table = self._table_buffer.array(0, [files.n_experts], mx.int32)
+        self.copy_pieces = [(p.offset, p.nbytes, self.buffers[p.key]) for p in self.pieces]
+        self._row_of: dict[int, int] = {}
+        self._pinned: set[int] = set()
+        self._policy = make_policy(policy)
+        self._prefetched: set[int] = set()  # loaded ahead and not demanded since
+        self.prefetch_useful = self.prefetch_wasted = 0
+
+    def holds(self, expert: int) -> bool:
+        with self._lock:
+            return expert in self._row_of
+
+    def holds_all(self) -> bool:
+        """Every expert of the layer is resident: L0 never refills a row of this layer again (never true of
+        shared rows, which other layers may take)."""
+        with self._lock:
+            return self._shared is None and len(self._row_of) == self.n_experts
+
+    def fits(self, experts) -> bool:
+        """The batch can be resident at once, beside the pinned experts outside it."""
+        with self._lock:
+            return len(self._pinned | set(experts)) <= self.unpinned_rows + len(self._pinned)
+
+    def has_room_for(self, experts) -> bool:
+        """Making the batch resident evicts nothing."""
+        with self._lock:
+            return len(set(experts) - self._row_of.keys()) <= len(self._free)
+
+    def rows_for(self, experts) -> list[int]:
+        """The rows of resident experts (repeats allowed), to remap router picks to pool rows."""
+        with self._lock:
+            row_of = self._row_of
+            return [row_of[e] for e in experts]
+
+    def pins(self) -> frozenset[int]:
+        """The pinned experts."""
+        with self._lock:
+            return frozenset(self._pinned)
+
+    @property
+    def unpinned_rows(self) -> int:
+        """Rows left to experts that are not pinned (in any layer, for shared rows)."""
+        with self._lock:
+            return self.capacity - (len(self._pinned) if self._shared is None else self._shared.pinned())
+
+    def pin(self, experts) -> None:
+        """Keep resident experts in L0 until they are evicted by name (`evict`)."""
+        with self._lock:
+            self._pinned.update(experts)
+
+    def access(self, experts) -> None:
+        """The forward demands these experts: tell the policy, and count prefetched ones as useful."""
+        with self._lock:
+            for expert in experts:
+                self._policy.access(expert)
+                if self._shared is not None and expert in self._row_of:
+                    self._shared.touch(self, expert)
+                if expert in self._prefetched:
+                    self._prefetched.discard(expert)
+                    self.prefetch_useful += 1
+
+    def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
+        """Rows for experts not in L0, evicting residents outside the batch (the forward in flight)."""
+        with self._lock:
+            rows = []
+            for _ in experts:
+                if self._free:
+                    rows.append(self._free.pop())
+                    continue
+                if self._shared is not None:
+                    owner, victim = self._shared.victim(self, batch)
+                    rows.append(owner._drop(victim))
+                    continue
+                candidates = [e for e in self._row_of if e not in batch and e not in self._pinned]
+                rows.append(self._drop(self._policy.victim(candidates)))
+            return rows
+
+    def spare_rows(self, experts: list[int], keep: set[int]) -> tuple[list[int], list[int]]:
+        """Rows for as many of the experts (best first) as free rows and evictable residents allow, never
+        evicting a pinned expert or one in `keep`; returns (experts given rows, rows). Not for shared rows,
+        where a row of the layer being computed could be taken."""
+        with self._lock:
+            wanted = [e for e in experts if e not in self._row_of]
+            free = len(self._free)
+            candidates = [e for e in self._row_of if e not in keep and e not in self._pinned]
+            n = min(len(wanted), free + len(candidates))
+            wanted = wanted[:n]
+            return wanted, self.take_rows(wanted, keep)
+
+    def release(self, rows: list[int]) -> None:
+        """Give back rows from `take_rows` that were never published (they hold no expert)."""
+        with self._lock:
+            self._free.extend(rows)
+
+    def _drop(self, expert: int) -> int:
+        """Take the expert out of L0; returns the row it held."""
+        row = self._row_of.pop(expert)
+        self._table[expert] = -1
+        if self._shared is not None:
+            self._shared.order.pop((self, expert), None)
+        self._policy.evict(expert)
+        self._pinned.discard(expert)
+        if expert in self._prefetched:
+            self._prefetched.discard(expert)
+            self.prefetch_wasted += 1
+        return row
+
+    def evict(self, expert: int) -> None:
+        with self._lock:
+            self._free.append(self._drop(expert))
+
+    def publish(self, experts: list[int], rows: list[int], prefetched: bool = False) -> None:
+        with self._lock:
+            for expert, row in zip(experts, rows):
+                self._row_of[expert] = row
+                self._table[expert] = row
+                self._policy.insert(expert)
+                if self._shared is not None:
+                    self._shared.touch(self, expert)
+            if prefetched:
+                self._prefetched.update(experts)
+
+    def prefetched(self) -> frozenset[int]:
+        """Experts loaded ahead and not demanded since (still resident)."""
+        with self._lock:
+            return frozenset(self._prefetched)
+
+    def checksum(self, row: int) -> int:
+        """record_checksum of the record in a row (docs/formats.md, "Checksums")."""
+        return record_checksum(self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes] for p in self.pieces)
+
+    def record(self, expert: int) -> bytes:
+        """The expert's record as L0 holds it, laid out like ModelFiles.read_record (for verification)."""
+        row = self._row_of[expert]
+        out = bytearray(self.record_bytes)
+        for p in self.pieces:
+            out[p.offset:p.offset + p.nbytes] = self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes]
+        return bytes(out)
