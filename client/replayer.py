@@ -1,6 +1,7 @@
 """One client process of `moe-l2 bench`: a routing trace's tokens through a real ExpertPool, with no model compute.
 
-Per token and MoE layer it fetches the layer's picks exactly as a streamed forward does (`ExpertPool.fetch`),
+Per token and MoE layer it fetches the layer's picks exactly as a streamed forward does (`ExpertPool.borrow`
+where L2 lends its records in place, else `ExpertPool.fetch`),
 then waits the configured compute time, during which background work may run. Stall is the time `fetch` took:
 what compute did not hide (docs/architecture.md, "Measured against the page cache").
 
@@ -10,6 +11,8 @@ Run as ``python -P -m moe_l2.client.replayer``; it speaks JSON lines. The first 
      "policy": L0 policy, "cgroup": DIR or null, "compute_ms": per layer, "warmup": tokens,
      "prefetch": true|false (next-layer prefetch, co-occurrence),
      "load_through_ms": how long a miss waits for the daemon to load it into L2 (0: read the file at once),
+     "lend": true|false (compute on L2's records in place, or copy them into L0),
+     "shared_l0": true|false (capacity is L0 rows in all, which every layer takes from),
      "tokens": [[[experts of layer 0], ...], ...]}
 
 It answers ``{"ready": ...}`` once the pool exists, waits for a line, replays the warm-up tokens, answers
@@ -69,25 +72,41 @@ def _wait_for_go() -> None:
         sys.exit(0)  # the bench went away
 
 
-def replay(pool: ExpertPool, tokens: list, compute_s: float, next_layer: NextLayer | None = None) -> float:
+def replay(pool: ExpertPool, tokens: list, compute_s: float, next_layer: NextLayer | None = None) -> tuple[float, int]:
     """Fetch each token's experts layer by layer, computing (waiting) compute_s after each; returns the stall.
+    A pool that lends computes on L2's records in place, as the streamed forward does: the misses L2 holds are
+    lent instead of copied, and a loan the daemon tore during the compute costs a fetch and the compute again.
     With next_layer, each layer's picks also start the prefetch of the next layer's guesses, as the streamed
-    forward does (it has no hidden state here, so only the co-occurrence predictor can guess)."""
+    forward does (it has no hidden state here, so only the co-occurrence predictor can guess).
+    Returns the stall and the lookups of layers computed again (torn loans), which the pool counted twice."""
     stall = 0.0
+    torn = 0
     clock = time.perf_counter
+
+    def compute(since: float) -> None:
+        # A sleep, so that background threads (the client's, a prefetch) may run.
+        deadline = since + compute_s
+        while (left := deadline - clock()) > 0:
+            time.sleep(left)
+
     for token in tokens:
         for layer, experts in enumerate(token):
             start = clock()
-            pool.fetch(layer, experts)
+            loan = pool.borrow(layer, experts)[1] if pool.lend else None
+            if loan is None:
+                pool.fetch(layer, experts)
             if next_layer is not None:
                 next_layer.after(layer, None, np.asarray([experts]))
             done = clock()
             stall += done - start
-            # The layer's compute: a sleep, so that background threads (the client's, a prefetch) may run.
-            deadline = done + compute_s
-            while (left := deadline - clock()) > 0:
-                time.sleep(left)
-    return stall
+            compute(done)
+            if loan and loan.torn():
+                torn += len(set(experts))
+                start = clock()
+                pool.fetch(layer, experts)
+                stall += clock() - start + compute_s
+                compute(clock())
+    return stall, torn
 
 
 def main() -> int:
@@ -105,7 +124,7 @@ def main() -> int:
         _say({"error": f"no moe-l2d answered at {job['socket']}: {client.last_error}"})
         return 1
     pool = ExpertPool(files, job["capacity"], client, policy=job["policy"], direct=job["direct"], verify="off",
-                      load_through_s=load_through_s)
+                      load_through_s=load_through_s, lend=job.get("lend", True), shared_l0=job.get("shared_l0", False))
     next_layer = NextLayer("cooccurrence", pool) if job.get("prefetch") else None
     tokens, warmup, compute_s = job["tokens"], job["warmup"], job["compute_ms"] / 1e3
     _say({"ready": True, "anon_bytes": anon_bytes()})
@@ -115,12 +134,12 @@ def main() -> int:
     _say({"warm": True})
     _wait_for_go()
     before, ahead, disk_before = pool.counts, pool.prefetch_counts, disk_read_bytes()
-    stall = replay(pool, tokens[warmup:], compute_s, next_layer)
+    stall, torn = replay(pool, tokens[warmup:], compute_s, next_layer)
     pool.wait_prefetches()
     after, disk_after = pool.counts, disk_read_bytes()
     counts = {name: getattr(after, name) - getattr(before, name) for name in after.__dataclass_fields__}
     prefetch = dataclasses.asdict(pool.prefetch_counts.minus(ahead))
-    _say({"tokens": len(tokens) - warmup, "stall_s": stall, "counts": counts, "prefetch": prefetch,
+    _say({"tokens": len(tokens) - warmup, "stall_s": stall, "torn_lookups": torn, "counts": counts, "prefetch": prefetch,
           "disk_read_bytes": None if disk_before is None else disk_after - disk_before,
           "anon_bytes": anon_bytes()})
     pool.close()

@@ -50,10 +50,12 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
             assert isinstance(c[key], kind), (c["name"], key)
         assert (c["budget_share"], c["processes"], c["tokens"]) == (0.5, 2, 60)
         counts = c["counts"]
-        assert counts["lookups"] == lookups == counts["l0_hits"] + counts["l2_hits"] + counts["l3_reads"]
+        # A layer whose loan the daemon tore is fetched (looked up) again.
+        assert counts["lookups"] == lookups + c["torn_lookups"] == counts["l0_hits"] + counts["l2_hits"] + counts["l3_reads"]
         assert counts["bytes_read"] == counts["l3_reads"] * record
-        assert counts["bytes_copied"] == counts["l2_hits"] * record
-        assert c["hit_rates"]["L0"] == pytest.approx(counts["l0_hits"] / lookups)
+        # L2 hits are computed on in place (lent) by default, copied otherwise.
+        assert counts["bytes_copied"] == (counts["l2_hits"] - counts["l2_lent"]) * record
+        assert c["hit_rates"]["L0"] == pytest.approx(counts["l0_hits"] / counts["lookups"])
         assert c["tok_s_projected"] == pytest.approx(1 / (2 * 0.1e-3 + c["stall_ms_per_token"] / 1e3))
         assert c["peak_bytes"] > 0
     pread, moe = by_name["pread"], by_name["moe-l2"]
@@ -62,8 +64,10 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
     assert pread["counts"]["l2_hits"] == 0 and pread["l2_slots"] == 0 and pread["hit_rates"]["L2"] is None
     assert pread["disk_bytes"] >= pread["counts"]["bytes_read"] > 0
     # moe-l2: every L0 miss is looked up in L2, and the daemon's L2 served some of them.
-    assert moe["counts"]["l2_lookups"] == lookups - moe["counts"]["l0_hits"]
-    assert moe["l2_slots"] >= 1 and moe["counts"]["l2_hits"] > 0
+    assert moe["counts"]["l2_lookups"] == lookups + moe["torn_lookups"] - moe["counts"]["l0_hits"]
+    assert moe["l2_slots"] >= 1 and moe["counts"]["l2_hits"] > 0 and moe["counts"]["l2_lent"] > 0
+    assert moe["l0_experts"] == files.top_k and moe["l0_shared"]  # in-place reads: top-k rows in all
+    assert moe["counts"]["l2_awaited"] == 0  # no load-through
     assert moe["hit_rates"]["L2"] == pytest.approx(moe["counts"]["l2_hits"] / moe["counts"]["l2_lookups"])
     # moe-l2+prefetch: each token's layer 0 guessed layer 1 (the last layer guesses nothing), and the guesses
     # were scored against every pick of layer 1; the demand counts above stay consistent with prefetch on.
@@ -76,6 +80,17 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
         pc = by_name["page-cache"]
         assert pc["l0_experts"] == files.top_k and 0 <= pc["hit_rates"]["page_cache"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_copied_l2_reads_give_l0_half_the_budget(tiny, capsys):
+    model, trace = tiny
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "50%", "--processes", "1",
+                 "--compute-ms", "0", "--warmup", "0", "--configs", "moe-l2", "--l2-reads", "copy", "--json"]) == 0
+    moe = json.loads(capsys.readouterr().out)["configs"][0]
+    files = ModelFiles.open(model)
+    assert moe["l0_experts"] == int(0.5 * 0.5 * 2 * 32 * files.layout.nbytes) // (2 * files.layout.nbytes)
+    assert moe["counts"]["l2_lent"] == 0 and moe["counts"]["l2_hits"] > 0
+    assert moe["counts"]["bytes_copied"] == moe["counts"]["l2_hits"] * files.layout.nbytes
 
 
 def test_a_budget_under_top_k_and_a_mismatched_trace_say_what_to_do(tiny, tmp_path, capsys):

@@ -36,6 +36,7 @@ from moe_l2.sizes import format_pct, format_size
 HELP = "replay a routing trace at real expert sizes: moe-l2 against the page cache and pread, same memory"
 
 CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch")
+L2_READS = ("in-place", "copy")
 # Decode on Apple Silicon, per MoE layer: gpt-oss-20b (24 layers), MLX 4-bit, 91.5 tok/s on an M2 Max
 # (docs/architecture.md, "Measured against the page cache", cites the measurement): 1000 / 91.5 / 24 ms.
 DEFAULT_COMPUTE_MS = 0.45
@@ -72,9 +73,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent client processes, each replaying its share of the sequences (default 1,3)")
     parser.add_argument("--configs", default=",".join(CONFIGS), metavar="NAME[,NAME...]",
                         help=f"configurations to run (default {','.join(CONFIGS)})")
-    parser.add_argument("--l0-share", type=float, default=0.5, metavar="F",
-                        help="moe-l2: share of a process' part of the budget that its L0 gets; one daemon's L2 "
-                             "gets the rest (default 0.5)")
+    parser.add_argument("--l2-reads", choices=L2_READS, default="in-place",
+                        help="moe-l2: compute on L2's records in shared memory (in-place, the default) or copy them "
+                             "into the process' L0 (copy)")
+    parser.add_argument("--l0", choices=("shared", "per-layer"),
+                        help="moe-l2: one set of L0 rows for all layers of a process (shared: it only catches L2's "
+                             "misses, the default with in-place reads) or rows in every layer (per-layer, the "
+                             "default with copies, and always with prefetch)")
+    parser.add_argument("--l0-share", type=float, metavar="F",
+                        help="moe-l2: share of a process' part of the budget that its L0 gets, at least top-k rows "
+                             "(a layer's, or in all for a shared L0); one daemon's L2 gets the rest (default: 0 "
+                             "with in-place reads, 0.5 with copies)")
     parser.add_argument("--load-through-ms", type=float, default=0.0, metavar="MS",
                         help="moe-l2: a miss waits up to MS for the daemon to load it into L2 and is copied from "
                              "there, instead of being read by the client as well (default 0: read at once)")
@@ -144,18 +153,21 @@ def _parts(traces, n_layers: int, processes: int, tokens: int | None, warmup: fl
     return parts
 
 
-def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share: float) -> dict:
-    """L0 rows per layer and process, and L2 slots per layer: the same memory for experts in every config."""
+def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share: float,
+          shared_l0: bool = False) -> dict:
+    """L0 rows per layer (or in all, shared_l0) and process, and L2 slots per layer: the same memory for experts
+    in every config."""
     record, layers = files.layout.nbytes, files.n_layers
     budget = int(share * layers * files.n_experts * record)
-    row = layers * record  # one L0 row in every layer
+    row = record if shared_l0 else layers * record  # one L0 row: in all, or in every layer
     top_k = files.top_k
     if config == "page-cache":
         capacity, slots = top_k, 0
     elif config == "pread":
         capacity, slots = min(files.n_experts, budget // processes // row), 0
     else:
-        capacity = max(top_k, min(files.n_experts, int(l0_share * budget / processes) // row))
+        most = files.n_experts * (layers if shared_l0 else 1)
+        capacity = max(top_k, min(most, int(l0_share * budget / processes) // row))
         slot = Geometry(layers, files.n_experts, files.n_experts, record).slot_stride * layers
         slots = min(files.n_experts, max(0, budget - processes * capacity * row) // slot)
         if slots < 1:
@@ -164,9 +176,10 @@ def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share
                                  "raise --budget")
     if capacity < top_k or processes * capacity * row > budget:
         raise BudgetTooSmall(f"{config} at {format_pct(share)} ({format_size(budget)}) with {processes} processes: "
-                             f"each process needs L0 rows for top-{top_k} experts in every layer "
-                             f"({format_size(top_k * row)}): raise --budget or run fewer --processes")
-    return {"budget": budget, "capacity": capacity, "slots": slots}
+                             f"each process needs L0 rows for top-{top_k} experts "
+                             f"{'in all' if shared_l0 else 'in every layer'} ({format_size(top_k * row)}): "
+                             "raise --budget or run fewer --processes")
+    return {"budget": budget, "capacity": capacity, "slots": slots, "shared_l0": shared_l0}
 
 
 def _drop_page_cache(files: ModelFiles) -> None:
@@ -210,7 +223,11 @@ def _daemon_loaded(daemon: DaemonProcess, record: int) -> int:
 
 def run_config(files: ModelFiles, config: str, share: float, parts: list, args) -> dict:
     """One configuration at one point: start its daemon / cgroup / clients, replay, and sum what they saw."""
-    plan = _plan(files, config, share, len(parts), args.l0_share)
+    in_place = args.l2_reads == "in-place"
+    l0_share = args.l0_share if args.l0_share is not None else 0.0 if in_place else 0.5
+    # Prefetch loads into rows of the next layer while this one computes: per-layer rows only.
+    shared_l0 = config == "moe-l2" and (args.l0 or ("shared" if in_place else "per-layer")) == "shared"
+    plan = _plan(files, config, share, len(parts), l0_share, shared_l0)
     _drop_page_cache(files)
     daemon = cgroup = None
     workers: list[subprocess.Popen] = []
@@ -225,7 +242,8 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
         job = {"model": str(files.path), "capacity": plan["capacity"], "policy": "lru",
                "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
-               "load_through_ms": args.load_through_ms, "prefetch": config == "moe-l2+prefetch"}
+               "load_through_ms": args.load_through_ms, "prefetch": config == "moe-l2+prefetch",
+               "lend": in_place, "shared_l0": shared_l0}
         for tokens, warm in parts:
             w = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.client.replayer"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
@@ -239,7 +257,7 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
             # Warm, the clients' anonymous memory holds their L0 rows, the pool's read scratch and Python's heap;
             # the limit is that, plus what of the budget the L0s leave, plus a little room for the heap to grow
             # (a member past the limit with no page cache left is killed): the page cache gets the rest.
-            l0 = len(parts) * plan["capacity"] * files.n_layers * files.layout.nbytes
+            l0 = len(parts) * plan["capacity"] * (1 if shared_l0 else files.n_layers) * files.layout.nbytes
             cgroup.limit(cgroup.anon() + plan["budget"] - l0 + len(parts) * HEAP_ROOM)
             cgroup.reset_peak()
         daemon_before = _daemon_loaded(daemon, files.layout.nbytes) if daemon else 0
@@ -275,23 +293,26 @@ def _summary(config, share, plan, results, daemon_read, peak, files, compute_ms)
     disk = (counts["bytes_read"] + ahead["bytes_read"] if None in client_disk else sum(client_disk)) + daemon_read
     stall = sum(r["stall_s"] for r in results) / tokens
     compute = compute_ms / 1e3 * files.n_layers
+    # A record the daemon loaded while the client waited (load-through) was a disk read, not an L2 hit.
+    l2_found = counts["l2_hits"] - counts["l2_awaited"]
     hit_rates = {"L0": counts["l0_hits"] / lookups if lookups else None,
-                 "L2": counts["l2_hits"] / l2_lookups if plan["slots"] and l2_lookups else None,
+                 "L2": l2_found / l2_lookups if plan["slots"] and l2_lookups else None,
                  "page_cache": None}
     if config == "page-cache" and counts["bytes_read"] and None not in client_disk:
         hit_rates["page_cache"] = max(0.0, 1 - sum(client_disk) / counts["bytes_read"])
     return {"name": config, "budget_share": share, "processes": len(results),
             "stall_ms_per_token": 1e3 * stall, "tok_s_projected": 1 / (compute + stall),
             "hit_rates": hit_rates, "disk_bytes_per_token": disk / tokens, "peak_bytes": peak,
-            "tokens": tokens, "l0_experts": plan["capacity"], "l2_slots": plan["slots"],
+            "tokens": tokens, "l0_experts": plan["capacity"], "l0_shared": plan["shared_l0"], "l2_slots": plan["slots"],
             "budget_bytes": plan["budget"], "counts": dict(counts, lookups=lookups, l2_lookups=l2_lookups),
-            "disk_bytes": disk, "prefetch": ahead if ahead["requests"] else None}
+            "disk_bytes": disk, "prefetch": ahead if ahead["requests"] else None,
+            "torn_lookups": sum(r["torn_lookups"] for r in results)}
 
 
 def render(result: dict) -> str:
     lines = [f"{result['model']}: record {format_size(result['record_bytes'])}, experts "
              f"{format_size(result['expert_bytes'])}; trace {result['trace']}; compute {result['compute_ms']:g} ms "
-             f"per layer; {result['machine']}", ""]
+             f"per layer; L2 reads {result['l2_reads']}; {result['machine']}", ""]
     lines.append(f"{'config':<16}{'budget':>7}{'procs':>6}{'stall ms/tok':>13}{'tok/s':>8}{'vs page-cache':>14}"
                  f"{'vs pread':>9}{'L0 hit':>8}{'L2 hit':>8}{'pc hit':>8}{'disk MB/tok':>12}{'peak':>11}")
     for c in result["configs"]:
@@ -367,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
             raise BenchError(f"{name}: {files.n_layers} MoE layers of {files.n_experts} experts, top-{files.top_k}; "
                              f"the trace has {traces.n_layers} layers of {traces.n_experts}, top-{traces.top_k}")
         result = {"model": name, "trace": str(args.trace), "layers": files.n_layers, "compute_ms": args.compute_ms,
+                  "l2_reads": args.l2_reads,
                   "record_bytes": files.layout.nbytes,
                   "expert_bytes": files.n_layers * files.n_experts * files.layout.nbytes,
                   "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores", "configs": []}
