@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import os
 import pwd
 import queue
@@ -254,6 +255,10 @@ class L2Client:
         self.attaches = 0
         self.last_error = ""
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
+        # A byte here wakes the connection thread to send the queued reports now (report(now=True)).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._prefetch_source = None
         self._prefetch_sent: dict[str, int] = {}
         self._hints: queue.SimpleQueue = queue.SimpleQueue()
@@ -278,15 +283,21 @@ class L2Client:
             time.sleep(0.02)
         return self.attachment is not None
 
-    def report(self, layer: int, hits: list[int], misses: list[int], routed: list[int]) -> None:
+    def report(self, layer: int, hits: list[int], misses: list[int], routed: list[int], now: bool = False) -> None:
         """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
-        loads the misses and counts the picks). Nothing for a layer the daemon does not serve."""
+        loads the misses and counts the picks). Nothing for a layer the daemon does not serve. now: send it
+        without waiting for the next flush (a caller waits for the misses: load-through)."""
         attachment = self.attachment
         if attachment is not None and not attachment.serves(layer):
             return
         self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS]))
         for start in range(MAX_REPORT_IDS, len(routed), MAX_REPORT_IDS):  # a long prefill, pick by pick
             self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS]))
+        if now:
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
 
     def count_prefetch(self, source) -> None:
         """Send what next-layer prefetch did with the reports: `source()` returns its running totals
@@ -312,6 +323,9 @@ class L2Client:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a daemon that is not there
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         connect(sock, self.address, self.curve)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         pending: tuple[int, float] | None = None
         next_hello = 0.0
         try:
@@ -332,7 +346,15 @@ class L2Client:
                         next_hello = now + min(self.heartbeat_s, RETRY_S)
                 self._flush_reports(sock)
                 self._flush_hints(sock)
-                if sock.poll(self.flush_ms):
+                # Not past the next hello (or its retry), however long reports may wait.
+                until_hello = max(0, math.ceil((next_hello - time.monotonic()) * 1000))
+                events = dict(poller.poll(min(self.flush_ms, until_hello)))
+                if self._wake_r in events:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                if sock in events:
                     while True:
                         try:
                             reply = protocol.decode_reply(sock.recv(zmq.NOBLOCK))
@@ -436,3 +458,6 @@ class L2Client:
         self._stop.set()
         self._thread.join(timeout=2)
         self.attachment = None
+        if not self._thread.is_alive():
+            os.close(self._wake_r)
+            os.close(self._wake_w)

@@ -212,11 +212,14 @@ class StreamedLM:
                  policy: str = "lru", record: bool = False, model_config: dict | None = None,
                  direct: bool | None = None, verify: str = "file", download: bool = False,
                  tokenizer_config: dict | None = None, prefetch: str = "off",
-                 group: mx.distributed.Group | None = None, lend: bool = True, shared_l0: bool = False):
+                 group: mx.distributed.Group | None = None, lend: bool = True, shared_l0: bool = False,
+                 load_through_s: float = 0.0):
         """prefetch: next-layer prefetch, one of moe_l2.cache.prefetch.PREFETCH.
         lend: compute on the records L2 holds in place, without copying them (ExpertPool `lend`).
         shared_l0: l0_slots (or l0_budget) buys rows in all, which every layer takes from (ExpertPool
         `shared_l0`), instead of rows in every layer.
+        load_through_s: a miss waits up to this long for the daemon to load it into L2 (ExpertPool
+        `load_through_s`).
         group: the mlx.distributed group to run a pipeline stage in (several ranks: this rank's layers
         only, docs/distributed.md); None or one rank: the whole model."""
         from moe_l2.client.connection import L2Client
@@ -237,7 +240,7 @@ class StreamedLM:
             self.pool = ExpertPool(self.files,
                                    l0_slots_for(self.files, l0_slots, l0_budget, len(layers), shared_l0),
                                    self.client, policy=policy, direct=direct, verify=verify, layers=layers,
-                                   lend=lend, shared_l0=shared_l0)
+                                   lend=lend, shared_l0=shared_l0, load_through_s=load_through_s)
             try:
                 self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, prefetch)
                 mx.eval(self.model.parameters())

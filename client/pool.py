@@ -188,10 +188,12 @@ class ExpertPool:
         missing = sorted(e for e in batch if not lp.holds(e))
         loan = view.lend(layer, missing)
         absent = sorted(set(missing) - set(loan.experts))
-        reported = bool(absent and self.load_through_s and self.client.attached)
+        # Load-through: one read per miss, the daemon's, into L2, where the layer then computes on it; only where
+        # L2 has room for the misses beside the batch's lent experts, which the daemon does not evict for them.
+        room = view.attachment.geometry.n_slots - len(loan.experts)
+        reported = bool(absent and self.load_through_s and self.client.attached and len(absent) <= room)
         if reported:
-            # Load-through: one read per miss, the daemon's, into L2, where the layer then computes on it.
-            self.client.report(layer, list(loan.experts), absent, picks)
+            self.client.report(layer, list(loan.experts), absent, picks, now=True)
             before = len(loan.experts)
             loan = self._await_loan(view, loan, absent)
         rest = batch - set(loan.experts)
@@ -257,7 +259,7 @@ class ExpertPool:
 
         def load_through(copied: list[bool]) -> list[bool]:
             # Report the L2 misses now, so that the daemon starts loading them, and copy them as they land.
-            told.append(self.report_lookups(layer, missing, copied, picks, lent))
+            told.append(self.report_lookups(layer, missing, copied, picks, lent, now=True))
             return self._await_l2(layer, lp, missing, rows, copied)
 
         through = self.load_through_s and self.client is not None and self.client.attached and not reported
@@ -328,13 +330,13 @@ class ExpertPool:
         self._prefetcher.wait(layer)
 
     def report_lookups(self, layer: int, missing: list[int], copied: list[bool], picks: list[int],
-                       lent=()) -> bool:
+                       lent=(), now: bool = False) -> bool:
         """Tell the daemon what L2 had (copied or lent) and lacked (it loads what it lacked); False when there
-        is no daemon."""
+        is no daemon. now: without waiting for the connection's next flush."""
         if self.client is None:
             return False
         self.client.report(layer, [*lent, *(e for e, ok in zip(missing, copied) if ok)],
-                           [e for e, ok in zip(missing, copied) if not ok], picks)
+                           [e for e, ok in zip(missing, copied) if not ok], picks, now)
         return True
 
     def _await_l2(self, layer: int, lp: LayerPool, missing: list[int], rows: list[int],

@@ -117,9 +117,7 @@ def main() -> int:
             f.write(str(os.getpid()))
     files = ModelFiles.open(job["model"])
     load_through_s = job.get("load_through_ms", 0) / 1e3
-    # Loading through L2, a miss waits for its report to reach the daemon: send reports within a millisecond.
-    client = (L2Client(files, job["socket"], wait_s=10, flush_s=0.001 if load_through_s else 0.02)
-              if job.get("socket") else None)
+    client = L2Client(files, job["socket"], wait_s=10) if job.get("socket") else None
     if client is not None and not client.attached:
         _say({"error": f"no moe-l2d answered at {job['socket']}: {client.last_error}"})
         return 1

@@ -204,9 +204,12 @@ class ServedModel:
             self.index.seq_end_write(self.geometry.meta_offset(layer, r.slot) + META_SEQ)
             self.stores[layer].abort(r)
 
-    def report(self, layers: dict[int, list[list[int]]], routed: dict[int, list[int]], loader) -> None:
+    def report(self, layers: dict[int, list[list[int]]], routed: dict[int, list[int]], loader,
+               keep: dict[int, frozenset[int]] | None = None) -> None:
         """Fold a client's lookups into the policy and counters, load its misses, and count its routing
-        (every pick, L0 hits included; a client that sends no `routed` is counted by its L2 lookups)."""
+        (every pick, L0 hits included; a client that sends no `routed` is counted by its L2 lookups).
+        keep: per layer, experts the loads must not evict beside the report's own (a piece of a larger
+        report keeps the whole report's: daemon.server.report_pieces)."""
         lookups = {layer: [*hits, *misses] for layer, (hits, misses) in layers.items()}
         self.check_ids(lookups)
         self.check_ids(routed)
@@ -228,7 +231,8 @@ class ServedModel:
             misses_total += len(misses)
             # The batch's own experts are never evicted for its misses: a client may be computing on them in
             # place right now (docs/architecture.md, "Zero-copy L2 reads").
-            self.demand(layer, misses, loader, keep=frozenset(lookups[layer]).union(routed.get(layer, ())))
+            batch = frozenset(lookups[layer]).union(routed.get(layer, ()), (keep or {}).get(layer, ()))
+            self.demand(layer, misses, loader, keep=batch)
         # A report that names its routed picks counts those (a piece of a split report may name an empty
         # list: its lookups are not picks); one that does not is counted by its L2 lookups.
         n_picks = sum(len(experts) for experts in routed.values()) if routed else hits_total + misses_total

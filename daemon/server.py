@@ -173,7 +173,7 @@ class Server:
 
     def _run_work(self, budget_s: float) -> None:
         """Fold queued report pieces in, and answer the requests queued behind them, for about budget_s (at
-        least one item). An item is (model, identity, (layers, routed, cost)) or (None, identity, request)."""
+        least one item). An item is (model, identity, (layers, routed, cost, keep)) or (None, identity, request)."""
         deadline = time.monotonic() + budget_s
         while self._work:
             model, identity, work = self._work.popleft()
@@ -184,10 +184,10 @@ class Server:
                 self._queued_calls -= 1
                 self._answer(identity, work)
             else:
-                layers, routed, cost = work
+                layers, routed, cost, keep = work
                 self._pending_ids -= cost
                 try:
-                    model.report(layers, routed, self.loader)
+                    model.report(layers, routed, self.loader, keep)
                 except Exception:  # validated when queued: only a bug gets here
                     self.errors += 1
                     log.exception("report work failed")
@@ -335,23 +335,26 @@ class Server:
 
 
 def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int]],
-                  size: int) -> list[tuple[dict, dict, int]]:
-    """Split a report into (layers, routed, cost) pieces of at most `size` looked-up ids (routed picks count
-    1/ROUTED_PER_LOOKUP each) that ServedModel.report counts as it counts the whole: per layer its hits, then
-    its misses, in order; when the report names its routed picks, the lookup pieces carry an empty pick list
-    (so their lookups are not counted as picks)."""
+                  size: int) -> list[tuple[dict, dict, int, dict]]:
+    """Split a report into (layers, routed, cost, keep) pieces of at most `size` looked-up ids (routed picks
+    count 1/ROUTED_PER_LOOKUP each) that ServedModel.report counts as it counts the whole: per layer its hits,
+    then its misses, in order; when the report names its routed picks, the lookup pieces carry an empty pick
+    list (so their lookups are not counted as picks). A misses piece keeps (never evicts for its loads) every
+    expert the report names in its layer, as the whole report would."""
     pieces = []
     for layer, (hits, misses) in layers.items():
         no_picks = {layer: []} if routed else {}
+        keep = {layer: frozenset([*hits, *misses, *routed.get(layer, ())])}
         for start in range(0, len(hits), size):
-            pieces.append(({layer: [hits[start:start + size], []]}, no_picks, len(hits[start:start + size])))
+            pieces.append(({layer: [hits[start:start + size], []]}, no_picks, len(hits[start:start + size]), {}))
         for start in range(0, len(misses), size):
-            pieces.append(({layer: [[], misses[start:start + size]]}, no_picks, len(misses[start:start + size])))
+            pieces.append(({layer: [[], misses[start:start + size]]}, no_picks, len(misses[start:start + size]),
+                           keep))
     step = size * ROUTED_PER_LOOKUP
     for layer, picks in routed.items():
         for start in range(0, len(picks), step):
             chunk = picks[start:start + step]
-            pieces.append(({}, {layer: chunk}, -(-len(chunk) // ROUTED_PER_LOOKUP)))
+            pieces.append(({}, {layer: chunk}, -(-len(chunk) // ROUTED_PER_LOOKUP), {}))
     return pieces
 
 

@@ -288,8 +288,10 @@ def test_a_refill_waits_for_work_queued_on_the_evicted_row(model_files):
 
 
 def test_load_through_copies_a_miss_from_l2_once_the_daemon_loaded_it(running_daemon, model_files):
-    client = L2Client(model_files, running_daemon.socket, wait_s=5, flush_s=0.001)
-    pool = ExpertPool(model_files, capacity=4, client=client, load_through_s=5.0)
+    # Reports queue for a minute here: the misses' report reaches the daemon only because load-through sends it
+    # at once (L2Client.report(now=True)); otherwise the pool would read the file after its 5 s.
+    client = L2Client(model_files, running_daemon.socket, wait_s=5, flush_s=60)
+    pool = ExpertPool(model_files, capacity=4, client=client, load_through_s=5.0, lend=False)
     try:
         counts = pool.fetch(1, [3, 7, 3])
         # Cold: the daemon read both records into L2 and the client copied them; it read nothing itself.

@@ -16,7 +16,7 @@ from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.generation import encode_prompt
 from moe_l2.cache.trace import read_traces
 
-from .conftest import stats, wait_for
+from .conftest import budget_for, stats, wait_for
 
 
 PROMPT = "Which experts does the router pick for this sentence?"
@@ -83,7 +83,7 @@ def test_trace_out_records_every_processed_token(capsys, model_dir, model_files,
 def test_through_the_daemon_the_second_run_finds_experts_in_l2(capsys, running_daemon, model_dir, model_files,
                                                                 expected, l2_reads):
     args = ["--model", str(model_dir), "--prompt", PROMPT, "--socket", running_daemon.socket, "--l0-slots", "4",
-            "--l2-reads", l2_reads]
+            "--l2-reads", l2_reads, "--load-through-ms", "0"]
     cold = run_json(capsys, *args)
     wait_for(lambda: stats(running_daemon)["daemon"]["loads_in_flight"] == 0, what="loads")
     warm = run_json(capsys, *args)
@@ -94,6 +94,19 @@ def test_through_the_daemon_the_second_run_finds_experts_in_l2(capsys, running_d
     assert warm["l2_hits"] > 0
     assert (warm["l2_lent"] > 0) == (l2_reads == "in-place")
     assert warm["bytes_copied"] == (warm["l2_hits"] - warm["l2_lent"]) * model_files.layout.nbytes
+
+
+def test_by_default_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(capsys, daemon_factory, model_dir,
+                                                                            model_files, expected):
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)))
+    # The default path, with a wait long enough for a loaded CI machine.
+    s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
+                 "--l0-slots", "4", "--load-through-ms", "5000")
+    assert s["tokens"] == expected
+    assert s["l2_lent"] > 0 and s["bytes_copied"] == 0
+    # L2 has room for every expert: each miss was read once, by the daemon, while the client waited.
+    loaded = stats(daemon)["models"][0]["loads_done"]
+    assert s["l3_reads"] == 0 and s["bytes_read"] == 0 and loaded == s["l2_awaited"] > 0
 
 
 def test_a_shared_l0_gives_the_same_tokens_and_refuses_prefetch(capsys, running_daemon, model_dir, model_files,

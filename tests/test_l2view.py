@@ -109,6 +109,39 @@ def warm(daemon, files: ModelFiles) -> None:
     wait_for(lambda: stats(daemon)["models"][0]["loads_in_flight"] == 0, what="loads")
 
 
+def test_a_reports_misses_never_evict_the_experts_it_names(daemon_factory, model_dir, model_files):
+    """L2 of two slots a layer holds 0 and 1 (LFU: 1 looked up more often). A report of the batch {0, 2}, 0 found
+    and 2 missing, loads 2 over 1, not over 0, which its client may be computing on in place."""
+    from moe_l2.client.connection import L2Client
+
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, 2)), "--policy", "lfu")
+    client = L2Client(model_files, daemon.socket, wait_s=5)
+    pool = ExpertPool(model_files, model_files.top_k, client)
+    seen = 0
+
+    def report(hits, misses):
+        # One at a time: the client merges reports it queues together.
+        nonlocal seen
+        client.report(0, hits, misses, [*hits, *misses])
+        seen += len(hits) + len(misses)
+        wait_for(lambda: stats(daemon)["models"][0]["hits"] + stats(daemon)["models"][0]["misses"] == seen,
+                 what="the report")
+
+    try:
+        view = pool._l2_view()
+        for expert in (0, 1):
+            report([], [expert])
+            wait_for(lambda: view.lend(0, [expert]), what=f"expert {expert} in L2")
+        for _ in range(3):
+            report([1], [])
+        report([0], [2])
+        wait_for(lambda: view.lend(0, [2]), what="expert 2 in L2")
+        assert view.lend(0, [0, 1, 2]).experts == (0, 2)
+    finally:
+        pool.close()
+        client.close()
+
+
 def test_a_loan_reads_the_files_records_and_sees_a_rewrite(daemon_factory, model_dir, model_files):
     from moe_l2.client.connection import L2Client
 

@@ -12,6 +12,9 @@ from moe_l2.model.location import path_arg, socket_arg
 from moe_l2.sizes import format_pct, format_size
 
 HELP = "generate text with an mlx-lm MoE model, its experts streamed"
+# A miss waits this long for moe-l2d to load it (docs/architecture.md, "Zero-copy L2 reads"): ten reads of a
+# 13 MB record on this project's slowest measured disk.
+LOAD_THROUGH_MS = 100.0
 
 
 def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +45,11 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
                         help="experts that moe-l2d's shared memory holds: computed on where they are (in-place, "
                              "the default; a layer whose experts the daemon replaced meanwhile is computed "
                              "again) or copied into this process first (copy)")
+    parser.add_argument("--load-through-ms", type=float, default=LOAD_THROUGH_MS, metavar="MS",
+                        help="an expert that moe-l2d's shared memory lacks: report it at once and wait up to MS for "
+                             "the daemon to load it (one disk read, the daemon's), then read the file for what has "
+                             f"not arrived (default {LOAD_THROUGH_MS:g}; 0: read the file at once, while the daemon "
+                             "loads it too)")
     parser.add_argument("--prefetch", choices=PREFETCH, default="off",
                         help="while a MoE layer computes, load the next layer's guessed experts in the "
                              "background: guessed by the next layer's router (router), by expert co-occurrence "
@@ -97,6 +105,7 @@ def summary(result: dict, lm) -> dict:
         "l0_hits": c.l0_hits,
         "l2_hits": c.l2_hits,
         "l2_lent": c.l2_lent,
+        "l2_awaited": c.l2_awaited,
         "l3_reads": c.l3_reads,
         "l0_hit_rate": rates["l0"],
         "l2_hit_rate": rates["l2"],
@@ -118,9 +127,9 @@ def summary(result: dict, lm) -> dict:
 
 
 # What each rank reports of its own streaming; the rest of the summary is the same on every rank.
-_PER_RANK = ("expert_lookups", "l0_hits", "l2_hits", "l2_lent", "l3_reads", "bytes_read", "bytes_copied", "l0_slots",
+_PER_RANK = ("expert_lookups", "l0_hits", "l2_hits", "l2_lent", "l2_awaited", "l3_reads", "bytes_read", "bytes_copied", "l0_slots",
              "l0_bytes", "layers", "daemon", "streaming", "prefetch", "peak_rss_bytes", "peak_mlx_bytes")
-_SUMMED = ("expert_lookups", "l0_hits", "l2_hits", "l2_lent", "l3_reads", "bytes_read", "bytes_copied", "l0_bytes")
+_SUMMED = ("expert_lookups", "l0_hits", "l2_hits", "l2_lent", "l2_awaited", "l3_reads", "bytes_read", "bytes_copied", "l0_bytes")
 
 
 def merge_ranks(summaries: list[dict]) -> dict:
@@ -156,7 +165,8 @@ def render(s: dict) -> str:
         f"decode {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
         f"experts: {s['expert_lookups']} lookups: L0 {format_pct(s['l0_hit_rate'])}, L2 {format_pct(s['l2_hit_rate'])}, "
         f"L3 (disk) {format_pct(s['l3_rate'])}; read from disk {format_size(s['bytes_read'])}, "
-        f"copied from L2 {format_size(s['bytes_copied'])}, {s['l2_lent']} computed in place in L2",
+        f"copied from L2 {format_size(s['bytes_copied'])}; in L2 {s['l2_lent']} computed in place, "
+        f"{s['l2_awaited']} loaded by the daemon while waiting",
         f"L0 {s['l0_slots']} experts {'in all' if s['l0_shared'] else 'per layer'} ({format_size(s['l0_bytes'])}); "
         f"{_daemon_text(s['daemon'])}",
         *([] if s["prefetch"] is None else [_render_prefetch(s["prefetch"])]),
@@ -209,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
                         record=args.trace_out is not None, direct=DIRECT_IO[args.direct_io],
                         verify=args.verify_checksums, download=True, prefetch=args.prefetch,
                         group=group if pipelined else None, lend=args.l2_reads == "in-place",
-                        shared_l0=args.l0_shared)
+                        shared_l0=args.l0_shared, load_through_s=args.load_through_ms / 1e3)
     except (OSError, ValueError) as exc:
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 2

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     lm_options = {"l0_slots": args.l0_slots, "l0_budget": args.l0_budget, "socket": rank_socket(args.socket, group),
                   "daemon": not args.no_daemon, "client_wait_s": 2.0, "direct": DIRECT_IO[args.direct_io],
                   "verify": args.verify_checksums, "prefetch": args.prefetch, "lend": args.l2_reads == "in-place",
-                  "shared_l0": args.l0_shared,
+                  "shared_l0": args.l0_shared, "load_through_s": args.load_through_ms / 1e3,
                   "group": group if group.size() > 1 else None}
     provider = StreamedModelProvider(cli_args, model_dir, args.model, lm_options)
     status = 0
