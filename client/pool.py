@@ -1,6 +1,9 @@
-"""ExpertPool: a client's L0, per layer one C++-owned MLX array per record piece, and the L0 -> L2 -> L3 walk.
+"""ExpertPool: a client's L0 (client/layerpool.py: C++-owned MLX arrays, rows per layer or shared by all layers)
+and the L0 -> L2 -> L3 walk.
 
-For a layer's batch of experts: L0 hits touch nothing; misses get rows (evicting experts outside the batch),
+`borrow(layer, experts)` lends the misses that L2 holds, to be computed on in shared memory without a copy
+(client/l2view.py), and makes only the rest resident as `fetch` does (docs/architecture.md, "Zero-copy L2
+reads"). For a layer's batch of experts, `fetch`: L0 hits touch nothing; misses get rows (evicting experts outside the batch),
 are copied from L2 shared memory through the native seqlock copy, and whatever L2 lacks (or tore) is read
 from the model file with the native parallel pread (one read per expert for packed models, converted to MLX's
 layout on the way for GGUF ones). Only then does the slot table point at the new rows, so a row is never
@@ -74,8 +77,8 @@ class ExpertPool:
         the model's default (ModelFiles.direct_default: on for packed models).
         verify: which records to check against the model's checksum manifest, one of VERIFY.
         load_through_s: on an L2 miss, report it at once and wait up to this long for the daemon to load the
-        record, then copy it from L2, instead of reading the file as well (0: read the file at once;
-        docs/architecture.md, "Measured against the page cache").
+        record, then use it in L2 (lent by `borrow`, copied by `fetch`) instead of reading the file as well (0:
+        read the file at once; docs/architecture.md, "Client pool (L0)").
         layers: the MoE layers this process runs (a pipeline stage's: docs/distributed.md); L0 rows are
         allocated for those only. None: every layer.
         lend: `borrow` may lend L2's records in place (where MLX can compute on shared memory: L2View.supported);
@@ -192,14 +195,16 @@ class ExpertPool:
         # L2 has room for the misses beside the batch's lent experts, which the daemon does not evict for them.
         room = view.attachment.geometry.n_slots - len(loan.experts)
         reported = bool(absent and self.load_through_s and self.client.attached and len(absent) <= room)
+        awaited = 0
         if reported:
             self.client.report(layer, list(loan.experts), absent, picks, now=True)
-            before = len(loan.experts)
+            lent = len(loan.experts)
             loan = self._await_loan(view, loan, absent)
+            awaited = len(loan.experts) - lent
         rest = batch - set(loan.experts)
         if not (loan or reported) or not lp.fits(rest):
             return TierCounts(), None
-        return self._fetch(layer, picks, rest, loan, reported, len(loan.experts) - before if reported else 0), loan
+        return self._fetch(layer, picks, rest, loan, reported, awaited), loan
 
     def _await_loan(self, view: L2View, loan: Loan, absent: list[int]) -> Loan:
         """The loan, with what of `absent` the daemon loads into L2 within load_through_s."""

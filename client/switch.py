@@ -5,7 +5,10 @@ arrays with the router's indices remapped to pool rows, so outputs are bit-ident
 Per layer it syncs the router's choice once (the pool must know which experts to fetch). When a batch needs
 more distinct experts than L0 holds, it runs in chunks of whole experts, each evaluated before the next one
 is fetched, so no queued computation ever reads a row that is being refilled (docs/architecture.md,
-"Client pool (L0)"). It asks the pool only through ExpertPool's and LayerPool's methods. With a NextLayer
+"Client pool (L0)"). Experts that the daemon's L2 holds are computed on in its shared memory, without a copy
+(ExpertPool.borrow), and the layer is computed again from L0 if the daemon rewrote one meanwhile
+(docs/architecture.md, "Zero-copy L2 reads"). It asks the pool only through ExpertPool's and LayerPool's
+methods. With a NextLayer
 (client/nextlayer.py) it then has layer l+1's guessed experts prefetched while layer l computes
 (docs/architecture.md, "Next-layer prefetch").
 """
