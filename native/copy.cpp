@@ -38,6 +38,30 @@ uint32_t load(const std::byte* p, int order) {
   return __atomic_load_n(reinterpret_cast<const uint32_t*>(p), order);
 }
 
+// One layer's part of the index segment: where its expert -> slot map and its slot metadata lie.
+struct IndexLayer {
+  size_t slot_of_off, meta_off, n_experts, n_slots;
+};
+
+IndexLayer check_index(const char* fn, const Memory& index, int64_t slot_of_off, int64_t meta_off,
+                       int64_t n_experts, int64_t n_slots) {
+  IndexLayer at{to_size(fn, "slot_of_off", slot_of_off), to_size(fn, "meta_off", meta_off),
+                to_size(fn, "n_experts", n_experts), to_size(fn, "n_slots", n_slots)};
+  if (at.slot_of_off % 4 != 0 || at.meta_off % 4 != 0) {
+    throw_value_error(fn, "slot_of_off and meta_off must be 4-byte aligned");
+  }
+  index.check_range(fn, at.slot_of_off, checked_mul(fn, at.n_experts, 4));
+  index.check_range(fn, at.meta_off, checked_mul(fn, at.n_slots, kMetaSize));
+  return at;
+}
+
+void check_expert(const char* fn, size_t i, int64_t expert, size_t n_experts) {
+  if (expert < 0 || static_cast<size_t>(expert) >= n_experts) {
+    throw_value_error(fn, "experts[" + std::to_string(i) + "] = " + std::to_string(expert) +
+                              " is outside [0, " + std::to_string(n_experts) + ")");
+  }
+}
+
 }  // namespace
 
 std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t slot_of_off_in,
@@ -49,16 +73,9 @@ std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t 
   if (threads < 1) {
     throw_value_error(fn, "threads must be >= 1, got " + std::to_string(threads));
   }
-  size_t slot_of_off = to_size(fn, "slot_of_off", slot_of_off_in);
-  size_t meta_off = to_size(fn, "meta_off", meta_off_in);
-  size_t n_experts = to_size(fn, "n_experts", n_experts_in);
-  size_t n_slots = to_size(fn, "n_slots", n_slots_in);
+  auto [slot_of_off, meta_off, n_experts, n_slots] =
+      check_index(fn, index, slot_of_off_in, meta_off_in, n_experts_in, n_slots_in);
   size_t slot_stride = to_size(fn, "slot_stride", slot_stride_in);
-  if (slot_of_off % 4 != 0 || meta_off % 4 != 0) {
-    throw_value_error(fn, "slot_of_off and meta_off must be 4-byte aligned");
-  }
-  index.check_range(fn, slot_of_off, checked_mul(fn, n_experts, 4));
-  index.check_range(fn, meta_off, checked_mul(fn, n_slots, kMetaSize));
   data.check_range(fn, 0, checked_mul(fn, n_slots, slot_stride));
   if (experts.size() != rows.size()) {
     throw_value_error(fn, "experts and rows differ in length (" + std::to_string(experts.size()) +
@@ -66,10 +83,7 @@ std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t 
   }
   size_t n_rows = 0;  // rows the destinations must have: 1 + the largest row
   for (size_t i = 0; i < experts.size(); ++i) {
-    if (experts[i] < 0 || static_cast<size_t>(experts[i]) >= n_experts) {
-      throw_value_error(fn, "experts[" + std::to_string(i) + "] = " + std::to_string(experts[i]) +
-                                " is outside [0, " + std::to_string(n_experts) + ")");
-    }
+    check_expert(fn, i, experts[i], n_experts);
     std::string what = "rows[" + std::to_string(i) + "]";
     n_rows = std::max(n_rows, checked_add(fn, to_size(fn, what.c_str(), rows[i]), 1));
   }
@@ -152,23 +166,13 @@ std::vector<std::pair<int64_t, int64_t>> lend_records(const Memory& index, int64
                                                       int64_t n_slots_in,
                                                       const std::vector<int64_t>& experts) {
   const char* fn = "lend_records";
-  size_t slot_of_off = to_size(fn, "slot_of_off", slot_of_off_in);
-  size_t meta_off = to_size(fn, "meta_off", meta_off_in);
-  size_t n_experts = to_size(fn, "n_experts", n_experts_in);
-  size_t n_slots = to_size(fn, "n_slots", n_slots_in);
-  if (slot_of_off % 4 != 0 || meta_off % 4 != 0) {
-    throw_value_error(fn, "slot_of_off and meta_off must be 4-byte aligned");
-  }
-  index.check_range(fn, slot_of_off, checked_mul(fn, n_experts, 4));
-  index.check_range(fn, meta_off, checked_mul(fn, n_slots, kMetaSize));
+  auto [slot_of_off, meta_off, n_experts, n_slots] =
+      check_index(fn, index, slot_of_off_in, meta_off_in, n_experts_in, n_slots_in);
   auto region = index.region(fn);
   const std::byte* idx = region->data;
   std::vector<std::pair<int64_t, int64_t>> lent;
   for (size_t i = 0; i < experts.size(); ++i) {
-    if (experts[i] < 0 || static_cast<size_t>(experts[i]) >= n_experts) {
-      throw_value_error(fn, "experts[" + std::to_string(i) + "] = " + std::to_string(experts[i]) +
-                                " is outside [0, " + std::to_string(n_experts) + ")");
-    }
+    check_expert(fn, i, experts[i], n_experts);
     auto expert = static_cast<int32_t>(experts[i]);
     auto slot = static_cast<int32_t>(load(idx + slot_of_off + 4 * size_t(expert), __ATOMIC_ACQUIRE));
     int64_t seq = 0;

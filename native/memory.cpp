@@ -148,6 +148,16 @@ struct MlxRegion : Region {
   mx::array anchor;  // uint8 view whose first byte is `data`
 };
 
+// A byte offset where an array of itemsize-byte items may start.
+size_t item_offset(const char* fn, int64_t offset_in, size_t itemsize) {
+  size_t offset = to_size(fn, "offset", offset_in);
+  if (offset % itemsize != 0) {
+    throw_value_error(fn, "offset " + std::to_string(offset) + " is not a multiple of the " +
+                              std::to_string(itemsize) + "-byte item size");
+  }
+  return offset;
+}
+
 // An array that owns nothing yet: copy_shared_buffer then points it into another's memory.
 mx::array unbacked(mx::Shape shape, mx::Dtype dtype) {
   return mx::array(mx::allocator::Data(mx::allocator::Buffer(nullptr), [](mx::allocator::Buffer) {}),
@@ -188,12 +198,8 @@ Buffer::Buffer(int64_t nbytes) : Memory(allocate(nbytes), false) {}
 mx::array Buffer::array(int64_t offset_in, const std::vector<int64_t>& shape_in,
                         mx::Dtype dtype) const {
   const char* fn = "Buffer.array";
-  size_t offset = to_size(fn, "offset", offset_in);
   size_t itemsize = mx::size_of(dtype);
-  if (offset % itemsize != 0) {
-    throw_value_error(fn, "offset " + std::to_string(offset) + " is not a multiple of the " +
-                              std::to_string(itemsize) + "-byte item size");
-  }
+  size_t offset = item_offset(fn, offset_in, itemsize);
   mx::Shape shape;
   size_t count = 1;
   int64_t max_dim = 0;
@@ -442,12 +448,8 @@ Segment Segment::open(const std::string& name, bool readonly) {
 mx::array Segment::array(int64_t offset_in, const std::vector<int64_t>& shape_in,
                          const std::vector<int64_t>& strides_in, mx::Dtype dtype) const {
   const char* fn = "Segment.array";
-  size_t offset = to_size(fn, "offset", offset_in);
   size_t itemsize = mx::size_of(dtype);
-  if (offset % itemsize != 0) {
-    throw_value_error(fn, "offset " + std::to_string(offset) + " is not a multiple of the " +
-                              std::to_string(itemsize) + "-byte item size");
-  }
+  size_t offset = item_offset(fn, offset_in, itemsize);
   if (shape_in.empty() || shape_in.size() != strides_in.size()) {
     throw_value_error(fn, "shape and strides must be non-empty and of one length");
   }

@@ -112,6 +112,17 @@ def corrupt_in_place(files: ModelFiles, layer: int, expert: int) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def made_and_loaded_whole(tmp_path_factory, folder: str, name: str, **spec):
+    """A model written by the project's generator to a temp dir, with mlx-lm's load of it whole (ground truth):
+    (path, model, tokenizer)."""
+    from mlx_lm import load
+
+    out = tmp_path_factory.mktemp(folder) / name
+    make_model(out, **spec)
+    whole, tokenizer = load(str(out))
+    return out, whole, tokenizer
+
+
 def assert_resident_exact(pool: ExpertPool, files: ModelFiles, layer: int, experts) -> None:
     for expert in experts:
         assert pool.layers[layer].record(expert) == files.read_record(layer, expert), (layer, expert)

@@ -14,11 +14,10 @@ from moe_l2 import _native
 from moe_l2.client.l2view import L2View
 from moe_l2.client.mlx_lm import StreamedLM
 from moe_l2.client.pool import ExpertPool
-from moe_l2.generator import make_model
 from moe_l2.layout import META_EXPERT, META_SEQ, segment_names
 from moe_l2.model import ModelFiles
 
-from .conftest import assert_same_as_whole, budget_for, stats, wait_for
+from .conftest import assert_same_as_whole, budget_for, made_and_loaded_whole, stats, wait_for
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TEXT = ("The cache keeps the experts that the router picks most often close to the model, and reads "
@@ -198,10 +197,7 @@ def _geometry(daemon, files: ModelFiles):
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def arch_model(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("l2view") / request.param
-    make_model(out, **DIMS, **ARCHS[request.param])
-    whole, tokenizer = load(str(out))
-    return out, whole, tokenizer
+    return made_and_loaded_whole(tmp_path_factory, "l2view", request.param, **DIMS, **ARCHS[request.param])
 
 
 def test_experts_computed_in_l2_give_the_whole_models_logits(arch_model, daemon_factory):

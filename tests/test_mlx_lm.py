@@ -22,7 +22,7 @@ from moe_l2.generator import make_model
 from moe_l2.layout import segment_names
 from moe_l2.model import ModelFiles
 
-from .conftest import assert_same_as_whole, budget_for, stats, wait_for
+from .conftest import assert_same_as_whole, budget_for, made_and_loaded_whole, stats, wait_for
 
 DIMS = dict(layers=3, experts=16, top_k=4, hidden_size=128, moe_hidden_size=64, seed=5)
 ARCHS = {
@@ -37,10 +37,7 @@ TEXT = ("The cache keeps the experts that the router picks most often close to t
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def arch_case(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("archs") / request.param
-    make_model(out, **DIMS, **ARCHS[request.param])
-    whole, tokenizer = load(str(out))
-    return out, whole, tokenizer
+    return made_and_loaded_whole(tmp_path_factory, "archs", request.param, **DIMS, **ARCHS[request.param])
 
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
