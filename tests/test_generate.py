@@ -109,6 +109,14 @@ def test_by_default_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(caps
     assert s["l3_reads"] == 0 and s["bytes_read"] == 0 and loaded == s["l2_awaited"] > 0
 
 
+@pytest.mark.parametrize("value", ["-5", "soon", "nan"])
+def test_a_bad_load_through_wait_is_refused_with_what_to_give(capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        moe_l2_main(["generate", "--model", "m", "--prompt", "p", "--load-through-ms", value])
+    assert exit_.value.code == 2
+    assert "--load-through-ms" in capsys.readouterr().err
+
+
 def test_a_shared_l0_gives_the_same_tokens_and_refuses_prefetch(capsys, running_daemon, model_dir, model_files,
                                                                 expected):
     s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", running_daemon.socket,

@@ -26,7 +26,7 @@ from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.cgroup import MemoryCgroup
 from moe_l2.client.connection import request
 from moe_l2.client.replayer import anon_bytes, disk_read_bytes
-from moe_l2.commands.generate import LOAD_THROUGH_MS
+from moe_l2.commands.generate import LOAD_THROUGH_MS, milliseconds
 from moe_l2.daemon.process import DaemonProcess
 from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="moe-l2: share of a process' part of the budget that its L0 gets, at least top-k rows "
                              "(a layer's, or in all for a shared L0); one daemon's L2 gets the rest (default: 0 "
                              "with in-place reads, 0.5 with copies)")
-    parser.add_argument("--load-through-ms", type=float, default=LOAD_THROUGH_MS, metavar="MS",
+    parser.add_argument("--load-through-ms", type=milliseconds, default=LOAD_THROUGH_MS, metavar="MS",
                         help="moe-l2: a miss waits up to MS for the daemon to load it into L2 and is computed on or "
                              f"copied there, instead of being read by the client as well (default {LOAD_THROUGH_MS:g}, "
                              "as moe-l2 generate; 0: read at once)")

@@ -17,6 +17,17 @@ HELP = "generate text with an mlx-lm MoE model, its experts streamed"
 LOAD_THROUGH_MS = 100.0
 
 
+def milliseconds(text: str) -> float:
+    """An argparse type: a wait in milliseconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes milliseconds, a number such as 100, not {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"takes 0 (no wait) or more milliseconds, not {text}")
+    return value
+
+
 def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
     """How a process streams its experts: the L0 size, the daemon, direct reads, checksum checks and
     next-layer prefetch (the options of `generate` and `serve`)."""
@@ -45,7 +56,7 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
                         help="experts that moe-l2d's shared memory holds: computed on where they are (in-place, "
                              "the default; a layer whose experts the daemon replaced meanwhile is computed "
                              "again) or copied into this process first (copy)")
-    parser.add_argument("--load-through-ms", type=float, default=LOAD_THROUGH_MS, metavar="MS",
+    parser.add_argument("--load-through-ms", type=milliseconds, default=LOAD_THROUGH_MS, metavar="MS",
                         help="an expert that moe-l2d's shared memory lacks: report it at once and wait up to MS for "
                              "the daemon to load it (one disk read, the daemon's), then read the file for what has "
                              f"not arrived (default {LOAD_THROUGH_MS:g}; 0: read the file at once, while the daemon "
