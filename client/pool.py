@@ -3,11 +3,11 @@ and the L0 -> L2 -> L3 walk.
 
 `borrow(layer, experts)` lends the misses that L2 holds, to be computed on in shared memory without a copy
 (client/l2view.py), and makes only the rest resident as `fetch` does (docs/architecture.md, "Zero-copy L2
-reads"). For a layer's batch of experts, `fetch`: L0 hits touch nothing; misses get rows (evicting experts outside the batch),
-are copied from L2 shared memory through the native seqlock copy, and whatever L2 lacks (or tore) is read
-from the model file with the native parallel pread (one read per expert for packed models, converted to MLX's
-layout on the way for GGUF ones). Only then does the slot table point at the new rows, so a row is never
-referenced before it holds its whole record.
+reads"). For a layer's batch of experts, `fetch`: L0 hits touch nothing; misses get rows (evicting experts
+outside the batch), are copied from L2 shared memory through the native seqlock copy, and whatever L2 lacks
+(or tore) is read from the model file with the native parallel pread (one read per expert for packed models,
+converted to MLX's layout on the way for GGUF ones). Only then does the slot table point at the new rows, so a
+row is never referenced before it holds its whole record.
 
 With a checksum manifest, records read from the model file are checked before they are published (a damaged
 one raises CorruptRecord instead of feeding a wrong weight to a forward pass); records copied from L2 were
@@ -171,8 +171,9 @@ class ExpertPool:
         """`fetch`, except that the misses L2 holds whole are lent (computed on in shared memory, without a
         copy: client/l2view.py) and only the rest are made resident in L0. Returns (counts, loan); the loan is
         None, and nothing was fetched, where nothing can be lent (no daemon, an unserved layer, an MLX build
-        that cannot compute in place, L2 holds none of the misses) or the rest does not fit L0. The caller
-        computes the lent experts on `loan.arrays()` rows `loan.slot_of()`, evaluates, and computes the layer
+        that cannot compute in place, L2 holds none of the misses and none were waited for) or the rest does not
+        fit L0; it may be empty when misses were waited for and none arrived (the rest is resident then). The
+        caller computes the lent experts on `loan.arrays()` rows `loan.slot_of()`, evaluates, and computes the layer
         again from L0 if `loan.torn()` names any (docs/architecture.md, "Zero-copy L2 reads")."""
         lp = self.layers[layer]
         picks = [int(e) for e in experts]

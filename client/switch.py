@@ -269,15 +269,20 @@ class StreamedSwitch(nn.Module):
                 by_row = np.argsort(rows, kind="stable")
                 pairs, rows = pairs[by_row], rows[by_row]
             pieces.append(pairs)
-            outs.append(self._experts(arrays, x[mx.array(pairs // top_k)].squeeze(1), mx.array(rows), do_sort,
-                                      indices.size))
-        out = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(pieces)))]
-        out = mx.unflatten(out, 0, indices.shape).squeeze(-2)
+            outs.append(self._on_pairs(arrays, x, pairs, top_k, rows, do_sort, indices.size))
+        out = _in_pair_order(outs, pieces, indices.shape)
         mx.eval(out)
         if loan.torn():
             stats.torn_calls += 1
             return None
         return out
+
+    def _on_pairs(self, arrays: dict, x: mx.array, pairs: np.ndarray, top_k: int, rows: np.ndarray,
+                  sorted_indices: bool, n_pairs: int) -> mx.array:
+        """The expert MLP for some (token, expert) pairs (flat indices into the router's top_k picks per token)
+        on `rows` of `arrays`; x is (tokens, 1, 1, hidden)."""
+        return self._experts(arrays, x[mx.array(pairs // top_k)].squeeze(1), mx.array(rows), sorted_indices,
+                             n_pairs)
 
     def _whole(self, x: mx.array, indices: mx.array, pool: ExpertPool) -> mx.array:
         """SwitchGLU.__call__ with the expert ids remapped, on device, to pool rows."""
@@ -315,13 +320,10 @@ class StreamedSwitch(nn.Module):
                 by_row = np.argsort(rows, kind="stable")  # sorted_indices promises ascending pool rows
                 pairs = order[lo:hi][by_row]
                 pieces.append(pairs)
-                out = self._experts(arrays, x[mx.array(pairs // top_k)].squeeze(1), mx.array(rows[by_row]), True,
-                                   indices.size)
+                out = self._on_pairs(arrays, x, pairs, top_k, rows[by_row], True, indices.size)
                 mx.eval(out)
                 outs.append(out)
-            inverse = np.argsort(np.concatenate(pieces))
-            out = mx.concatenate(outs, axis=0)[mx.array(inverse)]
-            return mx.unflatten(out, 0, indices.shape).squeeze(-2)
+            return _in_pair_order(outs, pieces, indices.shape)
         # Few pairs: unsorted like mlx-lm, in runs of whole tokens.
         for run in _token_runs(chosen, free, pinned):
             part = chosen[run.start:run.stop]
@@ -332,6 +334,13 @@ class StreamedSwitch(nn.Module):
             outs.append(out)
         out = mx.concatenate(outs, axis=0)
         return out.reshape(*indices.shape, *out.shape[-2:]).squeeze(-2)
+
+
+def _in_pair_order(outs: list[mx.array], pieces: list[np.ndarray], shape) -> mx.array:
+    """Outputs computed piece by piece (each for the flat pair indices of its piece) back in the router's pair
+    order, shaped like its indices."""
+    out = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(pieces)))]
+    return mx.unflatten(out, 0, shape).squeeze(-2)
 
 
 def _groups(experts: list[int], free: int, pinned: frozenset[int]) -> list[list[int]]:
