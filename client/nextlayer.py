@@ -7,6 +7,10 @@ ones not in L0 in the background while layer l computes. Two predictors:
 - `router`: layer l+1's own router applied to layer l's input (the hidden state a layer later differs
   little): its top experts, summed over the batch's tokens. Needs the router module beside the switch
   (`find_router`); one small matmul and a sync of its result, which waits for nothing queued after it.
+- `logistic`: `moe_l2.cache.prefetch.LogisticPredictor` over the expert ids of this token at layers l and
+  l-1 and of the token before it at l+1 and l, learned online from this model's routing. The token before is
+  the previous forward's row at the same place (decode steps of one batch) or its last row (one-token decode
+  after a prefill); for other shapes its blocks stay unknown.
 - `cooccurrence`: `moe_l2.cache.prefetch.CooccurrencePredictor`, learned online from this model's routing.
 
 How many guesses: top_k per layer (what the router picks per token; more guesses lose precision fast on the
@@ -21,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from moe_l2.cache.prefetch import PREFETCH, CooccurrencePredictor, top
+from moe_l2.cache.prefetch import PREFETCH, CooccurrencePredictor, LogisticPredictor, top
 
 
 def find_router(model: nn.Module, switch_path: str, n_experts: int) -> tuple[str, object] | None:
@@ -50,7 +54,7 @@ class NextLayer:
     def __init__(self, mode: str, pool, routers: dict | None = None):
         """mode: one of PREFETCH but off; routers: MoE layer -> the (path, callable) of `find_router` or None,
         for the pool's layers (`router` needs one for every layer but the pool's first; `auto` falls back to
-        cooccurrence)."""
+        logistic)."""
         if mode not in PREFETCH or mode == "off":
             raise ValueError(f"prefetch mode must be one of {', '.join(PREFETCH[1:])}, not {mode!r}")
         files = pool.files
@@ -60,18 +64,27 @@ class NextLayer:
         found = bool(routers) and all(r is not None for layer, r in routers.items() if layer != min(routers))
         if mode == "router" and not found:
             raise ValueError(f"{files.path}: no router module found beside the switch layers; use --prefetch "
-                             "cooccurrence (or auto)")
-        self.predictor = "router" if mode == "router" or (mode == "auto" and found) else "cooccurrence"
+                             "logistic (or auto)")
+        self.predictor = "router" if mode == "router" or (mode == "auto" and found) else \
+            "logistic" if mode == "auto" else mode
         self.routers = routers if self.predictor == "router" else None
+        learned = self.n_layers > 1 and self.predictor != "router"
         self.cooccurrence = (CooccurrencePredictor(self.n_layers, files.n_experts)
-                             if self.predictor == "cooccurrence" and self.n_layers > 1 else None)
+                             if learned and self.predictor == "cooccurrence" else None)
+        self.logistic = (LogisticPredictor(self.n_layers, files.n_experts)
+                         if learned and self.predictor == "logistic" else None)
         self._previous: tuple[int, np.ndarray] | None = None
+        # logistic: this forward's picks per layer, the previous forward's, and the last guess's features
+        # (learned from when the next layer's picks arrive).
+        self._now: dict[int, np.ndarray] = {}
+        self._before: dict[int, np.ndarray] = {}
+        self._features: tuple[int, np.ndarray] | None = None
 
     def describe(self) -> str:
         if self.predictor == "router":
             path = next(r[0] for r in self.routers.values() if r is not None)
             return f"router (the next layer's {path.split('.')[-1]})"
-        return "cooccurrence (learned online)"
+        return f"{self.predictor} (learned online)"
 
     def after(self, layer: int, x: mx.array, chosen: np.ndarray, keep=()) -> None:
         """Layer `layer` fetched its experts for tokens routed to `chosen` ((tokens, top_k)) and queued its
@@ -81,6 +94,8 @@ class NextLayer:
             previous, self._previous = self._previous, (layer, chosen)
             if previous is not None and previous[0] == layer - 1 and len(previous[1]) == len(chosen):
                 self.cooccurrence.observe_layer(layer - 1, previous[1], chosen)
+        if self.logistic is not None:
+            self._remember(layer, chosen)
         if layer + 1 not in self.pool.layers:  # the last layer, or a pipeline stage's last one
             return
         self.pool.prefetch(layer + 1, self.guess(layer, x, chosen), keep)
@@ -90,4 +105,30 @@ class NextLayer:
             logits = self.routers[layer + 1][1](x)
             probs = np.asarray(mx.softmax(logits.astype(mx.float32), axis=-1)).reshape(-1, logits.shape[-1])
             return top(probs.sum(axis=0), self.k)
+        if self.logistic is not None:
+            rows = len(chosen)
+            features = self.logistic.context(chosen, self._now.get(layer - 1) if layer else None,
+                                             self._earlier(layer + 1, rows), self._earlier(layer, rows))
+            self._features = (layer, features)
+            return self.logistic.predict(layer, features, self.k)
         return self.cooccurrence.predict(layer, np.unique(chosen).tolist(), self.k)
+
+    def _remember(self, layer: int, chosen: np.ndarray) -> None:
+        """Keep the picks of this forward (a layer no later than the last one seen starts a new forward) and
+        learn the last guess's features against them."""
+        if self._now and layer <= max(self._now):
+            self._before, self._now = self._now, {}
+        below = self._now.get(layer - 1)
+        self._now[layer] = chosen
+        features, self._features = self._features, None
+        if features is not None and features[0] == layer - 1 and below is not None \
+                and len(features[1]) == len(chosen):
+            self.logistic.learn(layer - 1, features[1], chosen)
+
+    def _earlier(self, layer: int, rows: int) -> np.ndarray | None:
+        """The previous tokens' picks at `layer` for a batch of `rows` tokens, where the previous forward
+        lines up: the same rows, or one row after several (decode after a prefill)."""
+        picks = self._before.get(layer)
+        if picks is None or (len(picks) != rows and rows != 1):
+            return None
+        return picks[-rows:]

@@ -9,7 +9,7 @@ Run as ``python -P -m moe_l2.client.replayer``; it speaks JSON lines. The first 
 
     {"model": DIR, "capacity": L0 experts per layer, "direct": true|false|null, "socket": ADDRESS or null,
      "policy": L0 policy, "cgroup": DIR or null, "compute_ms": per layer, "warmup": tokens,
-     "prefetch": true|false (next-layer prefetch, co-occurrence),
+     "prefetch": true|false (next-layer prefetch, the logistic predictor),
      "load_through_ms": how long a miss waits for the daemon to load it into L2 (0: read the file at once),
      "lend": true|false (compute on L2's records in place, or copy them into L0),
      "shared_l0": true|false (capacity is L0 rows in all, which every layer takes from),
@@ -77,7 +77,7 @@ def replay(pool: ExpertPool, tokens: list, compute_s: float, next_layer: NextLay
     A pool that lends computes on L2's records in place, as the streamed forward does: the misses L2 holds are
     lent instead of copied, and a loan the daemon tore during the compute costs a fetch and the compute again.
     With next_layer, each layer's picks also start the prefetch of the next layer's guesses, as the streamed
-    forward does (it has no hidden state here, so only the co-occurrence predictor can guess).
+    forward does (it has no hidden state here, so only a router-free predictor can guess: logistic).
     Returns the stall and the lookups of layers computed again (torn loans), which the pool counted twice."""
     stall = 0.0
     torn = 0
@@ -123,7 +123,7 @@ def main() -> int:
         return 1
     pool = ExpertPool(files, job["capacity"], client, policy=job["policy"], direct=job["direct"], verify="off",
                       load_through_s=load_through_s, lend=job.get("lend", True), shared_l0=job.get("shared_l0", False))
-    next_layer = NextLayer("cooccurrence", pool) if job.get("prefetch") else None
+    next_layer = NextLayer("logistic", pool) if job.get("prefetch") else None
     tokens, warmup, compute_s = job["tokens"], job["warmup"], job["compute_ms"] / 1e3
     _say({"ready": True, "anon_bytes": anon_bytes()})
     _wait_for_go()

@@ -59,7 +59,7 @@ def assert_counts_add_up(pool: ExpertPool) -> None:
     assert c.right <= min(c.guessed, c.picked)
 
 
-@pytest.mark.parametrize("mode", ["router", "cooccurrence"])
+@pytest.mark.parametrize("mode", ["router", "logistic", "cooccurrence"])
 def test_tokens_are_the_whole_models_at_every_l0_size(model_dir, model_files, whole, landing, mode):
     model, tokenizer = whole
     expected = greedy(model, tokenizer)
@@ -192,6 +192,28 @@ def known_answer_trace(path, *, n_layers=4, n_experts=16, top_k=2, seqs=6, token
     return path
 
 
+def follow_the_previous_token(rng, steps, n_layers, n_experts, top_k):
+    """Tokens whose layer 0 is random and whose layer l >= 1 is the previous token's layer l, each id + l
+    mod n: nothing in the token's own earlier layers tells its next one (their offset moves every token)."""
+    previous = [rng.sample(range(n_experts), top_k) for _ in range(n_layers)]
+    for _ in range(steps):
+        token = [rng.sample(range(n_experts), top_k)] + [[(e + layer) % n_experts for e in previous[layer]]
+                                                        for layer in range(1, n_layers)]
+        yield token
+        previous = token
+
+
+def previous_token_trace(path, *, n_layers=4, n_experts=16, top_k=2, seqs=6, tokens=60, seed=0):
+    rng = random.Random(seed)
+    with TraceWriter(path, model="toy", n_layers=n_layers, n_experts=n_experts, top_k=top_k) as w:
+        for i in range(seqs):
+            w.begin(seq=f"s{i}", domain=None, prompt=None)
+            for token in follow_the_previous_token(rng, tokens, n_layers, n_experts, top_k):
+                w.add_token(token)
+            w.end()
+    return path
+
+
 def test_cooccurrence_precision_on_a_known_answer(tmp_path):
     traces = read_traces([known_answer_trace(tmp_path / "f.jsonl")])
     train, test = traces.sequences[:3], traces.sequences[3:]
@@ -206,6 +228,44 @@ def test_cooccurrence_precision_on_a_known_answer(tmp_path):
         s.experts = [[rng.sample(range(traces.n_experts), 2) for _ in range(traces.n_layers)] for _ in s.experts]
     assert score_predictor(frozen, test, 2, learn=False).precision < 0.3
     assert score_predictor(RepeatPredictor(traces.n_layers), test, 2).precision < 0.3
+
+
+def test_logistic_learns_what_the_token_before_tells_and_cooccurrence_cannot(tmp_path):
+    traces = read_traces([previous_token_trace(tmp_path / "p.jsonl", tokens=300)])
+    r = replay(traces, slots=[4], compare=(), prefetch=("logistic", "cooccurrence"), prefetch_train=0.5)
+    scores, entry = r["prefetch_scores"], r["capacities"][0]
+    assert scores["logistic"]["precision"] > 0.9
+    assert scores["cooccurrence"]["precision"] < 0.3  # chance is 2 of 16
+    assert entry["prefetch"]["logistic"]["hit_rate"] > entry["policies"]["min"]["hit_rate"]
+    # And a layer's function of the layer before, which co-occurrence finds exactly.
+    r = replay(read_traces([known_answer_trace(tmp_path / "f.jsonl", tokens=300)]), slots=[4], compare=(),
+               prefetch=("logistic",), prefetch_train=0.5)
+    assert r["prefetch_scores"]["logistic"]["precision"] > 0.9
+
+
+def test_the_client_learns_the_logistic_answer_across_forwards(model_files):
+    """NextLayer lines a one-token forward up with the one before it: guesses scored against the pool's
+    fetches become right where only the previous token tells the answer."""
+    rng = random.Random(3)
+    n, k, layers = model_files.n_experts, model_files.top_k, model_files.n_layers
+    precision = {}
+    for mode in ("logistic", "cooccurrence"):
+        pool = ExpertPool(model_files, k + 2)
+        try:
+            next_layer = NextLayer(mode, pool)
+            for step, token in enumerate(follow_the_previous_token(rng, 400, layers, n, k)):
+                if step == 300:
+                    before = pool.prefetch_counts
+                for layer, experts in enumerate(token):
+                    pool.fetch(layer, experts)
+                    next_layer.after(layer, None, np.asarray([experts]))
+                pool.wait_prefetches()
+            c = pool.prefetch_counts.minus(before)
+            precision[mode] = c.right / c.guessed
+        finally:
+            pool.close()
+    assert precision["logistic"] > 0.95
+    assert precision["cooccurrence"] < 0.5
 
 
 def test_score_counts_precision_and_recall():
@@ -268,7 +328,7 @@ def test_router_prefetch_is_refused_where_no_router_is_found(model_dir, model_fi
     with StreamedLM(model_dir, l0_slots=5, daemon=False) as lm:
         with pytest.raises(ValueError, match="no router"):
             NextLayer("router", lm.pool, dict.fromkeys(range(model_files.n_layers)))
-        assert NextLayer("auto", lm.pool, dict.fromkeys(range(model_files.n_layers))).predictor == "cooccurrence"
+        assert NextLayer("auto", lm.pool, dict.fromkeys(range(model_files.n_layers))).predictor == "logistic"
 
 
 def test_l2_client_sends_prefetch_increments(model_files, running_daemon, capsys):

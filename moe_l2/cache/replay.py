@@ -33,7 +33,7 @@ import numpy as np
 
 from .policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
 from .prediction import PredictorError
-from .prefetch import REPLAY_PREDICTORS, CooccurrencePredictor, Score, guess_streams
+from .prefetch import REPLAY_PREDICTORS, Score, guess_streams
 from .profile import MIN_CONFIDENCE, Profile
 from .store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, LayerStore
 from .trace import TraceSet
@@ -271,8 +271,7 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         routed = _routed(sequences)
     scores = {}
     for name in prefetch:
-        predictor = CooccurrencePredictor.from_traces(trained_on, traces.n_layers, traces.n_experts)
-        guesses = guess_streams(name, predictor, routed, k)
+        guesses = guess_streams(name, trained_on, routed, traces.n_experts, k)
         score = Score()
         for layer in range(1, traces.n_layers):
             for guess, batch in zip(guesses[layer], routed[:, layer].tolist()):

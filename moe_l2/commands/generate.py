@@ -63,9 +63,10 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
                              "loads it too)")
     parser.add_argument("--prefetch", choices=PREFETCH, default="off",
                         help="while a MoE layer computes, load the next layer's guessed experts in the "
-                             "background: guessed by the next layer's router (router), by expert co-occurrence "
-                             "learned online (cooccurrence), or router where the model has one (auto); off (the "
-                             "default) until benchmarks show it wins")
+                             "background: guessed by the next layer's router (router), by a logistic model of "
+                             "the expert ids this token and the one before it picked (logistic) or by expert "
+                             "co-occurrence (cooccurrence), both learned online, or router where the model has "
+                             "one and logistic where not (auto); off (the default) until benchmarks show it wins")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
