@@ -2,7 +2,7 @@
 
 After MoE layer l has fetched its experts and queued its computation, StreamedSwitch hands NextLayer the
 layer's input and the router's picks; NextLayer guesses layer l+1's experts and asks the pool to load the
-ones not in L0 in the background while layer l computes. Two predictors:
+ones not in L0 in the background while layer l computes. Three predictors:
 
 - `router`: layer l+1's own router applied to layer l's input (the hidden state a layer later differs
   little): its top experts, summed over the batch's tokens. Needs the router module beside the switch
