@@ -262,6 +262,7 @@ class L2Client:
         self._prefetch_source = None
         self._prefetch_sent: dict[str, int] = {}
         self._hints: queue.SimpleQueue = queue.SimpleQueue()
+        self._prefetches: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="moe-l2-client", daemon=True)
@@ -294,10 +295,23 @@ class L2Client:
         for start in range(MAX_REPORT_IDS, len(routed), MAX_REPORT_IDS):  # a long prefill, pick by pick
             self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS]))
         if now:
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass  # the pipe is full of wake-ups already
+            self._wake()
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """Ask the daemon to load these experts of a layer into L2 (next-layer prefetch with a shared L0);
+        sent at once, returns at once. Nothing for a layer the daemon does not serve."""
+        attachment = self.attachment
+        if attachment is None or not attachment.serves(layer):
+            return
+        self._prefetches.put((layer, experts))
+        self._wake()
+
+    def _wake(self) -> None:
+        """Have the connection thread send what is queued now rather than at its next flush."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
 
     def count_prefetch(self, source) -> None:
         """Send what next-layer prefetch did with the reports: `source()` returns its running totals
@@ -345,6 +359,7 @@ class L2Client:
                         self._detach("moe-l2d is not running")
                         next_hello = now + min(self.heartbeat_s, RETRY_S)
                 self._flush_reports(sock)
+                self._flush_prefetches(sock)
                 self._flush_hints(sock)
                 # Not past the next hello (or its retry), however long reports may wait.
                 until_hello = max(0, math.ceil((next_hello - time.monotonic()) * 1000))
@@ -405,6 +420,16 @@ class L2Client:
                                                  prefetch=self._prefetch_increments()))
             if ids < MAX_REPORT_IDS:
                 return
+
+    def _flush_prefetches(self, sock) -> None:
+        try:
+            while True:
+                layer, experts = self._prefetches.get_nowait()
+                if self.attachment is not None:
+                    self._send(sock, protocol.Prefetch(id=next(self._ids), model=self.files.fingerprint,
+                                                       layer=layer, experts=experts))
+        except queue.Empty:
+            pass
 
     def _flush_hints(self, sock) -> None:
         try:

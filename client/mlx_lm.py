@@ -224,9 +224,6 @@ class StreamedLM:
         only, docs/distributed.md); None or one rank: the whole model."""
         from moe_l2.client.connection import L2Client
 
-        if shared_l0 and prefetch != "off":
-            raise ValueError("next-layer prefetch loads into the next layer's own L0 rows: it cannot run with a "
-                             "shared L0 (drop --l0-shared or --prefetch)")
         # A directory or a Hugging Face repo id; `download` fetches a missing one as mlx-lm does.
         path = resolve_model(path, download)
         self.files = ModelFiles.open(path)

@@ -319,12 +319,20 @@ class ExpertPool:
         return copied, counts
 
     def prefetch(self, layer: int, guesses, keep=()) -> None:
-        """Load the guessed experts of `layer` that are not in L0, in the background; returns at once
-        (client.prefetcher.Prefetcher.prefetch has the rules). The next `fetch` of the layer waits for it."""
-        if self.shared_l0:
-            raise ValueError("next-layer prefetch needs per-layer L0 rows: with a shared L0 it could take a row "
-                             "of the layer being computed")
+        """Load the guessed experts of `layer` that are not in L0, in the background (with a shared L0: have the
+        daemon load those L2 lacks); returns at once (client.prefetcher.Prefetcher.prefetch has the rules). The
+        next `fetch` of the layer waits for it."""
         self._prefetcher.prefetch(layer, guesses, keep)
+
+    def absent_from_l2(self, layer: int, experts: list[int]) -> list[int]:
+        """The experts neither L0 nor L2 holds, where a daemon L2 lends from serves the layer (else none: a
+        shared L0's prefetch has nowhere to load them)."""
+        view = self._l2_view()
+        if view is None or not view.attachment.serves(layer):
+            return []
+        lp = self.layers[layer]
+        missing = [e for e in experts if not lp.holds(e)]
+        return sorted(set(missing) - set(view.lend(layer, missing).experts))
 
     def settle(self, layer: int) -> None:
         """Cancel the layer's prefetches that have not started and wait for the one running, if any."""

@@ -6,6 +6,11 @@ may still read), through the pool's own load path (L2 copy, else the model file,
 and publishes them only when every byte is in place. The pool's fetch of that layer first calls `settle`: a
 job not started yet is cancelled, a running one waited for (stall). No MLX call runs on the worker; the
 copies and reads release the GIL. Counts what it did in PrefetchCounts.
+
+A shared L0 has no rows of the next layer to load into (the layer being computed may own any row): there the
+guesses that neither L0 nor L2 holds are asked of the daemon instead (`L2Client.prefetch`), which loads them
+into L2 while the layer computes, and the layer's fetch lends them. No worker, no wait: such a guess counts
+as useful when the layer's next fetch demands it, wasted otherwise.
 """
 
 from __future__ import annotations
@@ -81,13 +86,14 @@ class Prefetcher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._guesses: dict[int, list[int]] = {}
+        self._asked: dict[int, set[int]] = {}  # shared L0: guesses asked of the daemon, per layer
 
     def counts(self) -> PrefetchCounts:
-        """What prefetch did so far (a copy; useful and wasted are the layers' own counts)."""
+        """What prefetch did so far (a copy; useful and wasted of L0 prefetches are the layers' own counts)."""
         with self._counts_lock:
             out = replace(self._counts)
-        out.useful = sum(lp.prefetch_useful for lp in self.pool.layers.values())
-        out.wasted = sum(lp.prefetch_wasted for lp in self.pool.layers.values())
+        out.useful += sum(lp.prefetch_useful for lp in self.pool.layers.values())
+        out.wasted += sum(lp.prefetch_wasted for lp in self.pool.layers.values())
         return out
 
     def prefetch(self, layer: int, guesses, keep=()) -> None:
@@ -98,6 +104,9 @@ class Prefetcher:
         for expert in guesses:
             if not 0 <= expert < n_experts:
                 raise IndexError(f"expert {expert} out of range 0..{n_experts - 1}")
+        if self.pool.shared_l0:
+            self._ask_daemon(layer, guesses)
+            return
         job = _Job(layer, guesses, frozenset(int(e) for e in keep))
         with self._jobs_lock:
             if self._worker is None:
@@ -109,16 +118,30 @@ class Prefetcher:
             self._counts.requests += 1
         self._queue.put(job)
 
+    def _ask_daemon(self, layer: int, guesses: list[int]) -> None:
+        absent = self.pool.absent_from_l2(layer, guesses)
+        if absent:
+            self.pool.client.prefetch(layer, absent)
+        with self._jobs_lock:
+            self._guesses[layer] = guesses
+            self._asked[layer] = set(absent)
+        with self._counts_lock:
+            self._counts.requests += 1
+            self._counts.issued += len(absent)
+
     def before_fetch(self, layer: int, batch: set[int]) -> None:
         """Settle the layer, then score its latest guesses against the batch the forward demands."""
         self.settle(layer)
         with self._jobs_lock:
             guesses = self._guesses.pop(layer, None)
+            asked = self._asked.pop(layer, set())
         if guesses is not None:
             with self._counts_lock:
                 self._counts.guessed += len(guesses)
                 self._counts.picked += len(batch)
                 self._counts.right += len(batch.intersection(guesses))
+                self._counts.useful += len(asked & batch)
+                self._counts.wasted += len(asked - batch)
 
     def settle(self, layer: int) -> None:
         """Cancel the layer's jobs that have not started and wait for the one running, if any (the time

@@ -117,15 +117,27 @@ def test_a_bad_load_through_wait_is_refused_with_what_to_give(capsys, value):
     assert "--load-through-ms" in capsys.readouterr().err
 
 
-def test_a_shared_l0_gives_the_same_tokens_and_refuses_prefetch(capsys, running_daemon, model_dir, model_files,
-                                                                expected):
+def test_a_shared_l0_gives_the_same_tokens(capsys, running_daemon, model_dir, model_files, expected):
     s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", running_daemon.socket,
                  "--l0-slots", str(model_files.top_k + 1), "--l0-shared")
     assert s["tokens"] == expected and s["l0_shared"]
     assert s["l0_bytes"] == (model_files.top_k + 1) * model_files.layout.nbytes
-    assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "--no-daemon", "--l0-shared",
-                        "--prefetch", "cooccurrence"]) == 2
-    assert "drop --l0-shared or --prefetch" in capsys.readouterr().err
+
+
+def test_with_a_shared_l0_prefetch_has_the_daemon_load_the_guesses(capsys, daemon_factory, model_dir, model_files,
+                                                                    expected):
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)))
+    s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
+                 "--l0-slots", str(model_files.top_k), "--l0-shared", "--prefetch", "logistic",
+                 "--load-through-ms", "5000")
+    assert s["tokens"] == expected
+    p = s["prefetch"]
+    assert p["issued"] > 0 and p["useful"] + p["wasted"] == p["issued"]
+    # L2 has room for every expert and every miss waits for the daemon, so the loads no fetch waited for are
+    # the guesses the daemon was asked for.
+    loaded = stats(daemon)["models"][0]["loads_done"]
+    assert s["l2_awaited"] < loaded <= s["l2_awaited"] + p["issued"]
+    assert s["bytes_read"] == 0 and s["bytes_copied"] == 0
 
 
 def test_an_absent_daemon_means_reading_the_file(capsys, model_dir, tmp_path, expected):

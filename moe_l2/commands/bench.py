@@ -79,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "into the process' L0 (copy)")
     parser.add_argument("--l0", choices=("shared", "per-layer"),
                         help="moe-l2: one set of L0 rows for all layers of a process (shared: it only catches L2's "
-                             "misses, the default with in-place reads) or rows in every layer (per-layer, the "
-                             "default with copies, and always with prefetch)")
+                             "misses, the default with in-place reads; prefetch then asks the daemon to load the "
+                             "guesses into L2) or rows in every layer (per-layer, the default with copies)")
     parser.add_argument("--l0-share", type=float, metavar="F",
                         help="moe-l2: share of a process' part of the budget that its L0 gets, at least top-k rows "
                              "(a layer's, or in all for a shared L0); one daemon's L2 gets the rest (default: 0 "
@@ -227,8 +227,8 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
     """One configuration at one point: start its daemon / cgroup / clients, replay, and sum what they saw."""
     in_place = args.l2_reads == "in-place"
     l0_share = args.l0_share if args.l0_share is not None else 0.0 if in_place else 0.5
-    # Prefetch loads into rows of the next layer while this one computes: per-layer rows only.
-    shared_l0 = config == "moe-l2" and (args.l0 or ("shared" if in_place else "per-layer")) == "shared"
+    # moe-l2+prefetch is moe-l2 with next-layer prefetch: into per-layer L0 rows, or with a shared L0 into L2.
+    shared_l0 = config.startswith("moe-l2") and (args.l0 or ("shared" if in_place else "per-layer")) == "shared"
     plan = _plan(files, config, share, len(parts), l0_share, shared_l0)
     _drop_page_cache(files)
     daemon = cgroup = None

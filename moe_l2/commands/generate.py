@@ -40,7 +40,7 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one set of L0 rows for all layers (--l0-slots counts rows in all), evicting the least "
                              "recently used expert of any layer: with experts computed in place in moe-l2d's shared "
                              "memory, L0 only catches its misses, and a few rows leave the memory to L2 "
-                             "(not with --prefetch)")
+                             "(--prefetch then has the daemon load the guesses into L2)")
     daemon = parser.add_mutually_exclusive_group()
     daemon.add_argument("--socket", default=None, type=socket_arg,
                         help="moe-l2d address (default: the local runtime dir); under mlx.launch, {rank} in it "
