@@ -223,6 +223,12 @@ def _daemon_loaded(daemon: DaemonProcess, record: int) -> int:
     return request(daemon.socket, protocol.Stats(id=1)).payload["models"][0]["loads_done"] * record
 
 
+def _by_whom(pf: dict, tokens: int) -> str:
+    """Who loaded the prefetches: the clients into L0 (bytes per token), or the daemon into L2 (shared L0)."""
+    loaded = pf["bytes_read"] + pf["bytes_copied"]
+    return f"into L0 ({format_size(loaded / tokens)} per token)" if loaded else "into L2, by the daemon"
+
+
 def run_config(files: ModelFiles, config: str, share: float, parts: list, args) -> dict:
     """One configuration at one point: start its daemon / cgroup / clients, replay, and sum what they saw."""
     in_place = args.l2_reads == "in-place"
@@ -339,8 +345,8 @@ def render(result: dict) -> str:
             lines.append(f"{c['name']} at {format_pct(c['budget_share'], 0)}, {c['processes']} processes: guesses "
                          f"{format_pct(score.precision)} right (precision), "
                          f"{format_pct(score.recall)} of picks guessed "
-                         f"(recall); {pf['issued']} loaded ahead, {pf['useful']} used, {pf['wasted']} evicted unused; "
-                         f"{format_size((pf['bytes_read'] + pf['bytes_copied']) / c['tokens'])} per token")
+                         f"(recall); {pf['issued']} loaded ahead {_by_whom(pf, c['tokens'])}, {pf['useful']} used, "
+                         f"{pf['wasted']} unused")
     lines += ["", "tok/s = 1 / (compute + stall) for the layers replayed; stall: fetch time compute did not hide; "
               "pc hit: page-cache hits (from the kernel's disk-read count); peak: the processes' anonymous memory, "
               "the daemon's segments and, for page-cache, the cgroup's peak (page cache included)"]
