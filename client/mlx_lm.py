@@ -12,6 +12,7 @@ together.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_tokenizer
 from mlx_lm.utils import load_model as _mlx_lm_load_model
 
+from moe_l2.cache.trace import read_traces
 from moe_l2.client.nextlayer import NextLayer, find_router
 from moe_l2.client.pool import ExpertPool
 from moe_l2.client.switch import ForwardState, RoutingRecorder, StreamedSwitch, StreamStats
@@ -88,10 +90,12 @@ def _stand_ins(model: nn.Module, files: ModelFiles) -> dict[str, mx.array]:
 
 
 def stream_experts(model: nn.Module, pool: ExpertPool, stats: StreamStats | None = None,
-                   recorder: RoutingRecorder | None = None, prefetch: str = "off") -> list[StreamedSwitch]:
+                   recorder: RoutingRecorder | None = None, prefetch: str = "off",
+                   prefetch_seed=None) -> list[StreamedSwitch]:
     """Swap every SwitchGLU / SwitchMLP of a (lazily loaded) model for a StreamedSwitch over `pool`.
 
-    prefetch: next-layer prefetch, one of moe_l2.cache.prefetch.PREFETCH (the switches share one NextLayer).
+    prefetch: next-layer prefetch, one of moe_l2.cache.prefetch.PREFETCH (the switches share one NextLayer);
+    prefetch_seed: a TraceSet its learned predictors start from (NextLayer `seed`).
     The model must run exactly the pool's layers. The replaced modules' arrays are dropped unevaluated.
     Returns the new modules, MoE layer order."""
     files = pool.files
@@ -99,7 +103,7 @@ def stream_experts(model: nn.Module, pool: ExpertPool, stats: StreamStats | None
     next_layer = None
     if prefetch != "off":
         routers = {layer: find_router(model, path, files.n_experts) for path, _, layer in found}
-        next_layer = NextLayer(prefetch, pool, routers)
+        next_layer = NextLayer(prefetch, pool, routers, prefetch_seed)
     forward = ForwardState(pool, stats if stats is not None else StreamStats(), recorder, next_layer)
     switches = []
     for path, module, layer in found:
@@ -213,8 +217,9 @@ class StreamedLM:
                  direct: bool | None = None, verify: str = "file", download: bool = False,
                  tokenizer_config: dict | None = None, prefetch: str = "off",
                  group: mx.distributed.Group | None = None, lend: bool = True, shared_l0: bool = False,
-                 load_through_s: float = 0.0):
-        """prefetch: next-layer prefetch, one of moe_l2.cache.prefetch.PREFETCH.
+                 load_through_s: float = 0.0, prefetch_from: str | os.PathLike | None = None):
+        """prefetch: next-layer prefetch, one of moe_l2.cache.prefetch.PREFETCH; prefetch_from: a routing trace
+        of this model (`moe-l2 generate --trace-out`) its learned predictors start from.
         lend: compute on the records L2 holds in place, without copying them (ExpertPool `lend`).
         shared_l0: l0_slots (or l0_budget) buys rows in all, which every layer takes from (ExpertPool
         `shared_l0`), instead of rows in every layer.
@@ -224,6 +229,9 @@ class StreamedLM:
         only, docs/distributed.md); None or one rank: the whole model."""
         from moe_l2.client.connection import L2Client
 
+        if prefetch_from is not None and prefetch == "off":
+            raise ValueError("--prefetch-from seeds next-layer prefetch: give --prefetch too")
+        seed = read_traces(prefetch_from) if prefetch_from is not None else None
         # A directory or a Hugging Face repo id; `download` fetches a missing one as mlx-lm does.
         path = resolve_model(path, download)
         self.files = ModelFiles.open(path)
@@ -239,7 +247,7 @@ class StreamedLM:
                                    self.client, policy=policy, direct=direct, verify=verify, layers=layers,
                                    lend=lend, shared_l0=shared_l0, load_through_s=load_through_s)
             try:
-                self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, prefetch)
+                self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, prefetch, seed)
                 mx.eval(self.model.parameters())
                 self.tokenizer = load_tokenizer(Path(path), tokenizer_config,
                                                 eos_token_ids=self.config.get("eos_token_id"))

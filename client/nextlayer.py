@@ -48,13 +48,23 @@ def find_router(model: nn.Module, switch_path: str, n_experts: int) -> tuple[str
     return None
 
 
+def _seed_sequences(traces, files) -> list:
+    """The sequences of a trace of this model's routing; a trace of another geometry is refused."""
+    if (traces.n_layers, traces.n_experts) != (files.n_layers, files.n_experts):
+        raise ValueError(f"{traces.paths[0]}: a trace of {traces.n_layers} MoE layers x {traces.n_experts} experts "
+                         f"cannot seed prefetch for {files.path} ({files.n_layers} x {files.n_experts}): give one "
+                         "this model wrote (moe-l2 generate --trace-out)")
+    return traces.sequences
+
+
 class NextLayer:
     """Per model: which predictor guesses layer l+1, and the prefetch requests to the pool."""
 
-    def __init__(self, mode: str, pool, routers: dict | None = None):
+    def __init__(self, mode: str, pool, routers: dict | None = None, seed=None):
         """mode: one of PREFETCH but off; routers: MoE layer -> the (path, callable) of `find_router` or None,
         for the pool's layers (`router` needs one for every layer but the pool's first; `auto` falls back to
-        logistic)."""
+        logistic). seed: a TraceSet of this model's routing (`moe-l2 generate --trace-out`) that the learned
+        predictors start from, instead of from nothing."""
         if mode not in PREFETCH or mode == "off":
             raise ValueError(f"prefetch mode must be one of {', '.join(PREFETCH[1:])}, not {mode!r}")
         files = pool.files
@@ -69,9 +79,11 @@ class NextLayer:
             "logistic" if mode == "auto" else mode
         self.routers = routers if self.predictor == "router" else None
         learned = self.n_layers > 1 and self.predictor != "router"
-        self.cooccurrence = (CooccurrencePredictor(self.n_layers, files.n_experts)
+        sequences = _seed_sequences(seed, files) if seed is not None else []
+        self.seeded_tokens = sum(len(s.experts) for s in sequences) if learned else 0
+        self.cooccurrence = (CooccurrencePredictor.from_traces(sequences, self.n_layers, files.n_experts)
                              if learned and self.predictor == "cooccurrence" else None)
-        self.logistic = (LogisticPredictor(self.n_layers, files.n_experts)
+        self.logistic = (LogisticPredictor.from_traces(sequences, self.n_layers, files.n_experts)
                          if learned and self.predictor == "logistic" else None)
         self._previous: tuple[int, np.ndarray] | None = None
         # logistic: this forward's picks per layer, the previous forward's, and the last guess's features
@@ -84,7 +96,8 @@ class NextLayer:
         if self.predictor == "router":
             path = next(r[0] for r in self.routers.values() if r is not None)
             return f"router (the next layer's {path.split('.')[-1]})"
-        return f"{self.predictor} (learned online)"
+        seeded = f"seeded from {self.seeded_tokens} tokens, " if self.seeded_tokens else ""
+        return f"{self.predictor} ({seeded}learned online)"
 
     def after(self, layer: int, x: mx.array, chosen: np.ndarray, keep=()) -> None:
         """Layer `layer` fetched its experts for tokens routed to `chosen` ((tokens, top_k)) and queued its

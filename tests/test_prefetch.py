@@ -193,11 +193,12 @@ def known_answer_trace(path, *, n_layers=4, n_experts=16, top_k=2, seqs=6, token
 
 
 def follow_the_previous_token(rng, steps, n_layers, n_experts, top_k):
-    """Tokens whose layer 0 is random and whose layer l >= 1 is the previous token's layer l, each id + l
-    mod n: nothing in the token's own earlier layers tells its next one (their offset moves every token)."""
+    """Tokens whose layer 0 is random and whose layer l >= 1 is the previous token's layer l-1, each id + l
+    mod n: a token's layers l and l+1 come from different random draws, so nothing in its own earlier layers
+    tells its next one; the previous token's layer l does."""
     previous = [rng.sample(range(n_experts), top_k) for _ in range(n_layers)]
     for _ in range(steps):
-        token = [rng.sample(range(n_experts), top_k)] + [[(e + layer) % n_experts for e in previous[layer]]
+        token = [rng.sample(range(n_experts), top_k)] + [[(e + layer) % n_experts for e in previous[layer - 1]]
                                                         for layer in range(1, n_layers)]
         yield token
         previous = token
@@ -266,6 +267,47 @@ def test_the_client_learns_the_logistic_answer_across_forwards(model_files):
             pool.close()
     assert precision["logistic"] > 0.95
     assert precision["cooccurrence"] < 0.5
+
+
+def test_a_seeded_predictor_is_right_from_the_first_forward(model_files, tmp_path):
+    """Seeded from a trace of the routing to come, NextLayer's first guesses are already right, where one
+    learning from nothing is not."""
+    n, k, layers = model_files.n_experts, model_files.top_k, model_files.n_layers
+    seed = read_traces([previous_token_trace(tmp_path / "seed.jsonl", n_layers=layers, n_experts=n, top_k=k,
+                                             seqs=2, tokens=600)])
+    precision = {}
+    for seeded in (True, False):
+        pool = ExpertPool(model_files, k + 2)
+        try:
+            next_layer = NextLayer("logistic", pool, seed=seed if seeded else None)
+            assert next_layer.seeded_tokens == (1200 if seeded else 0)
+            for token in follow_the_previous_token(random.Random(5), 30, layers, n, k):
+                for layer, experts in enumerate(token):
+                    pool.fetch(layer, experts)
+                    next_layer.after(layer, None, np.asarray([experts]))
+                pool.wait_prefetches()
+            c = pool.prefetch_counts
+            precision[seeded] = c.right / c.guessed
+        finally:
+            pool.close()
+    assert precision[True] > 0.9 and precision[False] < 0.5, precision
+
+
+def test_generate_seeds_prefetch_from_a_trace_it_wrote(capsys, model_dir, tmp_path):
+    trace = tmp_path / "run.jsonl.gz"
+    common = ["generate", "--model", str(model_dir), "--prompt", TEXT, "--no-daemon", "--l0-slots", "5",
+              "--max-tokens", "6", "--json"]
+    assert moe_l2_main([*common, "--trace-out", str(trace)]) == 0
+    capsys.readouterr()
+    tokens = sum(s.n_tokens for s in read_traces([trace]).sequences)
+    assert moe_l2_main([*common, "--prefetch", "logistic", "--prefetch-from", str(trace)]) == 0
+    assert json.loads(capsys.readouterr().out)["prefetch"]["predictor"] == \
+        f"logistic (seeded from {tokens} tokens, learned online)"
+    assert moe_l2_main([*common, "--prefetch-from", str(trace)]) == 2
+    assert "give --prefetch too" in capsys.readouterr().err
+    other = known_answer_trace(tmp_path / "other.jsonl")  # 4 layers: another model's
+    assert moe_l2_main([*common, "--prefetch", "logistic", "--prefetch-from", str(other)]) == 2
+    assert "cannot seed prefetch" in capsys.readouterr().err
 
 
 def test_score_counts_precision_and_recall():

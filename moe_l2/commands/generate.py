@@ -67,6 +67,9 @@ def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
                              "the expert ids this token and the one before it picked (logistic) or by expert "
                              "co-occurrence (cooccurrence), both learned online, or router where the model has "
                              "one and logistic where not (auto); off (the default) until benchmarks show it wins")
+    parser.add_argument("--prefetch-from", type=path_arg, metavar="TRACE",
+                        help="start the learned prefetch predictors (logistic, cooccurrence) from this model's "
+                             "routing in a trace (written by --trace-out) instead of from nothing")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -231,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
                         record=args.trace_out is not None, direct=DIRECT_IO[args.direct_io],
                         verify=args.verify_checksums, download=True, prefetch=args.prefetch,
                         group=group if pipelined else None, lend=args.l2_reads == "in-place",
-                        shared_l0=args.l0_shared, load_through_s=args.load_through_ms / 1e3)
+                        shared_l0=args.l0_shared, load_through_s=args.load_through_ms / 1e3,
+                        prefetch_from=args.prefetch_from)
     except (OSError, ValueError) as exc:
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 2

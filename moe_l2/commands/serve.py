@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
                   "daemon": not args.no_daemon, "client_wait_s": 2.0, "direct": DIRECT_IO[args.direct_io],
                   "verify": args.verify_checksums, "prefetch": args.prefetch, "lend": args.l2_reads == "in-place",
                   "shared_l0": args.l0_shared, "load_through_s": args.load_through_ms / 1e3,
+                  "prefetch_from": args.prefetch_from,
                   "group": group if group.size() > 1 else None}
     provider = StreamedModelProvider(cli_args, model_dir, args.model, lm_options)
     status = 0
