@@ -85,9 +85,8 @@ class NextLayer:
                              if learned and self.predictor == "cooccurrence" else None)
         self.logistic = (LogisticPredictor.from_traces(sequences, self.n_layers, files.n_experts)
                          if learned and self.predictor == "logistic" else None)
-        self._previous: tuple[int, np.ndarray] | None = None
-        # logistic: this forward's picks per layer, the previous forward's, and the last guess's features
-        # (learned from when the next layer's picks arrive).
+        # The learned predictors': this forward's picks per layer, the previous forward's, and the last logistic
+        # guess's features (learned from when the next layer's picks arrive).
         self._now: dict[int, np.ndarray] = {}
         self._before: dict[int, np.ndarray] = {}
         self._features: tuple[int, np.ndarray] | None = None
@@ -103,12 +102,8 @@ class NextLayer:
         """Layer `layer` fetched its experts for tokens routed to `chosen` ((tokens, top_k)) and queued its
         computation on `x`; learn, then prefetch layer+1's guesses. `keep`: experts of layer+1 that queued
         work may still read (the last layer's unevaluated tail)."""
-        if self.cooccurrence is not None:
-            previous, self._previous = self._previous, (layer, chosen)
-            if previous is not None and previous[0] == layer - 1 and len(previous[1]) == len(chosen):
-                self.cooccurrence.observe_layer(layer - 1, previous[1], chosen)
-        if self.logistic is not None:
-            self._remember(layer, chosen)
+        if self.cooccurrence is not None or self.logistic is not None:
+            self._learn(layer, chosen)
         if layer + 1 not in self.pool.layers:  # the last layer, or a pipeline stage's last one
             return
         self.pool.prefetch(layer + 1, self.guess(layer, x, chosen), keep)
@@ -120,22 +115,25 @@ class NextLayer:
             return top(probs.sum(axis=0), self.k)
         if self.logistic is not None:
             rows = len(chosen)
-            features = self.logistic.context(chosen, self._now.get(layer - 1) if layer else None,
+            features = self.logistic.context(chosen, self._now.get(layer - 1),
                                              self._earlier(layer + 1, rows), self._earlier(layer, rows))
             self._features = (layer, features)
             return self.logistic.predict(layer, features, self.k)
         return self.cooccurrence.predict(layer, np.unique(chosen).tolist(), self.k)
 
-    def _remember(self, layer: int, chosen: np.ndarray) -> None:
+    def _learn(self, layer: int, chosen: np.ndarray) -> None:
         """Keep the picks of this forward (a layer no later than the last one seen starts a new forward) and
-        learn the last guess's features against them."""
+        learn from this forward's layer before: its picks (co-occurrence) or its guess's features (logistic)."""
         if self._now and layer <= max(self._now):
             self._before, self._now = self._now, {}
         below = self._now.get(layer - 1)
         self._now[layer] = chosen
         features, self._features = self._features, None
-        if features is not None and features[0] == layer - 1 and below is not None \
-                and len(features[1]) == len(chosen):
+        if below is None or len(below) != len(chosen):
+            return
+        if self.cooccurrence is not None:
+            self.cooccurrence.observe_layer(layer - 1, below, chosen)
+        elif features is not None and features[0] == layer - 1:
             self.logistic.learn(layer - 1, features[1], chosen)
 
     def _earlier(self, layer: int, rows: int) -> np.ndarray | None:

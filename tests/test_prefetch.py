@@ -244,29 +244,42 @@ def test_logistic_learns_what_the_token_before_tells_and_cooccurrence_cannot(tmp
     assert r["prefetch_scores"]["logistic"]["precision"] > 0.9
 
 
+def guess_precision(model_files, mode: str, tokens: list, *, seed=None, scored_from: int = 0) -> tuple[float, int]:
+    """A real pool fetches each token's layers as one-token forwards, NextLayer(mode) guessing each next layer;
+    returns the precision of the guesses from token `scored_from` on, scored by the fetches, and how many tokens
+    seeded the predictor."""
+    pool = ExpertPool(model_files, model_files.top_k + 2)
+    try:
+        next_layer = NextLayer(mode, pool, seed=seed)
+        for step, token in enumerate(tokens):
+            if step == scored_from:
+                before = pool.prefetch_counts
+            for layer, experts in enumerate(token):
+                pool.fetch(layer, experts)
+                next_layer.after(layer, None, np.asarray([experts]))
+            pool.wait_prefetches()
+        c = pool.prefetch_counts.minus(before)
+        return c.right / c.guessed, next_layer.seeded_tokens
+    finally:
+        pool.close()
+
+
 def test_the_client_learns_the_logistic_answer_across_forwards(model_files):
     """NextLayer lines a one-token forward up with the one before it: guesses scored against the pool's
     fetches become right where only the previous token tells the answer."""
-    rng = random.Random(3)
     n, k, layers = model_files.n_experts, model_files.top_k, model_files.n_layers
-    precision = {}
-    for mode in ("logistic", "cooccurrence"):
-        pool = ExpertPool(model_files, k + 2)
-        try:
-            next_layer = NextLayer(mode, pool)
-            for step, token in enumerate(follow_the_previous_token(rng, 400, layers, n, k)):
-                if step == 300:
-                    before = pool.prefetch_counts
-                for layer, experts in enumerate(token):
-                    pool.fetch(layer, experts)
-                    next_layer.after(layer, None, np.asarray([experts]))
-                pool.wait_prefetches()
-            c = pool.prefetch_counts.minus(before)
-            precision[mode] = c.right / c.guessed
-        finally:
-            pool.close()
-    assert precision["logistic"] > 0.95
-    assert precision["cooccurrence"] < 0.5
+    tokens = list(follow_the_previous_token(random.Random(3), 400, layers, n, k))
+    assert guess_precision(model_files, "logistic", tokens, scored_from=300)[0] > 0.95
+    assert guess_precision(model_files, "cooccurrence", tokens, scored_from=300)[0] < 0.5
+    # Where the token's own layer tells the next, co-occurrence learns it across forwards too.
+    rng = random.Random(4)
+    tokens = []
+    for _ in range(300):
+        token = [rng.sample(range(n), k)]
+        for _ in range(layers - 1):
+            token.append([(3 * e + 1) % n for e in token[-1]])
+        tokens.append(token)
+    assert guess_precision(model_files, "cooccurrence", tokens, scored_from=200)[0] > 0.95
 
 
 def test_a_seeded_predictor_is_right_from_the_first_forward(model_files, tmp_path):
@@ -275,22 +288,11 @@ def test_a_seeded_predictor_is_right_from_the_first_forward(model_files, tmp_pat
     n, k, layers = model_files.n_experts, model_files.top_k, model_files.n_layers
     seed = read_traces([previous_token_trace(tmp_path / "seed.jsonl", n_layers=layers, n_experts=n, top_k=k,
                                              seqs=2, tokens=600)])
-    precision = {}
-    for seeded in (True, False):
-        pool = ExpertPool(model_files, k + 2)
-        try:
-            next_layer = NextLayer("logistic", pool, seed=seed if seeded else None)
-            assert next_layer.seeded_tokens == (1200 if seeded else 0)
-            for token in follow_the_previous_token(random.Random(5), 30, layers, n, k):
-                for layer, experts in enumerate(token):
-                    pool.fetch(layer, experts)
-                    next_layer.after(layer, None, np.asarray([experts]))
-                pool.wait_prefetches()
-            c = pool.prefetch_counts
-            precision[seeded] = c.right / c.guessed
-        finally:
-            pool.close()
-    assert precision[True] > 0.9 and precision[False] < 0.5, precision
+    tokens = list(follow_the_previous_token(random.Random(5), 30, layers, n, k))
+    seeded, seeded_tokens = guess_precision(model_files, "logistic", tokens, seed=seed)
+    unseeded, no_tokens = guess_precision(model_files, "logistic", tokens)
+    assert (seeded_tokens, no_tokens) == (1200, 0)
+    assert seeded > 0.9 and unseeded < 0.5, (seeded, unseeded)
 
 
 def test_generate_seeds_prefetch_from_a_trace_it_wrote(capsys, model_dir, tmp_path):
