@@ -189,9 +189,7 @@ class ExpertPool:
             return TierCounts(), None
         self._check_experts(batch)
         self._prefetcher.before_fetch(layer, batch)
-        missing = sorted(e for e in batch if not lp.holds(e))
-        loan = view.lend(layer, missing)
-        absent = sorted(set(missing) - set(loan.experts))
+        loan, absent = self._l2_split(view, layer, batch)
         # Load-through: one read per miss, the daemon's, into L2, where the layer then computes on it; only where
         # L2 has room for the misses beside the batch's lent experts, which the daemon does not evict for them.
         room = view.attachment.geometry.n_slots - len(loan.experts)
@@ -330,9 +328,14 @@ class ExpertPool:
         view = self._l2_view()
         if view is None or not view.attachment.serves(layer):
             return []
+        return self._l2_split(view, layer, experts)[1]
+
+    def _l2_split(self, view: L2View, layer: int, experts) -> tuple[Loan, list[int]]:
+        """Of the experts L0 lacks: a loan of those L2 holds now, and the rest, sorted."""
         lp = self.layers[layer]
-        missing = [e for e in experts if not lp.holds(e)]
-        return sorted(set(missing) - set(view.lend(layer, missing).experts))
+        missing = sorted(e for e in experts if not lp.holds(e))
+        loan = view.lend(layer, missing)
+        return loan, sorted(set(missing) - set(loan.experts))
 
     def settle(self, layer: int) -> None:
         """Cancel the layer's prefetches that have not started and wait for the one running, if any."""
