@@ -261,8 +261,8 @@ class L2Client:
         os.set_blocking(self._wake_w, False)
         self._prefetch_source = None
         self._prefetch_sent: dict[str, int] = {}
-        self._hints: queue.SimpleQueue = queue.SimpleQueue()
-        self._prefetches: queue.SimpleQueue = queue.SimpleQueue()
+        # Hints and prefetch requests, (message class, its fields but id and model), sent in order.
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="moe-l2-client", daemon=True)
@@ -303,7 +303,7 @@ class L2Client:
         attachment = self.attachment
         if attachment is None or not attachment.serves(layer):
             return
-        self._prefetches.put((layer, experts))
+        self._requests.put((protocol.Prefetch, {"layer": layer, "experts": experts}))
         self._wake()
 
     def _wake(self) -> None:
@@ -329,7 +329,7 @@ class L2Client:
     def hint(self, text: str) -> None:
         """Tell the daemon what the next prompt is about (it may preload and pin that domain's experts);
         returns at once. A daemon without a profile ignores it."""
-        self._hints.put(text)
+        self._requests.put((protocol.Hint, {"text": text}))
 
     def _run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -359,8 +359,7 @@ class L2Client:
                         self._detach("moe-l2d is not running")
                         next_hello = now + min(self.heartbeat_s, RETRY_S)
                 self._flush_reports(sock)
-                self._flush_prefetches(sock)
-                self._flush_hints(sock)
+                self._flush_requests(sock)
                 # Not past the next hello (or its retry), however long reports may wait.
                 until_hello = max(0, math.ceil((next_hello - time.monotonic()) * 1000))
                 events = dict(poller.poll(min(self.flush_ms, until_hello)))
@@ -421,22 +420,13 @@ class L2Client:
             if ids < MAX_REPORT_IDS:
                 return
 
-    def _flush_prefetches(self, sock) -> None:
+    def _flush_requests(self, sock) -> None:
+        """Send the queued hints and prefetch requests (dropped while detached: both are only advice)."""
         try:
             while True:
-                layer, experts = self._prefetches.get_nowait()
+                message, fields = self._requests.get_nowait()
                 if self.attachment is not None:
-                    self._send(sock, protocol.Prefetch(id=next(self._ids), model=self.files.fingerprint,
-                                                       layer=layer, experts=experts))
-        except queue.Empty:
-            pass
-
-    def _flush_hints(self, sock) -> None:
-        try:
-            while True:
-                text = self._hints.get_nowait()
-                if self.attachment is not None:
-                    self._send(sock, protocol.Hint(id=next(self._ids), model=self.files.fingerprint, text=text))
+                    self._send(sock, message(id=next(self._ids), model=self.files.fingerprint, **fields))
         except queue.Empty:
             pass
 
