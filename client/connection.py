@@ -115,6 +115,7 @@ class Attachment:
     index: object
     data: tuple
     layers: frozenset[int]  # the MoE layers the daemon serves
+    slots: tuple[int, ...]  # per MoE layer, its slots in L2 (0 where unserved)
 
     def serves(self, layer: int) -> bool:
         return layer in self.layers
@@ -139,11 +140,14 @@ def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] 
         raise ValueError(f"segment {index_name} has data segments for MoE layers {sorted(served)}, but the daemon's "
                          f"hello names {'all' if layers is None else sorted(layers)}")
     data = tuple(_native.Segment.open(name, readonly=True) if name else None for name in header.data_names)
-    for segment in filter(None, data):
-        check_segment(segment, trusted)
-        if segment.nbytes < header.geometry.data_bytes:
-            raise ValueError(f"data segment {segment.name} is smaller than its header says")
-    return Attachment(header.epoch, header.geometry, index, data, served)
+    g = header.geometry
+    slots = [0] * g.n_layers
+    for position, layer in enumerate(sorted(served)):
+        slots[layer] = g.slots_at(position)
+        check_segment(data[layer], trusted)
+        if data[layer].nbytes < slots[layer] * g.slot_stride:
+            raise ValueError(f"data segment {data[layer].name} is smaller than its header says")
+    return Attachment(header.epoch, g, index, data, served, tuple(slots))
 
 
 def request(address: str | None, message: protocol.Message, timeout_s: float = 5.0) -> protocol.Reply:

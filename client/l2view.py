@@ -64,7 +64,7 @@ class L2View:
         return mx.metal.is_available() or not mx.cuda.is_available()
 
     def arrays(self, layer: int) -> dict[str, mx.array]:
-        """key -> array [n_slots, *piece shape] over the layer's data segment; row s is slot s's piece."""
+        """key -> array [slots, *piece shape] over the layer's data segment; row s is slot s's piece."""
         views = self._arrays.get(layer)
         if views is None:
             g = self.attachment.geometry
@@ -72,7 +72,7 @@ class L2View:
             views = {}
             for p in self.layout.pieces:
                 dtype = getattr(mx, p.dtype)
-                views[p.key] = data.array(p.offset, [g.n_slots, *p.shape],
+                views[p.key] = data.array(p.offset, [self.attachment.slots[layer], *p.shape],
                                           _row_major(g.slot_stride // dtype.size, p.shape), dtype)
             self._arrays[layer] = views
         return views
@@ -81,7 +81,7 @@ class L2View:
         """The experts L2 holds whole now (the rest are absent or being written), as slots to compute on."""
         g = self.attachment.geometry
         lent = _native.lend_records(self.attachment.index, g.slot_of_offset(layer), g.meta_offset(layer),
-                                    g.n_experts, g.n_slots, experts)
+                                    g.n_experts, self.attachment.slots[layer], experts)
         held = [(e, slot, seq) for e, (slot, seq) in zip(experts, lent) if slot >= 0]
         return Loan(self, layer, *(tuple(column) for column in zip(*held))) if held else Loan(self, layer, (), (), ())
 
@@ -89,7 +89,8 @@ class L2View:
         """Per lent expert: whether its slot was not written since it was lent (call once the computation
         that read it is evaluated)."""
         g = self.attachment.geometry
-        return _native.records_unchanged(self.attachment.index, g.meta_offset(loan.layer), g.n_slots,
+        return _native.records_unchanged(self.attachment.index, g.meta_offset(loan.layer),
+                                         self.attachment.slots[loan.layer],
                                          list(loan.slots), list(loan.seqs))
 
 

@@ -192,7 +192,7 @@ class ExpertPool:
         loan, absent = self._l2_split(view, layer, batch)
         # Load-through: one read per miss, the daemon's, into L2, where the layer then computes on it; only where
         # L2 has room for the misses beside the batch's lent experts, which the daemon does not evict for them.
-        room = view.attachment.geometry.n_slots - len(loan.experts)
+        room = view.attachment.slots[layer] - len(loan.experts)
         reported = bool(absent and self.load_through_s and self.client.attached and len(absent) <= room)
         awaited = 0
         if reported:
@@ -374,7 +374,7 @@ class ExpertPool:
             return [False] * len(experts)
         g = attachment.geometry
         return _native.copy_records(attachment.index, attachment.data[layer], g.slot_of_offset(layer),
-                                    g.meta_offset(layer), g.n_experts, g.n_slots, g.slot_stride,
+                                    g.meta_offset(layer), g.n_experts, attachment.slots[layer], g.slot_stride,
                                     lp.copy_pieces, experts, rows, self.copy_threads)
 
     def _intact_copy(self, layer: int, lp: LayerPool, expert: int, row: int) -> bool:

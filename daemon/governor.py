@@ -67,7 +67,7 @@ class Governor:
                                 "(of %d); it grows back when memory recovers", format_size(memory.available),
                                 format_size(self.floor), model.files.path,
                                 min(s.capacity for s in model.stores.values()), model.geometry.n_slots)
-            elif capacity < model.geometry.n_slots:
+            elif any(s.capacity < s.n_slots for s in model.stores.values()):
                 spare = memory.available - self.floor - self.floor // 4
                 step = spare // per_slot
                 if step > 0 and model.resize(max(s.capacity for s in model.stores.values()) + step):

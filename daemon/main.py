@@ -19,7 +19,7 @@ import psutil
 
 from moe_l2 import _native
 from moe_l2.cache.profile import Profile, ProfileError
-from moe_l2.layout import BudgetError, Geometry
+from moe_l2.layout import BudgetError, Geometry, describe_slots
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import build_in_child_processes
 from moe_l2.model.files import format_ranges
@@ -269,9 +269,9 @@ class Daemon:
             self.models.append(served)
             self._write_state()
             g = geometry
-            log.info("serving %s: decoder layers %s (%d of %d MoE layers) x %d experts, %d slots per layer (%s of "
-                     "shared memory)", files.path, format_ranges(served.layer_ids), g.served, g.n_layers, g.n_experts,
-                     g.n_slots, format_size(served.shm_bytes))
+            log.info("serving %s: decoder layers %s (%d of %d MoE layers) x %d experts, %s (%s of shared memory)",
+                     files.path, format_ranges(served.layer_ids), g.served, g.n_layers, g.n_experts,
+                     g.describe_slots(), format_size(served.shm_bytes))
         self._warn_unlocked()
         self.loader = Loader(self.config.loader_threads)
         memory = read_memory()
@@ -304,8 +304,8 @@ class Daemon:
                                f"available memory leaves nothing for L2 beside {p.processes} process(es) and "
                                f"{format_size(p.os_headroom)} for the system (moe-l2 plan --model {files.path} "
                                "shows the split); give --budget SIZE or fewer --processes")
-        log.info("budget auto: %s for L2 (%d slots per layer), %d L0 slots per process, for %d process(es) in "
-                 "%s available", format_size(p.l2_budget), p.l2_slots, p.l0_slots, p.processes,
+        log.info("budget auto: %s for L2 (%s), %d L0 slots per process, for %d process(es) in %s available",
+                 format_size(p.l2_budget), describe_slots(p.l2_slots, p.l2_short), p.l0_slots, p.processes,
                  format_size(p.available))
         return p.l2_budget
 

@@ -40,8 +40,8 @@ class ServedModel:
         self.layers = tuple(range(files.n_layers)) if layers is None else tuple(layers)
         self.index_name, names = segment_names(instance, index, files.n_layers, self.layers)
         self.data_names = dict(zip(self.layers, names))
-        self.stores = {layer: LayerStore(files.n_experts, geometry.n_slots, make_policy(policy, geometry.n_slots))
-                       for layer in self.layers}
+        self.slots = {layer: geometry.slots_at(i) for i, layer in enumerate(self.layers)}
+        self.stores = {layer: LayerStore(files.n_experts, n, make_policy(policy, n)) for layer, n in self.slots.items()}
         if profile is not None:
             profile.check_model(files.n_layers, files.n_experts, str(files.path))
         self.profile = profile
@@ -73,7 +73,7 @@ class ServedModel:
                 log.info("reclaimed shared-memory segment %s left by an earlier daemon", name)
         self.index = _native.Segment.create(self.index_name, g.index_bytes, shm_mode)
         for layer, name in self.data_names.items():
-            self.data[layer] = _native.Segment.create(name, g.data_bytes, shm_mode)
+            self.data[layer] = _native.Segment.create(name, self.slots[layer] * g.slot_stride, shm_mode)
         # An unserved layer's name is empty: clients read it from the model files (moe_l2/layout.py).
         names = tuple(self.data_names.get(layer, "") for layer in range(g.n_layers))
         header = IndexHeader(g, epoch, self.files.fingerprint, self.index_name, names).pack()
@@ -317,7 +317,8 @@ class ServedModel:
             "served_layer_ids": self.layer_ids,
             "layer_ids": list(self.files.layer_ids),
             "n_experts": self.geometry.n_experts,
-            "slots_per_layer": self.geometry.n_slots,
+            "slots_per_layer": self.geometry.n_slots,  # the most; the last short_layers hold one fewer
+            "short_layers": self.geometry.n_short,
             "record_bytes": self.geometry.record_bytes,
             "format": self.files.format,
             "direct_io": self.direct_io,

@@ -4,7 +4,9 @@ Index segment:
     header   magic, layout version, epoch, fingerprint, geometry, one data-segment name per layer
     slot_of  per layer, n_experts x int32: the slot holding the expert, -1 when absent
     meta     per layer, n_slots x SlotMeta {int32 expert, uint32 seq, uint32 checksum, uint32 reserved}
-Data segment, one per served layer: n_slots x slot_stride bytes; slot s holds one record at s * slot_stride.
+Data segment, one per served layer: its slots x slot_stride bytes; slot s holds one record at s * slot_stride.
+A budget that does not divide evenly over the served layers gives the last `n_short` of them one slot fewer
+than n_slots, so that none of it is left unspent.
 The index covers every MoE layer; a layer the daemon does not serve (moe-l2d --layers) has no data segment
 and an empty name in the header, and its slot_of stays -1 (docs/architecture.md, "Shared memory").
 
@@ -21,15 +23,16 @@ from dataclasses import dataclass
 from moe_l2.sizes import format_size
 
 MAGIC = b"MOEL2IDX"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: n_short, the served layers with one slot fewer
 SLOT_META_BYTES = 16
 META_EXPERT, META_SEQ, META_CHECKSUM = 0, 4, 8
 NAME_BYTES = 32
 FINGERPRINT_BYTES = 64
 MAX_SHM_NAME = 31  # macOS' PSHMNAMLEN; Linux allows more, but one name scheme must fit both
 
-# magic, layout version, n_layers, epoch, n_experts, n_slots, record_bytes, slot_stride, fingerprint, index name
-_HEADER = struct.Struct(f"<8sIIQIIQQ{FINGERPRINT_BYTES}s{NAME_BYTES}s")
+# magic, layout version, n_layers, epoch, n_experts, n_slots, n_short, record_bytes, slot_stride, fingerprint,
+# index name
+_HEADER = struct.Struct(f"<8sIIQIIIQQ{FINGERPRINT_BYTES}s{NAME_BYTES}s")
 
 
 def align(value: int, to: int) -> int:
@@ -40,6 +43,11 @@ def page_size() -> int:
     return mmap.PAGESIZE
 
 
+def describe_slots(n_slots: int, n_short: int) -> str:
+    """'8 slots per layer', or '7-8 slots per layer' where the last layers hold one fewer."""
+    return f"{f'{n_slots - 1}-' if n_short else ''}{n_slots} slots per layer"
+
+
 class BudgetError(ValueError):
     pass
 
@@ -47,26 +55,32 @@ class BudgetError(ValueError):
 @dataclass(frozen=True)
 class Geometry:
     """Sizes of one model's segments; everything else follows from these. `n_served` of the `n_layers` MoE
-    layers have a data segment (None: all of them); the budget pays for those only."""
+    layers have a data segment (None: all of them); the budget pays for those only. The last `n_short` served
+    layers hold n_slots - 1 slots, the others n_slots."""
 
     n_layers: int
     n_experts: int
     n_slots: int
     record_bytes: int
     n_served: int | None = None
+    n_short: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.n_short < max(1, self.served) or (self.n_short and self.n_slots < 2):
+            raise ValueError(f"{self.n_short} layers short of {self.n_slots} slots: no such geometry")
 
     @classmethod
     def for_budget(cls, n_layers: int, n_experts: int, record_bytes: int, budget: int,
                    n_served: int | None = None) -> "Geometry":
-        """As many slots per served layer as the budget pays for (index segment included), at most one per
-        expert."""
+        """As many slots as the budget pays for (index segment included), at most one per expert of each served
+        layer, spread over the served layers as evenly as they go: every slot the budget buys is used."""
         probe = cls(n_layers, n_experts, n_experts, record_bytes, n_served)
-        per_slot = probe.served * probe.slot_stride
-        n_slots = min(n_experts, max(0, budget - probe.index_bytes) // per_slot)
-        if n_slots < 1:
+        total = min(n_experts * probe.served, max(0, budget - probe.index_bytes) // probe.slot_stride)
+        if total < probe.served:
             raise BudgetError(f"budget {format_size(budget)} is too small: one slot per layer takes "
-                              f"{format_size(per_slot + probe.index_bytes)}; raise --budget")
-        return cls(n_layers, n_experts, n_slots, record_bytes, n_served)
+                              f"{format_size(probe.served * probe.slot_stride + probe.index_bytes)}; raise --budget")
+        n_slots = -(-total // probe.served)
+        return cls(n_layers, n_experts, n_slots, record_bytes, n_served, n_slots * probe.served - total)
 
     @classmethod
     def budget_for(cls, n_layers: int, n_experts: int, record_bytes: int, n_slots: int,
@@ -103,13 +117,21 @@ class Geometry:
         return align(self.meta_offset(self.n_layers), page_size())
 
     @property
-    def data_bytes(self) -> int:
-        return self.n_slots * self.slot_stride
+    def total_slots(self) -> int:
+        """The slots of every served layer together."""
+        return self.n_slots * self.served - self.n_short
+
+    def slots_at(self, position: int) -> int:
+        """The slots of the served layer at `position` in the order of the served layers."""
+        return self.n_slots - (position >= self.served - self.n_short)
+
+    def describe_slots(self) -> str:
+        return describe_slots(self.n_slots, self.n_short)
 
     @property
     def shm_bytes(self) -> int:
         """The index segment and every served layer's data segment."""
-        return self.index_bytes + self.served * self.data_bytes
+        return self.index_bytes + self.total_slots * self.slot_stride
 
 
 @dataclass(frozen=True)
@@ -122,7 +144,7 @@ class IndexHeader:
 
     def pack(self) -> bytes:
         g = self.geometry
-        head = _HEADER.pack(MAGIC, LAYOUT_VERSION, g.n_layers, self.epoch, g.n_experts, g.n_slots,
+        head = _HEADER.pack(MAGIC, LAYOUT_VERSION, g.n_layers, self.epoch, g.n_experts, g.n_slots, g.n_short,
                             g.record_bytes, g.slot_stride, self.fingerprint.encode(), self.index_name.encode())
         return head + b"".join(name.encode().ljust(NAME_BYTES, b"\0") for name in self.data_names)
 
@@ -130,7 +152,7 @@ class IndexHeader:
     def unpack(cls, buf) -> "IndexHeader":
         if len(buf) < _HEADER.size:
             raise ValueError("index segment is smaller than its header: not a moe-l2 segment")
-        (magic, version, n_layers, epoch, n_experts, n_slots, record_bytes, slot_stride, fp,
+        (magic, version, n_layers, epoch, n_experts, n_slots, n_short, record_bytes, slot_stride, fp,
          index_name) = _HEADER.unpack_from(buf, 0)
         if magic != MAGIC:
             raise ValueError("index segment has a wrong magic: not a moe-l2 segment")
@@ -142,7 +164,8 @@ class IndexHeader:
             raw = bytes(buf[_HEADER.size + layer * NAME_BYTES:_HEADER.size + (layer + 1) * NAME_BYTES])
             names.append(raw.rstrip(b"\0").decode())
         served = sum(map(bool, names))
-        geometry = Geometry(n_layers, n_experts, n_slots, record_bytes, None if served == n_layers else served)
+        geometry = Geometry(n_layers, n_experts, n_slots, record_bytes, None if served == n_layers else served,
+                            n_short)
         if geometry.slot_stride != slot_stride:
             raise ValueError(f"index segment slot stride {slot_stride} differs from this machine's "
                              f"{geometry.slot_stride} (page size {page_size()})")

@@ -101,6 +101,7 @@ class Plan:
     l0_per_process: int     # bytes
     l2_slots: int           # experts per layer in L2; 0 when nothing is left for it
     l2_budget: int          # bytes, for moe-l2d --budget
+    l2_short: int           # the served layers that get one L2 slot fewer: the rest of the budget is spent
     n_experts: int
 
     def to_dict(self) -> dict:
@@ -127,10 +128,9 @@ def plan(memory: Memory, model: ModelSizes, processes: int = 1, *, kv_bytes: int
     rest = pool - processes * l0_slots * per_slot
     budget = min(rest, model.l2_budget_for(model.n_experts))
     try:
-        l2_slots = Geometry.for_budget(model.n_layers, model.n_experts, model.record_bytes, budget,
-                                       model.l2_layers).n_slots
+        l2 = Geometry.for_budget(model.n_layers, model.n_experts, model.record_bytes, budget, model.l2_layers)
     except BudgetError:
-        l2_slots = 0
+        l2 = None
     return Plan(memory.total, memory.available, processes, headroom, model.non_expert_bytes, kv_bytes,
-                l0_slots, l0_slots * per_slot, l2_slots, model.l2_budget_for(l2_slots) if l2_slots else 0,
-                model.n_experts)
+                l0_slots, l0_slots * per_slot, l2.n_slots if l2 else 0, budget if l2 else 0,
+                l2.n_short if l2 else 0, model.n_experts)

@@ -14,10 +14,10 @@ from moe_l2 import _native
 from moe_l2.client.l2view import L2View
 from moe_l2.client.mlx_lm import StreamedLM
 from moe_l2.client.pool import ExpertPool
-from moe_l2.layout import META_EXPERT, META_SEQ, segment_names
+from moe_l2.layout import META_EXPERT, META_SEQ, Geometry, segment_names
 from moe_l2.model import ModelFiles
 
-from .conftest import assert_same_as_whole, budget_for, made_and_loaded_whole, stats, wait_for
+from .conftest import assert_resident_exact, assert_same_as_whole, budget_for, made_and_loaded_whole, stats, wait_for
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TEXT = ("The cache keeps the experts that the router picks most often close to the model, and reads "
@@ -162,6 +162,49 @@ def test_a_loan_reads_the_files_records_and_sees_a_rewrite(daemon_factory, model
         evict_in_shm(daemon, model_files, layer, 3, slot_of[3])
         assert loan.torn() == [3]
         assert pool.borrow(layer, [3])[1] is None  # gone from L2: nothing to lend
+        pool.close()
+    finally:
+        client.close()
+
+
+def test_a_budget_between_whole_slots_per_layer_is_spent_and_every_layer_lends_and_copies_whole_records(
+        daemon_factory, model_dir, model_files, capsys):
+    """A budget of 2 slots in every layer and 1 more in all but one: the daemon spends it all (3 slots in the
+    first layers, 2 in the last), and clients lend and copy exact records from both kinds of layer."""
+    from moe_l2.cli import main as cli
+    from moe_l2.client.connection import L2Client
+
+    files, last = model_files, model_files.n_layers - 1
+    stride = Geometry(files.n_layers, files.n_experts, 2, files.layout.nbytes).slot_stride
+    budget = budget_for(files, 2) + last * stride
+    daemon = daemon_factory([model_dir], str(budget))
+    (m,) = stats(daemon)["models"]
+    assert (m["slots_per_layer"], m["short_layers"]) == (3, 1)
+    assert [layer["slots"] for layer in m["layers"]] == [3] * last + [2]
+    assert m["shm_bytes"] <= budget < m["shm_bytes"] + stride
+    assert cli(["stats", "--socket", daemon.socket]) == 0
+    assert "2-3 slots per layer" in capsys.readouterr().out
+    client = L2Client(files, daemon.socket, wait_s=5)
+    try:
+        assert client.attachment.slots == (3,) * last + (2,)
+        pool = ExpertPool(files, files.n_experts, client)
+        view = L2View(client.attachment, files.layout)
+        for layer in (0, last):
+            held = list(range(client.attachment.slots[layer]))
+            pool.fetch(layer, held)  # misses: the daemon loads them, filling the layer's every slot
+            wait_for(lambda: len(view.lend(layer, held).experts) == len(held), what=f"layer {layer} in L2")
+            loan = view.lend(layer, held)
+            assert sorted(loan.slots) == held
+            arrays, slot_of = loan.arrays(), loan.slot_of()
+            for expert in held:
+                record = files.read_record(layer, expert)
+                for p in files.layout.pieces:
+                    assert np.array(arrays[p.key][slot_of[expert]]).tobytes() == record[p.offset:p.offset + p.nbytes]
+        copier = ExpertPool(files, files.top_k, client, lend=False)
+        for layer in (0, last):
+            assert copier.fetch(layer, [0, 1]).l2_hits == 2
+            assert_resident_exact(copier, files, layer, [0, 1])
+        copier.close()
         pool.close()
     finally:
         client.close()

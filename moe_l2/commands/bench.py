@@ -28,7 +28,7 @@ from moe_l2.client.connection import request
 from moe_l2.client.replayer import anon_bytes, disk_read_bytes
 from moe_l2.commands.generate import LOAD_THROUGH_MS, milliseconds
 from moe_l2.daemon.process import DaemonProcess
-from moe_l2.layout import Geometry
+from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
 from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.model.synthetic import GEOMETRIES, SyntheticError, build
@@ -157,31 +157,34 @@ def _parts(traces, n_layers: int, processes: int, tokens: int | None, warmup: fl
 
 def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share: float,
           shared_l0: bool = False) -> dict:
-    """L0 rows per layer (or in all, shared_l0) and process, and L2 slots per layer: the same memory for experts
-    in every config."""
+    """L0 rows per layer (or in all, shared_l0) and process, and L2's budget and slots (in all layers): the same
+    memory for experts in every config."""
     record, layers = files.layout.nbytes, files.n_layers
     budget = int(share * layers * files.n_experts * record)
     row = record if shared_l0 else layers * record  # one L0 row: in all, or in every layer
     top_k = files.top_k
+    l2_budget = slots = 0
     if config == "page-cache":
-        capacity, slots = top_k, 0
+        capacity = top_k
     elif config == "pread":
-        capacity, slots = min(files.n_experts, budget // processes // row), 0
+        capacity = min(files.n_experts, budget // processes // row)
     else:
         most = files.n_experts * (layers if shared_l0 else 1)
         capacity = max(top_k, min(most, int(l0_share * budget / processes) // row))
-        slot = Geometry(layers, files.n_experts, files.n_experts, record).slot_stride * layers
-        slots = min(files.n_experts, max(0, budget - processes * capacity * row) // slot)
-        if slots < 1:
+        # The daemon spends all of it: a remainder short of a slot in every layer buys slots in some layers.
+        l2_budget = budget - processes * capacity * row
+        try:
+            slots = Geometry.for_budget(layers, files.n_experts, record, l2_budget).total_slots
+        except BudgetError:
             raise BudgetTooSmall(f"{config} at {format_pct(share)} with {processes} processes: the L0s take the "
-                                 f"whole budget ({format_size(budget)}), leaving no L2 slot: lower --l0-share or "
-                                 "raise --budget")
+                                 f"whole budget ({format_size(budget)}), leaving no L2 slot in every layer: lower "
+                                 "--l0-share or raise --budget") from None
     if capacity < top_k or processes * capacity * row > budget:
         raise BudgetTooSmall(f"{config} at {format_pct(share)} ({format_size(budget)}) with {processes} processes: "
                              f"each process needs L0 rows for top-{top_k} experts "
                              f"{'in all' if shared_l0 else 'in every layer'} ({format_size(top_k * row)}): "
                              "raise --budget or run fewer --processes")
-    return {"budget": budget, "capacity": capacity, "slots": slots, "shared_l0": shared_l0}
+    return {"budget": budget, "capacity": capacity, "l2_budget": l2_budget, "slots": slots, "shared_l0": shared_l0}
 
 
 def _drop_page_cache(files: ModelFiles) -> None:
@@ -245,8 +248,7 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
             if cgroup is None:
                 return {"name": config, "budget_share": share, "processes": len(parts), "skipped": why}
         if plan["slots"]:
-            budget = Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, plan["slots"])
-            daemon = DaemonProcess.serving([files.path], budget, "--log-level", "warning").start()
+            daemon = DaemonProcess.serving([files.path], plan["l2_budget"], "--log-level", "warning").start()
         job = {"model": str(files.path), "capacity": plan["capacity"], "policy": "lru",
                "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
@@ -277,7 +279,8 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
         else:
             peak = sum(r["anon_bytes"] for r in results)
             if daemon:
-                peak += budget + anon_bytes(daemon.proc.pid)
+                shm = request(daemon.socket, protocol.Stats(id=1)).payload["daemon"]["shm_bytes"]
+                peak += shm + anon_bytes(daemon.proc.pid)
     finally:
         for w in workers:
             w.stdin.close()

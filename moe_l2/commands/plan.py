@@ -42,12 +42,19 @@ def tier_hit_rates(traces, p: Plan, layers: list[int] | None = None) -> dict:
     daemon's. The tiers are inclusive (L2 is at least as large as L0 and sees the same experts), so what L0
     misses and L2 holds is L2's share and the rest is read from disk; every process is assumed to route like
     the trace."""
-    slots = sorted({p.l0_slots, *([p.l2_slots] if p.l2_slots else [])})
-    result = replay(traces, slots=slots, policy=DEFAULT_POLICY, compare=(L0_POLICY,), belady=False, layers=layers)
+    l2 = [p.l2_slots, p.l2_slots - 1] if p.l2_short else [p.l2_slots] if p.l2_slots else []
+    result = replay(traces, slots=sorted({p.l0_slots, *l2}), policy=DEFAULT_POLICY, compare=(L0_POLICY,),
+                    belady=False, layers=layers)
     rate = {(c["slots"], name): r["hit_rate"] or 0.0 for c in result["capacities"]
             for name, r in c["policies"].items()}
     l0 = rate[(p.l0_slots, L0_POLICY)]
-    l2_alone = rate[(p.l2_slots, DEFAULT_POLICY)] if p.l2_slots else 0.0
+    l2_alone = 0.0
+    if p.l2_slots:
+        # The last l2_short served layers hold a slot fewer: weigh the two capacities by their layers.
+        short = p.l2_short / (len(layers) if layers is not None else traces.n_layers)
+        l2_alone = (1 - short) * rate[(p.l2_slots, DEFAULT_POLICY)]
+        if p.l2_short:
+            l2_alone += short * rate[(p.l2_slots - 1, DEFAULT_POLICY)]
     return {"tokens": result["tokens"], "l0": l0, "l2": max(0.0, l2_alone - l0), "l3": 1.0 - max(l0, l2_alone)}
 
 
@@ -62,7 +69,8 @@ def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, la
     ]
     if p.l2_slots:
         served = "" if layers is None else f" of the {sizes.l2_layers} MoE layers in decoder layers {layers}"
-        lines.append(f"  L2, one shared copy     {format_size(p.l2_budget)}: {p.l2_slots} of {p.n_experts} experts "
+        per_layer = f"{p.l2_slots - 1}-{p.l2_slots}" if p.l2_short else str(p.l2_slots)
+        lines.append(f"  L2, one shared copy     {format_size(p.l2_budget)}: {per_layer} of {p.n_experts} experts "
                      f"per layer{served} (moe-l2d --budget {p.l2_budget}"
                      + ("" if layers is None else f" --layers {layers}") + ")")
     else:

@@ -10,6 +10,7 @@ import sys
 import time
 
 from moe_l2 import protocol
+from moe_l2.layout import describe_slots
 from moe_l2.model.files import format_ranges
 from moe_l2.model.location import socket_arg
 from moe_l2.cache.prefetch import prefetch_rates
@@ -62,6 +63,10 @@ def served(m: dict) -> str:
     return f"serves decoder layers {format_ranges(ids)}: {len(ids)} of {m['n_layers']} MoE layers"
 
 
+def _slots_per_layer(m: dict) -> str:
+    return describe_slots(m["slots_per_layer"], m.get("short_layers", 0))  # an older daemon does not say
+
+
 def client_layers(c: dict) -> str:
     """The decoder layers an attached client said it streams, and those of them it reads from its files."""
     ids = c.get("layer_ids")
@@ -89,11 +94,11 @@ def render(reply: dict) -> str:
                      f"L2 shrunk {memory['shrinks']} times, grown back {memory['grows']} times")
     for m in reply["models"]:
         resident = sum(layer["resident"] for layer in m["layers"])
-        slots = m["slots_per_layer"] * len(m["layers"])
+        slots = m["slots_per_layer"] * len(m["layers"]) - m.get("short_layers", 0)
         lines += [
             "",
             f"model {m['path']}  ({m['n_layers']} layers x {m['n_experts']} experts, "
-            f"{m['slots_per_layer']} slots per layer, policy {m['policy']})",
+            f"{_slots_per_layer(m)}, policy {m['policy']})",
             f"  {served(m)}",
             f"  hit rate {format_pct(m['hit_rate'])}  hits {m['hits']}  misses {m['misses']}  "
             f"served {format_size(m['bytes_served'])}  loaded {format_size(m['bytes_loaded'])}",
@@ -172,7 +177,7 @@ def watch_frame(prev: dict | None, cur: dict, seconds: float):
         r = model_rates(before, m, seconds)
         parts.append(Text(""))
         parts.append(Text(f"{m['path']}  {m['n_layers']} layers x {m['n_experts']} experts, "
-                          f"{m['slots_per_layer']} L2 slots per layer, policy {m['policy']}; {served(m)}",
+                          f"L2 {_slots_per_layer(m)}, policy {m['policy']}; {served(m)}",
                           style="bold"))
         parts.append(Text(f"{span}: L0 {_share(r['l0'], r['picks'])}  L2 {_share(r['l2'], r['picks'])}  disk "
                           f"{_share(r['l3'], r['picks'])} of {r['picks']} picks  |  disk "
