@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from mlx_lm.generate import stream_generate
 
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.generation import encode_prompt
+from moe_l2.commands.demo import DEMO_NAME, ensure_demo_model
 from moe_l2.cache.trace import read_traces
 
 from .conftest import budget_for, stats, wait_for
@@ -177,5 +179,7 @@ def test_demo_end_to_end(tmp_path):
     table = {line[:26].strip(): line[26:].split() for line in first.stdout.splitlines() if len(line) > 26}
     assert table["read from disk"][-2:] == ["0", "B"]  # warm: nothing from disk
     assert table["L3 reads (model file)"][0] != "0.0%"
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert again.returncode == 0 and "creating the demo model" not in again.stderr  # made once
+    made = (tmp_path / DEMO_NAME / "config.json").stat().st_mtime_ns
+    out = io.StringIO()
+    assert ensure_demo_model(tmp_path, out=out) == tmp_path / DEMO_NAME  # made once: the next run finds it
+    assert out.getvalue() == "" and (tmp_path / DEMO_NAME / "config.json").stat().st_mtime_ns == made

@@ -388,6 +388,30 @@ def test_not_a_directory(tmp_path):
         ModelFiles.open(tmp_path / "nothing")
 
 
+def test_the_child_processes_answer_is_kept_and_read_back_at_the_next_start(model_dir, tmp_path, monkeypatch):
+    """A daemon start builds the model in a child process once per config, MLX and mlx-lm version and source of
+    architecture.py; later starts read the answer kept under the user's cache dir."""
+    import platformdirs
+
+    from moe_l2.model import architecture
+
+    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(tmp_path / app))
+    monkeypatch.setattr(architecture, "_IN_CHILD", True)
+    config = json.loads((model_dir / "config.json").read_text())
+    truth = architecture._switch_layers_here(config)
+    assert architecture.switch_layers(config) == truth  # built in the child, and kept
+    kept = architecture.kept_answer(config)
+    assert kept.parent == tmp_path / "moe-l2" / "switch-layers" and kept.is_file()
+    # Read back, not built again: what the file says comes back.
+    kept.write_text(json.dumps([dict(s.__dict__, top_k=s.top_k + 1) for s in truth]))
+    assert [s.top_k for s in architecture.switch_layers(config)] == [s.top_k + 1 for s in truth]
+    # An unreadable file is built again and kept anew; another config has another file.
+    kept.write_text("{not json")
+    assert architecture.switch_layers(config) == truth and architecture._parse(kept.read_text()) == truth
+    assert architecture.kept_answer({**config, "num_hidden_layers": 1}) != kept
+    assert [p.name for p in kept.parent.iterdir()] == [kept.name]  # no temporary file left
+
+
 def test_a_process_that_builds_in_child_processes_asks_mlx_for_no_memory(model_dir, model_files, tmp_path):
     """The daemon learns a model's experts from a child process (docs/architecture.md, "Native module"): the
     same layout, and MLX's allocator (Metal's on macOS) never used in the daemon's own process."""
@@ -395,9 +419,12 @@ def test_a_process_that_builds_in_child_processes_asks_mlx_for_no_memory(model_d
             "from moe_l2.model.architecture import build_in_child_processes\nbuild_in_child_processes()\n"
             "f = ModelFiles.open(sys.argv[1])\n"
             "print(json.dumps([f.fingerprint, f.n_experts, f.top_k, mx.get_peak_memory(), mx.get_active_memory()]))")
+    # An empty cache dir (Linux; platformdirs ignores XDG on macOS), so that the child really builds the model.
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     out = subprocess.run([sys.executable, "-P", "-c", code, str(model_dir)], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=env)
     assert out.returncode == 0, out.stderr
+    assert list((tmp_path / "cache").rglob("*.json")) or sys.platform == "darwin"  # built in the child, and kept
     fingerprint, n_experts, top_k, peak, active = json.loads(out.stdout)
     assert (fingerprint, n_experts, top_k) == (model_files.fingerprint, model_files.n_experts, model_files.top_k)
     assert peak == active == 0

@@ -11,12 +11,17 @@ it. No array is evaluated, so building a 600B-parameter model this way costs no 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 
 __all__ = ["SwitchLayer", "switch_layers", "build_in_child_processes", "decoder_layer", "set_module"]
 
@@ -93,6 +98,14 @@ def switch_layers(config: dict) -> list[SwitchLayer]:
     weights to mlx-lm's generation. Raises ValueError when mlx-lm cannot build or run the model."""
     if not _IN_CHILD:
         return _switch_layers_here(config)
+    # The child imports MLX and mlx-lm and builds the model: 1.7 s of every daemon start on a 2-core Linux VM.
+    # Its answer is kept, so a restart (or another daemon of the same model) skips it.
+    kept = kept_answer(config)
+    if kept is not None:
+        try:
+            return _parse(kept.read_text())
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            pass  # not kept yet, or unreadable: build it
     # -P: a source checkout in the working directory must not shadow the installed package.
     try:
         done = subprocess.run([sys.executable, "-P", "-c", _CHILD], input=json.dumps(config), capture_output=True,
@@ -105,7 +118,46 @@ def switch_layers(config: dict) -> list[SwitchLayer]:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise ValueError(last.split(": ", 1)[1] if last.startswith("ValueError: ") else
                          f"building the model in a child process failed: {last}")
-    return [SwitchLayer(**{**d, "projections": tuple(d["projections"])}) for d in json.loads(done.stdout)]
+    layers = _parse(done.stdout)
+    if kept is not None:
+        _keep(kept, done.stdout)
+    return layers
+
+
+def kept_answer(config: dict) -> Path | None:
+    """Where the child's answer for this config is kept: under the user's cache dir, named by a hash of the
+    config, the MLX and mlx-lm versions and this module's source, so that a change to any builds again. None
+    where that cannot be told."""
+    import platformdirs
+
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    try:
+        for dist in ("mlx", "mlx-lm"):
+            digest.update(metadata.version(dist).encode())
+        digest.update(Path(__file__).read_bytes())
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    return Path(platformdirs.user_cache_dir("moe-l2")) / "switch-layers" / f"{digest.hexdigest()[:32]}.json"
+
+
+def _parse(text: str) -> list[SwitchLayer]:
+    return [SwitchLayer(**{**d, "projections": tuple(d["projections"])}) for d in json.loads(text)]
+
+
+def _keep(path: Path, text: str) -> None:
+    """Write atomically, so that a daemon starting meanwhile reads the whole answer or none; a cache dir that
+    cannot be written (a service user without a home) only costs the next start the child again."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.info("cannot keep the model's switch layers in %s (%s): the next start builds them again", path, exc)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _switch_layers_here(config: dict) -> list[SwitchLayer]:
