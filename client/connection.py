@@ -141,13 +141,12 @@ def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] 
                          f"hello names {'all' if layers is None else sorted(layers)}")
     data = tuple(_native.Segment.open(name, readonly=True) if name else None for name in header.data_names)
     g = header.geometry
-    slots = [0] * g.n_layers
-    for position, layer in enumerate(sorted(served)):
-        slots[layer] = g.slots_at(position)
+    slots = g.layer_slots(served)
+    for layer, n in slots.items():
         check_segment(data[layer], trusted)
-        if data[layer].nbytes < slots[layer] * g.slot_stride:
+        if data[layer].nbytes < n * g.slot_stride:
             raise ValueError(f"data segment {data[layer].name} is smaller than its header says")
-    return Attachment(header.epoch, g, index, data, served, tuple(slots))
+    return Attachment(header.epoch, g, index, data, served, tuple(slots.get(layer, 0) for layer in range(g.n_layers)))
 
 
 def request(address: str | None, message: protocol.Message, timeout_s: float = 5.0) -> protocol.Reply:

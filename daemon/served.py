@@ -40,7 +40,7 @@ class ServedModel:
         self.layers = tuple(range(files.n_layers)) if layers is None else tuple(layers)
         self.index_name, names = segment_names(instance, index, files.n_layers, self.layers)
         self.data_names = dict(zip(self.layers, names))
-        self.slots = {layer: geometry.slots_at(i) for i, layer in enumerate(self.layers)}
+        self.slots = geometry.layer_slots(self.layers)
         self.stores = {layer: LayerStore(files.n_experts, n, make_policy(policy, n)) for layer, n in self.slots.items()}
         if profile is not None:
             profile.check_model(files.n_layers, files.n_experts, str(files.path))

@@ -43,9 +43,13 @@ def page_size() -> int:
     return mmap.PAGESIZE
 
 
+def slot_range(n_slots: int, n_short: int) -> str:
+    """'8', or '7-8' where the last layers hold one fewer."""
+    return f"{n_slots - 1}-{n_slots}" if n_short else str(n_slots)
+
+
 def describe_slots(n_slots: int, n_short: int) -> str:
-    """'8 slots per layer', or '7-8 slots per layer' where the last layers hold one fewer."""
-    return f"{f'{n_slots - 1}-' if n_short else ''}{n_slots} slots per layer"
+    return f"{slot_range(n_slots, n_short)} slots per layer"
 
 
 class BudgetError(ValueError):
@@ -121,9 +125,13 @@ class Geometry:
         """The slots of every served layer together."""
         return self.n_slots * self.served - self.n_short
 
-    def slots_at(self, position: int) -> int:
-        """The slots of the served layer at `position` in the order of the served layers."""
-        return self.n_slots - (position >= self.served - self.n_short)
+    def layer_slots(self, served) -> dict[int, int]:
+        """Served MoE layer -> its slots: the last n_short in layer order hold one fewer. The daemon and its
+        clients both ask this, so they agree on every layer's segment size."""
+        served = sorted(served)
+        if len(served) != self.served:
+            raise ValueError(f"{len(served)} served layers, the geometry has {self.served}")
+        return {layer: self.n_slots - (i >= self.served - self.n_short) for i, layer in enumerate(served)}
 
     def describe_slots(self) -> str:
         return describe_slots(self.n_slots, self.n_short)

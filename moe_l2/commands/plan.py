@@ -10,6 +10,7 @@ import sys
 from moe_l2.cache.policy import DEFAULT_POLICY
 from moe_l2.cache.replay import ReplayError, replay
 from moe_l2.cache.trace import TraceError, read_traces
+from moe_l2.layout import slot_range
 from moe_l2.model import ModelFiles
 from moe_l2.model.files import parse_ranges
 from moe_l2.model.location import path_arg, resolve_model
@@ -69,9 +70,8 @@ def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, la
     ]
     if p.l2_slots:
         served = "" if layers is None else f" of the {sizes.l2_layers} MoE layers in decoder layers {layers}"
-        per_layer = f"{p.l2_slots - 1}-{p.l2_slots}" if p.l2_short else str(p.l2_slots)
-        lines.append(f"  L2, one shared copy     {format_size(p.l2_budget)}: {per_layer} of {p.n_experts} experts "
-                     f"per layer{served} (moe-l2d --budget {p.l2_budget}"
+        lines.append(f"  L2, one shared copy     {format_size(p.l2_budget)}: {slot_range(p.l2_slots, p.l2_short)} "
+                     f"of {p.n_experts} experts per layer{served} (moe-l2d --budget {p.l2_budget}"
                      + ("" if layers is None else f" --layers {layers}") + ")")
     else:
         lines.append("  L2                      nothing left: lower --processes or --kv, or free memory")
