@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
+
+import pytest
 
 from moe_l2 import __version__ as moe_l2_version
 from moe_l2 import protocol
@@ -90,17 +93,18 @@ def test_make_model_cli_writes_a_loadable_checkpoint(tmp_path):
 def test_every_option_of_every_command_has_help_text():
     import argparse
 
-    from moe_l2.cli import build_parser
+    from moe_l2.cli import COMMANDS, build_parser
 
-    parser = build_parser()
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    missing = [f"moe-l2 {name} {'/'.join(a.option_strings) or a.dest}"
-               for name, p in sub.choices.items() for a in p._actions if not a.help]
+    missing = []
+    for command in COMMANDS:
+        (sub,) = [a for a in build_parser(command)._actions if isinstance(a, argparse._SubParsersAction)]
+        missing += [f"moe-l2 {command} {'/'.join(a.option_strings) or a.dest}"
+                    for a in sub.choices[command]._actions if not a.help]
     from moe_l2.daemon.config import build_parser as daemon_parser
 
     missing += [f"moe-l2d {'/'.join(a.option_strings)}" for a in daemon_parser()._actions if not a.help]
     assert not missing, "options without help text: " + ", ".join(missing)
-    assert len(sub.choices) >= 9
+    assert len(COMMANDS) >= 9
 
 
 def test_version_and_short_prompt_flag():
@@ -108,4 +112,14 @@ def test_version_and_short_prompt_flag():
     assert result.returncode == 0 and result.stdout.split() == ["moe-l2", moe_l2_version]
     from moe_l2.cli import build_parser
 
-    assert build_parser().parse_args(["generate", "--model", "m", "-p", "hi"]).prompt == "hi"
+    assert build_parser("generate").parse_args(["generate", "--model", "m", "-p", "hi"]).prompt == "hi"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["stats", "--help"], ["stats", "--socket", "NOWHERE"]])
+def test_light_commands_import_neither_mlx_lm_nor_transformers(argv, tmp_path):
+    """Admins run `stats` in loops: it, --version and --help must not pay for importing the model stack."""
+    argv = [f"ipc://{tmp_path / 'none.sock'}" if a == "NOWHERE" else a for a in argv]
+    probe = ("import sys\nfrom moe_l2.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             "print('heavy:', sorted({m.split('.')[0] for m in sys.modules} & {'mlx_lm', 'transformers'}))")
+    result = subprocess.run([sys.executable, "-P", "-c", probe, *argv], capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[-1] == "heavy: []", result.stdout + result.stderr

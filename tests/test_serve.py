@@ -332,7 +332,7 @@ def test_the_provider_loads_the_streamed_model_and_batches_exactly(model_dir, mo
     from moe_l2.client.switch import StreamedSwitch
     from moe_l2.commands.serve import mlx_lm_args
 
-    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--no-daemon",
+    args = build_parser("serve").parse_args(["serve", "--model", str(model_dir), "--no-daemon",
                                       "--chat-template", "{{ messages[0]['content'] }} =>"])
     provider = StreamedModelProvider(mlx_lm_args(args), model_dir, str(model_dir),
                                      {"l0_slots": model_files.top_k + 1, "daemon": False})
