@@ -34,8 +34,6 @@ from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.model.synthetic import GEOMETRIES, SyntheticError, build
 from moe_l2.sizes import format_pct, format_size
 
-HELP = "replay a routing trace at real expert sizes: moe-l2 against the page cache and pread, same memory"
-
 CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch")
 L2_READS = ("in-place", "copy")
 # Decode on Apple Silicon, per MoE layer: gpt-oss-20b (24 layers), MLX 4-bit, 91.5 tok/s on an M2 Max

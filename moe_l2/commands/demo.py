@@ -17,8 +17,6 @@ from pathlib import Path
 
 from moe_l2.model.location import path_arg
 
-HELP = "the built-in demo: a small model, a daemon, a cold and a warm run"
-
 DEMO_NAME = "demo-qwen3-moe-v1"
 # Small enough to run in about a minute on two CPU cores (MLX's CPU float16 kernels are slow).
 DEMO_MODEL = dict(arch="qwen3_moe", layers=4, experts=32, top_k=4, hidden_size=128, moe_hidden_size=128, bits=4,

@@ -11,7 +11,6 @@ from moe_l2.cache.prefetch import PREFETCH
 from moe_l2.model.location import path_arg, socket_arg
 from moe_l2.sizes import format_pct, format_size
 
-HELP = "generate text with an mlx-lm MoE model, its experts streamed"
 # A miss waits this long for moe-l2d to load it (docs/architecture.md, "Zero-copy L2 reads"): ten reads of a
 # 13 MB record on this project's slowest measured disk.
 LOAD_THROUGH_MS = 100.0

@@ -8,8 +8,6 @@ import sys
 from moe_l2.generator import _DEFAULT_VOCAB, ARCHS, make_model
 from moe_l2.model.location import path_arg
 
-HELP = "write a random-weight mlx-lm MoE checkpoint"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", required=True, choices=sorted(ARCHS), help="mlx-lm architecture")

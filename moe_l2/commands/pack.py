@@ -12,8 +12,6 @@ from moe_l2.model.location import ModelNotFound, path_arg, resolve_model
 from moe_l2.model.packer import PackError, pack
 from moe_l2.sizes import format_size, parse_size
 
-HELP = "rewrite a checkpoint expert-major: one read per expert"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,

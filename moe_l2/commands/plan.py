@@ -17,8 +17,6 @@ from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.plan import DEFAULT_KV_BYTES, ModelSizes, Plan, PlanError, plan, read_memory
 from moe_l2.sizes import format_pct, format_size, parse_size
 
-HELP = "how this machine's memory splits into L2, L0 per process, KV and headroom; with a trace, hit rates"
-
 L0_POLICY = "lru"  # the client pool's default (client/mlx_lm.py StreamedLM)
 
 

@@ -12,8 +12,6 @@ from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.model.location import path_arg
 from moe_l2.sizes import format_pct
 
-HELP = "name a prompt's domain with a profile's predictor"
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("text", nargs="*", help="prompt text (read from stdin when absent and no --eval)")

@@ -15,8 +15,6 @@ from moe_l2.client.connection import request
 from moe_l2.model.location import ModelNotFound, path_arg, resolve_model, socket_arg
 from moe_l2.runtime import default_socket
 
-HELP = "build a domain profile from traces or the daemon's statistics"
-
 
 def summarize(profile: Profile) -> str:
     lines = [f"profile of {profile.model}: {profile.n_layers} layers x {profile.n_experts} experts, "

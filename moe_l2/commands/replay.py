@@ -17,8 +17,6 @@ from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.model.location import path_arg
 from moe_l2.sizes import format_pct
 
-HELP = "run routing traces through the daemon's store: hit rates vs LRU, LFU and Belady's MIN"
-
 
 def _pct(x) -> str:
     return f"{format_pct(x, sign=False):>5}"

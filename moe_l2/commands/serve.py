@@ -17,8 +17,6 @@ from pathlib import Path
 from moe_l2.commands.generate import add_streaming_arguments
 from moe_l2.model.location import resolve_model
 
-HELP = "serve an mlx-lm MoE model over an OpenAI-compatible HTTP API, its experts streamed"
-
 # mlx_lm.server options this command has no use for, with the values its code expects.
 # Under mlx.launch the model is split in pipeline stages (docs/distributed.md), never tensor-parallel.
 _FIXED = {"adapter_path": None, "draft_model": None, "num_draft_tokens": 3, "trust_remote_code": False,

@@ -16,8 +16,6 @@ from moe_l2.model.location import socket_arg
 from moe_l2.cache.prefetch import prefetch_rates
 from moe_l2.sizes import format_pct, format_size
 
-HELP = "hit rates, occupancy, loads and memory of the running daemon"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", default=None, type=socket_arg, help="daemon address (default: the local runtime dir)")

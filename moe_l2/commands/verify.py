@@ -10,8 +10,6 @@ import sys
 
 from moe_l2.model.location import resolve_model, socket_arg
 
-HELP = "check experts through the client path against the file and the model's checksum manifest"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
