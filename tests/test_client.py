@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -166,11 +165,20 @@ def test_a_shared_l0_gives_rows_to_any_layer_and_evicts_the_least_recently_used(
 
 
 def start_hammers(files: ModelFiles, socket: str, seconds: float, n: int = 3) -> list[subprocess.Popen]:
+    """Hammer processes (tests/hammer.py); seconds 0: until finish() closes their standard input."""
     procs = [subprocess.Popen([sys.executable, str(HAMMER), str(files.path), socket, str(seconds), str(seed)],
-                              stdout=subprocess.PIPE, text=True) for seed in range(n)]
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for seed in range(n)]
     for proc in procs:
         assert json.loads(proc.stdout.readline()) == {"ready": True}
     return procs
+
+
+def wait_attached(procs: list[subprocess.Popen], state: bool) -> None:
+    """Until each hammer says its client is attached (True) or detached (False); fails if one ends first."""
+    for proc in procs:
+        while (line := proc.stdout.readline()) and json.loads(line) != {"attached": state}:
+            pass
+        assert line, f"a hammer ended before its client was {'attached' if state else 'detached'}"
 
 
 def finish(proc: subprocess.Popen) -> dict:
@@ -195,30 +203,36 @@ def test_three_clients_hammering_an_evicting_daemon_never_see_a_wrong_record(run
 def test_kill9_mid_hammer_then_restart(daemon_factory, model_dir, model_files):
     budget = quarter_budget(model_files)
     daemon = daemon_factory([model_dir], budget)
-    procs = start_hammers(model_files, daemon.socket, seconds=10)
-    time.sleep(2)
+    procs = start_hammers(model_files, daemon.socket, seconds=0)
+    wait_attached(procs, True)
+    wait_for(lambda: stats(daemon)["models"][0]["hits"] > 0, what="the hammers copying from L2")
     daemon.kill9()
-    time.sleep(2)  # clients serve from pread meanwhile
+    wait_attached(procs, False)  # each serves from the file meanwhile (counted below)
     restarted = daemon_factory([model_dir], budget, runtime_dir=daemon.runtime_dir)
     assert "reclaimed shared-memory segment" in restarted.log()
+    wait_attached(procs, True)
+    wait_for(lambda: stats(restarted)["models"][0]["hits"] > 0, what="the hammers copying from the new epoch")
     results = [finish(p) for p in procs]
     for r in results:
         assert r["mismatches"] == 0, r
         assert r["attaches"] >= 2, r  # re-attached to the new epoch
-    assert stats(restarted)["models"][0]["hits"] > 0  # and copied from it
+        assert r["l3_reads_detached"] > 0, r  # and read the file while the daemon was gone
 
 
 def test_a_client_killed_while_copying_leaves_the_daemon_unaffected(running_daemon, model_files):
-    (victim,) = start_hammers(model_files, running_daemon.socket, seconds=30, n=1)
-    time.sleep(1.5)
+    (victim,) = start_hammers(model_files, running_daemon.socket, seconds=0, n=1)
+    wait_for(lambda: stats(running_daemon)["models"][0]["hits"] > 0, what="the victim copying from L2")
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
+    victim.stdin.close()
     victim.stdout.close()
+    before = stats(running_daemon)["models"][0]["hits"]
     (survivor,) = start_hammers(model_files, running_daemon.socket, seconds=3, n=1)
     r = finish(survivor)
     assert r["mismatches"] == 0 and r["l2_hits"] > 0
     reply = request(running_daemon.socket, protocol.Stats(id=1))
     assert reply.ok and reply.payload["models"][0]["load_errors"] == 0
+    assert reply.payload["models"][0]["hits"] > before
     assert running_daemon.proc.poll() is None
 
 
@@ -254,15 +268,12 @@ def test_a_flood_of_reports_is_split_into_frames_the_daemon_accepts(running_daem
     finally:
         client.close()
     # The daemon folds reports in between other requests: wait until every pick is counted.
-    deadline = time.monotonic() + 60
-    while True:
+    def counted() -> int:
         reply = request(running_daemon.socket, protocol.Stats(id=1, routing=True))
-        counted = sum(reply.payload["models"][0]["routing"][""][0])
-        if counted == len(picks) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert reply.payload["daemon"]["errors"] == 0  # nothing refused as too large
-    assert counted == len(picks)
+        assert reply.payload["daemon"]["errors"] == 0  # nothing refused as too large
+        return sum(reply.payload["models"][0]["routing"][""][0])
+
+    wait_for(lambda: counted() == len(picks), timeout=60, what="every pick counted")
 
 
 def test_a_refill_waits_for_work_queued_on_the_evicted_row(model_files):

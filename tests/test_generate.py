@@ -87,7 +87,14 @@ def test_through_the_daemon_the_second_run_finds_experts_in_l2(capsys, running_d
     args = ["--model", str(model_dir), "--prompt", PROMPT, "--socket", running_daemon.socket, "--l0-slots", "4",
             "--l2-reads", l2_reads, "--load-through-ms", "0"]
     cold = run_json(capsys, *args)
-    wait_for(lambda: stats(running_daemon)["daemon"]["loads_in_flight"] == 0, what="loads")
+
+    def folded_and_loaded():
+        # Reports are folded in between other requests: every lookup of the cold run counted, then its loads done.
+        s = stats(running_daemon)
+        m = s["models"][0]
+        return m["hits"] + m["misses"] == cold["l2_hits"] + cold["l3_reads"] and not s["daemon"]["loads_in_flight"]
+
+    wait_for(folded_and_loaded, what="the cold run's reports folded in and their loads done")
     warm = run_json(capsys, *args)
     for s in (cold, warm):
         assert s["tokens"] == expected
