@@ -3,7 +3,7 @@
 Per token and MoE layer it fetches the layer's picks exactly as a streamed forward does (`ExpertPool.borrow`
 where L2 lends its records in place, else `ExpertPool.fetch`),
 then waits the configured compute time, during which background work may run. Stall is the time `fetch` took:
-what compute did not hide (docs/architecture.md, "Measured against the page cache").
+what compute did not hide (docs/architecture.md, "The bench").
 
 Run as ``python -P -m moe_l2.client.replayer``; it speaks JSON lines. The first line on stdin is the job::
 

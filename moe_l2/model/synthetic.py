@@ -1,5 +1,5 @@
 """Real MoE geometries as packed model directories of random bytes, for `moe-l2 bench` (docs/architecture.md,
-"Measured against the page cache").
+"The bench").
 
 A geometry is what a real checkpoint's routed experts look like on disk: per MoE layer `n_experts` records of
 the real shapes, dtypes and byte sizes (gpt-oss's MXFP4 as its checkpoint ships it, 4-bit affine in groups of
