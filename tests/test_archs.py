@@ -1,5 +1,5 @@
 """Every MoE architecture of the installed mlx-lm streams with the tokens of the model loaded whole
-(docs/architectures.md).
+(docs/supported-models.md).
 
 The architectures are found in mlx-lm itself (every ``mlx_lm.models`` module whose model uses a switch
 layer, directly or through the module it wraps), and the table below must name each of them: small model
@@ -142,7 +142,7 @@ CASES = {
                      layer_types=["full_attention", "full_attention"], rope_theta=[1e4, 1e4]),
 }
 
-# Architectures that cannot run here, with the reason (docs/architectures.md).
+# Architectures that cannot run here, with the reason (docs/supported-models.md).
 CANNOT_RUN = {
     "muse_spark": "its attention runs an mx.fast.metal_kernel, which has no CPU back-end: it runs on Apple "
                   "silicon only (mlx-lm cannot run it here)",
