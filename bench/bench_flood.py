@@ -8,13 +8,30 @@ request issue 10.6 found expensive (a 1 MiB report took 8 s, a hello with a 1 Mi
 With --before REV the same floods also hit the daemon of an earlier revision of this repository (exported with
 git archive, run with this checkout's native module), and the table puts "before" and "after" side by side.
 
+With --metrics the floods are of the daemon's HTTP metrics endpoint instead (issue 20): N scrapers asking for
+/metrics back to back and M idle HTTP connections (reopened when the daemon closes them, as an attacker
+would); printed: `stats` p50 / p99 and the daemon's RSS, threads and descriptors before, during and after.
+
     python bench/bench_flood.py [--seconds 3] [--flooders 2] [--rate 20] [--before 15b2a7d]
+    python bench/bench_flood.py --metrics [--scrapers 16] [--idle-http 200] [--seconds 3] [--before 15b2a7d]
+
+With --connections N the flood is of connections to the control socket (issue 20): N plain connections, each
+with a ZeroMQ greeting and then silent, held while `stats` is timed; printed: `stats` p50 / p99 and the daemon's
+RSS, threads and descriptors idle, while they are held and after they are closed, and what its gate (daemon/
+gate.py) held and refused. Before the gate, a daemon under a low descriptor limit died of SIGABRT here.
+
+    python bench/bench_flood.py --connections 3000 [--seconds 3] [--before 15b2a7d]
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import multiprocessing
+import resource
+import selectors
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +40,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import psutil
 import zmq
 
 from moe_l2 import protocol
@@ -178,12 +196,235 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return percentile(samples, 0.5), percentile(samples, 0.99)
 
 
+def scraper(port: int, stop: threading.Event, counts: dict) -> None:
+    """GET /metrics back to back, each on a new connection (the endpoint closes every connection)."""
+    while not stop.is_set():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=GIVE_UP_S)
+        try:
+            conn.request("GET", "/metrics")
+            answer = conn.getresponse()
+            answer.read()
+            counts["ok" if answer.status == 200 else "failed"] += 1
+        except (OSError, http.client.HTTPException):
+            counts["failed"] += 1
+        finally:
+            conn.close()
+
+
+def idle_holder(port: int, n: int, stop: threading.Event, counts: dict, held: threading.Event) -> None:
+    """Holds n idle HTTP connections (`held` set once they are open), opening a new one whenever the daemon
+    closes one."""
+    selector = selectors.DefaultSelector()
+
+    def open_one():
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=GIVE_UP_S)
+        except OSError:
+            counts["failed"] += 1
+            return
+        selector.register(sock, selectors.EVENT_READ)
+        counts["opened"] += 1
+
+    for _ in range(n):
+        open_one()
+    held.set()
+    while not stop.is_set():
+        for key, _ in selector.select(0.1):
+            selector.unregister(key.fileobj)
+            key.fileobj.close()
+            open_one()
+    for key in list(selector.get_map().values()):
+        key.fileobj.close()
+    selector.close()
+
+
+def daemon_figures(pid: int) -> dict:
+    process = psutil.Process(pid)
+    return {"rss": process.memory_info().rss, "threads": process.num_threads(), "fds": process.num_fds()}
+
+
+def http_flood(kind: str, port: int, n: int, stop, out) -> None:
+    """In a process of its own, so that the flood's threads do not take the measuring thread's GIL: n
+    scrapers, or one holder of n idle connections, until `stop`; puts None on `out` once flooding, then its
+    counts."""
+    counts = {"ok": 0, "failed": 0, "opened": 0}
+    done, held = threading.Event(), threading.Event()
+    threads = ([threading.Thread(target=scraper, args=(port, done, counts)) for _ in range(n)] if kind == "scrapers"
+               else [threading.Thread(target=idle_holder, args=(port, n, done, counts, held))])
+    for t in threads:
+        t.start()
+    if kind != "scrapers":
+        held.wait()
+    out.put(None)
+    stop.wait()
+    done.set()
+    for t in threads:
+        t.join()
+    out.put(counts)
+
+
+def metrics_flood(address: str, port: int, pid: int, args) -> list[tuple[str, list[float], dict, dict]]:
+    """(phase, stats latencies, the daemon's figures at the phase's end, scrape counts) idle, under
+    args.scrapers scrapers and args.idle_http idle connections, and after."""
+    rows = [("idle", stats_latencies(address, args.seconds), daemon_figures(pid), {})]
+    context = multiprocessing.get_context("spawn")
+    stop, out = context.Event(), context.Queue()
+    floods = [context.Process(target=http_flood, args=(kind, port, n, stop, out))
+              for kind, n in (("scrapers", args.scrapers), ("idle", args.idle_http))]
+    for p in floods:
+        p.start()
+    for _ in floods:
+        out.get(timeout=120)
+    try:
+        during = stats_latencies(address, args.seconds)
+        figures = daemon_figures(pid)
+    finally:
+        stop.set()
+    counts = {}
+    for _ in floods:
+        for key, value in out.get(timeout=60).items():
+            counts[key] = counts.get(key, 0) + value
+    for p in floods:
+        p.join()
+    rows.append(("during", during, figures, counts))
+    time.sleep(0.5)
+    rows.append(("after", stats_latencies(address, args.seconds), daemon_figures(pid), {}))
+    return rows
+
+
+# What a ZeroMQ DEALER says first (ZMTP 3.0, NULL mechanism): its greeting and READY; silence after that is legal.
+ZMTP_OPENING = (b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
+                + bytes([4, 28]) + b"\x05READY\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER")
+
+
+def timed_stats(sock, seconds: float) -> tuple[list[float], dict]:
+    """stats round trips on `sock` for `seconds`, and the last reply's daemon figures."""
+    samples, daemon = [], {}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        start = time.perf_counter()
+        sock.send(protocol.Stats(id=len(samples) + 1).encode())
+        if not sock.poll(int(GIVE_UP_S * 1000)):
+            return samples + [GIVE_UP_S], {}
+        daemon = protocol.decode_reply(sock.recv()).payload["daemon"]
+        samples.append(time.perf_counter() - start)
+        time.sleep(0.01)
+    return samples, daemon
+
+
+def connection_flood(address: str, pid: int, args) -> list[tuple[str, list[float], dict, dict]]:
+    """(phase, stats latencies, the daemon's figures, its gate's) idle, while args.connections are held, after.
+    The timing connection is opened first: the flood comes from the same user, whose share it may fill."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # importing mlx_lm left it at 2048
+    timer = dealer(address)
+    rows = []
+    try:
+        samples, daemon = timed_stats(timer, args.seconds)
+        rows.append(("idle", samples, daemon_figures(pid), daemon.get("gate") or {}))
+        held = []
+        for _ in range(min(args.connections, hard - 256)):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(address[len("ipc://"):])
+                sock.sendall(ZMTP_OPENING)
+            except OSError:
+                sock.close()
+                continue
+            held.append(sock)
+        try:
+            time.sleep(0.5)  # the gate turns away what is past its caps
+            samples, daemon = timed_stats(timer, args.seconds)
+            rows.append((f"{len(held)} held", samples, daemon_figures(pid), daemon.get("gate") or {}))
+        except psutil.NoSuchProcess:
+            rows.append(("during", [GIVE_UP_S], {}, {}))
+            return rows
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(1.5)  # a tick after the flood has passed the gate gives its heap back
+        samples, daemon = timed_stats(timer, args.seconds)
+        rows.append(("after", samples, daemon_figures(pid), daemon.get("gate") or {}))
+    finally:
+        timer.close(0)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return rows
+
+
+def print_connection_flood(model: Path, trees: dict, work: Path, args) -> None:
+    results = {}
+    for label, tree in trees.items():
+        directory = work / f"connections-{label}"
+        directory.mkdir()
+        command = (sys.executable, "-P", "-c", LAUNCH_TREE, str(tree)) if tree else None
+        daemon = DaemonProcess.serving([model], "8MiB", runtime_dir=directory, command=command).start()
+        try:
+            results[label] = connection_flood(daemon.socket, daemon.proc.pid, args)
+        finally:
+            daemon.stop(timeout=10)
+    print(f"stats round trip (ms) and the daemon's RSS (MiB), threads and descriptors: idle, while "
+          f"{args.connections} connections are held (a ZeroMQ greeting each, then silence), and after")
+    for label, rows in results.items():
+        idle = percentiles(rows[0][1])
+        print(f"  {label}")
+        for phase, samples, figures, gate in rows:
+            p50, p99 = percentiles(samples)
+            if not figures:
+                print(f"    {phase:<7} the daemon died")
+                continue
+            line = (f"    {phase:<10} p50 {p50 * 1e3:8.2f} (x{p50 / idle[0]:5.1f})  p99 {p99 * 1e3:8.2f} "
+                    f"(x{p99 / idle[1]:5.1f})  rss {figures['rss'] / 2**20:7.1f}  threads {figures['threads']:4d}"
+                    f"  fds {figures['fds']:5d}")
+            if gate:
+                line += (f"  gate: {gate['connections']} open of {gate['max_connections']} "
+                         f"({gate['max_per_user']} per user), refused {sum(gate['refused'].values())}")
+            print(line)
+
+
+def print_metrics_flood(model: Path, trees: dict, work: Path, args) -> None:
+    results = {}
+    for label, tree in trees.items():
+        directory = work / f"metrics-{label}"
+        directory.mkdir()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = (sys.executable, "-P", "-c", LAUNCH_TREE, str(tree)) if tree else None
+        daemon = DaemonProcess.serving([model], "8MiB", "--metrics", f"127.0.0.1:{port}", runtime_dir=directory,
+                                       command=command).start()
+        try:
+            results[label] = metrics_flood(daemon.socket, port, daemon.proc.pid, args)
+        finally:
+            daemon.stop(timeout=10)
+    print(f"stats round trip (ms) and the daemon's RSS (MiB), threads and descriptors: idle, during "
+          f"{args.scrapers} scrapers of /metrics and {args.idle_http} idle HTTP connections, and after; "
+          f"{args.seconds:g} s each")
+    for label, rows in results.items():
+        idle = percentiles(rows[0][1])
+        print(f"  {label}")
+        for phase, samples, figures, counts in rows:
+            p50, p99 = percentiles(samples)
+            line = (f"    {phase:<7} p50 {p50 * 1e3:8.2f} (x{p50 / idle[0]:5.1f})  p99 {p99 * 1e3:8.2f} "
+                    f"(x{p99 / idle[1]:5.1f})  rss {figures['rss'] / 2**20:7.1f}  threads {figures['threads']:4d}"
+                    f"  fds {figures['fds']:4d}")
+            if counts:
+                line += (f"  scrapes {counts['ok']} answered, {counts['failed']} refused or failed; "
+                         f"{counts['opened']} idle connections opened")
+            print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each flood")
     parser.add_argument("--flooders", type=int, default=2, help="flooding connections")
     parser.add_argument("--rate", type=float, default=20.0, help="requests per second per flooding connection")
     parser.add_argument("--before", metavar="REV", help="also measure the daemon of this git revision")
+    parser.add_argument("--connections", type=int, default=0, metavar="N",
+                        help="flood the control socket with N held connections instead")
+    parser.add_argument("--metrics", action="store_true",
+                        help="flood the daemon's HTTP metrics endpoint instead of its control socket")
+    parser.add_argument("--scrapers", type=int, default=16, help="with --metrics: concurrent scrapers")
+    parser.add_argument("--idle-http", type=int, default=200, help="with --metrics: idle HTTP connections held")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ml2-bench-", dir="/tmp"))
     try:
@@ -195,6 +436,12 @@ def main() -> None:
         trees = {"after": None}
         if args.before:
             trees = {"before": export_tree(args.before, work / "before"), **trees}
+        if args.metrics:
+            print_metrics_flood(model, trees, work, args)
+            return
+        if args.connections:
+            print_connection_flood(model, trees, work, args)
+            return
         for label, tree in trees.items():
             directory = work / f"run-{label}"
             directory.mkdir()

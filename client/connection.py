@@ -7,7 +7,9 @@ reads from the model file and never notices anything but the tier it was served 
 
 A client uses a daemon only when the socket file, its directory and every segment it maps belong to a trusted
 user (its own, root, the service account, or MOE_L2_TRUSTED_UIDS), and no segment is writable by others: any
-local user can listen on a socket path or a TCP port while the real daemon is down (docs/security.md).
+local user can listen on a socket path or a TCP port while the real daemon is down (docs/security.md). The
+socket's checks, the CurveZMQ keys, the bounded socket and `request` are moe_l2/control.py's, shared with every
+other asker of the daemon.
 """
 
 from __future__ import annotations
@@ -17,18 +19,17 @@ import itertools
 import logging
 import math
 import os
-import pwd
 import queue
-import stat
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 
 import zmq
-import zmq.auth
 
 from moe_l2 import _native, protocol
+from moe_l2.control import (UntrustedDaemon, access_problem, check_socket, curve_keys, dealer, owner, request,
+                            trusted_uids)
 from moe_l2.layout import Geometry, IndexHeader
 from moe_l2.model import ModelFiles
 from moe_l2.runtime import default_socket, no_daemon_message
@@ -37,66 +38,22 @@ log = logging.getLogger("moe-l2.client")
 
 # How soon to say hello again when the socket could not even take the message.
 RETRY_S = 0.05
+# At close, how long queued reports may still take to reach a live daemon: a long prefill's picks pass at the
+# pace the daemon folds them in (its gate and ROUTER queue a few messages a connection, docs/security.md).
+CLOSE_LINGER_MS = 2000
 # Expert ids per queued report entry: a merged frame holds at most about twice this many (hits, misses and
 # picks of its last entry), within protocol.MAX_IDS and far below protocol.MAX_FRAME_BYTES.
 MAX_REPORT_IDS = protocol.MAX_IDS // 4
-# The accounts the service files run moe-l2d as (systemd/README.md: Linux, macOS), trusted like root.
-SERVICE_USERS = ("moe-l2", "_moe-l2")
-
-
-class UntrustedDaemon(ValueError):
-    """The socket or a segment belongs to a user this client does not trust, or others may write it."""
-
-
-def trusted_uids(extra=()) -> frozenset[int]:
-    """This process's user, root, the service account if it exists, `extra`, and $MOE_L2_TRUSTED_UIDS (user
-    names or ids, comma-separated)."""
-    uids = {os.getuid(), 0, *extra}
-    names = [*SERVICE_USERS, *filter(None, (n.strip() for n in os.environ.get("MOE_L2_TRUSTED_UIDS", "").split(",")))]
-    for name in names:
-        if name.isdigit():
-            uids.add(int(name))
-            continue
-        try:
-            uids.add(pwd.getpwnam(name).pw_uid)
-        except KeyError:
-            if name not in SERVICE_USERS:
-                log.warning("MOE_L2_TRUSTED_UIDS names user %r, who does not exist; ignored", name)
-    return frozenset(uids)
-
-
-def _owner(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def check_socket(address: str, trusted: frozenset[int]) -> None:
-    """Raise UntrustedDaemon unless an ipc socket and its directory belong to a trusted user (lstat: a link
-    is refused, not followed). A tcp:// address has no owner to check; its segments are checked on attach."""
-    if not address.startswith("ipc://"):
-        return
-    path = address[len("ipc://"):]
-    for what, where in (("directory", os.path.dirname(os.path.abspath(path))), ("socket", path)):
-        try:
-            st = os.lstat(where)
-        except FileNotFoundError:
-            return  # nothing listens there yet: nothing to trust or refuse
-        if st.st_uid not in trusted:
-            raise UntrustedDaemon(f"the {what} {where} belongs to {_owner(st.st_uid)}, whom this client does not "
-                                  "trust: another user may be posing as moe-l2d; if that user runs your daemon, "
-                                  "add it to MOE_L2_TRUSTED_UIDS")
-        if what == "socket" and not stat.S_ISSOCK(st.st_mode):
-            raise UntrustedDaemon(f"{where} is not a socket (mode {stat.filemode(st.st_mode)}): remove it and "
-                                  "restart moe-l2d")
+# Replies taken off the socket per pass of the connection thread: a peer that floods replies cannot keep it from
+# its heartbeat, its time-outs and close().
+RECEIVE_BATCH = 64
 
 
 def check_segment(segment, trusted: frozenset[int]) -> None:
     """Raise UntrustedDaemon unless the mapped segment (fstat of its descriptor) belongs to a trusted user and
     no one else may write it."""
     if segment.owner_uid not in trusted:
-        raise UntrustedDaemon(f"segment {segment.name} belongs to {_owner(segment.owner_uid)}, whom this client "
+        raise UntrustedDaemon(f"segment {segment.name} belongs to {owner(segment.owner_uid)}, whom this client "
                               "does not trust: another user may be posing as moe-l2d; if that user runs your "
                               "daemon, add it to MOE_L2_TRUSTED_UIDS")
     if segment.mode & 0o022:
@@ -124,9 +81,13 @@ class Attachment:
 def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] | None = None,
                     layers=None) -> Attachment:
     """Map the daemon's segments read-only. `layers`: the served MoE layers the hello reply names (None: a
-    daemon from before --layers, which serves all); the index header must name the same."""
+    daemon from before --layers, which serves all); the index header must name the same.
+
+    Whoever answered hello named the segments, so each is opened as untrusted: never blocking on what holds the
+    name, and only a segment at least as large as the geometry says (the index first as large as its header,
+    then, from the header, as large as the whole index), so that no read goes past a mapping."""
     trusted = trusted_uids() if trusted is None else trusted
-    index = _native.Segment.open(index_name, readonly=True)
+    index = _native.Segment.open(index_name, readonly=True, min_size=IndexHeader.min_bytes(files.n_layers))
     check_segment(index, trusted)
     header = IndexHeader.unpack(index.view())
     if header.fingerprint != files.fingerprint:
@@ -139,45 +100,13 @@ def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] 
     if served != frozenset(range(files.n_layers) if layers is None else layers):
         raise ValueError(f"segment {index_name} has data segments for MoE layers {sorted(served)}, but the daemon's "
                          f"hello names {'all' if layers is None else sorted(layers)}")
-    data = tuple(_native.Segment.open(name, readonly=True) if name else None for name in header.data_names)
     g = header.geometry
     slots = g.layer_slots(served)
-    for layer, n in slots.items():
+    data = tuple(_native.Segment.open(name, readonly=True, min_size=slots[layer] * g.slot_stride) if name else None
+                 for layer, name in enumerate(header.data_names))
+    for layer in slots:
         check_segment(data[layer], trusted)
-        if data[layer].nbytes < n * g.slot_stride:
-            raise ValueError(f"data segment {data[layer].name} is smaller than its header says")
     return Attachment(header.epoch, g, index, data, served, tuple(slots.get(layer, 0) for layer in range(g.n_layers)))
-
-
-def request(address: str | None, message: protocol.Message, timeout_s: float = 5.0) -> protocol.Reply:
-    """One request and its reply on a short-lived socket (the CLI's way to talk to the daemon).
-
-    A fire-and-forget message is followed by a stats request on the same connection: the daemon handles a
-    connection's messages in order, so the first reply is either the refusal of the message or the barrier's.
-    No socket file at an ipc:// address, or one this user may not use, fails at once (check_access).
-    """
-    address = address or default_socket()
-    frame = message.encode()
-    if len(frame) > protocol.MAX_FRAME_BYTES:
-        raise ValueError(f"a {message.TYPE} of {len(frame)} bytes exceeds the daemon's {protocol.MAX_FRAME_BYTES}-"
-                         f"byte limit: split it (at most {protocol.MAX_IDS} expert ids per request)")
-    check_access(address)
-    keys = curve_keys(address)
-    context = zmq.Context.instance()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        connect(sock, address, keys)
-        sock.send(frame)
-        if not message.REPLIES:
-            sock.send(protocol.Stats(id=message.id).encode())
-        if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"moe-l2d did not answer on {address} within {timeout_s:g} s: is it running? "
-                               "(systemctl status moe-l2d, or start it with moe-l2d --model DIR --budget SIZE)")
-        reply = protocol.decode_reply(sock.recv())
-        return reply if message.REPLIES or not reply.ok else protocol.Reply(id=message.id, ok=True)
-    finally:
-        sock.close(0)
 
 
 def wait_idle(address: str, timeout_s: float = 10.0) -> None:
@@ -186,51 +115,6 @@ def wait_idle(address: str, timeout_s: float = 10.0) -> None:
     while (time.monotonic() < deadline
            and request(address, protocol.Stats(id=1)).payload["daemon"]["loads_in_flight"]):
         time.sleep(0.05)
-
-
-def curve_keys(address: str) -> tuple[bytes, bytes, bytes] | None:
-    """For a tcp:// daemon that uses CurveZMQ: (its public key, this client's public and secret keys), from the
-    certificate files named by $MOE_L2_CURVE_SERVER_KEY (the daemon's public certificate) and
-    $MOE_L2_CURVE_CLIENT_CERT (this client's secret certificate). None when neither is set."""
-    server, cert = os.environ.get("MOE_L2_CURVE_SERVER_KEY"), os.environ.get("MOE_L2_CURVE_CLIENT_CERT")
-    if not address.startswith("tcp://") or not (server or cert):
-        return None
-    if not (server and cert):
-        raise ValueError("CurveZMQ needs both $MOE_L2_CURVE_SERVER_KEY (the daemon's public certificate) and "
-                         "$MOE_L2_CURVE_CLIENT_CERT (this client's secret certificate)")
-    server_public, _ = zmq.auth.load_certificate(server)
-    public, secret = zmq.auth.load_certificate(cert)
-    if secret is None:
-        raise ValueError(f"{cert} has no secret key: give this client's .key_secret certificate")
-    return server_public, public, secret
-
-
-def connect(sock, address: str, keys: tuple[bytes, bytes, bytes] | None) -> None:
-    if keys is not None:
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
-    sock.connect(address)
-
-
-def check_access(address: str) -> None:
-    """Fail at once, naming the cause, where ZeroMQ itself would only wait and the caller report 'is it
-    running?': no socket file at an ipc:// address (ConnectionRefusedError: no daemon will answer there), or one
-    this user may not connect to (PermissionError)."""
-    if not address.startswith("ipc://"):
-        return
-    path = address[len("ipc://"):]
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ConnectionRefusedError(f"no moe-l2d at {address}: the socket file does not exist; start the daemon "
-                                     "(systemctl start moe-l2d, or moe-l2d --model DIR --budget SIZE), or give "
-                                     "its address with --socket or MOE_L2_RUNTIME_DIR") from None
-    except PermissionError:
-        raise PermissionError(f"cannot reach {path}: its directory is closed to this user; ask the admin to "
-                              "add you to the daemon's group (docs/security.md)") from None
-    if not os.access(path, os.R_OK | os.W_OK):
-        raise PermissionError(f"no permission to connect to {path} (owner {_owner(st.st_uid)}, group {st.st_gid}, "
-                              f"mode {stat.S_IMODE(st.st_mode):o}): ask the admin to add you to that group, or "
-                              "to start moe-l2d with --socket-mode 660 (docs/security.md)")
 
 
 _WARNED_NO_DAEMON: set[str] = set()
@@ -257,6 +141,7 @@ class L2Client:
         self.attachment: Attachment | None = None
         self.attaches = 0
         self.last_error = ""
+        self.refused = False  # the last daemon met was refused as untrusted (and the refusal logged)
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
         # A byte here wakes the connection thread to send the queued reports now (report(now=True)).
         self._wake_r, self._wake_w = os.pipe()
@@ -270,10 +155,11 @@ class L2Client:
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name="moe-l2-client", daemon=True)
         self._thread.start()
-        if wait_s > 0 and not self.wait_attached(wait_s) and self.address not in _WARNED_NO_DAEMON:
+        if (wait_s > 0 and not self.wait_attached(wait_s) and not self.refused
+                and self.address not in _WARNED_NO_DAEMON):
             # Once per address and process: a client running from disk only must not go unnoticed.
             _WARNED_NO_DAEMON.add(self.address)
-            log.warning("%s", no_daemon_message(self.address))
+            log.warning("%s", access_problem(self.address) or no_daemon_message(self.address))
 
     @property
     def attached(self) -> bool:
@@ -334,33 +220,37 @@ class L2Client:
         returns at once. A daemon without a profile ignores it."""
         self._requests.put((protocol.Hint, {"text": text}))
 
+    def _connect(self) -> zmq.Socket:
+        # Replies here are hello replies and refusals, as small as any request: a larger one is dropped unread
+        # (ZMQ_MAXMSGSIZE), and the hello it answered times out (docs/security.md).
+        return dealer(self.address, self.curve, protocol.MAX_FRAME_BYTES,
+                      options=((zmq.IMMEDIATE, 1),  # do not queue for a daemon that is not there
+                               (zmq.RECONNECT_IVL_MAX, 500)))
+
     def _run(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a daemon that is not there
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-        connect(sock, self.address, self.curve)
+        sock = self._connect()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         pending: tuple[int, float] | None = None
         next_hello = 0.0
+        greeted = False  # said hello: then the daemon may count this client, and bye tells it to stop
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if pending is not None and now - pending[1] > self.timeout_s:
                     self._detach("moe-l2d did not answer the heartbeat")
                     pending = None
+                    # On a new connection: libzmq never reconnects one it closed for a reply over the bound (a
+                    # protocol error), and the daemon at the address must be found again whenever it answers.
+                    poller.unregister(sock)
+                    sock.close(0)
+                    sock = self._connect()
+                    poller.register(sock, zmq.POLLIN)
+                    next_hello = now + RETRY_S  # once it is up: a hello now would find it not yet connected
                 if pending is None and now >= next_hello:
-                    msg = protocol.Hello(id=next(self._ids), model=self.model_path,
-                                         fingerprint=self.files.fingerprint, client=self.name, layers=self.layers)
-                    if self._send(sock, msg):
-                        pending = (msg.id, now)
-                        next_hello = now + self.heartbeat_s
-                    else:
-                        # Not connected (yet): the ipc pipe of a daemon that just started takes a few ms.
-                        self._detach("moe-l2d is not running")
-                        next_hello = now + min(self.heartbeat_s, RETRY_S)
+                    pending, next_hello = self._hello(sock, now)
+                    greeted |= pending is not None
                 self._flush_reports(sock)
                 self._flush_requests(sock)
                 # Not past the next hello (or its retry), however long reports may wait.
@@ -372,7 +262,7 @@ class L2Client:
                     except BlockingIOError:
                         pass
                 if sock in events:
-                    while True:
+                    for _ in range(RECEIVE_BATCH):
                         try:
                             reply = protocol.decode_reply(sock.recv(zmq.NOBLOCK))
                         except zmq.Again:
@@ -388,9 +278,28 @@ class L2Client:
                             level = logging.DEBUG if reply.ename == "NoProfile" else logging.WARNING
                             log.log(level, "moe-l2d refused a message: %s: %s", reply.ename, reply.evalue)
             self._flush_reports(sock)
-            self._send(sock, protocol.Bye(id=next(self._ids), client=self.name))
+            if greeted:
+                self._send(sock, protocol.Bye(id=next(self._ids), client=self.name))
         finally:
-            sock.close(linger=200)  # long enough to hand the last reports to a live daemon
+            sock.close(linger=CLOSE_LINGER_MS)
+
+    def _hello(self, sock, now: float) -> tuple[tuple[int, float] | None, float]:
+        """Say hello unless the socket belongs to a user this client does not trust (then the impostor learns
+        nothing, not even the model's path); (the hello pending and when it was sent, the time of the next)."""
+        try:
+            check_socket(self.address, self.trusted)
+        except UntrustedDaemon as exc:
+            self._refuse_daemon(f"refusing moe-l2d on {self.address}: {exc}; reading experts from "
+                                f"{self.files.path}")
+            return None, now + self.heartbeat_s
+        msg = protocol.Hello(id=next(self._ids), model=self.model_path, fingerprint=self.files.fingerprint,
+                             client=self.name, layers=self.layers)
+        if self._send(sock, msg):
+            return (msg.id, now), now + self.heartbeat_s
+        # Not connected (yet): the ipc pipe of a daemon that just started takes a few ms; or this user may not
+        # reach the socket, which is worth saying rather than "not running".
+        self._detach(access_problem(self.address) or "moe-l2d is not running")
+        return None, now + min(self.heartbeat_s, RETRY_S)
 
     @staticmethod
     def _send(sock, message: protocol.Message) -> bool:
@@ -457,12 +366,14 @@ class L2Client:
             return
         self.attaches += 1
         self.last_error = ""
+        self.refused = False
         log.info("attached to moe-l2d epoch %d on %s", self.attachment.epoch, self.address)
 
     def _refuse_daemon(self, why: str) -> None:
         """Log an untrusted daemon once per reason (the heartbeat meets it every second), then detach."""
         if why != self.last_error:
             log.warning("%s", why)
+        self.refused = True  # said: no "no moe-l2d answered" after it
         self._detach(why)
 
     def _detach(self, why: str) -> None:
@@ -479,3 +390,11 @@ class L2Client:
         if not self._thread.is_alive():
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+    # ---- LOAD (issue 21): a context manager that closes the link; only these two methods. ----
+    def __enter__(self) -> "L2Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+    # ---- end LOAD ----

@@ -1,18 +1,21 @@
 """The memory governor: L2 gives memory back when the machine runs short, and takes it back later.
 
-Every `interval` seconds it reads available memory (moe_l2.plan.read_memory). Below the floor, every served
-model shrinks by as many slots per layer as the shortfall pays for (at least one), evicting by policy and
-releasing the slots' pages (ServedModel.resize); never below its pins. Once available memory is back above
-the floor by a quarter of the floor plus what a slot per layer costs, the models grow back, one step per
-check, up to their configured slots (docs/architecture.md, "Memory governor").
+Every `interval` seconds it reads available memory (moe_l2.plan.read_memory; on Linux through a descriptor of
+/proc/meminfo kept open from start, so that it still reads while a flood of connections fills the daemon's
+descriptor table). Below the floor, every served model shrinks by as many slots per layer as the shortfall
+pays for (at least one), evicting by policy and releasing the slots' pages (ServedModel.resize); never below
+its pins. Once available memory is back above the floor by a quarter of the floor plus what a slot per layer
+costs, the models grow back, one step per check, up to their configured slots (docs/architecture.md,
+"Memory governor").
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
-from moe_l2.plan import read_memory
+from moe_l2.plan import open_meminfo, read_memory
 from moe_l2.sizes import format_size
 
 from .served import ServedModel
@@ -32,6 +35,7 @@ class Governor:
         self.checks = 0
         self.available: int | None = None
         self.total: int | None = None
+        self._meminfo = open_meminfo()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moe-l2d-governor", daemon=True)
 
@@ -44,6 +48,9 @@ class Governor:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        if self._meminfo is not None:
+            os.close(self._meminfo)
+            self._meminfo = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -53,7 +60,7 @@ class Governor:
                 log.exception("memory governor check failed")
 
     def check(self) -> None:
-        memory = read_memory()
+        memory = read_memory(self._meminfo)
         self.total, self.available = memory.total, memory.available
         self.checks += 1
         for model in self.models:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -15,26 +15,32 @@ import time
 from pathlib import Path
 from stat import S_ISREG
 
-import psutil
-
 from moe_l2 import _native
 from moe_l2.cache.profile import Profile, ProfileError
-from moe_l2.layout import BudgetError, Geometry, describe_slots
+from moe_l2.layout import SEGMENT_PREFIX, BudgetError, Geometry, describe_slots, new_token, segment_name
+from moe_l2.machine import SharedMemoryRoom
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import build_in_child_processes
 from moe_l2.model.files import format_ranges
 from moe_l2.model.location import resolve_model
 from moe_l2.plan import ModelSizes, default_floor, plan, read_memory
+from moe_l2.runtime import instance_tag
 from moe_l2.sizes import format_size
 
 from .config import ConfigError, DaemonConfig, build_parser, resolve
+from .gate import Gate, raise_fd_limit
 from .governor import Governor
 from .loader import Loader
 from .notify import sd_notify
 from .served import ServedModel
-from .server import Server
+from .server import INPROC_ADDRESS, Server
 
 log = logging.getLogger("moe-l2d")
+
+
+# Random names tried for one segment before the daemon gives up: a name is taken only on purpose, by someone
+# creating files at names they cannot know (docs/architecture.md, "Shared memory").
+NAME_ATTEMPTS = 4
 
 
 class StartupError(RuntimeError):
@@ -42,30 +48,13 @@ class StartupError(RuntimeError):
 
 
 def check_memory(needed: int) -> None:
-    """Refuse a budget the machine cannot back, instead of dying of SIGBUS on a full /dev/shm later."""
-    memory = psutil.virtual_memory()
-    if sys.platform == "darwin":
-        # macOS counts inactive and purgeable pages out of `available`, though it hands them out on demand;
-        # the budget is refused only past physical memory, and warned about past available + inactive.
-        if needed > memory.total:
-            raise StartupError(f"the models need {format_size(needed)} of shared memory but this Mac has "
-                               f"{format_size(memory.total)} of memory; lower the budget")
-        reclaimable = memory.available + memory.inactive
-        if needed > reclaimable:
-            log.warning("the models need %s of shared memory and only %s is free or inactive: macOS will "
-                        "compress or swap other memory (or these segments) to make room; lower the budget "
-                        "if the machine slows down", format_size(needed), format_size(reclaimable))
-        return
-    if needed > memory.available:
-        raise StartupError(f"the models need {format_size(needed)} of shared memory but only "
-                           f"{format_size(memory.available)} of memory is available; lower --budget")
-    if sys.platform.startswith("linux"):  # POSIX shm is the tmpfs /dev/shm, with its own size limit
-        stat = os.statvfs("/dev/shm")
-        free = stat.f_bavail * stat.f_frsize
-        if needed > free:
-            raise StartupError(f"the models need {format_size(needed)} of shared memory but /dev/shm has "
-                               f"{format_size(free)} free; lower --budget or enlarge /dev/shm "
-                               "(e.g. mount -o remount,size=32G /dev/shm)")
+    """Refuse a budget the machine cannot back, instead of dying of SIGBUS on a full /dev/shm later; the rules
+    are moe_l2.machine's, which `moe-l2 doctor` reports."""
+    refusal, warning = SharedMemoryRoom.read().check(needed)
+    if refusal:
+        raise StartupError("; ".join(refusal))
+    if warning:
+        log.warning("%s", warning)
 
 
 def open_private_dir(path: Path) -> int:
@@ -135,18 +124,24 @@ def check_tcp_address_free(address: str) -> None:
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig, rng: random.Random | None = None):
+        """rng: a seeded Random that makes the segment names repeatable, for tests only (moe-l2d never passes
+        one: its names come from `secrets`)."""
         self.config = config
-        # The segment names (moe_l2.layout.segment_names), the lock and the segment list are all keyed by the
-        # socket address, and the lock lives beside an ipc:// socket: two daemons on one socket meet at the
-        # lock, whatever their --runtime-dir, before either touches shared memory.
-        self.tag = hashlib.sha1(config.socket.encode()).hexdigest()[:8]
+        # The segment names (moe_l2.layout.segment_name), the lock and the segment list are all keyed by the
+        # socket address in one spelling (moe_l2.runtime.canonical_address), and the lock lives beside an ipc://
+        # socket: two daemons on one socket meet at the lock, however each spells it and whatever their
+        # --runtime-dir, before either touches shared memory.
+        self.tag = instance_tag(config.socket)
+        self._rng = rng
+        self._listed: list[str] = []  # the segment list: every name made, or about to be
         self.epoch = time.time_ns()
         self.models: list[ServedModel] = []
         self.loader: Loader | None = None
         self.server: Server | None = None
+        self.gate: Gate | None = None  # owns the public socket, in front of the server (daemon/gate.py)
         self.governor: Governor | None = None
-        self._metrics = None  # (HTTP server, thread) of --metrics
+        self._metrics = None  # the HttpServer of --metrics (daemon/http.py)
         self._dir_fd: int | None = None
         self._lock_fd: int | None = None
         self._stop = False
@@ -156,6 +151,8 @@ class Daemon:
     def state_dir(self) -> Path:
         """Where the lock and the segment list live: an ipc:// socket's directory, else the runtime dir."""
         if self.config.socket.startswith("ipc://"):
+            # As spelled, links unresolved: open_private_dir refuses a linked directory. Another spelling of the
+            # same directory still finds the same lock there, named by the canonical address (self.tag).
             return Path(os.path.abspath(self.config.socket[len("ipc://"):])).parent
         return self.config.runtime_dir
 
@@ -189,7 +186,8 @@ class Daemon:
         """Unlink the segments a crashed predecessor listed; macOS cannot list /dev/shm, so it keeps a list.
 
         Only names with this daemon's tag, and only segments this daemon's user owns: a list that someone
-        else wrote must not make a root daemon unlink other daemons' segments."""
+        else wrote must not make a root daemon unlink other daemons' segments. Whatever holds a listed name now
+        (a FIFO another user planted) is opened without blocking and left alone (Segment.unlink)."""
         try:
             fd = open_private_file(self._dir_fd, self._state_name, os.O_RDONLY)
         except FileNotFoundError:
@@ -202,7 +200,7 @@ class Daemon:
                 names = json.loads(f.read())
         except (OSError, ValueError):
             return
-        prefix = f"/ml2{self.tag}."
+        prefix = f"{SEGMENT_PREFIX}{self.tag}"
         for name in names if isinstance(names, list) else []:
             if not (isinstance(name, str) and name.startswith(prefix)):
                 log.warning("not reclaiming %r from the segment list: not a segment of this daemon", name)
@@ -213,10 +211,30 @@ class Daemon:
             except (OSError, ValueError) as exc:
                 log.warning("not reclaiming %s: %s", name, exc)
 
+    def _new_segment(self, model_index: int, layer: int | None, nbytes: int) -> _native.Segment:
+        """Model `model_index`'s index (layer None) or MoE layer's data segment, at a random name that is listed
+        before it exists, so that a kill -9 at any point leaves nothing the next start cannot find. A name taken
+        already (by someone who created files on purpose) gets another random part; after NAME_ATTEMPTS the
+        start is refused, naming the file and who holds it."""
+        for _ in range(NAME_ATTEMPTS):
+            name = segment_name(self.tag, model_index, layer, new_token(self._rng))
+            self._listed.append(name)
+            self._write_state()
+            try:
+                return _native.Segment.create(name, nbytes, self.config.shm_mode)
+            except FileExistsError as exc:
+                self._listed.remove(name)
+                taken = exc
+        self._write_state()
+        where = f", the file /dev/shm{name}" if sys.platform.startswith("linux") else ""
+        raise StartupError(f"{NAME_ATTEMPTS} random shared-memory names in a row were taken; the last{where}: "
+                           f"{taken}. Someone is creating files at this daemon's names to keep it from starting: "
+                           "ask their owner, remove the files and start again")
+
     def _write_state(self) -> None:
         """Replace the segment list atomically; 0600 whatever the umask: a group member must not be able to
         make the next daemon unlink things."""
-        names = json.dumps([n for m in self.models for n in m.segment_names]).encode()
+        names = json.dumps(self._listed).encode()
         partial = f"{self._state_name}.{os.getpid()}"
         try:
             os.unlink(partial, dir_fd=self._dir_fd)
@@ -232,6 +250,7 @@ class Daemon:
         os.replace(partial, self._state_name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
 
     def start(self) -> None:
+        raise_fd_limit()  # the gate's connection cap comes from it
         self._acquire_lock()
         self._reclaim()
         opened = []
@@ -264,10 +283,13 @@ class Daemon:
             raise StartupError("the same model is listed twice; serve each model once")
         check_memory(sum(g.shm_bytes for _, _, g, *_ in opened))
         for i, (m, files, geometry, profile, layers) in enumerate(opened):
-            served = ServedModel(i, files, geometry, instance=self.config.socket, epoch=self.epoch, policy=m.policy,
-                                 shm_mode=self.config.shm_mode, profile=profile, direct_io=m.direct_io, layers=layers)
+            try:
+                served = ServedModel(files, geometry, lambda layer, nbytes, i=i: self._new_segment(i, layer, nbytes),
+                                     epoch=self.epoch, policy=m.policy, profile=profile, direct_io=m.direct_io,
+                                     layers=layers)
+            except (OSError, ValueError, StartupError) as exc:
+                raise StartupError(f"cannot serve {m.path}: {exc}") from None
             self.models.append(served)
-            self._write_state()
             g = geometry
             log.info("serving %s: decoder layers %s (%d of %d MoE layers) x %d experts, %s (%s of shared memory)",
                      files.path, format_ranges(served.layer_ids), g.served, g.n_layers, g.n_experts,
@@ -278,18 +300,21 @@ class Daemon:
         floor = default_floor(memory.total) if self.config.memory_floor is None else self.config.memory_floor
         self.governor = Governor(self.models, floor)
         try:
-            self.server = Server(self.config.socket, self.models, self.loader, self.epoch,
-                                 socket_mode=self.config.socket_mode, socket_group=self.config.socket_group,
-                                 curve=self.config.curve, governor=self.governor)
+            self.gate = Gate(self.config.socket, self.state_dir / f"moe-l2d-{self.tag}.gate",
+                             mode=self.config.socket_mode, group=self.config.socket_group,
+                             curve=self.config.curve is not None)
+            self.server = Server(self.config.socket, self.models, self.loader, self.epoch, curve=self.config.curve,
+                                 governor=self.governor, gate=self.gate)
         except Exception as exc:
             raise StartupError(f"cannot bind {self.config.socket}: {exc}") from None
+        self.gate.start()
         self.governor.start()
         if self.config.metrics is not None:
             from .metrics import serve_metrics  # prometheus_client only when asked for
 
             host, port = self.config.metrics
             try:
-                self._metrics = serve_metrics(host, port, self.config.socket)
+                self._metrics = serve_metrics(host, port, INPROC_ADDRESS, self.server.context)
             except OSError as exc:
                 raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror}; choose another "
                                    "--metrics address") from None
@@ -340,12 +365,11 @@ class Daemon:
             return  # never started: the socket, state file and segments belong to someone else
         sd_notify("STOPPING=1")
         if self._metrics is not None:
-            server, thread = self._metrics
-            server.shutdown()
-            server.server_close()
-            thread.join()
+            self._metrics.close()
         if self.governor is not None:
             self.governor.stop()
+        if self.gate is not None:
+            self.gate.close()
         if self.server is not None:
             self.server.close()
         if self.loader is not None:

@@ -1,45 +1,27 @@
 """`moe-l2d --metrics HOST:PORT`: the figures of `moe-l2 stats` as Prometheus metrics (prometheus_client).
 
-Each scrape asks the daemon's own control socket for `stats`, so the figures are the ones `moe-l2 stats` shows
-and only the server thread ever reads the daemon's state (docs/architecture.md, "A live view and metrics").
+Each scrape asks the daemon's own control server for `stats` (over its inproc endpoint), so the figures are the
+ones `moe-l2 stats` shows and only the server thread ever reads the daemon's state (docs/architecture.md, "A live
+view and metrics").
 """
 
 from __future__ import annotations
 
 import logging
-import re
 
 import zmq
-from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from moe_l2 import protocol
+from moe_l2 import control
+
+from .http import HttpServer, Page, message
 
 log = logging.getLogger("moe-l2d.metrics")
 
-SCRAPE_TIMEOUT_MS = 5000
-
-
-def local_address(address: str) -> str:
-    """Where to reach the daemon's socket from inside the daemon: a wildcard TCP host becomes loopback."""
-    return re.sub(r"^tcp://(\*|0\.0\.0\.0|\[::\]):", "tcp://127.0.0.1:", address)
-
-
-def ask_stats(address: str) -> dict:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(address)
-        sock.send(protocol.Stats(id=1).encode())
-        if not sock.poll(SCRAPE_TIMEOUT_MS):
-            raise TimeoutError(f"the daemon did not answer a stats request on {address}")
-        reply = protocol.decode_reply(sock.recv())
-        if not reply.ok:
-            raise RuntimeError(f"stats refused: {reply.ename}: {reply.evalue}")
-        return reply.payload
-    finally:
-        sock.close(0)
+# How long a scrape waits for the daemon's stats reply.
+SCRAPE_TIMEOUT_S = 5.0
 
 
 def families(payload: dict) -> list:
@@ -100,20 +82,41 @@ def families(payload: dict) -> list:
 
 
 class StatsCollector:
-    def __init__(self, address: str):
-        self.address = local_address(address)
+    """Asks the daemon it runs in for stats through the one request helper (moe_l2/control.py), over the
+    server's inproc:// endpoint in the server's ZeroMQ context (daemon/server.py, INPROC_ADDRESS): whatever
+    --socket is, a scrape needs no socket permission and no CurveZMQ key, and never leaves the process."""
+
+    def __init__(self, address: str, context: zmq.Context | None = None):
+        self.address = address
+        self.context = context
+
+    def ask(self) -> dict:
+        return control.stats(self.address, SCRAPE_TIMEOUT_S, context=self.context)
 
     def collect(self):
         try:
-            payload = ask_stats(self.address)
+            payload = self.ask()
         except (TimeoutError, RuntimeError, zmq.ZMQError) as exc:
             log.warning("metrics scrape without figures: %s", exc)
             return
         yield from families(payload)
 
 
-def serve_metrics(host: str, port: int, daemon_address: str):
-    """Start the HTTP endpoint on its own thread; returns (server, thread) for shutdown."""
+def serve_metrics(host: str, port: int, daemon_address: str, context: zmq.Context | None = None) -> HttpServer:
+    """Start the endpoint (daemon/http.py, bounded against every local user); the caller closes it.
+
+    `/metrics` is the Prometheus text; `/health` is 200 "ok" while the daemon answers `stats`, else 503 and
+    why, for a probe that wants a yes or no without parsing the metrics."""
+    collector = StatsCollector(daemon_address, context)
     registry = CollectorRegistry()
-    registry.register(StatsCollector(daemon_address))
-    return start_http_server(port, addr=host, registry=registry)
+    registry.register(collector)
+
+    def health() -> Page:
+        try:
+            collector.ask()
+        except (TimeoutError, RuntimeError, zmq.ZMQError) as exc:
+            return message(503, f"the daemon does not answer stats: {exc}")
+        return message(200, "ok")
+
+    pages = {"/metrics": lambda: Page(200, CONTENT_TYPE_LATEST, generate_latest(registry)), "/health": health}
+    return HttpServer(host, port, pages).start()

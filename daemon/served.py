@@ -7,29 +7,32 @@ pread the record, set the slot's expert, end (seq even), publish slot_of.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
+from collections.abc import Callable
 
 from moe_l2 import _native
 from moe_l2.cache.policy import DEFAULT_POLICY, make_policy
 from moe_l2.cache.prediction import PredictorError
 from moe_l2.cache.profile import MIN_CONFIDENCE, Profile
 from moe_l2.cache.store import LayerStore, Reservation
-from moe_l2.layout import META_CHECKSUM, META_EXPERT, META_SEQ, Geometry, IndexHeader, segment_names
+from moe_l2.layout import META_CHECKSUM, META_EXPERT, META_SEQ, Geometry, IndexHeader
 from moe_l2.model import ModelFiles
 from moe_l2.model.files import format_ranges
 from moe_l2.protocol import ProtocolError
 
 from .stats import ModelCounters
 
-log = logging.getLogger("moe-l2d.model")
+
+# Makes a segment of nbytes for the index (layer None) or a MoE layer's data, at a name of the daemon's choosing
+# (Daemon._new_segment: a random one, listed for reclaim).
+NewSegment = Callable[[int | None, int], _native.Segment]
 
 
 class ServedModel:
-    def __init__(self, index: int, files: ModelFiles, geometry: Geometry, *, instance: str, epoch: int,
-                 policy: str = DEFAULT_POLICY, shm_mode: int = 0o600, profile: Profile | None = None,
-                 direct_io: bool | None = None, layers: tuple[int, ...] | None = None):
+    def __init__(self, files: ModelFiles, geometry: Geometry, new_segment: NewSegment, *, epoch: int,
+                 policy: str = DEFAULT_POLICY, profile: Profile | None = None, direct_io: bool | None = None,
+                 layers: tuple[int, ...] | None = None):
         """layers: the MoE layers served (moe-l2d --layers, as ModelFiles.moe_layers_in gives them); None:
         all. The others have no data segment and no store: clients read them from the model files."""
         self.files = files
@@ -38,8 +41,8 @@ class ServedModel:
         self.lock = threading.Lock()
         self.counters = ModelCounters()
         self.layers = tuple(range(files.n_layers)) if layers is None else tuple(layers)
-        self.index_name, names = segment_names(instance, index, files.n_layers, self.layers)
-        self.data_names = dict(zip(self.layers, names))
+        self.index_name = ""
+        self.data_names: dict[int, str] = {}  # served layer -> its data segment's name, once made
         self.slots = geometry.layer_slots(self.layers)
         self.stores = {layer: LayerStore(files.n_experts, n, make_policy(policy, n)) for layer, n in self.slots.items()}
         if profile is not None:
@@ -61,19 +64,18 @@ class ServedModel:
         self.direct_io = ModelFiles.direct_fds(self.fds) if hasattr(os, "O_DIRECT") else \
             (files.direct_default if direct_io is None else direct_io)
         try:
-            self._create_segments(epoch, shm_mode)
+            self._create_segments(epoch, new_segment)
         except BaseException:
             self.close()
             raise
 
-    def _create_segments(self, epoch: int, shm_mode: int) -> None:
+    def _create_segments(self, epoch: int, new_segment: NewSegment) -> None:
         g = self.geometry
-        for name in self.segment_names:
-            if _native.Segment.unlink(name):
-                log.info("reclaimed shared-memory segment %s left by an earlier daemon", name)
-        self.index = _native.Segment.create(self.index_name, g.index_bytes, shm_mode)
-        for layer, name in self.data_names.items():
-            self.data[layer] = _native.Segment.create(name, self.slots[layer] * g.slot_stride, shm_mode)
+        self.index = new_segment(None, g.index_bytes)
+        self.index_name = self.index.name
+        for layer in self.layers:
+            self.data[layer] = new_segment(layer, self.slots[layer] * g.slot_stride)
+            self.data_names[layer] = self.data[layer].name
         # An unserved layer's name is empty: clients read it from the model files (moe_l2/layout.py).
         names = tuple(self.data_names.get(layer, "") for layer in range(g.n_layers))
         header = IndexHeader(g, epoch, self.files.fingerprint, self.index_name, names).pack()
@@ -88,7 +90,8 @@ class ServedModel:
 
     @property
     def segment_names(self) -> list[str]:
-        return [self.index_name, *self.data_names.values()]
+        """The names of the segments made so far (all of them once the constructor returned)."""
+        return [name for name in (self.index_name, *self.data_names.values()) if name]
 
     @property
     def shm_bytes(self) -> int:

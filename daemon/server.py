@@ -21,7 +21,10 @@ from moe_l2 import __version__, protocol
 from moe_l2.protocol import ProtocolError
 
 from .config import CurveKeys
+from .gate import Gate, bind_socket_file
+from .zmtp import FRAME_LIMIT
 from .loader import Loader
+from .refusals import RefusalLog
 from .served import ServedModel
 from .stats import shm_lock_figures
 
@@ -32,9 +35,12 @@ CLIENT_TIMEOUT_S = 30.0
 # Clients remembered at once; past this the longest silent is forgotten (it is counted again at its next
 # hello), so hellos from ever new identities cannot grow the table.
 MAX_CLIENTS = 1024
-# Messages taken off the socket before the next slice of report work, and the length of that slice.
+# Messages taken off the socket before the next slice of report work, and the length of that slice. A
+# connection's pipe holds PIPE_MESSAGES: while messages flow, the batch waits up to REFILL_MS for libzmq to refill
+# it, so that a client's heartbeat behind its own reports is read (and answered) within a few batches.
 RECEIVE_BATCH = 64
 WORK_SLICE_S = 0.01
+REFILL_MS = 1
 # Report work is measured in looked-up ids: each costs the policy tens of microseconds, a routed pick (one
 # counter) about ROUTED_PER_LOOKUP times less. A piece is at most REPORT_CHUNK_IDS of that (about 20 ms);
 # past MAX_PENDING_IDS waiting a report is refused with Busy (its sender loses only statistics).
@@ -43,13 +49,23 @@ ROUTED_PER_LOOKUP = 64
 MAX_PENDING_IDS = 1 << 16
 # Requests waiting behind their sender's reports, at most (past that they are refused with Busy).
 MAX_QUEUED_CALLS = 256
+# Messages libzmq queues per connection each way (ZMQ_RCVHWM, ZMQ_SNDHWM; its default is 1000): with the gate's
+# bound on parts and frames, what one connection can make the daemon hold (docs/security.md, "Connections and
+# memory"). Past it libzmq stops reading that connection, and drops replies to a peer that does not read them.
+PIPE_MESSAGES = 8
+# Where the daemon's own threads ask it (the metrics exporter, through moe_l2/control.py): an endpoint of the
+# server's ZeroMQ context, which needs no socket permission and bypasses CurveZMQ, never leaving the process.
+INPROC_ADDRESS = "inproc://moe-l2d"
 
 
 class Server:
     def __init__(self, address: str, models: list[ServedModel], loader: Loader, epoch: int, *,
                  socket_mode: int = 0o600, socket_group: int | None = None, curve: CurveKeys | None = None,
-                 governor=None):
+                 governor=None, gate: Gate | None = None):
+        """`address` is the public one; with a gate (daemon/gate.py) in front, which owns it, the ROUTER binds the
+        gate's private socket instead. Without one (benchmarks, tests of the server alone) it binds `address`."""
         self.address = address
+        self.gate = gate
         self.governor = governor  # daemon/governor.py, for the memory figures of `stats`
         self.models = {m.files.fingerprint: m for m in models}
         self.loader = loader
@@ -71,9 +87,11 @@ class Server:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        # Twice MAX_FRAME_BYTES: frames up to this get a FrameTooLarge reply; a larger one makes libzmq close
-        # the connection before the daemon sees it (its sender's request() refuses to send one).
-        self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * protocol.MAX_FRAME_BYTES)
+        # Twice MAX_FRAME_BYTES: frames up to this get a FrameTooLarge reply; the gate closes the connection of
+        # a larger one, and so would libzmq (its sender's request() refuses to send one).
+        self._socket.setsockopt(zmq.MAXMSGSIZE, FRAME_LIMIT)
+        self._socket.setsockopt(zmq.RCVHWM, PIPE_MESSAGES)
+        self._socket.setsockopt(zmq.SNDHWM, PIPE_MESSAGES)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._auth = None
         if curve is not None:
@@ -84,7 +102,14 @@ class Server:
             self._socket.curve_secretkey = curve.secret
             self._socket.curve_publickey = curve.public
             self._socket.curve_server = True
-        bind(self._socket, address, socket_mode, socket_group)
+        if gate is not None:
+            gate.bind_inner(self._socket)
+        elif address.startswith("ipc://"):
+            bind_socket_file(lambda: self._socket.bind(address), address[len("ipc://"):], socket_mode, socket_group)
+        else:
+            self._socket.bind(address)
+        self._refusals = RefusalLog(log, "requests")
+        self._socket.bind(INPROC_ADDRESS)
         self._handlers = {
             protocol.Hello: self._hello, protocol.Stats: self._stats, protocol.Hint: self._hint,
             protocol.Prefetch: self._prefetch, protocol.Report: self._report, protocol.Pin: self._pin,
@@ -98,11 +123,13 @@ class Server:
             if self._work or poller.poll(100):
                 for _ in range(RECEIVE_BATCH):
                     message = self._receive()
-                    if message is None:
+                    if message is None and not (self._work and poller.poll(REFILL_MS)):
                         break
-                    self._handle(*message)
+                    if message is not None:
+                        self._handle(*message)
                 self._run_work(WORK_SLICE_S)
             self._expire_clients()
+            self._refusals.flush()
 
     def _receive(self) -> tuple[list[bytes], int] | None:
         """One message, part by part: at most protocol.MAX_PARTS parts are kept, the rest counted and
@@ -196,7 +223,7 @@ class Server:
 
     def _refuse(self, req_id: int, ename: str, evalue: str) -> bytes:
         self.errors += 1
-        log.warning("refused request: %s: %s", ename, evalue)
+        self._refusals.refused(ename, "refused request: %s: %s", ename, evalue)
         return protocol.encode_error(req_id, ename, evalue)
 
     def _model(self, fingerprint: str) -> ServedModel:
@@ -270,6 +297,7 @@ class Server:
                 "shm_bytes": sum(m.shm_bytes for m in self.models.values()),
                 **shm_lock_figures(self.models.values()),
                 "memory": self.governor.figures() if self.governor is not None else None,
+                "gate": self.gate.figures() if self.gate is not None else None,
             },
             models=[m.describe(routing=req.routing) for m in self.models.values()],
         )
@@ -327,7 +355,13 @@ class Server:
         self.clients.pop(identity, None)
         return protocol.encode_reply(req.id)
 
+    @property
+    def context(self) -> zmq.Context:
+        """The server's ZeroMQ context: its sockets reach INPROC_ADDRESS."""
+        return self._context
+
     def close(self) -> None:
+        self._refusals.flush(final=True)
         self._socket.close(0)
         if self._auth is not None:
             self._auth.stop()
@@ -356,20 +390,3 @@ def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int
             chunk = picks[start:start + step]
             pieces.append(({}, {layer: chunk}, -(-len(chunk) // ROUTED_PER_LOOKUP), {}))
     return pieces
-
-
-def bind(sock, address: str, mode: int, group: int | None) -> None:
-    """Bind the control socket; an ipc socket gets exactly `mode` (and `group`), never the umask's bits,
-    and nobody else can connect in between: it is created under umask 077 (docs/security.md)."""
-    if not address.startswith("ipc://"):
-        sock.bind(address)
-        return
-    path = address[len("ipc://"):]
-    previous = os.umask(0o077)
-    try:
-        sock.bind(address)
-    finally:
-        os.umask(previous)
-    if group is not None:
-        os.chown(path, -1, group, follow_symlinks=False)
-    os.chmod(path, mode, follow_symlinks=False)

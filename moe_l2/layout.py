@@ -15,8 +15,9 @@ and an empty name in the header, and its slot_of stays -1 (docs/architecture.md,
 
 from __future__ import annotations
 
-import hashlib
 import mmap
+import random
+import secrets
 import struct
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ META_EXPERT, META_SEQ, META_CHECKSUM = 0, 4, 8
 NAME_BYTES = 32
 FINGERPRINT_BYTES = 64
 MAX_SHM_NAME = 31  # macOS' PSHMNAMLEN; Linux allows more, but one name scheme must fit both
+SEGMENT_PREFIX = "/ml2"
+TOKEN_HEX = 10  # 40 random bits per segment name: too many names to take first, even by the million
 
 # magic, layout version, n_layers, epoch, n_experts, n_slots, n_short, record_bytes, slot_stride, fingerprint,
 # index name
@@ -150,6 +153,12 @@ class IndexHeader:
     index_name: str
     data_names: tuple[str, ...]
 
+    @staticmethod
+    def min_bytes(n_layers: int) -> int:
+        """The fewest bytes an index segment of a model with n_layers MoE layers has: its header and data segment
+        names (a client maps that much before it reads the geometry, which gives the whole size)."""
+        return _HEADER.size + n_layers * NAME_BYTES
+
     def pack(self) -> bytes:
         g = self.geometry
         head = _HEADER.pack(MAGIC, LAYOUT_VERSION, g.n_layers, self.epoch, g.n_experts, g.n_slots, g.n_short,
@@ -180,16 +189,24 @@ class IndexHeader:
         return cls(geometry, epoch, fp.rstrip(b"\0").decode(), index_name.rstrip(b"\0").decode(), tuple(names))
 
 
-def segment_names(instance: str, model_index: int, n_layers: int, served=None) -> tuple[str, list[str]]:
-    """Deterministic names, so that a daemon restarted after a crash finds and unlinks what it left: the
-    index, and a data segment per MoE layer of `served` (None: all `n_layers`), named by its layer.
+def segment_name(tag: str, model_index: int, layer: int | None, token: str) -> str:
+    """The name of model `model_index`'s index segment (layer None) or of MoE `layer`'s data segment:
+    '/ml2' + the daemon's tag (moe_l2.runtime.instance_tag) + a random token (new_token) + '.M' + 'i' or '.L'.
 
-    ``instance`` identifies the daemon (its socket address); names stay under macOS' 31-character limit.
-    """
-    tag = hashlib.sha1(instance.encode()).hexdigest()[:8]
-    index = f"/ml2{tag}.{model_index}i"
-    data = [f"/ml2{tag}.{model_index}.{layer}" for layer in (range(n_layers) if served is None else served)]
-    for name in (index, *data):
-        if len(name) > MAX_SHM_NAME:
-            raise ValueError(f"shared-memory name {name!r} exceeds {MAX_SHM_NAME} characters")
-    return index, data
+    The token, new for every segment at every start, is what no other user can guess and take first; the daemon
+    finds what a crashed predecessor left in its segment list, and clients learn the names from the hello reply
+    and the index header (docs/architecture.md, "Shared memory"). With 8 + 10 hex digits the longest, model 999's
+    MoE layer 9999, is macOS' 31 characters."""
+    name = f"{SEGMENT_PREFIX}{tag}{token}.{model_index}" + ("i" if layer is None else f".{layer}")
+    if len(name) > MAX_SHM_NAME:
+        raise ValueError(f"shared-memory name {name!r} exceeds {MAX_SHM_NAME} characters (macOS' limit): at most "
+                         "1000 models and 10000 MoE layers per model")
+    return name
+
+
+def new_token(rng: random.Random | None = None) -> str:
+    """TOKEN_HEX random hex digits from `secrets`; from `rng` where given (a seeded Random: names a test can
+    repeat, which the daemon never passes)."""
+    if rng is None:
+        return secrets.token_hex(TOKEN_HEX // 2)
+    return f"{rng.getrandbits(4 * TOKEN_HEX):0{TOKEN_HEX}x}"

@@ -36,14 +36,27 @@ class Memory:
     available: int
 
 
-def read_memory() -> Memory:
-    """The machine's memory now. On macOS inactive pages count as available: the system hands them out on
-    demand (as the daemon's budget check at start assumes, docs/architecture.md, "Shared memory")."""
+def open_meminfo() -> int | None:
+    """A descriptor of /proc/meminfo for `read_memory` to read again and again, on Linux (None elsewhere), so
+    that a process whose descriptor table is full (a flood of connections) still reads its memory: procfs
+    makes the file anew at every read from offset 0. The caller closes it."""
+    return os.open("/proc/meminfo", os.O_RDONLY | os.O_CLOEXEC) if sys.platform == "linux" else None
+
+
+def read_memory(meminfo: int | None = None) -> Memory:
+    """The machine's memory now, through `meminfo` (from `open_meminfo`) where given, which opens nothing. On
+    macOS inactive pages count as available: the system hands them out on demand (as the daemon's budget
+    check at start assumes, docs/architecture.md, "Shared memory"); there psutil asks the kernel, no file."""
     path = os.environ.get(MEMORY_FILE_ENV)
     if path:
         with open(path) as f:
             fake = json.load(f)
         return Memory(int(fake["total"]), int(fake["available"]))
+    if meminfo is not None:
+        # Lines like "MemAvailable:   24221600 kB"; the file is about 1.5 KiB. The same fields psutil reads.
+        fields = {name: int(value.split()[0]) * 1024 for name, _, value in
+                  (line.partition(b":") for line in os.pread(meminfo, 1 << 16, 0).splitlines())}
+        return Memory(fields[b"MemTotal"], fields[b"MemAvailable"])
     vm = psutil.virtual_memory()
     extra = vm.inactive if sys.platform == "darwin" else 0
     return Memory(vm.total, vm.available + extra)

@@ -35,6 +35,14 @@ MAX_COUNTER = 2**53
 # takes from a reply.
 QUOTE_CHARS = 64
 MAX_REPLY_REASON = 2000
+# The largest reply a client takes (ZMQ_MAXMSGSIZE of every asking socket: libzmq drops a larger one unread, so
+# an impostor cannot make a client buffer what it likes; docs/security.md). The largest legitimate reply is a
+# stats reply with routing counts: per model about 150 KB without routing for 94 MoE layers x 512 experts (every
+# slot resident, the pin lists, the client list aside), plus per domain layers x experts counts of at most 9
+# bytes each, 433 KB for that shape; 16 MiB holds that and 37 domains, and for every published MoE model (at most
+# 60 x 384 or 48 x 512) over 70. The heartbeat socket of a client gets hello replies and refusals only, small
+# like every request: MAX_FRAME_BYTES bounds it.
+MAX_REPLY_BYTES = 16 << 20
 
 
 def quote(value: Any) -> str:

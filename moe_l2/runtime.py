@@ -7,6 +7,7 @@ is unset (hence /tmp) under ssh, sudo and cron (docs/architecture.md, "Runtime d
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -49,6 +50,21 @@ def runtime_dir() -> Path:
 
 def default_socket(directory: Path | None = None) -> str:
     return f"ipc://{(directory or runtime_dir()) / SOCKET_NAME}"
+
+
+def canonical_address(address: str) -> str:
+    """One spelling per socket: an ipc:// path made absolute, its directory's links resolved (the socket itself
+    is the daemon's to create and unlink, so its own name is kept). `ipc://moe.sock` run in /srv and
+    `ipc:///srv/moe.sock` are then one daemon's, with one lock. Other addresses are kept as given."""
+    if not address.startswith("ipc://"):
+        return address
+    directory, name = os.path.split(os.path.abspath(address[len("ipc://"):]))
+    return f"ipc://{os.path.join(os.path.realpath(directory), name)}"
+
+
+def instance_tag(address: str) -> str:
+    """8 hex digits naming the daemon of `address` in its lock, its segment list and its segments' names."""
+    return hashlib.sha1(canonical_address(address).encode()).hexdigest()[:8]
 
 
 def no_daemon_message(address: str) -> str:

@@ -139,12 +139,18 @@ void init_memory(nb::module_& m) {
                   "Create (O_EXCL) and map read-write a segment of nbytes, reserving its pages, "
                   "then lock them in memory (mlock) or, where that is not permitted, touch every "
                   "page; see locked and lock_error. Releases the GIL.")
-      .def_static("open", &Segment::open, "name"_a, "readonly"_a = true,
-                  "Map an existing segment; its size comes from the object.")
+      .def_static("open", &Segment::open, "name"_a, "readonly"_a = true, "min_size"_a = 0,
+                  nb::call_guard<nb::gil_scoped_release>(),
+                  "Map an existing segment; its size comes from the object. Never blocks on what "
+                  "holds the name (O_NONBLOCK | O_NOFOLLOW on Linux); ValueError for anything but "
+                  "a segment (a FIFO, a directory) and for one smaller than min_size bytes. "
+                  "Releases the GIL.")
       .def_static("unlink", &Segment::unlink, "name"_a, "owner"_a = -1,
+                  nb::call_guard<nb::gil_scoped_release>(),
                   "Remove a segment's name; False if there was none. Mappings stay valid. With "
-                  "owner (a uid), only a segment fstat says that uid owns; PermissionError for "
-                  "another's.")
+                  "owner (a uid), only a segment fstat says that uid owns, opened without blocking; "
+                  "PermissionError for another's, and for anything that is not a segment. Releases "
+                  "the GIL.")
       .def("array", &Segment::array, "offset"_a, "shape"_a, "strides"_a, "dtype"_a,
            "A zero-copy MLX view: element [i, j, ...] at offset + (i * strides[0] + ...) * itemsize "
            "bytes; it keeps the mapping alive.")

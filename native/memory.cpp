@@ -1,6 +1,7 @@
 #include "memory.h"
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -252,11 +253,69 @@ void check_name(const char* fn, const std::string& name) {
 
 std::string errno_text(int err) { return std::strerror(err); }
 
+// Flags for opening a name someone else may have made. Linux's shm_open is open() of /dev/shm/NAME
+// (glibc adds O_NOFOLLOW | O_CLOEXEC and passes O_NONBLOCK through), where any local user can plant
+// a FIFO, which would block the open until a writer came, or a link: O_NONBLOCK and O_NOFOLLOW keep
+// the open from waiting or following, and fstat's S_ISREG then refuses what is not a plain segment.
+// macOS' shared-memory objects are not files (nothing but a segment can hold a name), and its
+// shm_open knows only the access and creation flags, so there none are added.
+#ifdef __APPLE__
+constexpr int kUntrustedOpen = 0;
+#else
+constexpr int kUntrustedOpen = O_NONBLOCK | O_NOFOLLOW;
+#endif
+
+// Whether fstat describes a shared-memory segment: a regular file of /dev/shm on Linux; on macOS
+// fstat of a segment gives permission bits only (no file type), so there no type or a regular file
+// passes.
+bool is_segment(const struct stat& st) {
+#ifdef __APPLE__
+  return (st.st_mode & S_IFMT) == 0 || S_ISREG(st.st_mode);
+#else
+  return S_ISREG(st.st_mode);
+#endif
+}
+
+std::string file_type(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
+  return "not a regular file";
+}
+
+// Who holds a name that create() found taken, for its error: fstat where this user may open the
+// object, else (Linux) lstat of its file in /dev/shm. A macOS segment has no path, so there the owner
+// of one this user may not open cannot be known.
+std::string taken_by(const std::string& name) {
+  struct stat st;
+  int fd = shm_open(name.c_str(), O_RDONLY | kUntrustedOpen, 0);
+  bool known = fd >= 0 && fstat(fd, &st) == 0;
+  if (fd >= 0) {
+    ::close(fd);
+  }
+#ifdef __linux__
+  known = known || lstat(("/dev/shm" + name).c_str(), &st) == 0;
+#endif
+  if (!known) {
+#ifdef __APPLE__
+    return " (its owner cannot be read: this user may not open it, and macOS shows a segment "
+           "nowhere else; if no process should hold it, unlink it first)";
+#else
+    return " (its owner cannot be read: it went away meanwhile; try again)";
+#endif
+  }
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+  return std::string(" (") + (is_segment(st) ? "a segment" : file_type(st.st_mode)) + " of uid " +
+         std::to_string(st.st_uid) + ", mode " + mode +
+         "; if no process of that user should hold it, unlink it first)";
+}
+
 // What the user can do about a failed shm_open.
 std::string open_hint(int err, bool creating) {
   switch (err) {
-    case EEXIST:
-      return " (another daemon owns it, or one that crashed left it: unlink it first)";
     case ENOENT:
       return creating ? "" : " (the daemon is not running, or it restarted with new segments)";
     case EACCES:
@@ -294,8 +353,9 @@ Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mod
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, static_cast<mode_t>(mode));
   if (fd < 0) {
     int err = errno;
-    throw OsError(err, prefixed(fn, "cannot create shared-memory segment '" + name +
-                                        "': " + errno_text(err) + open_hint(err, true)));
+    throw OsError(err, prefixed(fn, "cannot create shared-memory segment '" + name + "': " +
+                                        errno_text(err) +
+                                        (err == EEXIST ? taken_by(name) : open_hint(err, true))));
   }
   // Past this point a failure removes the half-made segment.
   auto fail = [&](const std::string& step, int err) {
@@ -411,10 +471,12 @@ void Segment::restore(int64_t offset, int64_t nbytes) {
   }
 }
 
-Segment Segment::open(const std::string& name, bool readonly) {
+Segment Segment::open(const std::string& name, bool readonly, int64_t min_size) {
   const char* fn = "Segment.open";
   check_name(fn, name);
-  int fd = shm_open(name.c_str(), readonly ? O_RDONLY : O_RDWR, 0);
+  size_t least = to_size(fn, "min_size", min_size);
+  // The name comes from whoever answered hello: it is opened as untrusted (kUntrustedOpen, is_segment).
+  int fd = shm_open(name.c_str(), (readonly ? O_RDONLY : O_RDWR) | kUntrustedOpen, 0);
   if (fd < 0) {
     int err = errno;
     throw OsError(err, prefixed(fn, "cannot open shared-memory segment '" + name + "': " +
@@ -427,12 +489,23 @@ Segment Segment::open(const std::string& name, bool readonly) {
     throw OsError(err, prefixed(fn, "cannot stat shared-memory segment '" + name + "': " +
                                         errno_text(err)));
   }
+  if (!is_segment(st)) {
+    ::close(fd);
+    throw_value_error(fn, "'" + name + "' is " + file_type(st.st_mode) +
+                              ", not a shared-memory segment; refused");
+  }
   if (st.st_size <= 0) {
     ::close(fd);
     throw_value_error(fn, "shared-memory segment '" + name +
                               "' is empty (its creator has not sized it yet)");
   }
   size_t nbytes = static_cast<size_t>(st.st_size);
+  if (nbytes < least) {
+    ::close(fd);
+    throw_value_error(fn, "shared-memory segment '" + name + "' has " + std::to_string(nbytes) +
+                              " bytes, fewer than the " + std::to_string(least) +
+                              " expected; refused");
+  }
   int prot = readonly ? PROT_READ : PROT_READ | PROT_WRITE;
   void* addr = mmap(nullptr, nbytes, prot, MAP_SHARED, fd, 0);
   int err = errno;
@@ -506,7 +579,8 @@ bool Segment::unlink(const std::string& name, int64_t owner) {
   const char* fn = "Segment.unlink";
   check_name(fn, name);
   if (owner >= 0) {
-    int fd = shm_open(name.c_str(), O_RDONLY, 0);
+    // Reclaim runs at every start: whatever holds a listed name must not make it wait (kUntrustedOpen).
+    int fd = shm_open(name.c_str(), O_RDONLY | kUntrustedOpen, 0);
     if (fd < 0) {
       int err = errno;
       if (err == ENOENT) {
@@ -522,6 +596,10 @@ bool Segment::unlink(const std::string& name, int64_t owner) {
     if (err != 0) {
       throw OsError(err, prefixed(fn, "cannot stat shared-memory segment '" + name + "': " +
                                           errno_text(err)));
+    }
+    if (!is_segment(st)) {
+      throw OsError(EPERM, prefixed(fn, "'" + name + "' is " + file_type(st.st_mode) +
+                                            ", not a shared-memory segment: left in place"));
     }
     if (static_cast<int64_t>(st.st_uid) != owner) {
       throw OsError(EPERM, prefixed(fn, "shared-memory segment '" + name + "' belongs to uid " +

@@ -102,10 +102,14 @@ class Segment : public Memory {
   // Creates, sizes and maps the segment, then locks its pages in memory (mlock) or, where
   // that is not permitted, touches every page so that the memory is committed now; see
   // locked() and lock_error(). Runs without the GIL.
+  // A taken name fails with EEXIST, naming who holds it.
   static Segment create(const std::string& name, int64_t nbytes, unsigned mode);
-  static Segment open(const std::string& name, bool readonly);
+  // Maps a segment whose name came from elsewhere (a daemon's hello): never blocks on what holds the
+  // name, and refuses anything but a segment of at least min_size bytes.
+  static Segment open(const std::string& name, bool readonly, int64_t min_size = 0);
   // Removes the name; false if there was none. owner >= 0: only a segment that fstat says
-  // belongs to that uid, otherwise a PermissionError and the name stays.
+  // belongs to that uid, otherwise a PermissionError and the name stays (also for a FIFO, a
+  // directory or anything else that is not a segment, without blocking on it).
   static bool unlink(const std::string& name, int64_t owner = -1);
 
   const std::string& name() const { return name_; }

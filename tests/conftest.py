@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import random
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,8 +24,18 @@ from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.generator import make_model
-from moe_l2.layout import Geometry
+from moe_l2.layout import Geometry, IndexHeader
 from moe_l2.model import ModelFiles
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked darwin check what only macOS does: run there (`pytest -m darwin`), skipped elsewhere."""
+    if sys.platform == "darwin":
+        return
+    skip = pytest.mark.skip(reason="checks what only macOS does (pytest -m darwin on a Mac)")
+    for item in items:
+        if "darwin" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -206,3 +224,112 @@ def segment_exists(name: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def daemon_segments(daemon, files: ModelFiles) -> tuple[str, tuple[str, ...]]:
+    """The daemon's index segment for `files` and each MoE layer's data segment ('' where not served), learnt as
+    a client learns them: the index from hello, the rest from its header (the names are random)."""
+    reply = request(daemon.socket, protocol.Hello(id=1, model=os.path.realpath(files.path),
+                                                  fingerprint=files.fingerprint, client="test"))
+    name = protocol.HelloReply.decode(reply).index_segment
+    index = _native.Segment.open(name, readonly=True)
+    try:
+        return name, IndexHeader.unpack(index.view()).data_names
+    finally:
+        index.close()
+
+
+# ---- a second, hostile local user --------------------------------------------------------------------------
+
+NOBODY = 65534
+AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+
+
+@functools.cache
+def nobody_runs_python() -> bool:
+    """Whether uid 65534 can run this interpreter with moe-l2 (needs root, setpriv, and a venv other users can
+    read); the tests that act as that user skip otherwise."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return False
+    probe = subprocess.run([*AS_NOBODY, sys.executable, "-P", "-c", "import moe_l2.cli, zmq"], capture_output=True,
+                           timeout=120)
+    return probe.returncode == 0
+
+
+# moe-l2 serve as its own process (tests/test_serve.py, tests/test_messages.py).
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """An HTTP server process on a free loopback port: `moe-l2 serve ...` or `mlx_lm server ...`."""
+
+    def __init__(self, cmd: list[str], log_path: Path, port: int | None = None):
+        self.port = port or free_port()
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([*cmd, "--port", str(self.port), "--log-level", "WARNING"],
+                                         stdout=log, stderr=log)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def moe_l2(cls, model_dir, log_path: Path, *args: str) -> "ServeProcess":
+        # -P: the source checkout in the working directory must not shadow the installed package.
+        return cls([sys.executable, "-P", "-m", "moe_l2.cli", "serve", "--model", str(model_dir), *args], log_path)
+
+    @classmethod
+    def mlx_lm(cls, model_dir, log_path: Path) -> "ServeProcess":
+        return cls([sys.executable, "-P", "-m", "mlx_lm", "server", "--model", str(model_dir)], log_path)
+
+    def wait_healthy(self, timeout: float = 120.0) -> "ServeProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if json.loads(r.read()) == {"status": "ok"}:
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError(f"no /health after {timeout:g} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def metrics(self) -> dict[tuple, float]:
+        """GET /metrics as {(sample name, sorted labels): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def client(self):
+        import openai  # the test extra
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -123,3 +123,10 @@ def test_light_commands_import_neither_mlx_lm_nor_transformers(argv, tmp_path):
              "print('heavy:', sorted({m.split('.')[0] for m in sys.modules} & {'mlx_lm', 'transformers'}))")
     result = subprocess.run([sys.executable, "-P", "-c", probe, *argv], capture_output=True, text=True, timeout=120)
     assert result.stdout.splitlines()[-1] == "heavy: []", result.stdout + result.stderr
+
+
+def test_stats_refuses_a_crashed_daemons_socket_at_once(running_daemon):
+    """A kill -9 leaves the socket file: stats says nobody listens there instead of waiting out its timeout."""
+    running_daemon.kill9()
+    result = moe_l2("stats", "--socket", running_daemon.socket, "--timeout", "600")
+    assert result.returncode == 1 and "no moe-l2d listens at" in result.stderr, result.stderr

@@ -16,7 +16,7 @@ from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.layout import IndexHeader
 
-from .conftest import budget_for, segment_exists, short_tempdir, stats, wait_for
+from .conftest import budget_for, daemon_segments, segment_exists, short_tempdir, stats, wait_for
 
 
 def test_stats_describe_the_served_model(running_daemon, model_files):
@@ -133,15 +133,18 @@ def test_restart_after_kill9_reclaims_segments(daemon_factory, model_dir, model_
     first = daemon_factory([model_dir], str(budget_for(model_files, 2)))
     client = L2Client(model_files, first.socket, wait_s=5)
     old = client.attachment
+    left = [old.index.name, *(segment.name for segment in old.data)]
     client.close()
     first.kill9()
-    assert segment_exists(old.index.name)  # a crash leaves them behind
+    assert all(segment_exists(name) for name in left)  # a crash leaves them behind
     second = daemon_factory([model_dir], str(budget_for(model_files, 2)), runtime_dir=first.runtime_dir)
     assert "reclaimed shared-memory segment" in second.log()
-    fresh = IndexHeader.unpack(_native.Segment.open(old.index.name).view())
-    assert fresh.epoch != old.epoch
+    assert not any(segment_exists(name) for name in left)
+    index, _ = daemon_segments(second, model_files)
+    assert index not in left  # names are chosen anew at each start
+    assert IndexHeader.unpack(_native.Segment.open(index).view()).epoch != old.epoch
     assert second.stop() == 0
-    assert not segment_exists(old.index.name)
+    assert not segment_exists(index)
 
 
 def test_second_daemon_on_the_same_socket_is_refused(running_daemon, model_dir, model_files):

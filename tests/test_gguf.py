@@ -222,13 +222,15 @@ _DAEMON_SLOT_LOADS = """
 import json, sys, time
 import mlx.core as mx
 from moe_l2.daemon.loader import Loader
+from moe_l2 import _native
 from moe_l2.daemon.served import ServedModel
-from moe_l2.layout import Geometry
+from moe_l2.layout import Geometry, new_token, segment_name
 from moe_l2.model import ModelFiles
 
 files = ModelFiles.open(sys.argv[1])
 geometry = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, int(sys.argv[2]))
-served = ServedModel(0, files, geometry, instance=sys.argv[3], epoch=1)
+served = ServedModel(files, geometry, lambda layer, nbytes: _native.Segment.create(
+    segment_name("gguftest", 0, layer, new_token()), nbytes, 0o600), epoch=1)
 loader = Loader(threads=3)
 try:
     for layer in range(files.n_layers):
@@ -252,10 +254,10 @@ finally:
 
 
 @pytest.mark.parametrize("name", ["mixed-dense-first", "mxfp4"])
-def test_the_daemon_converts_into_slots_without_mlx_memory(gguf_model, name, tmp_path):
+def test_the_daemon_converts_into_slots_without_mlx_memory(gguf_model, name):
     files = gguf_model(name)
     result = subprocess.run([sys.executable, "-P", "-c", _DAEMON_SLOT_LOADS, str(files.path),
-                             str(budget_for(files, files.n_experts)), str(tmp_path / "instance")],
+                             str(budget_for(files, files.n_experts))],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout)

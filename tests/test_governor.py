@@ -11,9 +11,11 @@ import json
 import os
 import random
 import re
+import subprocess
 import sys
 import threading
 
+import psutil
 import pytest
 
 from moe_l2 import protocol
@@ -137,3 +139,41 @@ def test_floor_off_never_shrinks(daemon_factory, model_dir, model_files, tmp_pat
 def test_a_bad_floor_is_refused(daemon_factory, model_dir, model_files, floor):
     with pytest.raises(RuntimeError, match="memory floor"):
         daemon_factory([model_dir], str(budget_for(model_files, SLOTS)), "--memory-floor", floor)
+
+
+# In a child process: the real Governor, then the descriptor table filled to its limit, then a check.
+FULL_TABLE = """
+import errno, json, os, resource
+import psutil
+from moe_l2.daemon.governor import Governor
+governor = Governor([], floor=0)
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError as exc:
+    assert exc.errno == errno.EMFILE, exc
+try:
+    psutil.virtual_memory()
+    full = False
+except OSError:
+    full = True
+governor.check()
+print(json.dumps({"table_full": full, **governor.figures()}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="macOS reads memory with host_statistics: no descriptor")
+def test_the_governor_reads_memory_with_the_descriptor_table_full():
+    """Issue 22: over tcp:// a flood of connections filled the daemon's descriptor table and the governor
+    could no longer open /proc/meminfo; it keeps a descriptor of it from start."""
+    env = {k: v for k, v in os.environ.items() if k != MEMORY_FILE_ENV}
+    out = subprocess.run([sys.executable, "-P", "-c", FULL_TABLE], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    assert figures["table_full"], "psutil still opened /proc/meminfo: the table was not full"
+    assert figures["checks"] == 1
+    assert figures["total"] == psutil.virtual_memory().total
+    assert 0 < figures["available"] <= figures["total"]

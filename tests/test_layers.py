@@ -26,12 +26,12 @@ from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.daemon.metrics import families
 from moe_l2.generator import make_model
-from moe_l2.layout import Geometry, segment_names
+from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
 from moe_l2.plan import DEFAULT_KV_BYTES, MEMORY_FILE_ENV, Memory, ModelSizes, os_headroom, plan
 
-from .conftest import (assert_resident_exact, assert_same_as_whole, budget_for, segment_exists, stats,
-                       synthetic_trace, wait_for)
+from .conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, segment_exists,
+                       stats, synthetic_trace, wait_for)
 
 SERVED, UNSERVED = [0, 1], 2  # MoE layers of --layers 0-2
 TEXT = "The cache keeps the experts that the router picks most often close to the model. " * 3
@@ -53,9 +53,9 @@ def daemon(daemon_factory, files):
 
 def test_the_daemon_holds_only_the_served_layers_segments_and_slots(daemon, files):
     assert files.layer_ids == [1, 2, 3]
-    index, data = segment_names(daemon.socket, 0, files.n_layers)
+    index, data = daemon_segments(daemon, files)
     assert segment_exists(index)
-    assert [segment_exists(name) for name in data] == [True, True, False]
+    assert [bool(name) and segment_exists(name) for name in data] == [True, True, False]
     (m,) = stats(daemon)["models"]
     assert (m["served_layers"], m["served_layer_ids"]) == (SERVED, [1, 2])
     assert [(layer["layer"], layer["layer_id"]) for layer in m["layers"]] == [(0, 1), (1, 2)]

@@ -1,10 +1,17 @@
-"""moe-l2d --metrics (scraped over HTTP from a real daemon), journald priorities, and --version."""
+"""moe-l2d --metrics (scraped over HTTP from a real daemon, and attacked by other local users: docs/security.md,
+"The metrics endpoint"), journald priorities, and --version."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
+import select
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 
 import pytest
@@ -14,8 +21,13 @@ from moe_l2 import __version__, protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.config import ConfigError, build_parser, resolve
+from moe_l2.daemon.http import MAX_CONNECTIONS, MAX_HEAD_BYTES
+from moe_l2.daemon.process import DaemonProcess, short_tempdir
 
-from .conftest import budget_for, quarter_budget, stats, wait_for
+from .conftest import budget_for, quarter_budget, retire, stats, wait_for
+
+AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+REFUSAL = "metrics endpoint at its limit"
 
 
 def free_port() -> int:
@@ -29,6 +41,14 @@ def scrape(port: int) -> dict:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return {(s.name, *sorted(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def scrapes(port: int) -> bool:
+    """Whether a scrape gets the metrics now (a connection past the cap is closed unanswered)."""
+    try:
+        return ("moe_l2_uptime_seconds",) in scrape(port)
+    except (OSError, http.client.HTTPException):
+        return False
 
 
 def test_metrics_carry_the_figures_of_stats(daemon_factory, model_dir, model_files):
@@ -92,6 +112,149 @@ def test_a_busy_metrics_port_is_a_clear_start_error(daemon_factory, model_dir, m
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             daemon_factory([model_dir], quarter_budget(model_files), "--metrics", f"127.0.0.1:{port}")
+
+
+@pytest.fixture
+def metrics_daemon(daemon_factory, model_dir, model_files):
+    """A real daemon with --metrics on a free loopback port: (daemon, port)."""
+    port = free_port()
+    return daemon_factory([model_dir], quarter_budget(model_files), "--metrics", f"127.0.0.1:{port}"), port
+
+
+def ask(port: int, method: str, path: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(method, path)
+        answer = conn.getresponse()
+        return answer.status, answer.read()
+    finally:
+        conn.close()
+
+
+def closed_unanswered(sock: socket.socket) -> bool:
+    """Waits until the server closes `sock`; True if it sent nothing before closing (a close with our request
+    unread is a reset)."""
+    sock.settimeout(30)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_only_get_and_head_of_metrics_and_health_are_served(metrics_daemon):
+    daemon, port = metrics_daemon
+    status, body = ask(port, "GET", "/metrics")
+    assert status == 200 and b"moe_l2_uptime_seconds" in body
+    assert ask(port, "HEAD", "/metrics") == (200, b"")
+    assert ask(port, "GET", "/health") == (200, b"ok\n")
+    assert ask(port, "GET", "/metrics?x=1")[0] == 200
+    for path in ("/", "/healthz", "/metrics/", "/favicon.ico", "/" + "a" * 1000):
+        status, body = ask(port, "GET", path)
+        assert status == 404 and b"/metrics" in body and len(body) < 200, path
+    assert ask(port, "POST", "/metrics")[0] == 405
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nX: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n")
+        assert sock.recv(64).startswith(b"HTTP/1.1 431 ")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"nonsense\r\n\r\n")
+        assert sock.recv(64).startswith(b"HTTP/1.1 400 ")
+    assert daemon.proc.poll() is None
+
+
+def test_a_request_head_that_never_ends_is_closed(metrics_daemon):
+    """A header line every 0.2 s keeps the connection busy, yet it is closed once the head's time is up."""
+    _, port = metrics_daemon
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+        for i in range(300):
+            sock.sendall(b"X-%d: 1\r\n" % i)
+            if select.select([sock], [], [], 0.2)[0]:
+                break
+        else:
+            pytest.fail("still open after 60 s of header lines")
+        assert sock.recv(1) == b"", "the connection answered a request whose head never ended"
+    assert scrapes(port)
+
+
+def test_past_the_connection_cap_the_oldest_is_closed_and_that_is_logged_once(metrics_daemon):
+    """Idle connections held up to the cap do not keep scrapers out: each new one closes the oldest."""
+    daemon, port = metrics_daemon
+    held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(MAX_CONNECTIONS + 10)]
+    try:
+        assert scrapes(port)
+        assert closed_unanswered(held[0])
+        wait_for(lambda: REFUSAL in daemon.log(), what="the log line of the cap")
+        assert daemon.log().count(REFUSAL) == 1  # for 11 connections closed
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_concurrent_scrapes_share_one_stats_request(metrics_daemon):
+    """However many scrape at once, the daemon's server thread is asked for stats once, not once each."""
+    daemon, port = metrics_daemon
+    n = 16
+    barrier = threading.Barrier(n)
+    results = []
+
+    def scraper():
+        barrier.wait()
+        results.append(ask(port, "GET", "/metrics")[0])
+
+    before = stats(daemon)["daemon"]["requests"]
+    threads = [threading.Thread(target=scraper) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    asked = stats(daemon)["daemon"]["requests"] - before - 1  # less this stats request itself
+    assert results == [200] * n
+    assert 1 <= asked < n / 2, asked
+
+
+def _second_user_can_run_python() -> bool:
+    if sys.platform != "linux" or os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("prlimit")):
+        return False
+    return subprocess.run([*AS_NOBODY, sys.executable, "-P", "-c", "import socket"], capture_output=True,
+                          timeout=60).returncode == 0
+
+
+# The other user's script: open N connections to the port, say how many, hold them until stdin closes.
+HOLD = """
+import socket, sys
+held = [socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10) for _ in range(int(sys.argv[2]))]
+print("held", len(held), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(not _second_user_can_run_python(),
+                    reason="needs root on Linux, util-linux setpriv and prlimit, and this interpreter runnable by "
+                           "uid 65534, to hold connections as another user")
+def test_idle_connections_of_another_user_leave_the_daemon_serving(model_dir, model_files):
+    """Issue 20: 246 idle connections of uid nobody, then one `moe-l2 stats`, aborted the daemon (its descriptor
+    table full). Here more connections than the daemon's descriptor limit are held."""
+    nofile, n = 256, 300
+    port = free_port()
+    daemon = DaemonProcess.serving([model_dir], quarter_budget(model_files), "--metrics", f"127.0.0.1:{port}",
+                                   runtime_dir=short_tempdir(), wrapper=("prlimit", f"--nofile={nofile}:4096"))
+    holder = None
+    try:
+        daemon.start()
+        holder = subprocess.Popen([*AS_NOBODY, sys.executable, "-P", "-c", HOLD, str(port), str(n)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().split() == ["held", str(n)]
+        out = subprocess.run([sys.executable, "-P", "-m", "moe_l2.cli", "stats", "--json", "--socket",
+                              daemon.socket, "--timeout", "10"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["models"][0]["path"] == str(model_dir)
+        assert scrapes(port)
+        assert daemon.proc.poll() is None
+        assert daemon.log().count(REFUSAL) == 1  # for n - MAX_CONNECTIONS + 1 connections closed at the cap
+    finally:
+        if holder is not None:
+            holder.communicate(timeout=30)  # closes its stdin: it lets go of the connections
+        retire([daemon])
 
 
 def test_log_lines_carry_journald_priorities_under_systemd(daemon_factory, model_dir, model_files, monkeypatch):

@@ -15,11 +15,9 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from moe_l2 import _native
 from moe_l2.client.mlx_lm import StreamedLM, l0_slots_for
 from moe_l2.client.switch import StreamedSwitch, quantized_sorted
 from moe_l2.generator import make_model
-from moe_l2.layout import segment_names
 from moe_l2.model import ModelFiles
 
 from .conftest import assert_same_as_whole, budget_for, made_and_loaded_whole, stats, wait_for
@@ -230,9 +228,7 @@ def test_daemon_killed_mid_generation(daemon_factory, model_dir, model_files):
             assert got == expected
             assert lm.pool.counts.l3_reads > reads  # served from the file after the daemon died
     finally:
-        index, data = segment_names(daemon.socket, 0, model_files.n_layers)
-        for name in (index, *data):
-            _native.Segment.unlink(name)  # a SIGKILLed daemon leaves its segments
+        daemon.unlink_leftovers()  # a SIGKILLed daemon leaves its segments
 
 
 class RouterSpy(nn.Module):

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-on_mac = pytest.mark.skipif(sys.platform != "darwin", reason="checks what only macOS does")
+on_mac = pytest.mark.darwin
 
 
 # --- sd_notify without SOCK_CLOEXEC ---------------------------------------------------------------
@@ -51,8 +51,8 @@ def darwin_memory(monkeypatch):
 
     figures = DarwinMemory(total=64 * GIB, available=6 * GIB, percent=90.0, used=40 * GIB, free=1 * GIB,
                            active=20 * GIB, inactive=30 * GIB, wired=8 * GIB)
-    monkeypatch.setattr(main.psutil, "virtual_memory", lambda: figures)
-    monkeypatch.setattr(main.sys, "platform", "darwin")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: figures)  # as moe_l2.machine reads them for the check
+    monkeypatch.setattr(sys, "platform", "darwin")
     return main
 
 

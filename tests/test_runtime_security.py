@@ -6,7 +6,6 @@ The other user is uid 65534 (nobody), reached with util-linux's setpriv; these t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ import pytest
 from moe_l2 import _native, protocol
 from moe_l2.client.connection import request
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
+from moe_l2.runtime import instance_tag
 
 from .conftest import budget_for, segment_exists
 
@@ -31,8 +31,6 @@ def as_nobody(*argv: str) -> None:
                    timeout=30)
 
 
-def tag_of(socket: str) -> str:
-    return hashlib.sha1(socket.encode()).hexdigest()[:8]
 
 
 @pytest.fixture
@@ -75,7 +73,7 @@ def test_a_runtime_dir_another_user_made_first_is_refused(dirs, victim, model_di
     runtime = parent / "moe-l2-0"
     as_nobody("mkdir", "-m", "0700", str(runtime))
     socket = f"ipc://{runtime / 'moe-l2d.sock'}"
-    as_nobody("ln", "-s", str(victim), str(runtime / f"moe-l2d-{tag_of(socket)}.lock"))
+    as_nobody("ln", "-s", str(victim), str(runtime / f"moe-l2d-{instance_tag(socket)}.lock"))
     log = refused(dirs(), model_dir, model_files, runtime)
     assert f"runtime directory {runtime} belongs to uid {NOBODY}" in log
     assert "rm -r" in log
@@ -103,19 +101,19 @@ def test_links_planted_for_the_lock_and_the_segment_list_are_not_followed(dirs, 
     runtime = dirs()
     os.chmod(runtime, 0o700)
     socket = f"ipc://{runtime / 'moe-l2d.sock'}"
-    lock = runtime / f"moe-l2d-{tag_of(socket)}.lock"
+    lock = runtime / f"moe-l2d-{instance_tag(socket)}.lock"
     lock.symlink_to(victim)
     log = refused(dirs(), model_dir, model_files, runtime)
     assert f"cannot open the lock file {lock}" in log and "symbolic link" in log
     assert victim.read_text() == "precious\n"
     lock.unlink()
     # The segment list as a link: the daemon neither reads it nor writes (or chmods) through it.
-    (runtime / f"moe-l2d-{tag_of(socket)}.segments").symlink_to(victim)
+    (runtime / f"moe-l2d-{instance_tag(socket)}.segments").symlink_to(victim)
     daemon = DaemonProcess(["--model", str(model_dir), "--budget", str(budget_for(model_files, 2)),
                             "--runtime-dir", str(runtime)], runtime).start()
     try:
         assert "ignoring the segment list" in daemon.log()
-        assert json.loads((runtime / f"moe-l2d-{tag_of(socket)}.segments").read_text())  # replaced, not followed
+        assert json.loads((runtime / f"moe-l2d-{instance_tag(socket)}.segments").read_text())  # replaced, not followed
         assert victim.read_text() == "precious\n" and victim.stat().st_mode & 0o777 == 0o644
     finally:
         assert daemon.stop() == 0
@@ -131,12 +129,12 @@ def test_a_planted_segment_list_unlinks_no_other_daemons_or_users_segments(daemo
     runtime = dirs()
     os.chmod(runtime, 0o700)
     socket = f"ipc://{runtime / 'moe-l2d.sock'}"
-    foreign = f"/ml2{tag_of(socket)}.9i"  # this daemon's tag, but another user's segment
+    foreign = f"/ml2{instance_tag(socket)}.9i"  # this daemon's tag, but another user's segment
     as_nobody(SYSTEM_PYTHON, "-I", "-c", "import os, sys, _posixshmem; "
               "os.ftruncate(_posixshmem.shm_open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600), 4096)",
               foreign)
     try:
-        (runtime / f"moe-l2d-{tag_of(socket)}.segments").write_text(json.dumps([*live, foreign]))
+        (runtime / f"moe-l2d-{instance_tag(socket)}.segments").write_text(json.dumps([*live, foreign]))
         second = daemon_factory([model_dir], str(budget_for(model_files, 2)), runtime_dir=runtime)
         assert all(segment_exists(n) for n in live), "the first daemon's live segments survive"
         assert segment_exists(foreign)

@@ -48,6 +48,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_l2.atomic_file import AtomicFile
+
 from .embedding import EmbeddingCentroid
 from .prediction import NaiveBayes, Prediction, PredictorError
 
@@ -250,10 +252,9 @@ class Profile:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
-        os.replace(tmp, path)
+        """Atomically, under a private name: --out may lie in a directory others can write (atomic_file.py)."""
+        with AtomicFile(path) as f:
+            f.write((json.dumps(self.to_json(), separators=(",", ":")) + "\n").encode())
         self.path = str(path)
 
     @classmethod

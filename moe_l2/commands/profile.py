@@ -7,11 +7,10 @@ import json
 import os
 import sys
 
-from moe_l2 import protocol
+from moe_l2 import control
 from moe_l2.cache.prediction import NaiveBayes, PredictorError
 from moe_l2.cache.profile import KINDS, Profile, ProfileError
 from moe_l2.cache.trace import TraceError, read_traces
-from moe_l2.client.connection import request
 from moe_l2.model.location import ModelNotFound, path_arg, resolve_model, socket_arg
 from moe_l2.runtime import default_socket
 
@@ -42,10 +41,8 @@ def profile_from_daemon(socket: str, model: str | None, base: Profile | None = N
                         timeout_s: float = 5.0) -> Profile:
     """A profile from a running daemon's online statistics (what its clients reported), optionally added
     to a base profile (whose predictor it keeps)."""
-    reply = request(socket, protocol.Stats(id=1, routing=True), timeout_s=timeout_s)
-    if not reply.ok:
-        raise ProfileError(f"the daemon refused: {reply.ename}: {reply.evalue}")
-    models = reply.payload.get("models", [])
+    payload = control.stats(socket, timeout_s, routing=True)  # the trust checks, its shape checked
+    models = payload["models"]
     if model is not None:
         try:
             real = os.path.realpath(resolve_model(model))
@@ -53,7 +50,7 @@ def profile_from_daemon(socket: str, model: str | None, base: Profile | None = N
             real = None  # a fingerprint
         models = [m for m in models if m.get("fingerprint") == model or os.path.realpath(m.get("path", "")) == real]
     if len(models) != 1:
-        served = ", ".join(m.get("path", "?") for m in reply.payload.get("models", []))
+        served = ", ".join(m["path"] for m in payload["models"])
         raise ProfileError(f"choose one of the served models with --model (served: {served or 'none'})"
                            if models or model is None else f"the daemon does not serve {model} (served: {served})")
     m = models[0]
@@ -106,14 +103,16 @@ def run(args) -> int:
                                               predictor=False if args.no_predictor else args.predictor)
             else:
                 base = Profile.load(args.base) if args.base else None
-                profile = profile_from_daemon(args.socket or default_socket(), args.model, base, args.timeout)
+                try:
+                    profile = profile_from_daemon(args.socket or default_socket(), args.model, base, args.timeout)
+                except (OSError, RuntimeError, control.UntrustedDaemon) as exc:
+                    # No answer, no socket or no permission, refused, an impostor, or a malformed reply.
+                    print(f"moe-l2 profile: {exc}", file=sys.stderr)
+                    return 1
             profile.save(args.out)
     except (TraceError, ProfileError, PredictorError) as exc:
         print(f"moe-l2 profile: {exc}", file=sys.stderr)
         return 2
-    except (TimeoutError, ConnectionRefusedError) as exc:
-        print(f"moe-l2 profile: {exc}", file=sys.stderr)
-        return 1
     except OSError as exc:
         print(f"moe-l2 profile: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 2

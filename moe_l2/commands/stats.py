@@ -9,7 +9,6 @@ import signal
 import sys
 import time
 
-from moe_l2 import protocol
 from moe_l2.layout import describe_slots
 from moe_l2.model.files import format_ranges
 from moe_l2.model.location import socket_arg
@@ -231,19 +230,17 @@ def watch(args: argparse.Namespace, ask) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_l2.client.connection import request
+    from moe_l2.control import UntrustedDaemon, stats
 
     def ask() -> dict:
-        reply = request(args.socket, protocol.Stats(id=1), timeout_s=args.timeout)
-        if not reply.ok:
-            raise RuntimeError(f"the daemon refused: {reply.ename}: {reply.evalue}")
-        return reply.payload
+        return stats(args.socket, args.timeout)  # the trust checks, a bounded reply, its shape checked
 
     try:
         if args.watch:
             return watch(args, ask)
         payload = ask()
-    except (OSError, RuntimeError) as exc:  # no answer, no socket, no permission, or refused
+    except (OSError, RuntimeError, UntrustedDaemon) as exc:
+        # No answer, no socket or no permission, refused, an impostor, or a malformed reply.
         print(f"moe-l2 stats: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(payload, indent=2) if args.json else render(payload))

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from moe_l2.atomic_file import AtomicFile
+
 __all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "CorruptRecord", "Manifest", "manifest_path", "load_manifest",
            "write_manifest"]
 
@@ -106,15 +108,9 @@ def load_manifest(model: Path, fingerprint: str, record_bytes: int, n_layers: in
     return Manifest(path, fingerprint, record_bytes, tuple(tuple(row) for row in layers)), None
 
 
-def write_manifest(manifest: Manifest) -> None:
-    """Write the manifest atomically: a new file, fsynced, renamed over the old one."""
-    partial = manifest.path.with_name(manifest.path.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        data = memoryview(manifest.to_json())
-        while data:
-            data = data[os.write(fd, data):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(partial, manifest.path)
+def write_manifest(manifest: Manifest, dir_fd: int | None = None) -> None:
+    """Write the manifest atomically: under a private name, fsynced, renamed over the old one. The model's
+    directory may be a shared cache other users can write, and the writer root (moe_l2/atomic_file.py).
+    dir_fd: a descriptor of that directory, when the caller holds one."""
+    with AtomicFile(manifest.path, dir_fd=dir_fd) as f:
+        f.write(manifest.to_json())

@@ -23,10 +23,13 @@ Before writing, pack runs the architecture's sanitize on shape-only stand-ins to
 will stack the per-expert names back; some architectures' sanitize stacks only some pieces
 (qwen3_moe: the unquantized ``weight`` only), and pack then refuses unless ``--moe-l2-only``.
 
-Atomicity: every file is written as ``NAME.partial``, fsynced (``F_FULLFSYNC`` on macOS, where plain
-fsync leaves the data in the drive's cache), its pages dropped from the page cache (a pack is written
-once and read later, by direct I/O by default), then renamed; ``config.json`` is written last, so an
-interrupted pack leaves no directory that mlx-lm or moe-l2 would take for a model. Just before it, the
+Atomicity: every file is written under a private name (``.NAME.<random>.partial``, created
+O_EXCL|O_NOFOLLOW in the output directory's descriptor, held from start to end: --out may lie in a
+directory other users can write, and the packer run as root; moe_l2/atomic_file.py), fsynced
+(``F_FULLFSYNC`` on macOS, where plain fsync leaves the data in the drive's cache), its pages dropped from
+the page cache (a pack is written once and read later, by direct I/O by default), then renamed;
+``config.json`` is written last, so an interrupted pack leaves no directory that mlx-lm or moe-l2 would
+take for a model; the next run removes the partial files an interrupted one left. Just before it, the
 checksum manifest (``moe-l2.checksums.json``: the CRC-32 of every record, as read from the source) is
 written, so that every packed model has one (moe_l2/model/checksums.py). Running the same
 pack again resumes: shards already in place whose size and header match the plan (which names the
@@ -39,12 +42,13 @@ import fcntl
 import json
 import os
 import random
-import shutil
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from moe_l2.atomic_file import AtomicFile, final_name, open_dir
 from moe_l2.model.checksums import MANIFEST_NAME, Manifest, manifest_path, write_manifest
 from moe_l2.model.files import ModelFiles
 from moe_l2.model.packed import PACK_MARKER, checkpoint_reader
@@ -237,25 +241,20 @@ def _pread(fd: int, offset: int, nbytes: int) -> bytes:
     return data
 
 
-def _complete(path: Path, shard: _Shard) -> bool:
+def _complete(out_fd: int, shard: _Shard) -> bool:
+    """Whether an earlier run wrote the shard: a regular file (a link or FIFO planted in --out is neither
+    followed nor waited on) of the planned size and header."""
     try:
-        if path.stat().st_size != shard.size:
-            return False
-        with open(path, "rb") as f:
-            return f.read(len(shard.header)) == shard.header
+        fd = os.open(shard.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+                     dir_fd=out_fd)
     except OSError:
         return False
-
-
-def _fsync_dir(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        st = os.fstat(fd)
+        return (stat.S_ISREG(st.st_mode) and st.st_size == shard.size
+                and os.pread(fd, len(shard.header), 0) == shard.header)
     except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        return False
     finally:
         os.close(fd)
 
@@ -272,32 +271,22 @@ def _full_fsync(fd: int) -> None:
     os.fsync(fd)
 
 
-class _Atomic:
-    """A file written as NAME.partial, fsynced, then renamed into place, leaving none of its pages in the
-    page cache: the pack is read later (by direct I/O by default) and would only push out other data."""
+class _PackFile(AtomicFile):
+    """A file of the pack, leaving none of its pages in the page cache: the pack is read later (by direct I/O
+    by default) and would only push out other data."""
 
-    def __init__(self, final: Path):
-        self.final = final
-        self.partial = final.with_name(final.name + ".partial")
-        self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def __init__(self, final: Path, dir_fd: int | None = None):
+        super().__init__(final, dir_fd=dir_fd)
         if not hasattr(os, "posix_fadvise") and hasattr(fcntl, "F_NOCACHE"):
             try:  # macOS: no fadvise; writes through this fd are not kept in the unified buffer cache
                 fcntl.fcntl(self.fd, fcntl.F_NOCACHE, 1)
             except OSError:
                 pass  # a hint: the file is written all the same
 
-    def finish(self) -> None:
+    def sync(self) -> None:
         _full_fsync(self.fd)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written back above, so dropped
-        os.close(self.fd)
-        self.fd = -1
-        os.replace(self.partial, self.final)
-
-    def abort(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 def _layer_chunks(files: ModelFiles, src_fds: list[int], layer: int):
@@ -328,10 +317,10 @@ def _chunk_checksums(files: ModelFiles, buf: bytearray) -> list[int]:
     return [files.layout.checksum(buf, i * stride) for i in range(len(buf) // stride)]
 
 
-def _write_shard(files: ModelFiles, src_fds: list[int], out: Path, shard: _Shard, bar, checksums: dict) -> None:
+def _write_shard(files: ModelFiles, src_fds: list[int], out: Path, out_fd: int, shard: _Shard, bar,
+                 checksums: dict) -> None:
     """Write the shard; checksums[layer] gets the checksums of its layers' records, as read from the source."""
-    f = _Atomic(out / shard.name)
-    try:
+    with _PackFile(out / shard.name, out_fd) as f:
         _write_all(f.fd, shard.header)
         bar.update(len(shard.header))
         for fi, start, nbytes, _ in shard.copies:
@@ -345,26 +334,47 @@ def _write_shard(files: ModelFiles, src_fds: list[int], out: Path, shard: _Shard
                 checksums[layer] += _chunk_checksums(files, buf)
                 _write_all(f.fd, buf)
                 bar.update(len(buf))
-        f.finish()
-    except BaseException:
-        f.abort()
-        raise
 
 
-def _copy_atomic(src: Path, dst: Path, data: Optional[bytes] = None) -> None:
-    f = _Atomic(dst)
-    try:
+def _copy_atomic(src: Path, dst: Path, data: Optional[bytes] = None, *, dir_fd: int | None = None) -> None:
+    """dst: src's bytes (or `data`) with src's mode and times; dir_fd: dst's directory, when held."""
+    st = os.stat(src)
+    with _PackFile(dst, dir_fd) as f:
         if data is None:
             with open(src, "rb") as fh:
                 while chunk := fh.read(_CHUNK):
                     _write_all(f.fd, chunk)
         else:
             _write_all(f.fd, data)
-        shutil.copystat(src, f.partial)
-        f.finish()
-    except BaseException:
-        f.abort()
-        raise
+        f.mode = stat.S_IMODE(st.st_mode)
+        os.utime(f.fd, ns=(st.st_atime_ns, st.st_mtime_ns))  # through the descriptor, as the mode
+
+
+def _copy_tree(src: Path, dst: Path, dst_dir_fd: int) -> None:
+    """A folder of the source (a tokenizer's, say) at dst, dst_dir_fd its parent: each folder opened without
+    following a link and each file written through _copy_atomic, so nothing planted in --out is followed."""
+    try:
+        os.mkdir(dst.name, 0o755, dir_fd=dst_dir_fd)
+    except FileExistsError:
+        pass
+    try:
+        fd = open_dir(dst.name, dst_dir_fd, follow=False)
+    except OSError as e:
+        raise PackError(f"{dst} is not a folder this pack can write into ({e.strerror}); remove it") from None
+    try:
+        for entry in sorted(os.scandir(src), key=lambda e: e.name):
+            if entry.is_dir():
+                _copy_tree(Path(entry.path), dst / entry.name, fd)
+            else:
+                _copy_atomic(Path(entry.path), dst / entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _leftover(name: str, planned: set[str]) -> bool:
+    """A partial file an interrupted pack left: under its private name, or as NAME.partial (an earlier release's
+    name, and one another user can plant a link at: it is removed, never opened)."""
+    return final_name(name) in planned or (name.endswith(".partial") and name.removesuffix(".partial") in planned)
 
 
 def _check_out(src: Path, out: Path, planned: set[str]) -> None:
@@ -376,8 +386,7 @@ def _check_out(src: Path, out: Path, planned: set[str]) -> None:
         raise PackError(f"--out {out} exists and is not a directory")
     if (out / "config.json").exists():
         raise PackError(f"--out {out} already holds a model (config.json); remove it or choose another directory")
-    strangers = sorted(p.name for p in out.iterdir()
-                       if p.name not in planned and p.name.removesuffix(".partial") not in planned)
+    strangers = sorted(p.name for p in out.iterdir() if p.name not in planned and not _leftover(p.name, planned))
     if strangers:
         raise PackError(f"--out {out} holds files this pack would not write ({', '.join(strangers[:5])}), "
                         "perhaps left by a pack with other settings: remove them, or give an empty or new directory")
@@ -458,6 +467,19 @@ def pack(model, out, *, max_shard_bytes: int = 5 << 30, moe_l2_only: bool = Fals
     planned = {s.name for s in shards} | {p.name for p in others} | {INDEX_NAME, "config.json", MANIFEST_NAME}
     _check_out(src, out, planned)
     out.mkdir(parents=True, exist_ok=True)
+    out_fd = open_dir(out)
+    try:
+        for name in os.listdir(out_fd):
+            if _leftover(name, planned):
+                os.unlink(name, dir_fd=out_fd)  # unlink removes a link, never its target
+        return _pack_into(files, src, out, out_fd, shards, index, others, verify, progress)
+    finally:
+        os.close(out_fd)
+
+
+def _pack_into(files: ModelFiles, src: Path, out: Path, out_fd: int, shards: list[_Shard], index: dict,
+               others: list[Path], verify: str, progress: bool) -> ModelFiles:
+    """Write the planned pack into out, whose directory out_fd is (held from start to end)."""
 
     from tqdm import tqdm
 
@@ -468,31 +490,34 @@ def pack(model, out, *, max_shard_bytes: int = 5 << 30, moe_l2_only: bool = Fals
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pack {out.name}",
                   disable=not progress, file=sys.stderr) as bar:
             for shard in shards:
-                if _complete(out / shard.name, shard):
+                if _complete(out_fd, shard):
                     bar.update(shard.size)  # resumed: written and renamed by an earlier run
                     for layer, _ in shard.layers:  # its checksums come from the source all the same
                         checksums[layer] = [c for _, buf in _layer_chunks(files, src_fds, layer)
                                             for c in _chunk_checksums(files, buf)]
                     continue
-                _write_shard(files, src_fds, out, shard, bar, checksums)
+                _write_shard(files, src_fds, out, out_fd, shard, bar, checksums)
     finally:
         for fd in src_fds:
             os.close(fd)
     _verify(files, out, shards, verify)
     for p in others:
         if p.is_dir():
-            shutil.copytree(p, out / p.name, dirs_exist_ok=True)
+            _copy_tree(p, out / p.name, out_fd)
         else:
-            _copy_atomic(p, out / p.name)
+            _copy_atomic(p, out / p.name, dir_fd=out_fd)
     _copy_atomic(src / INDEX_NAME if (src / INDEX_NAME).exists() else src / "config.json", out / INDEX_NAME,
-                 json.dumps(index, indent=4).encode())
+                 json.dumps(index, indent=4).encode(), dir_fd=out_fd)
     # The checksums taken from the source, for the packed copy's fingerprint, before config.json (which is
     # the same bytes as the source's): a packed model always has its manifest (docs/formats.md, "Checksums").
     fingerprint = checkpoint_reader(read_checkpoint(out, src / "config.json")).fingerprint
     write_manifest(Manifest(manifest_path(out), fingerprint, files.layout.nbytes,
-                            tuple(tuple(checksums[layer]) for layer in range(files.n_layers))))
-    _copy_atomic(src / "config.json", out / "config.json")  # last: now the directory is a model
-    _fsync_dir(out)
+                            tuple(tuple(checksums[layer]) for layer in range(files.n_layers))), out_fd)
+    _copy_atomic(src / "config.json", out / "config.json", dir_fd=out_fd)  # last: now the directory is a model
+    try:
+        os.fsync(out_fd)  # the renames
+    except OSError:
+        pass  # some file systems cannot sync a directory: the files themselves are synced
     try:
         packed = ModelFiles.open(out)
         if packed.format != "packed" or packed.layout.pieces != files.layout.pieces:
