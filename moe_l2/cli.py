@@ -19,6 +19,8 @@ COMMANDS = {
     "generate": ("generate", "generate text with an mlx-lm MoE model, its experts streamed"),
     "serve": ("serve", "serve an mlx-lm MoE model over an OpenAI-compatible HTTP API, its experts streamed"),
     "stats": ("stats", "hit rates, occupancy, loads and memory of the running daemon"),
+    "doctor": ("doctor", "what this machine gives moe-l2 (zero-copy, shared memory, locking, limits, disk, daemon) "
+                         "and what would make it slow or unsafe"),
     "plan": ("plan", "how this machine's memory splits into L2, L0 per process, KV and headroom; with a trace, "
                      "hit rates"),
     "verify": ("verify", "check experts through the client path against the file and the model's checksum "
