@@ -1,0 +1,33 @@
+"""moe_l2.client: a process' side of moe-l2 (docs/architecture.md, "Modules").
+
+`load`, `close`, `stats` and `StreamOptions` are the mlx-lm-shaped entry points (also at the top of the
+package: `moe_l2.load`); `ExpertPool` (L0 and the L0 -> L2 -> L3 walk) and `L2Client` (the link to moe-l2d)
+are the layers beneath. Each name is imported on first use, so that `import moe_l2.client` loads neither MLX
+nor mlx-lm.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# Name -> the module that defines it.
+_EXPORTS = {
+    "load": "mlx_lm", "close": "mlx_lm", "stats": "mlx_lm", "ExpertStats": "mlx_lm", "StreamedLM": "mlx_lm",
+    "StreamOptions": "options", "OptionError": "options",
+    "ExpertPool": "pool", "TierCounts": "pool", "PoolTooSmall": "pool",
+    "L2Client": "connection",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

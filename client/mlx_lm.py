@@ -7,14 +7,15 @@ mlx-lm's own quantization rules and strict loading decide every module. Each Swi
 swapped for a StreamedSwitch (moe_l2.client.switch) and the stand-ins are dropped unevaluated: no expert byte
 is read here. This also loads checkpoints whose per-expert tensors mlx-lm's sanitize would not stack
 (`moe-l2 pack --moe-l2-only`). `StreamedLM` puts the model, its tokenizer, the pool and the daemon link
-together.
+together; `load` gives its model and tokenizer as mlx_lm.load does, and `close` and `stats` reach the rest
+through the model.
 """
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,7 +26,9 @@ from mlx_lm.utils import _get_classes, load_tokenizer
 from mlx_lm.utils import load_model as _mlx_lm_load_model
 
 from moe_l2.cache.trace import read_traces
+from moe_l2.client.connection import L2Client
 from moe_l2.client.nextlayer import NextLayer, find_router
+from moe_l2.client.options import StreamOptions
 from moe_l2.client.pool import ExpertPool
 from moe_l2.client.switch import ForwardState, RoutingRecorder, StreamedSwitch, StreamStats
 from moe_l2.model import ModelFiles
@@ -34,8 +37,8 @@ from moe_l2.model.location import resolve_model
 from moe_l2.plan import ModelSizes, plan, read_memory
 from moe_l2.sizes import format_size, parse_size
 
-__all__ = ["StreamedLM", "stream_experts", "load_model", "pipeline_models", "pipeline_stage", "l0_slots_for",
-           "peak_rss_bytes", "hit_rates"]
+__all__ = ["load", "close", "stats", "streamed", "ExpertStats", "StreamedLM", "stream_experts", "load_model",
+           "pipeline_models", "pipeline_stage", "l0_slots_for", "peak_rss_bytes", "hit_rates"]
 
 
 def _switch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -124,7 +127,7 @@ def load_model(path, files: ModelFiles, *, model_config: dict | None = None,
     def classes(config):
         model_class, args_class = _get_classes(config)
 
-        class WithoutExperts(model_class):
+        class WithoutExperts(model_class, StreamedModel):
             def sanitize(self, weights):
                 weights = {k: v for k, v in weights.items() if k not in expert_names}
                 if hasattr(model_class, "sanitize"):
@@ -208,31 +211,31 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+class StreamedModel:
+    """What a streamed model adds to its mlx-lm class: `with model:` closes its stream (see `close`)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        close(self)
+
+
 class StreamedLM:
     """A streamed model with its tokenizer, pool and daemon link; a context manager that closes them."""
 
-    def __init__(self, path, *, l0_slots: int | None = None, l0_budget: int | str | None = None,
-                 socket: str | None = None, daemon: bool = True, client_wait_s: float = 1.0,
-                 policy: str = "lru", record: bool = False, model_config: dict | None = None,
-                 direct: bool | None = None, verify: str = "file", download: bool = False,
-                 tokenizer_config: dict | None = None, prefetch: str = "off",
-                 group: mx.distributed.Group | None = None, lend: bool = True, shared_l0: bool = False,
-                 load_through_s: float = 0.0, prefetch_from: str | os.PathLike | None = None):
-        """prefetch: next-layer prefetch, one of moe_l2.cache.prefetch.PREFETCH; prefetch_from: a routing trace
-        of this model (`moe-l2 generate --trace-out`) its learned predictors start from.
-        lend: compute on the records L2 holds in place, without copying them (ExpertPool `lend`).
-        shared_l0: l0_slots (or l0_budget) buys rows in all, which every layer takes from (ExpertPool
-        `shared_l0`), instead of rows in every layer.
-        load_through_s: a miss waits up to this long for the daemon to load it into L2 (ExpertPool
-        `load_through_s`).
+    def __init__(self, path, options: StreamOptions | None = None, *, model_config: dict | None = None,
+                 tokenizer_config: dict | None = None, download: bool = False, record: bool = False,
+                 group: mx.distributed.Group | None = None, **fields):
+        """options: how the experts are streamed (client/options.py), with `fields` replaced: StreamOptions'
+        fields by name (a name that is none is refused with the list).
+        download: fetch a Hugging Face repo id that is not in the local cache, as mlx-lm does.
+        record: keep the routing of every token (`recorder`, for a trace).
         group: the mlx.distributed group to run a pipeline stage in (several ranks: this rank's layers
         only, docs/distributed.md); None or one rank: the whole model."""
-        from moe_l2.client.connection import L2Client
-
-        if prefetch_from is not None and prefetch == "off":
-            raise ValueError("--prefetch-from seeds next-layer prefetch: give --prefetch too")
-        seed = read_traces(prefetch_from) if prefetch_from is not None else None
-        # A directory or a Hugging Face repo id; `download` fetches a missing one as mlx-lm does.
+        self.options = options = StreamOptions.of(options, **fields)
+        seed = read_traces(options.prefetch_from) if options.prefetch_from is not None else None
+        # A directory or a Hugging Face repo id.
         path = resolve_model(path, download)
         self.files = ModelFiles.open(path)
         self.stats = StreamStats()
@@ -240,14 +243,18 @@ class StreamedLM:
         self.recorder = RoutingRecorder(self.files.n_layers) if record else None
         # A pipeline stage tells its daemon which layers it streams (moe-l2d --layers serves a host's stages).
         stage = layers if len(layers) < self.files.n_layers else None
-        self.client = L2Client(self.files, socket, wait_s=client_wait_s, layers=stage) if daemon else None
+        self.client = (L2Client(self.files, options.socket, wait_s=options.client_wait_s, layers=stage)
+                       if options.daemon else None)
+        shared = options.l0_shared
         try:
             self.pool = ExpertPool(self.files,
-                                   l0_slots_for(self.files, l0_slots, l0_budget, len(layers), shared_l0),
-                                   self.client, policy=policy, direct=direct, verify=verify, layers=layers,
-                                   lend=lend, shared_l0=shared_l0, load_through_s=load_through_s)
+                                   l0_slots_for(self.files, options.l0_slots, options.l0_budget, len(layers), shared),
+                                   self.client, policy=options.policy, direct=options.direct,
+                                   verify=options.verify, layers=layers, lend=options.lend, shared_l0=shared,
+                                   load_through_s=options.load_through_s)
             try:
-                self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, prefetch, seed)
+                self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, options.prefetch,
+                                               seed)
                 mx.eval(self.model.parameters())
                 self.tokenizer = load_tokenizer(Path(path), tokenizer_config,
                                                 eos_token_ids=self.config.get("eos_token_id"))
@@ -258,6 +265,9 @@ class StreamedLM:
             if self.client is not None:
                 self.client.close()
             raise
+        self.closed = False
+        # Plain attribute (not an array, list or dict): mlx's Module keeps it out of parameters() and children.
+        self.model._streamed_lm = self
 
     @property
     def next_layer(self) -> NextLayer | None:
@@ -271,9 +281,69 @@ class StreamedLM:
         self.close()
 
     def close(self) -> None:
+        """Stop the prefetch worker, close the model files and the daemon link (its thread); once."""
+        if self.closed:
+            return
+        self.closed = True
         self.pool.close()
         if self.client is not None:
             self.client.close()
+
+
+@dataclass(frozen=True)
+class ExpertStats:
+    """Where a streamed model's expert lookups were served from so far (each expert a layer's batch needs is
+    one lookup): lookups == l0_hits + l2_hits + disk_reads."""
+
+    lookups: int
+    l0_hits: int        # in this process' rows
+    l2_hits: int        # in moe-l2d's shared memory
+    l2_lent: int        # of l2_hits, computed on in place, not copied
+    l2_awaited: int     # of l2_hits, loaded by the daemon while the lookup waited (load-through: a disk read)
+    disk_reads: int     # read from the model files by this process
+    bytes_read: int     # from the model files
+    bytes_copied: int   # from L2
+    torn_layers: int    # layers computed again because the daemon replaced an expert they computed on
+    daemon: str | None  # the address of the moe-l2d this process is attached to now; None: none
+
+
+def load(path_or_repo_id, *, tokenizer_config: dict | None = None, model_config: dict | None = None,
+         **options) -> tuple[nn.Module, object]:
+    """(model, tokenizer) as mlx_lm.load gives them, with the routed experts streamed: the model runs unchanged
+    under mlx_lm.generate, stream_generate and batch_generate, and gives the tokens of the model loaded whole.
+
+    path_or_repo_id: a model directory or a Hugging Face repo id (downloaded when not in the local cache).
+    options: StreamOptions' fields (client/options.py; by default moe-l2d at the default socket where one
+    answers, else the model files, said once). Close the stream with `close(model)` or `with model:`;
+    `stats(model)` counts where its experts came from."""
+    lm = StreamedLM(path_or_repo_id, StreamOptions.of(**options), model_config=model_config,
+                    tokenizer_config=tokenizer_config, download=True)
+    return lm.model, lm.tokenizer
+
+
+def streamed(model) -> StreamedLM:
+    """The StreamedLM behind a model that `load` (or StreamedLM) gave."""
+    lm = getattr(model, "_streamed_lm", None)
+    if not isinstance(lm, StreamedLM):
+        raise TypeError(f"{type(model).__name__} has no streamed experts: give a model that moe_l2.load returned")
+    return lm
+
+
+def close(model) -> None:
+    """Close a loaded model's stream: its prefetch worker, model files and daemon link. The model cannot run
+    afterwards; closing again does nothing."""
+    streamed(model).close()
+
+
+def stats(model) -> ExpertStats:
+    """Where the model's expert lookups were served from so far."""
+    lm = streamed(model)
+    c = lm.pool.counts
+    client = lm.client
+    return ExpertStats(lookups=c.l0_hits + c.l2_hits + c.l3_reads, l0_hits=c.l0_hits, l2_hits=c.l2_hits,
+                       l2_lent=c.l2_lent, l2_awaited=c.l2_awaited, disk_reads=c.l3_reads, bytes_read=c.bytes_read,
+                       bytes_copied=c.bytes_copied, torn_layers=lm.stats.torn_calls,
+                       daemon=client.address if client is not None and client.attached else None)
 
 
 def hit_rates(counts) -> dict:

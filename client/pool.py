@@ -34,13 +34,11 @@ from moe_l2.model import ModelFiles
 
 from moe_l2.client.l2view import L2View, Loan
 from moe_l2.client.layerpool import LayerPool, SharedRows
+from moe_l2.client.options import DEFAULTS, VERIFY
 from moe_l2.client.prefetcher import PrefetchCounts, Prefetcher
 
 log = logging.getLogger("moe-l2.client")
 
-# ExpertPool(verify=...): which records are checked against the model's checksum manifest, if it has one:
-# none, those read from the model file (the default), or those and the ones copied from L2.
-VERIFY = ("off", "file", "all")
 # Threads for the model file's reads and for copies from L2, by default: the cores, up to 8.
 THREADS = min(8, os.cpu_count() or 1)
 # load_through_s: how often L2 is looked at again for a record the daemon is loading.
@@ -70,10 +68,16 @@ class TierCounts:
 
 
 class ExpertPool:
-    def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = "lru",
-                 read_threads: int | None = None, direct: bool | None = None, verify: str = "file",
-                 load_through_s: float = 0.0, layers=None, lend: bool = True, shared_l0: bool = False):
-        """direct: read the model files with direct I/O (O_DIRECT / F_NOCACHE): True, False, or None for
+    def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = DEFAULTS.policy,
+                 read_threads: int | None = None, direct: bool | None = DEFAULTS.direct,
+                 verify: str = DEFAULTS.verify, load_through_s: float = 0.0, layers=None,
+                 lend: bool = DEFAULTS.lend, shared_l0: bool = False):
+        """The mechanism under moe_l2.load and StreamedLM, which pass every argument from StreamOptions
+        (client/options.py, the owner of the defaults); used alone, the pool waits for no load-through and
+        keeps rows in every layer unless told to, so that a lookup's tier depends on the call alone.
+        A context manager that closes it.
+
+        direct: read the model files with direct I/O (O_DIRECT / F_NOCACHE): True, False, or None for
         the model's default (ModelFiles.direct_default: on for packed models).
         verify: which records to check against the model's checksum manifest, one of VERIFY.
         load_through_s: on an L2 miss, report it at once and wait up to this long for the daemon to load the
@@ -398,3 +402,9 @@ class ExpertPool:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+    def __enter__(self) -> "ExpertPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -130,8 +130,8 @@ def test_a_pool_for_a_stage_holds_only_its_layers(model_files):
 def test_two_ranks_without_daemons_give_the_whole_models_tokens(model_dir, model_files, expected, tmp_path, daemon):
     if daemon == "none":
         s = launch(model_dir, "--no-daemon")
-    else:  # each rank's daemon socket names a daemon that is not running
-        s = launch(model_dir, "--socket", f"ipc://{tmp_path}/{{rank}}.sock")
+    else:  # each rank's daemon socket names a daemon that is not running; L0 rows in every layer, as without one
+        s = launch(model_dir, "--socket", f"ipc://{tmp_path}/{{rank}}.sock", "--l0", "per-layer")
     assert s["tokens"] == expected
     assert [r["layers"] for r in s["ranks"]] == [[1, 2], [0]]  # mlx-lm's split: rank 0 runs the last layers
     for rank, r in enumerate(s["ranks"]):

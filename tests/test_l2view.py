@@ -14,10 +14,11 @@ from moe_l2 import _native
 from moe_l2.client.l2view import L2View
 from moe_l2.client.mlx_lm import StreamedLM
 from moe_l2.client.pool import ExpertPool
-from moe_l2.layout import META_EXPERT, META_SEQ, Geometry, segment_names
+from moe_l2.layout import META_EXPERT, META_SEQ, Geometry
 from moe_l2.model import ModelFiles
 
-from .conftest import assert_resident_exact, assert_same_as_whole, budget_for, made_and_loaded_whole, stats, wait_for
+from .conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, made_and_loaded_whole,
+                       stats, wait_for)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TEXT = ("The cache keeps the experts that the router picks most often close to the model, and reads "
@@ -214,7 +215,7 @@ def evict_in_shm(daemon, files: ModelFiles, layer: int, expert: int, slot: int) 
     """What the daemon does to a slot it refills, done from outside: under the slot's seqlock the expert is
     unmapped and the bytes overwritten."""
     g = _geometry(daemon, files)
-    index_name, data_names = segment_names(daemon.socket, 0, files.n_layers)
+    index_name, data_names = daemon_segments(daemon, files)
     index = _native.Segment.open(index_name, readonly=False)
     data = _native.Segment.open(data_names[layer], readonly=False)
     meta = g.meta_offset(layer, slot)
@@ -230,7 +231,7 @@ def evict_in_shm(daemon, files: ModelFiles, layer: int, expert: int, slot: int) 
 def _geometry(daemon, files: ModelFiles):
     from moe_l2.layout import IndexHeader
 
-    index_name, _ = segment_names(daemon.socket, 0, files.n_layers)
+    index_name, _ = daemon_segments(daemon, files)
     index = _native.Segment.open(index_name, readonly=True)
     try:
         return IndexHeader.unpack(index.view()).geometry
@@ -275,8 +276,9 @@ def test_a_shared_l0_streams_the_whole_models_tokens_with_and_without_a_daemon(d
     expected = greedy(whole, tokenizer)
     daemon = full_budget_daemon(daemon_factory, model_dir)
     for warm_l2 in (False, True):
+        # Without load-through, so that the cold misses are read from the file.
         with StreamedLM(model_dir, l0_slots=model_files.top_k, socket=daemon.socket, client_wait_s=5,
-                        shared_l0=True) as lm:
+                        shared_l0=True, load_through_ms=0) as lm:
             assert lm.pool.nbytes == model_files.top_k * model_files.layout.nbytes
             assert greedy(lm.model, lm.tokenizer) == expected
             # Cold, prefill batches needed more experts than the rows in all; warm, L2 lent them all.
@@ -316,7 +318,7 @@ def test_lend_off_copies_every_l2_hit(daemon_factory, model_dir, model_files):
     warm(daemon, model_files)
     ids = mx.array(tokenizer.encode(TEXT)[:12])[None]
     with StreamedLM(model_dir, l0_slots=model_files.n_experts, socket=daemon.socket, client_wait_s=5,
-                    lend=False) as lm:
+                    l2_reads="copy") as lm:
         assert_same_as_whole(lm.model(ids), whole(ids), chunked=False)
         assert lm.stats.lent_calls == 0
         assert lm.pool.counts.bytes_copied == lm.pool.counts.l2_hits * model_files.layout.nbytes > 0

@@ -91,8 +91,9 @@ def test_with_a_daemon_prefetch_copies_from_l2_and_stats_show_it(daemon_factory,
     assert_every_tier_exact(model_files, running_daemon)  # also leaves every expert loaded in L2
     model, tokenizer = whole
     expected = greedy(model, tokenizer)
+    # Per-layer rows: the guesses are copied from L2 into them (a shared L0 has the daemon load them instead).
     with StreamedLM(model_dir, l0_slots=model_files.top_k + 1, socket=running_daemon.socket, client_wait_s=5,
-                    prefetch="cooccurrence") as lm:
+                    prefetch="cooccurrence", shared_l0=False) as lm:
         assert lm.client.attached
         assert greedy(lm.model, lm.tokenizer) == expected
         c = lm.pool.prefetch_counts

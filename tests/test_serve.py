@@ -1,16 +1,13 @@
 """`moe-l2 serve` over real HTTP: raw requests and the openai package, against mlx_lm.server with the model
 loaded whole (run as its own process, exactly as users start it), alone, concurrently, and two servers on one
-real daemon that is killed and restarted under them."""
+real daemon that is killed and restarted under them; its error replies and its /metrics."""
 
 from __future__ import annotations
 
 import json
-import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,7 +21,7 @@ from moe_l2.cli import main as moe_l2_main
 from moe_l2.daemon.process import short_tempdir
 from moe_l2.runtime import default_socket
 
-from .conftest import budget_for, stats, synthetic_trace, wait_for
+from .conftest import ServeProcess, budget_for, free_port, stats, synthetic_trace, wait_for
 
 PROMPTS = ["Which experts does the router pick?", "Tell me about shared memory caches.",
            "one two three four five six seven eight nine ten", "Why?"]
@@ -32,65 +29,8 @@ MAX_TOKENS = 12
 DEFAULT_MAX_TOKENS = 5  # the served fixture's --max-tokens
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """An HTTP server process on a free loopback port: `moe-l2 serve ...` or `mlx_lm server ...`."""
-
-    def __init__(self, cmd: list[str], log_path: Path, port: int | None = None):
-        self.port = port or free_port()
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen([*cmd, "--port", str(self.port), "--log-level", "WARNING"],
-                                         stdout=log, stderr=log)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    @classmethod
-    def moe_l2(cls, model_dir, log_path: Path, *args: str) -> "Server":
-        # -P: the source checkout in the working directory must not shadow the installed package.
-        return cls([sys.executable, "-P", "-m", "moe_l2.cli", "serve", "--model", str(model_dir), *args], log_path)
-
-    @classmethod
-    def mlx_lm(cls, model_dir, log_path: Path) -> "Server":
-        return cls([sys.executable, "-P", "-m", "mlx_lm", "server", "--model", str(model_dir)], log_path)
-
-    def wait_healthy(self, timeout: float = 120.0) -> "Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if json.loads(r.read()) == {"status": "ok"}:
-                        return self
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError(f"no /health after {timeout:g} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def post(self, path: str, body: dict) -> tuple[int, dict]:
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=120) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+class Server(ServeProcess):
+    """A server process, with the tokens of greedy chat and text completions."""
 
     def chat_tokens(self, prompt: str, model: str = "default_model", **extra) -> list[int]:
         status, body = self.post("/v1/chat/completions", {
@@ -104,9 +44,6 @@ class Server:
                                                       "temperature": 0.0, "logprobs": True})
         assert status == 200, body
         return [entry["id"] for entry in body["choices"][0]["logprobs"]["content"]]
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -211,17 +148,88 @@ def test_concurrent_requests_get_the_tokens_they_get_one_by_one(served, referenc
     assert results == expected
 
 
-def test_health_and_refusals(served):
+def test_replies_name_the_served_model_whatever_the_request_called_it(served, model_dir):
+    served_id = str(model_dir.resolve())
+    for named in ({}, {"model": "default_model"}, {"model": str(model_dir)}):
+        status, body = served.post("/v1/chat/completions", {**named, "max_tokens": 2,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and body["model"] == served_id, body
+    status, body = served.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert status == 200 and body["model"] == served_id
+    chunks = served.client().chat.completions.create(model="default_model", max_tokens=2, stream=True,
+                                                     messages=[{"role": "user", "content": "hi"}],
+                                                     stream_options={"include_usage": True})
+    assert {c.model for c in chunks} == {served_id}  # the text chunks and the usage chunk
+
+
+def test_errors_are_openai_error_objects_the_client_shows(served, model_dir):
     with urllib.request.urlopen(f"{served.url}/health", timeout=10) as r:
         assert json.loads(r.read()) == {"status": "ok"}
-    status, body = served.post("/v1/chat/completions", {"model": "some/other-model",
-                                                        "messages": [{"role": "user", "content": "hi"}]})
-    assert status == 404 and "serves" in body["error"] and "only" in body["error"]
-    status, body = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                        "draft_model": "some/draft"})
-    assert status == 404 and "no draft models" in body["error"]
-    status, body = served.post("/v1/chat/completions", {"messages": [], "max_tokens": 0})
-    assert status == 400 and "max_tokens" in body["error"]  # mlx_lm.server's own validation
+    # The openai client puts the error object's message in the exception it raises.
+    with pytest.raises(openai.NotFoundError) as raised:
+        served.client().chat.completions.create(model="some/other-model", max_tokens=2,
+                                                messages=[{"role": "user", "content": "hi"}])
+    helpful = f"this server serves {model_dir.resolve()} only"
+    assert helpful in str(raised.value) and helpful in raised.value.message
+    assert (raised.value.code, raised.value.param, raised.value.type) == ("model_not_found", "model",
+                                                                          "invalid_request_error")
+    with pytest.raises(openai.BadRequestError) as raised:
+        served.client().chat.completions.create(model="default_model", max_tokens=0,
+                                                messages=[{"role": "user", "content": "hi"}])
+    assert "max_tokens must be at least 1" in str(raised.value) and raised.value.param == "max_tokens"
+
+    def error(path: str, body: dict) -> tuple[int, dict]:
+        status, reply = served.post(path, body)
+        assert set(reply) == {"error"} and set(reply["error"]) == {"message", "type", "param", "code"}, reply
+        return status, reply["error"]
+
+    status, e = error("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                               "draft_model": "some/draft"})
+    assert (status, e["type"], e["param"]) == (400, "invalid_request_error", "draft_model")
+    assert "no draft models" in e["message"]
+    status, e = error("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image"}]}]})
+    assert status == 400 and "Only 'text' content" in e["message"]  # the chat template's refusal
+    status, e = error("/v1/chat/completions", {"messages": [], "temperature": "hot"})
+    assert (status, e["param"]) == (400, "temperature") and "temperature must be" in e["message"]
+    status, e = error("/v1/embeddings", {"input": "hi"})
+    assert status == 404 and "POST /v1/embeddings: no such endpoint" in e["message"] and "/v1/messages" in e["message"]
+    request = urllib.request.Request(served.url + "/v1/chat/completions", data=b"{not json",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=30)
+    assert raised.value.code == 400 and "Invalid JSON" in json.loads(raised.value.read())["error"]["message"]
+
+
+def _moved(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_what_a_request_did(served):
+    before = served.metrics()
+    status, body = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[2]}],
+                                                        "max_tokens": MAX_TOKENS, "temperature": 0.0})
+    assert status == 200
+    served.post("/v1/chat/completions", {"model": "some/other-model", "messages": []})  # a 404
+    after = served.metrics()
+    usage = body["usage"]
+    assert _moved(before, after, "moe_l2_serve_generated_tokens_total") == usage["completion_tokens"]
+    assert _moved(before, after, "moe_l2_serve_prompt_tokens_total") == usage["prompt_tokens"]
+    assert _moved(before, after, "moe_l2_serve_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert _moved(before, after, "moe_l2_serve_requests_total", endpoint="/v1/chat/completions", status="404") == 1
+    assert _moved(before, after, "moe_l2_serve_requests_total", endpoint="/metrics", status="200") == 1
+    assert _moved(before, after, "moe_l2_serve_generation_seconds_total") > 0
+    assert _moved(before, after, "moe_l2_serve_first_token_seconds_total") > 0
+    # Every token's forward looked experts up: from L0 or the files (no daemon), none from L2.
+    tiers = {tier: _moved(before, after, "moe_l2_serve_expert_lookups_total", tier=tier)
+             for tier in ("l0", "l2", "disk")}
+    assert tiers["l0"] + tiers["disk"] > 0 and tiers["l2"] == 0, tiers
+    assert after[("moe_l2_serve_daemon_attached", ())] == 0
+    assert after[("moe_l2_serve_requests_queued", ())] == 0
+    wait_for(lambda: served.metrics()[("moe_l2_serve_requests_in_flight", ())] == 0, what="the requests to end")
+    # Made-up paths do not grow the label set.
+    served.post("/v1/made-up-path", {})
+    assert _moved(after, served.metrics(), "moe_l2_serve_requests_total", endpoint="other", status="404") == 1
 
 
 @pytest.mark.parametrize("args, message", [
@@ -249,11 +257,14 @@ def test_start_up_errors_exit_with_the_reason(model_dir, model_files, logs):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
+        port = taken.getsockname()[1]
         busy = Server([sys.executable, "-P", "-m", "moe_l2.cli", "serve", "--model", str(model_dir), "--no-daemon"],
-                      logs / "busy.log", port=taken.getsockname()[1])
+                      logs / "busy.log", port=port)
         assert busy.proc.wait(120) == 1
-    assert "Address already in use" in busy.log()
-    assert "terminate called" not in small.log() + busy.log()
+    # One line that names the option and what to do (said before the model is loaded).
+    assert busy.log().splitlines() == [f"moe-l2 serve: --port {port} is in use on 127.0.0.1 (another server listens "
+                                       "there): choose another --port, or stop that server"]
+    assert "terminate called" not in small.log()
 
 
 def test_a_directory_that_is_no_model_is_refused(capsys, tmp_path):
@@ -288,6 +299,9 @@ def test_two_servers_share_one_daemon_that_dies_and_comes_back(daemon_factory, m
         assert second.chat_tokens(PROMPTS[1]) == reference["chat"][1]
         l2 = stats(daemon)["models"][0]
         assert l2["hits"] > 0 and l2["loads_done"] > 0  # experts went through L2 to the servers
+        scraped = second.metrics()  # and a server's /metrics says so
+        assert scraped[("moe_l2_serve_expert_lookups_total", (("tier", "l2"),))] > 0
+        assert scraped[("moe_l2_serve_daemon_attached", ())] == 1
         # Each request's prompt reaches the daemon as a hint.
         second.chat_tokens("what is the integral of this derivative")  # asserts a 200 answer
         wait_for(lambda: stats(daemon)["models"][0]["active_domain"] == "alpha", what="the hint")
@@ -328,6 +342,7 @@ def test_the_provider_loads_the_streamed_model_and_batches_exactly(model_dir, mo
     from mlx_lm.generate import BatchGenerator, stream_generate
 
     from moe_l2.cli import build_parser
+    from moe_l2.client.options import StreamOptions
     from moe_l2.client.serving import StreamedModelProvider
     from moe_l2.client.switch import StreamedSwitch
     from moe_l2.commands.serve import mlx_lm_args
@@ -335,7 +350,7 @@ def test_the_provider_loads_the_streamed_model_and_batches_exactly(model_dir, mo
     args = build_parser("serve").parse_args(["serve", "--model", str(model_dir), "--no-daemon",
                                       "--chat-template", "{{ messages[0]['content'] }} =>"])
     provider = StreamedModelProvider(mlx_lm_args(args), model_dir, str(model_dir),
-                                     {"l0_slots": model_files.top_k + 1, "daemon": False})
+                                     StreamOptions(l0_slots=model_files.top_k + 1, daemon=False))
     try:
         model, tokenizer = provider.load("default_model")
         again = provider.load(str(model_dir.resolve()))

@@ -24,9 +24,9 @@ from moe_l2 import protocol
 from moe_l2.cache.prefetch import Score
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.cgroup import MemoryCgroup
+from moe_l2.client import options
 from moe_l2.client.connection import request
 from moe_l2.client.replayer import anon_bytes, disk_read_bytes
-from moe_l2.commands.generate import LOAD_THROUGH_MS, milliseconds
 from moe_l2.daemon.process import DaemonProcess
 from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
@@ -35,9 +35,10 @@ from moe_l2.model.synthetic import GEOMETRIES, SyntheticError, build
 from moe_l2.sizes import format_pct, format_size
 
 CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch")
-L2_READS = ("in-place", "copy")
+# The streaming options the moe-l2 configurations take, as `generate` and `serve` do (client/options.py).
+STREAMING = ("shared_l0", "l2_reads", "load_through_ms")
 # Decode on Apple Silicon, per MoE layer: gpt-oss-20b (24 layers), MLX 4-bit, 91.5 tok/s on an M2 Max
-# (docs/architecture.md, "Measured against the page cache", cites the measurement): 1000 / 91.5 / 24 ms.
+# (docs/architecture.md, "The bench", cites the measurement): 1000 / 91.5 / 24 ms.
 DEFAULT_COMPUTE_MS = 0.45
 # page-cache: room per client process for its heap to grow past what it held warm, inside the cgroup's limit.
 HEAP_ROOM = 16 << 20
@@ -72,21 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent client processes, each replaying its share of the sequences (default 1,3)")
     parser.add_argument("--configs", default=",".join(CONFIGS), metavar="NAME[,NAME...]",
                         help=f"configurations to run (default {','.join(CONFIGS)})")
-    parser.add_argument("--l2-reads", choices=L2_READS, default="in-place",
-                        help="moe-l2: compute on L2's records in shared memory (in-place, the default) or copy them "
-                             "into the process' L0 (copy)")
-    parser.add_argument("--l0", choices=("shared", "per-layer"),
-                        help="moe-l2: one set of L0 rows for all layers of a process (shared: it only catches L2's "
-                             "misses, the default with in-place reads; prefetch then asks the daemon to load the "
-                             "guesses into L2) or rows in every layer (per-layer, the default with copies)")
+    options.add_arguments(parser.add_argument_group("moe-l2 and moe-l2+prefetch: streaming, as moe-l2 generate"),
+                          STREAMING)
     parser.add_argument("--l0-share", type=float, metavar="F",
                         help="moe-l2: share of a process' part of the budget that its L0 gets, at least top-k rows "
                              "(a layer's, or in all for a shared L0); one daemon's L2 gets the rest (default: 0 "
                              "with in-place reads, 0.5 with copies)")
-    parser.add_argument("--load-through-ms", type=milliseconds, default=LOAD_THROUGH_MS, metavar="MS",
-                        help="moe-l2: a miss waits up to MS for the daemon to load it into L2 and is computed on or "
-                             f"copied there, instead of being read by the client as well (default {LOAD_THROUGH_MS:g}, "
-                             "as moe-l2 generate; 0: read at once)")
     parser.add_argument("--cache-dir", type=path_arg, metavar="DIR",
                         help="where built geometries are kept and reused (default: the user cache dir)")
     parser.add_argument("--plot", type=path_arg, metavar="FILE.png", help="also draw tok/s and stall to a PNG")
@@ -232,10 +224,12 @@ def _by_whom(pf: dict, tokens: int) -> str:
 
 def run_config(files: ModelFiles, config: str, share: float, parts: list, args) -> dict:
     """One configuration at one point: start its daemon / cgroup / clients, replay, and sum what they saw."""
-    in_place = args.l2_reads == "in-place"
+    stream = options.from_args(args)
+    in_place = stream.lend
     l0_share = args.l0_share if args.l0_share is not None else 0.0 if in_place else 0.5
     # moe-l2+prefetch is moe-l2 with next-layer prefetch: into per-layer L0 rows, or with a shared L0 into L2.
-    shared_l0 = config.startswith("moe-l2") and (args.l0 or ("shared" if in_place else "per-layer")) == "shared"
+    # Its L0 is laid out as a process of generate's with a daemon would lay it out.
+    shared_l0 = config.startswith("moe-l2") and stream.l0_shared
     plan = _plan(files, config, share, len(parts), l0_share, shared_l0)
     _drop_page_cache(files)
     daemon = cgroup = None
@@ -247,10 +241,10 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
                 return {"name": config, "budget_share": share, "processes": len(parts), "skipped": why}
         if plan["slots"]:
             daemon = DaemonProcess.serving([files.path], plan["l2_budget"], "--log-level", "warning").start()
-        job = {"model": str(files.path), "capacity": plan["capacity"], "policy": "lru",
+        job = {"model": str(files.path), "capacity": plan["capacity"], "policy": stream.policy,
                "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
-               "load_through_ms": args.load_through_ms, "prefetch": config == "moe-l2+prefetch",
+               "load_through_ms": stream.load_through_ms, "prefetch": config == "moe-l2+prefetch",
                "lend": in_place, "shared_l0": shared_l0}
         for tokens, warm in parts:
             w = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.client.replayer"], stdin=subprocess.PIPE,

@@ -37,7 +37,8 @@ def default_cache_dir() -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--l0-slots", type=int, default=None,
-                        help="experts per layer in each run's L0 (default: moe-l2 plan's for this machine)")
+                        help="experts in each run's L0, one set of rows for all layers as moe-l2 generate has "
+                             "with a daemon (default: moe-l2 plan's for this machine)")
     parser.add_argument("--cache-dir", type=path_arg, default=None,
                         help="where the demo model lives (default: the user cache dir)")
     return parser
@@ -91,7 +92,7 @@ def _run_prompts(model: Path, socket: str | None, l0_slots: int | None, max_toke
             gen_n += r["generation_tokens"]
             prompt_s += r["prompt_tokens"] / r["prompt_tps"]
             gen_s += r["generation_tokens"] / r["generation_tps"]
-        slots = lm.pool.capacity
+        slots = f"{lm.pool.capacity} experts {'in all layers' if lm.pool.shared_l0 else 'per layer'}"
     return {"counts": counts, "tokens": tokens, "texts": texts, "attached": attached, "l0_slots": slots,
             "prompt_tps": prompt_n / prompt_s, "generation_tps": gen_n / gen_s}
 
@@ -115,12 +116,14 @@ def render_table(cold: dict, warm: dict) -> str:
     def rows(run):
         c = run["counts"]
         rates = hit_rates(c)
-        return [f"{rates['lookups']}", format_pct(rates["l0"]), format_pct(rates["l2"]),
-                format_pct(rates["l3"]), format_size(c.bytes_read), format_size(c.bytes_copied),
-                f"{run['prompt_tps']:.1f}", f"{run['generation_tps']:.1f}"]
+        share = (lambda n: n / rates["lookups"]) if rates["lookups"] else (lambda n: None)
+        return [f"{rates['lookups']}", format_pct(rates["l0"]), format_pct(share(c.l2_hits - c.l2_awaited)),
+                format_pct(share(c.l2_awaited)), format_pct(rates["l3"]), format_size(c.bytes_read),
+                format_size(c.bytes_copied), f"{run['prompt_tps']:.1f}", f"{run['generation_tps']:.1f}"]
 
-    labels = ["expert lookups", "L0 hits (this process)", "L2 hits (shared memory)", "L3 reads (model file)",
-              "read from disk", "copied from L2", "prefill tok/s", "decode tok/s"]
+    # A miss the daemon loads while the process waits (load-through) is read from disk once, by the daemon.
+    labels = ["expert lookups", "L0 hits (this process)", "L2 hits (shared memory)", "loaded by the daemon",
+              "L3 reads (model file)", "read from disk", "copied from L2", "prefill tok/s", "decode tok/s"]
     lines = [f"{'':26s}{'run 1: L2 cold':>16s}{'run 2: L2 warm':>16s}"]
     lines += [f"{label:26s}{a:>16s}{b:>16s}" for label, a, b in zip(labels, rows(cold), rows(warm))]
     return "\n".join(lines)
@@ -170,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     for prompt, text in zip(PROMPTS, cold["texts"]):
         print(f"> {prompt}\n{text.strip()[:200]}\n")
     print("(random weights: the text is noise; what matters is where the experts came from)\n")
-    print(f"L0: {cold['l0_slots']} of {files.n_experts} experts per layer in each process; "
+    print(f"L0: {cold['l0_slots']} in each process (a layer has {files.n_experts} experts); "
           f"L2: every expert fits the daemon's shared memory")
     print(render_table(cold, warm))
     print()

@@ -7,68 +7,11 @@ import json
 import sys
 import time
 
-from moe_l2.cache.prefetch import PREFETCH
-from moe_l2.model.location import path_arg, socket_arg
+from moe_l2.client import options
+from moe_l2.model.location import path_arg
 from moe_l2.sizes import format_pct, format_size
 
-# A miss waits this long for moe-l2d to load it (docs/architecture.md, "Zero-copy L2 reads"): ten reads of a
-# 13 MB record on this project's slowest measured disk.
-LOAD_THROUGH_MS = 100.0
-
-
-def milliseconds(text: str) -> float:
-    """An argparse type: a wait in milliseconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes milliseconds, a number such as 100, not {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"takes 0 (no wait) or more milliseconds, not {text}")
-    return value
-
-
-def add_streaming_arguments(parser: argparse.ArgumentParser) -> None:
-    """How a process streams its experts: the L0 size, the daemon, direct reads, checksum checks and
-    next-layer prefetch (the options of `generate` and `serve`)."""
-    l0 = parser.add_mutually_exclusive_group()
-    l0.add_argument("--l0-slots", type=int, help="experts per layer kept in this process (default: moe-l2 plan's "
-                                                 "for this machine: a quarter of the experts, fewer when "
-                                                 "memory is short)")
-    l0.add_argument("--l0-budget", help="memory for this process' experts over all layers, e.g. 2GiB")
-    parser.add_argument("--l0-shared", action="store_true",
-                        help="one set of L0 rows for all layers (--l0-slots counts rows in all), evicting the least "
-                             "recently used expert of any layer: with experts computed in place in moe-l2d's shared "
-                             "memory, L0 only catches its misses, and a few rows leave the memory to L2 "
-                             "(--prefetch then has the daemon load the guesses into L2)")
-    daemon = parser.add_mutually_exclusive_group()
-    daemon.add_argument("--socket", default=None, type=socket_arg,
-                        help="moe-l2d address (default: the local runtime dir); under mlx.launch, {rank} in it "
-                             "is replaced by the process' rank (one daemon per rank)")
-    daemon.add_argument("--no-daemon", action="store_true", help="read missing experts from the model files only")
-    parser.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto",
-                        help="read missing experts with O_DIRECT / F_NOCACHE (auto: for packed models)")
-    parser.add_argument("--verify-checksums", choices=("off", "file", "all"), default="file",
-                        help="check experts against the model's checksum manifest, if it has one: those read "
-                             "from the model file (file, the default), those copied from moe-l2d's shared "
-                             "memory too (all), or none (off)")
-    parser.add_argument("--l2-reads", choices=("in-place", "copy"), default="in-place",
-                        help="experts that moe-l2d's shared memory holds: computed on where they are (in-place, "
-                             "the default; a layer whose experts the daemon replaced meanwhile is computed "
-                             "again) or copied into this process first (copy)")
-    parser.add_argument("--load-through-ms", type=milliseconds, default=LOAD_THROUGH_MS, metavar="MS",
-                        help="an expert that moe-l2d's shared memory lacks: report it at once and wait up to MS for "
-                             "the daemon to load it (one disk read, the daemon's), then read the file for what has "
-                             f"not arrived (default {LOAD_THROUGH_MS:g}; 0: read the file at once, while the daemon "
-                             "loads it too)")
-    parser.add_argument("--prefetch", choices=PREFETCH, default="off",
-                        help="while a MoE layer computes, load the next layer's guessed experts in the "
-                             "background: guessed by the next layer's router (router), by a logistic model of "
-                             "the expert ids this token and the one before it picked (logistic) or by expert "
-                             "co-occurrence (cooccurrence), both learned online, or router where the model has "
-                             "one and logistic where not (auto); off (the default) until benchmarks show it wins")
-    parser.add_argument("--prefetch-from", type=path_arg, metavar="TRACE",
-                        help="start the learned prefetch predictors (logistic, cooccurrence) from this model's "
-                             "routing in a trace (written by --trace-out) instead of from nothing")
+HELP = "generate text with an mlx-lm MoE model, its experts streamed"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -79,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     prompt.add_argument("-p", "--prompt", help="the prompt text")
     prompt.add_argument("--prompt-file", type=path_arg, help="read the prompt from a file ('-': standard input)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
-    add_streaming_arguments(parser)
+    options.add_arguments(parser)
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument("--ignore-chat-template", action="store_true",
@@ -202,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_l2.client.distributed import gather_json, rank_socket, share_text, speaks_for_daemon
     from moe_l2.client.generation import encode_prompt, generate_streamed
     from moe_l2.client.mlx_lm import StreamedLM
-    from moe_l2.model import DIRECT_IO, CorruptRecord
+    from moe_l2.model import CorruptRecord
     from moe_l2.cache.trace import TraceWriter
 
     # Under mlx.launch every rank runs this with the same flags: each runs its pipeline stage, rank 0 reads the
@@ -228,13 +171,11 @@ def run(args: argparse.Namespace) -> int:
     if prompt is None:
         return 2
     try:
-        lm = StreamedLM(args.model, l0_slots=args.l0_slots, l0_budget=args.l0_budget,
-                        socket=rank_socket(args.socket, group), daemon=not args.no_daemon, client_wait_s=2.0,
-                        record=args.trace_out is not None, direct=DIRECT_IO[args.direct_io],
-                        verify=args.verify_checksums, download=True, prefetch=args.prefetch,
-                        group=group if pipelined else None, lend=args.l2_reads == "in-place",
-                        shared_l0=args.l0_shared, load_through_s=args.load_through_ms / 1e3,
-                        prefetch_from=args.prefetch_from)
+        lm = StreamedLM(args.model, options.from_args(args, socket=rank_socket(args.socket, group)),
+                        download=True, record=args.trace_out is not None, group=group if pipelined else None)
+    except options.OptionError as exc:
+        print(f"moe-l2 generate: {exc.on_command_line()}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ import sys
 from moe_l2.cache.policy import DEFAULT_POLICY
 from moe_l2.cache.replay import ReplayError, replay
 from moe_l2.cache.trace import TraceError, read_traces
+from moe_l2.client.options import DEFAULTS
 from moe_l2.layout import slot_range
 from moe_l2.model import ModelFiles
 from moe_l2.model.files import parse_ranges
@@ -17,7 +18,7 @@ from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.plan import DEFAULT_KV_BYTES, ModelSizes, Plan, PlanError, plan, read_memory
 from moe_l2.sizes import format_pct, format_size, parse_size
 
-L0_POLICY = "lru"  # the client pool's default (client/mlx_lm.py StreamedLM)
+L0_POLICY = DEFAULTS.policy  # the client pool's (client/options.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,13 +8,15 @@ ModelProvider and handler read (docs/architecture.md, "moe-l2 serve").
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
-from moe_l2.commands.generate import add_streaming_arguments
+from moe_l2.client import options
 from moe_l2.model.location import resolve_model
 
 # mlx_lm.server options this command has no use for, with the values its code expects.
@@ -38,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="mlx-lm model directory, or a Hugging Face repo id (downloaded when not cached)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
-    add_streaming_arguments(parser)
+    options.add_arguments(parser)
 
     mlx = parser.add_argument_group("mlx_lm.server options (same names and defaults)")
     mlx.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
@@ -120,9 +122,33 @@ def _announce(host: str, port: int):
         where = (f"on http://{host}:{port}/v1" if provider.rank == 0 else "rank 0's requests")
         stage = (f"rank {provider.rank}, MoE layers {layers[0]}-{layers[-1]}; "
                  if len(layers) < lm.files.n_layers else "")
-        print(f"moe-l2 serve: {provider.model_id} {where} ({stage}L0 {lm.pool.capacity} experts per layer; "
+        rows = "in all" if lm.pool.shared_l0 else "per layer"
+        print(f"moe-l2 serve: {provider.model_id} {where} ({stage}L0 {lm.pool.capacity} experts {rows}; "
               f"{daemon})", file=sys.stderr, flush=True)
     return ready
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind --host and --port as the server will (mlx_lm.server's getaddrinfo; SO_REUSEADDR, as HTTPServer),
+    then let go: a port that is taken is said at once, not after the model's load, which can take minutes."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(address)
+
+
+def listen_error(host: str, port: int, exc: OSError) -> str:
+    """What to do when the server cannot listen on --host and --port."""
+    if exc.errno == errno.EADDRINUSE:
+        return (f"--port {port} is in use on {host} (another server listens there): choose another --port, or "
+                "stop that server")
+    if exc.errno == errno.EACCES:
+        return f"--port {port} on {host} needs privileges this user has not: choose a --port of 1024 or more"
+    if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+        return (f"--host {host} is no address of this machine ({exc.strerror}): give one of its addresses, e.g. "
+                "127.0.0.1, or 0.0.0.0 for all")
+    return f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose another --host or --port"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,31 +156,36 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_l2.client.distributed import rank_socket
     from moe_l2.client.serving import StreamedModelProvider, serve
-    from moe_l2.model import DIRECT_IO
 
+    # Under mlx.launch every rank runs its pipeline stage; rank 0 alone listens (docs/distributed.md).
+    group = mx.distributed.init()
     try:
         _check(args)
         model_dir = local_model_dir(args.model)
         cli_args = mlx_lm_args(args)
+        stream = options.from_args(args, socket=rank_socket(args.socket, group))
+    except options.OptionError as exc:
+        print(f"moe-l2 serve: {exc.on_command_line()}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"moe-l2 serve: {exc}", file=sys.stderr)
         return 2
+    if group.rank() == 0:
+        try:
+            check_listen(args.host, args.port)
+        except OSError as exc:
+            print(f"moe-l2 serve: {listen_error(args.host, args.port, exc)}", file=sys.stderr)
+            return 1
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
-    # Under mlx.launch every rank runs its pipeline stage; rank 0 alone listens (docs/distributed.md).
-    group = mx.distributed.init()
-    lm_options = {"l0_slots": args.l0_slots, "l0_budget": args.l0_budget, "socket": rank_socket(args.socket, group),
-                  "daemon": not args.no_daemon, "client_wait_s": 2.0, "direct": DIRECT_IO[args.direct_io],
-                  "verify": args.verify_checksums, "prefetch": args.prefetch, "lend": args.l2_reads == "in-place",
-                  "shared_l0": args.l0_shared, "load_through_s": args.load_through_ms / 1e3,
-                  "prefetch_from": args.prefetch_from,
-                  "group": group if group.size() > 1 else None}
-    provider = StreamedModelProvider(cli_args, model_dir, args.model, lm_options)
+    provider = StreamedModelProvider(cli_args, model_dir, args.model, stream, group if group.size() > 1 else None)
     status = 0
     try:
         serve(args.host, args.port, provider, on_ready=_announce(args.host, args.port))
     except (OSError, ValueError) as exc:
-        print(f"moe-l2 serve: {exc}", file=sys.stderr)
-        status = 2 if exc is provider.load_error else 1  # a model it cannot serve; else e.g. a port in use
+        # 2: a model it cannot serve; 1: the port (taken since check_listen) or the like.
+        status = 2 if exc is provider.load_error else 1
+        listening = status == 1 and isinstance(exc, OSError)
+        print(f"moe-l2 serve: {listen_error(args.host, args.port, exc) if listening else exc}", file=sys.stderr)
     # Everything is shut down in order (the requests, the generation thread, the pool, the daemon link): leave
     # at once. mlx 0.32.4 aborts at interpreter exit after a model was loaded on another thread, as
     # mlx_lm.server does on Ctrl-C (docs/architecture.md, "moe-l2 serve").

@@ -1,0 +1,248 @@
+"""StreamOptions: how a process streams a model's experts, the one owner of every streaming option.
+
+Each field carries its default, its choices and its help (dataclasses.field metadata); nothing else restates
+them. `moe_l2.load` takes the fields as keyword arguments, `StreamedLM` takes the dataclass, `moe-l2
+generate`, `serve` and `bench` derive their flags from it (`add_arguments`, `from_args`), and `moe-l2 plan`
+reads the L0 policy from it.
+
+The defaults are the configuration `moe-l2 bench` measured as best, the one every table of docs/benchmarks.md
+runs as "moe-l2" (architecture.md, "The bench"), step by step in "How it got there" (gpt-oss, 6 layers, one
+process, 25% and 50%, against pread): the experts L2 holds computed on in place (copies cost what a page-cache
+read costs: "Zero-copy L2 reads"); with a daemon and in-place reads, one shared set of L0 rows for every layer,
+so that L2 gets the memory (0.31x and 0.29x pread, then 0.52x and 0.60x); a miss waiting for the daemon to load
+it, read once instead of twice (then 1.15x at 50%; the tables ran with 100 ms, ten reads of a 12.6 MiB record on
+the slowest disk measured here); LRU in L0, the only policy a shared L0 has and the one every measured L0 ran.
+Without a daemon, L0 keeps rows in every layer, as the bench's pread (the same memory, no L2) does.
+
+Help texts name other options as `{name}`: the field's name in the library, its flag on the command line. So do
+the messages of `OptionError`, which `str()` gives in the library's terms and `on_command_line()` in flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moe_l2.cache.policy import POLICIES
+from moe_l2.cache.prefetch import PREFETCH
+from moe_l2.model import DIRECT_IO
+from moe_l2.model.location import path_arg, socket_arg
+from moe_l2.sizes import parse_size
+
+__all__ = ["StreamOptions", "OptionError", "DEFAULTS", "VERIFY", "L2_READS", "add_arguments", "from_args",
+           "milliseconds"]
+
+# verify: which records are checked against the model's checksum manifest, if it has one: none, those read from
+# the model file, or those and the ones copied from L2 (docs/architecture.md, "Integrity").
+VERIFY = ("off", "file", "all")
+# l2_reads: the experts L2 holds are computed on where they are, or copied into the process first.
+L2_READS = ("in-place", "copy")
+# shared_l0 as `--l0` gives it, the flag `moe-l2 bench` has always taken.
+_L0_LAYOUTS = {"shared": True, "per-layer": False}
+
+
+class OptionError(ValueError):
+    """A streaming option that cannot be used as given; the message says what to give instead."""
+
+    def __init__(self, template: str):
+        self.template = template
+        super().__init__(template.format_map(_NAMES))
+
+    def on_command_line(self) -> str:
+        """The message with the options named by their flags."""
+        return _with_flags(self.template)
+
+
+def milliseconds(text: str) -> float:
+    """An argparse type: a wait in milliseconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes milliseconds, a number such as 100, not {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"takes 0 (no wait) or more milliseconds, not {text}")
+    return value
+
+
+def _option(default, help: str, flag: str | None = None, **how):
+    """A field: its default, its help, and how the command line gives it: `flag` (None: the library alone),
+    `choices`, `type`, `metavar`, `action`, `exclusive` (a group of flags that exclude each other), `flag_help`
+    (the flag's help where it says the opposite of the field: a store_false flag)."""
+    return field(default=default, metadata={"help": help, "flag": flag, **how})
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How a process streams a model's experts (moe_l2.load's keyword arguments; StreamedLM's options)."""
+
+    l0_slots: int | None = _option(
+        None, "experts kept in this process: per layer, or in all with a shared L0 (default: moe-l2 plan's for "
+              "this machine, a quarter of the experts of every layer, fewer when memory is short)",
+        "--l0-slots", type=int, exclusive="l0 size")
+    l0_budget: int | str | None = _option(
+        None, "memory for this process' experts over all layers, in bytes or as a size such as 2GiB",
+        "--l0-budget", exclusive="l0 size")
+    shared_l0: bool | None = _option(
+        None, "one set of L0 rows for all layers ({l0_slots} counts rows in all), evicting the least recently used "
+              "expert of any layer, instead of rows in every layer; by default shared where the experts moe-l2d's "
+              "shared memory holds are computed on in place (with a daemon, {l2_reads} in-place), so that L0 only "
+              "catches what the daemon has not loaded yet and a few rows leave the memory to L2 ({prefetch} then "
+              "has the daemon load its guesses into L2), and per layer otherwise",
+        "--l0-shared", action=argparse.BooleanOptionalAction, exclusive="l0 layout")
+    policy: str = _option(
+        "lru", "how L0 evicts (per-layer rows; a shared L0 evicts the least recently used expert)",
+        choices=tuple(POLICIES))
+    socket: str | None = _option(
+        None, "moe-l2d address (default: the local runtime dir's socket); under mlx.launch, {{rank}} in it is "
+              "replaced by the process' rank (one daemon per rank)",
+        "--socket", type=socket_arg, exclusive="daemon")
+    daemon: bool = _option(
+        True, "use moe-l2d where one answers (False: read missing experts from the model files only)",
+        "--no-daemon", action="store_false", exclusive="daemon",
+        flag_help="read missing experts from the model files only, never from moe-l2d")
+    client_wait_s: float = _option(
+        2.0, "seconds loading waits for moe-l2d to answer before it reads experts from the model files (and "
+             "says so once); it attaches whenever the daemon answers later")
+    direct_io: str = _option(
+        "auto", "read missing experts with O_DIRECT / F_NOCACHE: on, off, or auto (for packed models)",
+        "--direct-io", choices=tuple(DIRECT_IO))
+    verify: str = _option(
+        "file", "check experts against the model's checksum manifest, if it has one: those read from the model "
+                "file (file), those copied from moe-l2d's shared memory too (all), or none (off)",
+        "--verify-checksums", choices=VERIFY)
+    l2_reads: str = _option(
+        "in-place", "experts that moe-l2d's shared memory holds: computed on where they are (in-place; a layer "
+                    "whose experts the daemon replaced meanwhile is computed again) or copied into this process "
+                    "first (copy)",
+        "--l2-reads", choices=L2_READS)
+    load_through_ms: float = _option(
+        100.0, "an expert that moe-l2d's shared memory lacks: report it at once and wait up to this many "
+               "milliseconds for the daemon to load it (one disk read, the daemon's), then read the file for what "
+               "has not arrived (0: read the file at once, while the daemon loads it too)",
+        "--load-through-ms", type=milliseconds, metavar="MS")
+    prefetch: str = _option(
+        "off", "while a MoE layer computes, load the next layer's guessed experts in the background: guessed by "
+               "the next layer's router (router), by a logistic model of the expert ids this token and the one "
+               "before it picked (logistic) or by expert co-occurrence (cooccurrence), both learned online, or "
+               "router where the model has one and logistic where not (auto); off until benchmarks show it wins",
+        "--prefetch", choices=PREFETCH)
+    prefetch_from: str | Path | None = _option(
+        None, "a routing trace of this model (moe-l2 generate --trace-out writes one) that the learned "
+              "{prefetch} predictors (logistic, cooccurrence) start from instead of from nothing",
+        "--prefetch-from", type=path_arg, metavar="TRACE")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise OptionError(f"{{{f.name}}} takes one of {', '.join(choices)}, not {getattr(self, f.name)!r}")
+        if not isinstance(self.daemon, bool):
+            raise OptionError(f"{{daemon}} takes True or False, not {self.daemon!r}")
+        if self.shared_l0 not in (None, True, False):
+            raise OptionError(f"{{shared_l0}} takes True, False or None (by the configuration), not "
+                              f"{self.shared_l0!r}")
+        if self.l0_slots is not None and (not isinstance(self.l0_slots, int) or isinstance(self.l0_slots, bool)
+                                          or self.l0_slots < 1):
+            raise OptionError(f"{{l0_slots}} takes a number of experts, 1 or more, not {self.l0_slots!r}")
+        if self.l0_budget is not None:
+            try:
+                parse_size(self.l0_budget)
+            except (TypeError, ValueError) as exc:
+                raise OptionError(f"{{l0_budget}}: {exc}") from None
+        for name in ("load_through_ms", "client_wait_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+                raise OptionError(f"{{{name}}} takes 0 or more, not {value!r}")
+        if self.prefetch_from is not None and self.prefetch == "off":
+            raise OptionError("{prefetch_from} seeds next-layer prefetch, which is off: give {prefetch} too")
+        if self.shared_l0 and self.policy != "lru":
+            raise OptionError(f"a shared L0 ({{shared_l0}}) evicts the least recently used expert of any layer; "
+                              f"{{policy}} {self.policy!r} needs per-layer rows")
+
+    @classmethod
+    def of(cls, options: "StreamOptions | None" = None, /, **fields) -> "StreamOptions":
+        """`options` (or the defaults) with `fields` replaced; a name that is no option is refused with the list
+        of those that are (TypeError, as Python refuses an unknown keyword argument)."""
+        unknown = sorted(fields.keys() - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"no streaming option named {', '.join(map(repr, unknown))}; the options are "
+                            f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        return dataclasses.replace(options if options is not None else cls(), **fields)
+
+    @property
+    def l0_shared(self) -> bool:
+        """Whether L0 is one set of rows for all layers: `shared_l0`, or where it is None, whether L2's records
+        are computed on in place with an LRU L0 (what `moe-l2 bench` measured as best: docs/architecture.md,
+        "The bench")."""
+        if self.shared_l0 is not None:
+            return self.shared_l0
+        return self.daemon and self.l2_reads == "in-place" and self.policy == "lru"
+
+    @property
+    def direct(self) -> bool | None:
+        """ExpertPool's `direct`: True, False, or None for the model's default."""
+        return DIRECT_IO[self.direct_io]
+
+    @property
+    def lend(self) -> bool:
+        """ExpertPool's `lend`: compute on L2's records in place."""
+        return self.l2_reads == "in-place"
+
+    @property
+    def load_through_s(self) -> float:
+        return self.load_through_ms / 1e3
+
+
+DEFAULTS = StreamOptions()
+_NAMES = {f.name: f.name for f in dataclasses.fields(StreamOptions)}
+# help(StreamOptions): each field, its default and its help, in the library's terms.
+StreamOptions.__doc__ += "\n\n" + "\n".join(f"{f.name} = {f.default!r}: {f.metadata['help'].format_map(_NAMES)}"
+                                             for f in dataclasses.fields(StreamOptions))
+
+
+def _with_flags(template: str) -> str:
+    """`{name}` as the field's flag (its name where it has none)."""
+    return template.format_map({f.name: f.metadata["flag"] or f.name for f in dataclasses.fields(StreamOptions)})
+
+
+def _help(f: dataclasses.Field) -> str:
+    text = _with_flags(f.metadata.get("flag_help", f.metadata["help"])).replace("%", "%%")
+    if f.metadata.get("action") is None and f.default is not None:
+        text += f" (default: {f.default:g})" if isinstance(f.default, float) else f" (default: {f.default})"
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser, names=None) -> None:
+    """Add the flags of the fields named (None: every field that has one), with the fields' names as their
+    destinations and the fields' defaults, choices and help: `from_args` reads them back."""
+    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for f in dataclasses.fields(StreamOptions):
+        flag = f.metadata["flag"]
+        if flag is None or names is not None and f.name not in names:
+            continue
+        exclusive = f.metadata.get("exclusive")
+        if exclusive is not None and exclusive not in groups:
+            groups[exclusive] = parser.add_mutually_exclusive_group()
+        target = parser if exclusive is None else groups[exclusive]
+        how = {k: f.metadata[k] for k in ("type", "choices", "metavar", "action") if f.metadata.get(k) is not None}
+        target.add_argument(flag, dest=f.name, default=f.default, help=_help(f), **how)
+        if f.name == "shared_l0":
+            target.add_argument("--l0", dest=f.name, type=_l0_layout, metavar="{shared,per-layer}",
+                                help=f"{flag} or --no-{flag[2:]}, as a word")
+
+
+def _l0_layout(text: str) -> bool:
+    if text not in _L0_LAYOUTS:
+        raise argparse.ArgumentTypeError(f"takes {' or '.join(_L0_LAYOUTS)}, not {text!r}")
+    return _L0_LAYOUTS[text]
+
+
+def from_args(args: argparse.Namespace, **fields) -> StreamOptions:
+    """The options a command's parsed flags give (fields it has no flags for keep their defaults), with `fields`
+    replaced."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StreamOptions) if hasattr(args, f.name)}
+    return StreamOptions(**{**given, **fields})
+

@@ -1,0 +1,84 @@
+"""`GET /metrics` on `moe-l2 serve`: its requests, tokens and expert tiers as Prometheus text (prometheus_client).
+
+The HTTP handler counts requests by endpoint and status as it answers them; `ObservedGenerator` (client/serving.py)
+counts each request's prompt and generated tokens and the seconds to its first and last token; the expert pool's
+tiers are read at each scrape from the StreamedLM's own counters (client/mlx_lm.py `stats`, what `moe-l2 generate
+--json` reports), on this process' rank only. Rates are for the scraper: rate(moe_l2_serve_generated_tokens_total)
+is tokens/s over time, and its ratio to rate(moe_l2_serve_generation_seconds_total) the decode speed a request
+sees (docs/architecture.md, "moe-l2 serve").
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from moe_l2.client.mlx_lm import stats
+
+__all__ = ["ServingMetrics", "ENDPOINTS", "CONTENT_TYPE_LATEST"]
+
+# The endpoint label's values: the server's routes; any other path is "other", so a client cannot grow the
+# label set (and the scrape) by asking for made-up paths.
+ENDPOINTS = ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/v1/messages", "/v1/models",
+             "/health", "/metrics")
+
+
+def endpoint_of(path: str) -> str:
+    path = path.partition("?")[0]
+    if path.startswith("/v1/models/"):
+        return "/v1/models"
+    return path if path in ENDPOINTS else "other"
+
+
+class _PoolCollector:
+    """The StreamedLM's expert counts at scrape time (none before the model is loaded or after it is closed)."""
+
+    def __init__(self, provider):
+        self.provider = provider
+
+    def collect(self):
+        lm = self.provider.lm
+        if lm is None:
+            return
+        s = stats(lm.model)
+        lookups = CounterMetricFamily("moe_l2_serve_expert_lookups",
+                                      "experts the model's forwards looked up, by the tier that had them: l0 "
+                                      "(this process), l2 (moe-l2d's shared memory), disk (the model files)",
+                                      labels=["tier"])
+        for tier, count in (("l0", s.l0_hits), ("l2", s.l2_hits), ("disk", s.disk_reads)):
+            lookups.add_metric([tier], count)
+        yield lookups
+        yield CounterMetricFamily("moe_l2_serve_expert_disk_read_bytes", "bytes read from the model files",
+                                  value=s.bytes_read)
+        yield CounterMetricFamily("moe_l2_serve_expert_l2_copied_bytes", "bytes copied out of moe-l2d's L2",
+                                  value=s.bytes_copied)
+        yield GaugeMetricFamily("moe_l2_serve_l0_slots", "expert rows in this process' L0", value=lm.pool.capacity)
+        yield GaugeMetricFamily("moe_l2_serve_daemon_attached", "1 while attached to a moe-l2d, else 0",
+                                value=int(s.daemon is not None))
+
+
+class ServingMetrics:
+    """One server's metrics, in a registry of its own."""
+
+    def __init__(self, provider, generator):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("moe_l2_serve_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("moe_l2_serve_requests_in_flight", "POST requests being answered", registry=r)
+        queued = Gauge("moe_l2_serve_requests_queued", "requests waiting for the generation thread to take them",
+                       registry=r)
+        queued.set_function(generator.requests.qsize)
+        self.prompt_tokens = Counter("moe_l2_serve_prompt_tokens", "prompt tokens of the requests generated for "
+                                     "(those the prompt cache had included)", registry=r)
+        self.generated_tokens = Counter("moe_l2_serve_generated_tokens", "tokens generated (completion_tokens)",
+                                        registry=r)
+        self.first_token_seconds = Counter("moe_l2_serve_first_token_seconds", "seconds from each request's "
+                                           "arrival at the generation queue to its first token, summed", registry=r)
+        self.generation_seconds = Counter("moe_l2_serve_generation_seconds", "seconds from each request's first "
+                                          "token to its last, summed", registry=r)
+        r.register(_PoolCollector(provider))
+
+    def page(self) -> bytes:
+        return generate_latest(self.registry)
