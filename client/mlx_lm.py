@@ -292,15 +292,15 @@ class StreamedLM:
 
 @dataclass(frozen=True)
 class ExpertStats:
-    """Where a streamed model's expert lookups were served from so far (each expert a layer's batch needs is
-    one lookup): lookups == l0_hits + l2_hits + disk_reads."""
+    """Where a streamed model's expert lookups got their bytes so far (each expert a layer's batch needs is one
+    lookup): lookups == l0_hits + l2_hits + daemon_reads + disk_reads (TierCounts.by_source)."""
 
     lookups: int
     l0_hits: int        # in this process' rows
-    l2_hits: int        # in moe-l2d's shared memory
-    l2_lent: int        # of l2_hits, computed on in place, not copied
-    l2_awaited: int     # of l2_hits, loaded by the daemon while the lookup waited (load-through: a disk read)
+    l2_hits: int        # held in moe-l2d's shared memory when looked up
+    daemon_reads: int   # read from the model files by moe-l2d while the lookup waited (load-through)
     disk_reads: int     # read from the model files by this process
+    l2_lent: int        # of l2_hits and daemon_reads, computed on in place in L2, not copied
     bytes_read: int     # from the model files
     bytes_copied: int   # from L2
     torn_layers: int    # layers computed again because the daemon replaced an expert they computed on
@@ -340,14 +340,19 @@ def stats(model) -> ExpertStats:
     lm = streamed(model)
     c = lm.pool.counts
     client = lm.client
-    return ExpertStats(lookups=c.l0_hits + c.l2_hits + c.l3_reads, l0_hits=c.l0_hits, l2_hits=c.l2_hits,
-                       l2_lent=c.l2_lent, l2_awaited=c.l2_awaited, disk_reads=c.l3_reads, bytes_read=c.bytes_read,
-                       bytes_copied=c.bytes_copied, torn_layers=lm.stats.torn_calls,
+    tiers = c.by_source()
+    return ExpertStats(lookups=sum(tiers.values()), l0_hits=tiers["l0"], l2_hits=tiers["l2"],
+                       daemon_reads=tiers["daemon_disk"], disk_reads=tiers["own_disk"], l2_lent=c.l2_lent,
+                       bytes_read=c.bytes_read, bytes_copied=c.bytes_copied, torn_layers=lm.stats.torn_calls,
                        daemon=client.address if client is not None and client.attached else None)
 
 
 def hit_rates(counts) -> dict:
-    lookups = counts.l0_hits + counts.l2_hits + counts.l3_reads
+    """Each source's share of the lookups (TierCounts.by_source: l0, l2, daemon_disk, own_disk), and `disk`,
+    the two disk shares together: a cold run shows its disk share, a warm one its L2."""
+    tiers = counts.by_source()
+    lookups = sum(tiers.values())
     rate = (lambda n: n / lookups) if lookups else (lambda n: None)
-    return {"lookups": lookups, "l0": rate(counts.l0_hits), "l2": rate(counts.l2_hits), "l3": rate(counts.l3_reads)}
+    return {"lookups": lookups, **{tier: rate(n) for tier, n in tiers.items()},
+            "disk": rate(tiers["daemon_disk"] + tiers["own_disk"])}
 

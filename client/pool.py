@@ -66,6 +66,13 @@ class TierCounts:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
+    def by_source(self) -> dict[str, int]:
+        """Each lookup once, by where its bytes came from: L0; L2, held when looked up; the disk, read by the
+        daemon while the lookup waited (load-through: in l2_hits above, yet no cache hit) or by this process.
+        What every hit rate shown to a user is made of (docs/architecture.md, "Client pool (L0)")."""
+        return {"l0": self.l0_hits, "l2": self.l2_hits - self.l2_awaited, "daemon_disk": self.l2_awaited,
+                "own_disk": self.l3_reads}
+
 
 class ExpertPool:
     def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = DEFAULTS.policy,

@@ -44,10 +44,13 @@ class _PoolCollector:
             return
         s = stats(lm.model)
         lookups = CounterMetricFamily("moe_l2_serve_expert_lookups",
-                                      "experts the model's forwards looked up, by the tier that had them: l0 "
-                                      "(this process), l2 (moe-l2d's shared memory), disk (the model files)",
+                                      "experts the model's forwards looked up, by where their bytes came from: "
+                                      "l0 (this process), l2 (held in moe-l2d's shared memory), daemon_disk (read "
+                                      "from the model files by moe-l2d while the lookup waited), disk (read by "
+                                      "this process)",
                                       labels=["tier"])
-        for tier, count in (("l0", s.l0_hits), ("l2", s.l2_hits), ("disk", s.disk_reads)):
+        for tier, count in (("l0", s.l0_hits), ("l2", s.l2_hits), ("daemon_disk", s.daemon_reads),
+                            ("disk", s.disk_reads)):
             lookups.add_metric([tier], count)
         yield lookups
         yield CounterMetricFamily("moe_l2_serve_expert_disk_read_bytes", "bytes read from the model files",

@@ -16,7 +16,9 @@ from mlx_lm.generate import stream_generate
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.generation import encode_prompt
 from moe_l2.commands.demo import DEMO_NAME, ensure_demo_model
+from moe_l2.commands.generate import render
 from moe_l2.cache.trace import read_traces
+from moe_l2.sizes import format_pct
 
 from .conftest import budget_for, stats, wait_for
 
@@ -41,7 +43,8 @@ def test_json_run_gives_the_whole_models_tokens_and_consistent_counts(capsys, mo
     assert s["tokens"] == expected
     assert s["daemon"] is None and s["l0_slots"] == 5 and s["l2_hits"] == 0
     assert s["l0_hits"] + s["l2_hits"] + s["l3_reads"] == s["expert_lookups"] > 0
-    assert s["l0_hit_rate"] + s["l2_hit_rate"] + s["l3_rate"] == pytest.approx(1.0)
+    assert s["l0_hit_rate"] + s["l2_hit_rate"] + s["daemon_read_rate"] + s["l3_rate"] == pytest.approx(1.0)
+    assert s["disk_rate"] == s["l3_rate"] and s["daemon_reads"] == 0
     assert s["bytes_read"] == s["l3_reads"] * model_files.layout.nbytes
     assert s["prompt_tps"] > 0 and s["generation_tps"] > 0
     assert s["peak_rss_bytes"] > s["l0_bytes"] > 0
@@ -56,7 +59,7 @@ def test_text_mode_streams_the_text_then_one_summary(capsys, model_dir, tmp_path
     assert out.startswith(s["text"])
     summary = out[len(s["text"]):].strip().splitlines()
     assert summary[0].startswith(f"prompt {s['prompt_tokens']} tokens") and "decode 12 tokens" in summary[0]
-    assert summary[1].startswith("experts: ") and "read from disk" in summary[1]
+    assert summary[1].startswith("experts: ") and "from disk" in summary[1]
     assert "no daemon" in summary[2]
     assert summary[3].startswith("peak memory: RSS")
 
@@ -102,7 +105,7 @@ def test_through_the_daemon_the_second_run_finds_experts_in_l2(capsys, running_d
     assert cold["l3_reads"] > 0
     assert warm["l2_hits"] > 0
     assert (warm["l2_lent"] > 0) == (l2_reads == "in-place")
-    assert warm["bytes_copied"] == (warm["l2_hits"] - warm["l2_lent"]) * model_files.layout.nbytes
+    assert warm["bytes_copied"] == (warm["l2_hits"] + warm["daemon_reads"] - warm["l2_lent"]) * model_files.layout.nbytes
 
 
 def test_by_default_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(capsys, daemon_factory, model_dir,
@@ -113,9 +116,22 @@ def test_by_default_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(caps
                  "--l0-slots", "4", "--load-through-ms", "5000")
     assert s["tokens"] == expected
     assert s["l2_lent"] > 0 and s["bytes_copied"] == 0
-    # L2 has room for every expert: each miss was read once, by the daemon, while the client waited.
+    # L2 has room for every expert: each miss was read once, by the daemon, while the client waited. That is
+    # the cold run's disk share, not L2 hits (those are the experts L0 dropped and L2 already held).
     loaded = stats(daemon)["models"][0]["loads_done"]
-    assert s["l3_reads"] == 0 and s["bytes_read"] == 0 and loaded == s["l2_awaited"] > 0
+    assert s["l3_reads"] == 0 and s["bytes_read"] == 0 and loaded == s["daemon_reads"] > 0
+    assert s["disk_rate"] == pytest.approx(loaded / s["expert_lookups"])
+    assert s["l0_hits"] + s["l2_hits"] + s["daemon_reads"] == s["expert_lookups"]
+    summary = render(s).splitlines()[1]
+    assert (f"L2 {format_pct(s['l2_hit_rate'])}, disk {format_pct(s['disk_rate'])} (read by moe-l2d while waiting "
+            f"{format_pct(s['daemon_read_rate'])}") in summary
+    # A second process finds in L2 what the first had the daemon read: the same lookups, L2's share, no disk.
+    warm = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
+                    "--l0-slots", "4", "--load-through-ms", "5000")
+    assert warm["tokens"] == expected
+    assert warm["daemon_reads"] == warm["l3_reads"] == 0 and warm["disk_rate"] == 0
+    assert warm["l2_hits"] == s["l2_hits"] + s["daemon_reads"]
+    assert stats(daemon)["models"][0]["loads_done"] == loaded
 
 
 @pytest.mark.parametrize("value", ["-5", "soon", "nan"])
@@ -145,7 +161,7 @@ def test_with_a_shared_l0_prefetch_has_the_daemon_load_the_guesses(capsys, daemo
     # L2 has room for every expert and every miss waits for the daemon, so the loads no fetch waited for are
     # the guesses the daemon was asked for.
     loaded = stats(daemon)["models"][0]["loads_done"]
-    assert s["l2_awaited"] < loaded <= s["l2_awaited"] + p["issued"]
+    assert s["daemon_reads"] < loaded <= s["daemon_reads"] + p["issued"]
     assert s["bytes_read"] == 0 and s["bytes_copied"] == 0
 
 
@@ -184,9 +200,12 @@ def test_demo_end_to_end(tmp_path):
                  "shared memory cleaned up"):
         assert line in first.stdout
     table = {line[:26].strip(): line[26:].split() for line in first.stdout.splitlines() if len(line) > 26}
-    assert table["read from disk"][-2:] == ["0", "B"]  # warm: nothing from disk
-    # Cold, every expert not yet in L2 came from disk: read by the process, or by the daemon while it waited.
-    assert (table["loaded by the daemon"][0], table["L3 reads (model file)"][0]) != ("0.0%", "0.0%")
+    assert table["this process read"][-2:] == ["0", "B"]  # warm: nothing from disk
+    # Cold, every expert not yet in L2 came from disk: read by the process, or by the daemon while it waited;
+    # warm, L2 held them all.
+    assert (table["disk, read by moe-l2d"][0], table["disk, read by this process"][0]) != ("0.0%", "0.0%")
+    assert (table["disk, read by moe-l2d"][1], table["disk, read by this process"][1]) == ("0.0%", "0.0%")
+    assert table["L2 hits (shared memory)"][1] != "0.0%"
     made = (tmp_path / DEMO_NAME / "config.json").stat().st_mtime_ns
     out = io.StringIO()
     assert ensure_demo_model(tmp_path, out=out) == tmp_path / DEMO_NAME  # made once: the next run finds it

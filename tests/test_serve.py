@@ -222,8 +222,8 @@ def test_metrics_count_what_a_request_did(served):
     assert _moved(before, after, "moe_l2_serve_first_token_seconds_total") > 0
     # Every token's forward looked experts up: from L0 or the files (no daemon), none from L2.
     tiers = {tier: _moved(before, after, "moe_l2_serve_expert_lookups_total", tier=tier)
-             for tier in ("l0", "l2", "disk")}
-    assert tiers["l0"] + tiers["disk"] > 0 and tiers["l2"] == 0, tiers
+             for tier in ("l0", "l2", "daemon_disk", "disk")}
+    assert tiers["l0"] + tiers["disk"] > 0 and tiers["l2"] == tiers["daemon_disk"] == 0, tiers
     assert after[("moe_l2_serve_daemon_attached", ())] == 0
     assert after[("moe_l2_serve_requests_queued", ())] == 0
     wait_for(lambda: served.metrics()[("moe_l2_serve_requests_in_flight", ())] == 0, what="the requests to end")

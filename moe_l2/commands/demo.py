@@ -116,14 +116,14 @@ def render_table(cold: dict, warm: dict) -> str:
     def rows(run):
         c = run["counts"]
         rates = hit_rates(c)
-        share = (lambda n: n / rates["lookups"]) if rates["lookups"] else (lambda n: None)
-        return [f"{rates['lookups']}", format_pct(rates["l0"]), format_pct(share(c.l2_hits - c.l2_awaited)),
-                format_pct(share(c.l2_awaited)), format_pct(rates["l3"]), format_size(c.bytes_read),
+        return [f"{rates['lookups']}", format_pct(rates["l0"]), format_pct(rates["l2"]),
+                format_pct(rates["daemon_disk"]), format_pct(rates["own_disk"]), format_size(c.bytes_read),
                 format_size(c.bytes_copied), f"{run['prompt_tps']:.1f}", f"{run['generation_tps']:.1f}"]
 
-    # A miss the daemon loads while the process waits (load-through) is read from disk once, by the daemon.
-    labels = ["expert lookups", "L0 hits (this process)", "L2 hits (shared memory)", "loaded by the daemon",
-              "L3 reads (model file)", "read from disk", "copied from L2", "prefill tok/s", "decode tok/s"]
+    # Each lookup by where its bytes came from: a miss the daemon loads while the process waits (load-through)
+    # is read from disk once, by the daemon, and is no cache hit.
+    labels = ["expert lookups", "L0 hits (this process)", "L2 hits (shared memory)", "disk, read by moe-l2d",
+              "disk, read by this process", "this process read", "copied from L2", "prefill tok/s", "decode tok/s"]
     lines = [f"{'':26s}{'run 1: L2 cold':>16s}{'run 2: L2 warm':>16s}"]
     lines += [f"{label:26s}{a:>16s}{b:>16s}" for label, a, b in zip(labels, rows(cold), rows(warm))]
     return "\n".join(lines)

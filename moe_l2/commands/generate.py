@@ -48,6 +48,7 @@ def summary(result: dict, lm) -> dict:
 
     c = result["counts"]
     rates = hit_rates(c)
+    tiers = c.by_source()
     client = lm.client
     return {
         "model": str(lm.files.path),
@@ -58,15 +59,18 @@ def summary(result: dict, lm) -> dict:
         "prompt_tps": result["prompt_tps"],
         "generation_tokens": result["generation_tokens"],
         "generation_tps": result["generation_tps"],
+        # Each lookup once, by where its bytes came from (TierCounts.by_source).
         "expert_lookups": rates["lookups"],
-        "l0_hits": c.l0_hits,
-        "l2_hits": c.l2_hits,
+        "l0_hits": tiers["l0"],
+        "l2_hits": tiers["l2"],
+        "daemon_reads": tiers["daemon_disk"],
+        "l3_reads": tiers["own_disk"],
         "l2_lent": c.l2_lent,
-        "l2_awaited": c.l2_awaited,
-        "l3_reads": c.l3_reads,
         "l0_hit_rate": rates["l0"],
         "l2_hit_rate": rates["l2"],
-        "l3_rate": rates["l3"],
+        "daemon_read_rate": rates["daemon_disk"],
+        "l3_rate": rates["own_disk"],
+        "disk_rate": rates["disk"],
         "bytes_read": c.bytes_read,
         "bytes_copied": c.bytes_copied,
         "l0_slots": lm.pool.capacity,
@@ -84,9 +88,11 @@ def summary(result: dict, lm) -> dict:
 
 
 # What each rank reports of its own streaming; the rest of the summary is the same on every rank.
-_PER_RANK = ("expert_lookups", "l0_hits", "l2_hits", "l2_lent", "l2_awaited", "l3_reads", "bytes_read", "bytes_copied", "l0_slots",
+_PER_RANK = ("expert_lookups", "l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "bytes_read", "bytes_copied",
+             "l0_slots",
              "l0_bytes", "layers", "daemon", "streaming", "prefetch", "peak_rss_bytes", "peak_mlx_bytes")
-_SUMMED = ("expert_lookups", "l0_hits", "l2_hits", "l2_lent", "l2_awaited", "l3_reads", "bytes_read", "bytes_copied", "l0_bytes")
+_SUMMED = ("expert_lookups", "l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "bytes_read", "bytes_copied",
+           "l0_bytes")
 
 
 def merge_ranks(summaries: list[dict]) -> dict:
@@ -100,8 +106,10 @@ def merge_ranks(summaries: list[dict]) -> dict:
         s[key] = max(one[key] for one in summaries)
     s["layers"] = sorted(layer for one in summaries for layer in one["layers"])
     lookups = s["expert_lookups"]
-    for tier, count in (("l0_hit_rate", "l0_hits"), ("l2_hit_rate", "l2_hits"), ("l3_rate", "l3_reads")):
-        s[tier] = s[count] / lookups if lookups else None
+    for tier, count in (("l0_hit_rate", ("l0_hits",)), ("l2_hit_rate", ("l2_hits",)),
+                        ("daemon_read_rate", ("daemon_reads",)), ("l3_rate", ("l3_reads",)),
+                        ("disk_rate", ("daemon_reads", "l3_reads"))):
+        s[tier] = sum(s[c] for c in count) / lookups if lookups else None
     return s
 
 
@@ -121,9 +129,9 @@ def render(s: dict) -> str:
         f"prompt {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tok/s; "
         f"decode {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
         f"experts: {s['expert_lookups']} lookups: L0 {format_pct(s['l0_hit_rate'])}, L2 {format_pct(s['l2_hit_rate'])}, "
-        f"L3 (disk) {format_pct(s['l3_rate'])}; read from disk {format_size(s['bytes_read'])}, "
-        f"copied from L2 {format_size(s['bytes_copied'])}; in L2 {s['l2_lent']} computed in place, "
-        f"{s['l2_awaited']} loaded by the daemon while waiting",
+        f"disk {format_pct(s['disk_rate'])} (read by moe-l2d while waiting {format_pct(s['daemon_read_rate'])}, by "
+        f"this process {format_pct(s['l3_rate'])}); this process read {format_size(s['bytes_read'])} from disk, "
+        f"copied {format_size(s['bytes_copied'])} from L2 and computed {s['l2_lent']} experts in place there",
         f"L0 {s['l0_slots']} experts {'in all' if s['l0_shared'] else 'per layer'} ({format_size(s['l0_bytes'])}); "
         f"{_daemon_text(s['daemon'])}",
         *([] if s["prefetch"] is None else [_render_prefetch(s["prefetch"])]),
