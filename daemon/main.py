@@ -277,6 +277,11 @@ class Daemon:
                 geometry = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, budget, n_served)
             except BudgetError as exc:
                 raise StartupError(f"cannot serve {m.path}: {exc}") from None
+            if budget - geometry.shm_bytes >= geometry.slot_stride:
+                # Capped at one slot per expert: said, so that the admin does not count on memory L2 never takes.
+                log.warning("--budget %s for %s is more than every expert of its %d served layers needs: L2 takes "
+                            "%s; the rest stays free", format_size(budget), files.path, geometry.served,
+                            format_size(geometry.shm_bytes))
             opened.append((m, files, geometry, profile, layers))
         fingerprints = [files.fingerprint for _, files, *_ in opened]
         if len(set(fingerprints)) != len(fingerprints):

@@ -33,6 +33,20 @@ def format_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def size_arg(n: int, slack: int) -> str:
+    """`n` as a flag value people read ("11.3GiB"), rounded up by less than `slack` bytes so that it still means
+    what `n` does (a budget buys the same slots: slack is one slot); exact bytes where no such rounding exists."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        scale = _UNITS[unit.lower()]
+        if n < scale:
+            continue
+        for digits in range(0, 4):
+            text = f"{-(-n * 10**digits // scale) / 10**digits:.{digits}f}{unit}"
+            if 0 <= parse_size(text) - n < slack:
+                return text
+    return str(n)
+
+
 def format_pct(rate: float | None, digits: int = 1, sign: bool = True) -> str:
     """A share as a percentage ("37.5%"); "-" when there is nothing to divide."""
     if rate is None:

@@ -15,6 +15,7 @@ from moe_l2 import _native, protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.layout import IndexHeader
+from moe_l2.sizes import format_size
 
 from .conftest import budget_for, daemon_segments, segment_exists, short_tempdir, stats, wait_for
 
@@ -213,6 +214,15 @@ def test_a_budget_the_machine_cannot_back_is_refused(tmp_path):
     result = run_daemon("--model", str(model), "--budget", "100TiB")
     assert result.returncode == 1, result.stderr
     assert "of memory is available; lower --budget" in result.stderr or "/dev/shm has" in result.stderr
+
+
+def test_a_budget_above_what_the_model_needs_is_reported_with_what_l2_takes(daemon_factory, model_dir, model_files):
+    daemon = daemon_factory([model_dir], "100GiB")
+    every = budget_for(model_files, model_files.n_experts)
+    taken = stats(daemon)["daemon"]["shm_bytes"]
+    assert taken == every
+    assert f"--budget 100.0 GiB for {model_dir} is more than every expert" in daemon.log()
+    assert f"L2 takes {format_size(taken)}" in daemon.log()
 
 
 def test_console_script_is_installed():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import OrderedDict
 
 import mlx.core as mx
@@ -21,8 +22,10 @@ from moe_l2 import cli
 from moe_l2.cache.replay import order_sequences
 from moe_l2.cache.trace import read_traces
 from moe_l2.client.mlx_lm import StreamedLM, l0_slots_for
+from moe_l2.layout import Geometry
 from moe_l2.plan import (DEFAULT_KV_BYTES, GiB, MEMORY_FILE_ENV, Memory, ModelSizes, default_l0_slots, os_headroom,
                          plan)
+from moe_l2.sizes import parse_size
 
 from .conftest import stats, synthetic_trace
 
@@ -140,7 +143,13 @@ def test_plan_command_prints_the_split_and_each_tiers_hit_rate(capsys, fake_memo
     assert rates["l0"] + rates["l2"] + rates["l3"] == pytest.approx(1.0)
     assert cli.main(["plan", "--model", str(model_dir), "--trace", str(trace)]) == 0
     table = capsys.readouterr().out
-    assert f"L0 {l0} experts per layer" in table and "moe-l2d --budget" in table and "expected hit rate" in table
+    assert f"L0 {l0} experts per layer" in table and "expected hit rate" in table
+    # The printed budget is a size people read, and buys the daemon exactly the planned slots.
+    printed = re.search(r"moe-l2d --budget (\S+)\)", table).group(1)
+    assert re.fullmatch(r"[0-9.]+[KMGT]iB", printed), printed
+    files = model_files
+    bought = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, parse_size(printed))
+    assert (bought.n_slots, bought.n_short) == (expected.l2_slots, expected.l2_short)
 
 
 def test_plan_command_refuses_a_trace_of_another_model(capsys, model_dir, tmp_path):

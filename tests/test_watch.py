@@ -111,3 +111,14 @@ def test_watch_live_view_on_a_terminal_ends_cleanly_on_ctrl_c(running_daemon):
             pass
         os.close(leader)
     assert b"Traceback" not in seen and b"L2 hit rate" in seen
+
+
+def test_watch_into_a_pipe_closed_early_ends_quietly_with_0(running_daemon):
+    """`moe-l2 stats --watch | head -1`: the reader leaves after one line; the watch ends with 0 and says nothing."""
+    watcher = subprocess.Popen(watch_command(running_daemon, "--interval", "0.05"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert watcher.stdout.readline()
+    watcher.stdout.close()  # what head does after its lines
+    assert watcher.wait(timeout=60) == 0
+    assert watcher.stderr.read() == ""
+    watcher.stderr.close()

@@ -11,12 +11,12 @@ from moe_l2.cache.policy import DEFAULT_POLICY
 from moe_l2.cache.replay import ReplayError, replay
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.client.options import DEFAULTS
-from moe_l2.layout import slot_range
+from moe_l2.layout import align, page_size, slot_range
 from moe_l2.model import ModelFiles
 from moe_l2.model.files import parse_ranges
 from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.plan import DEFAULT_KV_BYTES, ModelSizes, Plan, PlanError, plan, read_memory
-from moe_l2.sizes import format_pct, format_size, parse_size
+from moe_l2.sizes import format_pct, format_size, parse_size, size_arg
 
 L0_POLICY = DEFAULTS.policy  # the client pool's (client/options.py)
 
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv", default=None, metavar="SIZE",
                         help=f"KV cache and activations per process (default {format_size(DEFAULT_KV_BYTES)})")
     parser.add_argument("--trace", action="append", metavar="FILE", type=path_arg,
-                        help="routing trace of this model (moe-l2 generate --trace); repeat to add files: "
+                        help="routing trace of this model (moe-l2 generate --trace-out); repeat to add files: "
                              "prints the expected hit rate of each tier at the planned sizes")
     parser.add_argument("--layers", default=None, metavar="A-B[,C-D...]",
                         help="plan L2 for a daemon that serves only these decoder layers (moe-l2d --layers): the "
@@ -70,7 +70,7 @@ def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, la
     if p.l2_slots:
         served = "" if layers is None else f" of the {sizes.l2_layers} MoE layers in decoder layers {layers}"
         lines.append(f"  L2, one shared copy     {format_size(p.l2_budget)}: {slot_range(p.l2_slots, p.l2_short)} "
-                     f"of {p.n_experts} experts per layer{served} (moe-l2d --budget {p.l2_budget}"
+                     f"of {p.n_experts} experts per layer{served} (moe-l2d --budget {size_arg(p.l2_budget, align(sizes.record_bytes, page_size()))}"
                      + ("" if layers is None else f" --layers {layers}") + ")")
     else:
         lines.append("  L2                      nothing left: lower --processes or --kv, or free memory")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -192,6 +193,17 @@ def watch_frame(prev: dict | None, cur: dict, seconds: float):
     return Group(*parts)
 
 
+class PipeClosed(Exception):
+    """The reader of --watch's frames left (`moe-l2 stats --watch | head`): it has all it wanted."""
+
+
+def pipe_closed() -> None:
+    """rich's hook for a closed stdout (its own exits with status 1): point stdout at nothing, so that the exit's
+    flush does not fail again, and end the watch."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise PipeClosed
+
+
 def watch(args: argparse.Namespace, ask) -> int:
     """Frames every --interval seconds until --count or Ctrl-C (or SIGTERM); on a terminal a rich Live view
     redrawn in place, elsewhere (a pipe, a log) one frame after another."""
@@ -204,6 +216,7 @@ def watch(args: argparse.Namespace, ask) -> int:
               file=sys.stderr)
         return 2
     console = Console()
+    console.on_broken_pipe = pipe_closed
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     prev, prev_t, frames = None, None, 0
     live = Live(console=console, auto_refresh=False, transient=False) if console.is_terminal else None
@@ -222,6 +235,8 @@ def watch(args: argparse.Namespace, ask) -> int:
                 console.print(Rule())
             prev, prev_t, frames = cur, now, frames + 1
     except KeyboardInterrupt:
+        pass
+    except PipeClosed:
         pass
     finally:
         if live is not None:
