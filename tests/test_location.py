@@ -142,7 +142,7 @@ def test_generate_by_repo_id_gives_the_whole_models_tokens(capsys, offline, mode
 
 
 def test_generate_of_a_missing_repo_id_offline_says_so(capsys, offline):
-    assert moe_l2_main(["generate", "--model", "acme/absent", "--prompt", "hi", "--no-daemon"]) == 2
+    assert moe_l2_main(["generate", "--model", "acme/absent", "--prompt", "hi", "--no-daemon"]) == 1
     assert "acme/absent is not in the Hugging Face cache" in capsys.readouterr().err
 
 
@@ -174,7 +174,7 @@ def test_the_daemon_serves_a_repo_id_given_as_a_flag(offline, daemon_factory, mo
                         "--out", str(tmp_path / "p.json")]) == 0, capsys.readouterr().err
     assert f"wrote {tmp_path / 'p.json'}" in capsys.readouterr().out
     assert moe_l2_main(["profile", "--from-daemon", "--socket", daemon.socket, "--model", "acme/absent",
-                        "--out", str(tmp_path / "q.json")]) == 2
+                        "--out", str(tmp_path / "q.json")]) == 1
     assert "the daemon does not serve acme/absent" in capsys.readouterr().err
 
 

@@ -154,7 +154,7 @@ def test_plan_command_prints_the_split_and_each_tiers_hit_rate(capsys, fake_memo
 
 def test_plan_command_refuses_a_trace_of_another_model(capsys, model_dir, tmp_path):
     trace = synthetic_trace(tmp_path / "t.jsonl", n_layers=2, n_experts=8)
-    assert cli.main(["plan", "--model", str(model_dir), "--trace", str(trace)]) == 2
+    assert cli.main(["plan", "--model", str(model_dir), "--trace", str(trace)]) == 1
     assert "give a trace of this model" in capsys.readouterr().err
 
 

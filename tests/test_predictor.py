@@ -100,11 +100,11 @@ def test_predict_command(tmp_path, capsys, monkeypatch):
 def test_predict_command_errors(tmp_path, capsys):
     assert run_cli("hello") == 2
     assert "--profile P.json is required" in capsys.readouterr().err
-    assert run_cli("--profile", str(tmp_path / "absent.json"), "hello") == 2
+    assert run_cli("--profile", str(tmp_path / "absent.json"), "hello") == 1
     assert "cannot read profile" in capsys.readouterr().err
     trace = synthetic_trace(tmp_path / "t.jsonl.gz", seqs=2, tokens=3)
     Profile.from_traces(read_traces(trace), predictor=False).save(tmp_path / "p.json")
-    assert run_cli("--profile", str(tmp_path / "p.json"), "hello") == 2
+    assert run_cli("--profile", str(tmp_path / "p.json"), "hello") == 1
     assert "no predictor" in capsys.readouterr().err
 
 

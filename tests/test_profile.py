@@ -113,12 +113,12 @@ def test_profile_command(tmp_path, capsys):
 
 
 def test_profile_command_errors(tmp_path, capsys):
-    assert run_cli("--traces", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "p.json")) == 2
+    assert run_cli("--traces", str(tmp_path / "absent.jsonl"), "--out", str(tmp_path / "p.json")) == 1
     assert "cannot read trace" in capsys.readouterr().err
     trace = synthetic_trace(tmp_path / "t.jsonl.gz", seqs=2, tokens=3)
     assert run_cli("--traces", str(trace)) == 2
     assert "--out P.json is required" in capsys.readouterr().err
-    assert run_cli("--traces", str(trace), "--out", str(tmp_path / "no" / "dir" / "p.json")) == 2
+    assert run_cli("--traces", str(trace), "--out", str(tmp_path / "no" / "dir" / "p.json")) == 1
     assert "cannot write" in capsys.readouterr().err
     assert run_cli("--from-daemon", "--socket", "ipc:///nonexistent/sock", "--timeout", "0.3",
                    "--out", str(tmp_path / "p.json")) == 1

@@ -408,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
             raise BenchError("nothing could run: " + "; ".join(c["skipped"] for c in result["configs"]))
     except (BenchError, TraceError, SyntheticError, ValueError, OSError) as exc:
         print(f"moe-l2 bench: {exc}", file=sys.stderr)
-        return 2
+        return 1
     if args.plot:
         plot(result, args.plot)
     print(json.dumps(result, indent=1) if args.json else render(result))

@@ -351,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
         report, checks = diagnose(args)
     except (OSError, ValueError) as exc:  # a model that is not there or cannot be read, a bad --budget
         print(f"moe-l2 doctor: {exc}", file=sys.stderr)
-        return 2
+        return 1
     failed = any(c.status == "fail" for c in checks)
     report["checks"] = [asdict(c) for c in checks]
     report["ok"] = not failed

@@ -177,16 +177,16 @@ def run(args: argparse.Namespace) -> int:
     if pipelined:
         prompt = share_text(group, prompt)
     if prompt is None:
-        return 2
+        return 1
     try:
         lm = StreamedLM(args.model, options.from_args(args, socket=rank_socket(args.socket, group)),
                         download=True, record=args.trace_out is not None, group=group if pipelined else None)
     except options.OptionError as exc:
         print(f"moe-l2 generate: {exc.on_command_line()}", file=sys.stderr)
         return 2
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # the model, or options that do not fit it (an L0 too small for a token)
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
-        return 2
+        return 1
     with lm:
         if lm.client is not None and not lm.client.attached:
             print(f"moe-l2 generate: {f'rank {group.rank()}: ' if pipelined else ''}not attached to moe-l2d at "

@@ -38,13 +38,13 @@ def run(args: argparse.Namespace) -> int:
         model = resolve_model(args.model)
     except ModelNotFound as e:
         print(f"moe-l2 pack: {e}", file=sys.stderr)
-        return 2
+        return 1
     try:
         packed = pack(model, args.out, max_shard_bytes=max_shard, moe_l2_only=args.moe_l2_only,
                       verify=args.verify, progress=not args.quiet)
     except PackError as e:
         print(f"moe-l2 pack: {e}", file=sys.stderr)
-        return 2
+        return 1
     except OSError as e:
         print(f"moe-l2 pack: {e}", file=sys.stderr)
         return 1

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             rates = tier_hit_rates(traces, p, served)
     except (OSError, ValueError, TraceError, ReplayError) as exc:
         print(f"moe-l2 plan: {exc}", file=sys.stderr)
-        return 2
+        return 1
     if args.json:
         print(json.dumps({"plan": p.to_dict(), "hit_rates": rates}, indent=1))
     else:

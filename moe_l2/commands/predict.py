@@ -29,14 +29,14 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    def fail(msg: str) -> int:
+    def fail(msg: str, status: int = 1) -> int:
         print(f"moe-l2 predict: {msg}", file=sys.stderr)
-        return 2
+        return status
 
     try:
         if args.cross_validate:
             if args.folds < 2:
-                return fail("--folds must be at least 2")
+                return fail("--folds must be at least 2", 2)
             traces = read_traces(args.cross_validate)
             examples = [(s.prompt, s.domain) for s in traces.sequences if s.prompt and s.domain]
             if len({d for _, d in examples}) < 2:
@@ -56,7 +56,7 @@ def run(args) -> int:
                     print(f"  {d:<16} {v['n']:5d} prompts  accuracy {format_pct(v['accuracy']):>6}")
             return 0
         if not args.profile:
-            return fail("--profile P.json is required (or --cross-validate TRACE...)")
+            return fail("--profile P.json is required (or --cross-validate TRACE...)", 2)
         profile = Profile.load(args.profile)
         if args.eval:
             traces = read_traces(args.eval)

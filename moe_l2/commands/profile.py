@@ -92,12 +92,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if not (args.show or args.out):
+        print("moe-l2 profile: --out P.json is required", file=sys.stderr)
+        return 2
     try:
         if args.show:
             profile = Profile.load(args.show)
         else:
-            if not args.out:
-                raise ProfileError("--out P.json is required")
             if args.traces:
                 profile = Profile.from_traces(read_traces(args.traces),
                                               predictor=False if args.no_predictor else args.predictor)
@@ -112,10 +113,10 @@ def run(args) -> int:
             profile.save(args.out)
     except (TraceError, ProfileError, PredictorError) as exc:
         print(f"moe-l2 profile: {exc}", file=sys.stderr)
-        return 2
+        return 1
     except OSError as exc:
         print(f"moe-l2 profile: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+        return 1
     if args.json:
         data = profile.to_json()
         data.pop("predictor")

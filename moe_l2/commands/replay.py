@@ -158,6 +158,6 @@ def run(args: argparse.Namespace) -> int:
                         prefetch_k=args.prefetch_k)
     except (TraceError, ProfileError, ReplayError) as exc:
         print(f"moe-l2 replay: {exc}", file=sys.stderr)
-        return 2
+        return 1
     print(json.dumps(result, indent=1) if args.json else render(result))
     return 0

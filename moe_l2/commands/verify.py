@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         files = ModelFiles.open(resolve_model(args.model))
     except (OSError, ValueError) as exc:
         print(f"moe-l2 verify: {exc}", file=sys.stderr)
-        return 2
+        return 1
     if args.manifest and files.checksums is None:
         return _write_manifest(files)
     if files.checksum_problem:
