@@ -91,8 +91,8 @@ class ModelCounters:
                 "corrupt": [list(c) for c in sorted(self.corrupt)[:_CORRUPT_LISTED]],
                 "bytes_loaded": self.bytes_loaded,
                 "bytes_served": self.bytes_served,
-                "load_latency_p50": self.load_latency.percentile(50),
-                "load_latency_p99": self.load_latency.percentile(99),
+                "load_latency_p50_s": self.load_latency.percentile(50),
+                "load_latency_p99_s": self.load_latency.percentile(99),
                 "prefetch": dict(self.prefetch),
             }
 

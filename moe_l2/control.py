@@ -240,7 +240,7 @@ _MODEL = {
     "short_layers?": int, "served_layer_ids?": [int], "hit_rate": (None, _NUM), "hits": int, "misses": int,
     "picks?": int, "bytes_served": int, "bytes_loaded": int, "loads_done": int, "load_errors": int,
     "corrupt_records?": int, "corrupt_loads?": int, "corrupt?": [[int]], "loads_in_flight": int,
-    "load_latency_p50": (None, _NUM), "load_latency_p99": (None, _NUM), "prefetch?": _COUNTERS, "shm_bytes": int,
+    "load_latency_p50_s": (None, _NUM), "load_latency_p99_s": (None, _NUM), "prefetch?": _COUNTERS, "shm_bytes": int,
     "released_bytes?": int, "layers": [_LAYER], "routing?": {"*": [[int]]},
 }
 _CLIENT = {"name": str, "pid": (None, int), "idle_s": _NUM, "layer_ids?": (None, [int]), "unserved_layer_ids?": [int]}

@@ -32,7 +32,7 @@ def test_stats_json_and_table_agree_with_the_daemon(running_daemon, model_files)
     data = json.loads(result.stdout)
     (m,) = data["models"]
     assert [layer["resident"] for layer in m["layers"]] == [0, 2, 0]
-    assert m["loads_done"] == 2 and m["load_latency_p50"] > 0
+    assert m["loads_done"] == 2 and m["load_latency_p50_s"] > 0
     assert data["daemon"]["pid"] == running_daemon.proc.pid
     table = moe_l2("stats", "--socket", running_daemon.socket)
     assert table.returncode == 0

@@ -101,7 +101,7 @@ def render(reply: dict) -> str:
             f"  hit rate {format_pct(m['hit_rate'])}  hits {m['hits']}  misses {m['misses']}  "
             f"served {format_size(m['bytes_served'])}  loaded {format_size(m['bytes_loaded'])}",
             f"  loads done {m['loads_done']}  errors {m['load_errors']}{_corrupt(m)}  in flight "
-            f"{m['loads_in_flight']}  latency p50 {_ms(m['load_latency_p50'])}  p99 {_ms(m['load_latency_p99'])}",
+            f"{m['loads_in_flight']}  latency p50 {_ms(m['load_latency_p50_s'])}  p99 {_ms(m['load_latency_p99_s'])}",
             *_prefetch(m),
             f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])}"
             + (f", {format_size(m['released_bytes'])} given back to the system" if m.get("released_bytes") else "")
