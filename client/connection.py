@@ -391,10 +391,8 @@ class L2Client:
             os.close(self._wake_r)
             os.close(self._wake_w)
 
-    # ---- LOAD (issue 21): a context manager that closes the link; only these two methods. ----
     def __enter__(self) -> "L2Client":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-    # ---- end LOAD ----
