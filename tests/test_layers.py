@@ -26,9 +26,10 @@ from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.daemon.metrics import families
 from moe_l2.generator import make_model
-from moe_l2.layout import Geometry
+from moe_l2.layout import Geometry, align, page_size
 from moe_l2.model import ModelFiles
 from moe_l2.plan import DEFAULT_KV_BYTES, MEMORY_FILE_ENV, Memory, ModelSizes, os_headroom, plan
+from moe_l2.sizes import size_arg
 
 from .conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, segment_exists,
                        stats, synthetic_trace, wait_for)
@@ -92,7 +93,8 @@ def test_budget_auto_and_moe_l2_plan_size_l2_for_the_served_layers(daemon_factor
     assert stats(daemon)["models"][0]["slots_per_layer"] == expected.l2_slots
     assert cli(["plan", "--model", str(files.path), "--layers", "0-2"]) == 0
     assert (f"{expected.l2_slots} of 16 experts per layer of the 2 MoE layers in decoder layers 0-2 "
-            f"(moe-l2d --budget {expected.l2_budget} --layers 0-2)") in capsys.readouterr().out
+            f"(moe-l2d --budget {size_arg(expected.l2_budget, align(files.layout.nbytes, page_size()))} --layers 0-2)"
+            ) in capsys.readouterr().out
 
 
 def test_tokens_match_the_model_loaded_whole(daemon, files):

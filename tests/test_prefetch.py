@@ -352,7 +352,7 @@ def test_replay_prefetch_beats_demand_caching_on_a_known_answer(tmp_path, capsys
 ])
 def test_replay_prefetch_errors(tmp_path, capsys, args, words):
     path = known_answer_trace(tmp_path / "f.jsonl", seqs=2, tokens=5)
-    assert moe_l2_main(["replay", "--trace", str(path), "--slots", "4", "--jobs", "1", *args]) == 1
+    assert moe_l2_main(["replay", "--trace", str(path), "--slots", "4", "--jobs", "1", *args]) == 2
     assert words in capsys.readouterr().err
 
 

@@ -156,7 +156,10 @@ def run(args: argparse.Namespace) -> int:
                         jobs=max(1, args.jobs), hint_share=args.hint_share, hint_prior=args.hint_prior,
                         hint_lift=args.hint_lift, prefetch=prefetch, prefetch_train=args.prefetch_train,
                         prefetch_k=args.prefetch_k)
-    except (TraceError, ProfileError, ReplayError) as exc:
+    except ReplayError as exc:  # flags out of range or that do not go together
+        print(f"moe-l2 replay: {exc}", file=sys.stderr)
+        return 2
+    except (TraceError, ProfileError) as exc:  # a trace or profile it cannot use
         print(f"moe-l2 replay: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=1) if args.json else render(result))
