@@ -251,8 +251,8 @@ def nobody_runs_python() -> bool:
     read); the tests that act as that user skip otherwise."""
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         return False
-    probe = subprocess.run([*AS_NOBODY, sys.executable, "-P", "-c", "import moe_l2.cli, zmq"], capture_output=True,
-                           timeout=120)
+    probe = subprocess.run([*AS_NOBODY, sys.executable, "-P", "-c", "import moe_l2._native, moe_l2.cli, zmq"],
+                           capture_output=True, timeout=120)
     return probe.returncode == 0
 
 

@@ -8,7 +8,6 @@ run (docs/security.md, "Connections and memory").
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -26,10 +25,7 @@ from moe_l2.daemon.zmtp import FRAME_LIMIT
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.daemon.refusals import FIRST_LOGGED
 
-from .conftest import quarter_budget, retire, stats, wait_for
-
-NOBODY = 65534
-AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+from .conftest import NOBODY, nobody_runs_python, quarter_budget, retire, stats, wait_for
 
 # ZMTP 3.0 (rfc.zeromq.org/spec/23): the greeting of a NULL-mechanism peer, and frame flags.
 GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
@@ -37,15 +33,7 @@ MORE, LONG, COMMAND = 1, 2, 4
 READY = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
 
 
-def _nobody_can_run_this_python() -> bool:
-    if os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("prlimit"):
-        return False
-    probe = subprocess.run([*AS_NOBODY, sys.executable, "-P", "-c", "import moe_l2, zmq"], capture_output=True,
-                           timeout=120)
-    return probe.returncode == 0
-
-
-needs_root = pytest.mark.skipif(not _nobody_can_run_this_python(),
+needs_root = pytest.mark.skipif(not (shutil.which("prlimit") and nobody_runs_python()),
                                 reason="the attacker runs as uid 65534 and the daemon under prlimit: needs root, "
                                        "setpriv, prlimit, and this interpreter's packages readable by other users")
 

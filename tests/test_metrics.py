@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import select
 import shutil
 import socket
@@ -24,9 +23,8 @@ from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.daemon.http import MAX_CONNECTIONS, MAX_HEAD_BYTES
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 
-from .conftest import budget_for, quarter_budget, retire, stats, wait_for
+from .conftest import AS_NOBODY, budget_for, nobody_runs_python, quarter_budget, retire, stats, wait_for
 
-AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
 REFUSAL = "metrics endpoint at its limit"
 
 
@@ -212,13 +210,6 @@ def test_concurrent_scrapes_share_one_stats_request(metrics_daemon):
     assert 1 <= asked < n / 2, asked
 
 
-def _second_user_can_run_python() -> bool:
-    if sys.platform != "linux" or os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("prlimit")):
-        return False
-    return subprocess.run([*AS_NOBODY, sys.executable, "-P", "-c", "import socket"], capture_output=True,
-                          timeout=60).returncode == 0
-
-
 # The other user's script: open N connections to the port, say how many, hold them until stdin closes.
 HOLD = """
 import socket, sys
@@ -228,7 +219,7 @@ sys.stdin.read()
 """
 
 
-@pytest.mark.skipif(not _second_user_can_run_python(),
+@pytest.mark.skipif(not (sys.platform == "linux" and shutil.which("prlimit") and nobody_runs_python()),
                     reason="needs root on Linux, util-linux setpriv and prlimit, and this interpreter runnable by "
                            "uid 65534, to hold connections as another user")
 def test_idle_connections_of_another_user_leave_the_daemon_serving(model_dir, model_files):

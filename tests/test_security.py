@@ -28,21 +28,9 @@ from moe_l2.generator import make_model
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.model import ModelFiles
 
-from .conftest import budget_for, retire, stats, wait_for
+from .conftest import AS_NOBODY, NOBODY, budget_for, nobody_runs_python, retire, stats, wait_for
 
-NOBODY = 65534
-AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
-
-
-def _nobody_can_run_this_python() -> bool:
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        return False
-    probe = subprocess.run([*AS_NOBODY, sys.executable, "-P", "-c", "import moe_l2._native, zmq"],
-                           capture_output=True, timeout=120)
-    return probe.returncode == 0
-
-
-needs_root = pytest.mark.skipif(not _nobody_can_run_this_python(),
+needs_root = pytest.mark.skipif(not nobody_runs_python(),
                                 reason="the hostile side runs as uid 65534: needs root, setpriv, and this "
                                        "interpreter's packages readable by other users (a private venv is not)")
 
