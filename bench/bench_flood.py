@@ -368,17 +368,22 @@ def print_connection_flood(model: Path, trees: dict, work: Path, args) -> None:
         idle = percentiles(rows[0][1])
         print(f"  {label}")
         for phase, samples, figures, gate in rows:
-            p50, p99 = percentiles(samples)
             if not figures:
-                print(f"    {phase:<7} the daemon died")
+                print(f"    {phase:<10} the daemon died")
                 continue
-            line = (f"    {phase:<10} p50 {p50 * 1e3:8.2f} (x{p50 / idle[0]:5.1f})  p99 {p99 * 1e3:8.2f} "
-                    f"(x{p99 / idle[1]:5.1f})  rss {figures['rss'] / 2**20:7.1f}  threads {figures['threads']:4d}"
-                    f"  fds {figures['fds']:5d}")
+            line = phase_line(phase, samples, figures, idle)
             if gate:
                 line += (f"  gate: {gate['connections']} open of {gate['max_connections']} "
                          f"({gate['max_per_user']} per user), refused {sum(gate['refused'].values())}")
             print(line)
+
+
+def phase_line(phase: str, samples: list[float], figures: dict, idle: tuple[float, float]) -> str:
+    """One phase of a flood: stats p50 and p99 (ms, and against the idle daemon's), RSS, threads, descriptors."""
+    p50, p99 = percentiles(samples)
+    return (f"    {phase:<10} p50 {p50 * 1e3:8.2f} (x{p50 / idle[0]:5.1f})  p99 {p99 * 1e3:8.2f} "
+            f"(x{p99 / idle[1]:5.1f})  rss {figures['rss'] / 2**20:7.1f}  threads {figures['threads']:4d}"
+            f"  fds {figures['fds']:5d}")
 
 
 def print_metrics_flood(model: Path, trees: dict, work: Path, args) -> None:
@@ -403,10 +408,7 @@ def print_metrics_flood(model: Path, trees: dict, work: Path, args) -> None:
         idle = percentiles(rows[0][1])
         print(f"  {label}")
         for phase, samples, figures, counts in rows:
-            p50, p99 = percentiles(samples)
-            line = (f"    {phase:<7} p50 {p50 * 1e3:8.2f} (x{p50 / idle[0]:5.1f})  p99 {p99 * 1e3:8.2f} "
-                    f"(x{p99 / idle[1]:5.1f})  rss {figures['rss'] / 2**20:7.1f}  threads {figures['threads']:4d}"
-                    f"  fds {figures['fds']:4d}")
+            line = phase_line(phase, samples, figures, idle)
             if counts:
                 line += (f"  scrapes {counts['ok']} answered, {counts['failed']} refused or failed; "
                          f"{counts['opened']} idle connections opened")
