@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from moe_l2 import _native, protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.layout import IndexHeader
+from moe_l2.machine import SharedMemoryRoom
 from moe_l2.sizes import format_size
 
 from .conftest import budget_for, daemon_segments, segment_exists, short_tempdir, stats, wait_for
@@ -217,12 +219,26 @@ def test_a_budget_the_machine_cannot_back_is_refused(tmp_path):
 
 
 def test_a_budget_above_what_the_model_needs_is_reported_with_what_l2_takes(daemon_factory, model_dir, model_files):
-    daemon = daemon_factory([model_dir], "100GiB")
+    daemon = daemon_factory([model_dir], "1GiB")
     every = budget_for(model_files, model_files.n_experts)
     taken = stats(daemon)["daemon"]["shm_bytes"]
-    assert taken == every
-    assert f"--budget 100.0 GiB for {model_dir} is more than every expert" in daemon.log()
-    assert f"L2 takes {format_size(taken)}" in daemon.log()
+    assert taken == every < 1 << 30
+    (line,) = [line for line in daemon.log().splitlines() if "--budget 1.0 GiB" in line]
+    assert f"--budget 1.0 GiB for {model_dir} is more than every expert" in line
+    assert f"L2 takes {format_size(taken)}; the rest stays free" in line
+
+
+def test_a_budget_above_memory_and_the_model_is_reported_in_one_line_with_what_l2_takes(daemon_factory, model_dir,
+                                                                                        model_files):
+    gib = (SharedMemoryRoom.read().total >> 30) * 4 + 4  # 100 GiB on this 24 GB machine; above memory anywhere
+    daemon = daemon_factory([model_dir], f"{gib}GiB")
+    taken = stats(daemon)["daemon"]["shm_bytes"]
+    assert taken == budget_for(model_files, model_files.n_experts)
+    (line,) = [line for line in daemon.log().splitlines() if f"--budget {gib}.0 GiB" in line]
+    assert f"--budget {gib}.0 GiB for {model_dir} is more than this machine's memory (" in line
+    assert re.search(r"(of memory is available|/dev/shm has .* free|this Mac has .* of memory)\) and more than "
+                     r"every expert of its \d+ served layers needs", line), line
+    assert f"L2 takes {format_size(taken)}; the rest stays free" in line
 
 
 def test_console_script_is_installed():
