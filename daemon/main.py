@@ -278,9 +278,13 @@ class Daemon:
             except BudgetError as exc:
                 raise StartupError(f"cannot serve {m.path}: {exc}") from None
             if budget - geometry.shm_bytes >= geometry.slot_stride:
-                # Capped at one slot per expert: said, so that the admin does not count on memory L2 never takes.
-                log.warning("--budget %s for %s is more than every expert of its %d served layers needs: L2 takes "
-                            "%s; the rest stays free", format_size(budget), files.path, geometry.served,
+                # Capped at one slot per expert: said, so that the admin does not count on memory L2 never takes,
+                # nor on a budget the machine could never back (it would be refused once the model grew).
+                room = SharedMemoryRoom.read()
+                beyond = (f"this machine's memory ({room.refused_above_why()}) and more than "
+                          if budget > room.refused_above else "")
+                log.warning("--budget %s for %s is more than %severy expert of its %d served layers needs: L2 takes "
+                            "%s; the rest stays free", format_size(budget), files.path, beyond, geometry.served,
                             format_size(geometry.shm_bytes))
             opened.append((m, files, geometry, profile, layers))
         fingerprints = [files.fingerprint for _, files, *_ in opened]

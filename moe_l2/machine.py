@@ -84,6 +84,14 @@ class SharedMemoryRoom:
             return self.total
         return self.available if self.shm_free is None else min(self.available, self.shm_free)
 
+    def refused_above_why(self) -> str:
+        """What bounds `refused_above`, with its figure, e.g. "21.7 GiB of memory is available"."""
+        if sys.platform == "darwin":
+            return f"this Mac has {format_size(self.total)} of memory"
+        if self.shm_free is not None and self.shm_free < self.available:
+            return f"{self.shm_path} has {format_size(self.shm_free)} free"
+        return f"{format_size(self.available)} of memory is available"
+
     @property
     def warned_above(self) -> int:
         """Past this (macOS only: available + inactive) the daemon starts with a warning."""

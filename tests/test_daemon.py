@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -15,6 +17,7 @@ from moe_l2 import _native, protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.layout import IndexHeader
+from moe_l2.machine import SharedMemoryRoom
 from moe_l2.sizes import format_size
 
 from .conftest import budget_for, daemon_segments, segment_exists, short_tempdir, stats, wait_for
@@ -174,11 +177,125 @@ def run_daemon(*args, timeout=60):
     (["--model", "/nonexistent/model", "--budget", "1G"], 1, "cannot serve /nonexistent/model"),
     (["--model", "{model}", "--budget", "4KiB"], 1, "too small"),
     (["--model", "{model}", "--budget", "1G", "--config", "/nonexistent.toml"], 2, "cannot read config"),
+    (["--model", "{model}", "--budget", "1G", "--loader-threads", "0"], 2,
+     "--loader-threads must be an integer from 1 to 256, got 0"),
 ])
 def test_bad_flags_fail_at_start_with_a_clear_message(args, code, words, model_dir):
     result = run_daemon(*[a.format(model=model_dir) for a in args])
     assert result.returncode == code, result.stderr
     assert words in result.stderr
+
+
+# ---- the option table (daemon/config.py OPTIONS) drives the flags, the TOML keys, the checks and the README ----
+
+
+def toml_literal(value) -> str:
+    return json.dumps(value) if isinstance(value, (str, bool)) else str(value)
+
+
+def config_file(tmp_path, top: dict | None = None, model: dict | None = None):
+    lines = [f"{key} = {toml_literal(value)}" for key, value in (top or {}).items()]
+    lines += ["[[model]]", *(f"{key} = {toml_literal(value)}"
+                             for key, value in {"path": "/m", "budget": "1GiB", **(model or {})}.items())]
+    path = tmp_path / "moe-l2d.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def resolved(*argv):
+    from moe_l2.daemon.config import build_parser, resolve
+
+    return resolve(build_parser().parse_args(list(argv)))
+
+
+def integer_bounds():
+    from moe_l2.daemon.config import OPTIONS, Integer
+
+    for o in OPTIONS:
+        if isinstance(o.kind, Integer):
+            yield pytest.param(o, o.kind.low - 1, id=f"{o.name}-below-{o.kind.low}")
+            yield pytest.param(o, o.kind.high + 1, id=f"{o.name}-above-{o.kind.high}")
+
+
+@pytest.mark.parametrize("option, value", list(integer_bounds()))
+def test_a_value_past_a_bound_is_refused_with_the_range_from_a_flag_and_from_toml(option, value, tmp_path):
+    from moe_l2.daemon.config import ConfigError
+
+    low, high = option.kind.low, option.kind.high
+    with pytest.raises(ConfigError, match=f"^{option.option} must be an integer from {low} to {high}, got {value}$"):
+        resolved("--model", "/m", "--budget", "1G", option.option, str(value))
+    config = config_file(tmp_path, top={option.name: value})
+    with pytest.raises(ConfigError, match=f"^{option.name} in {config} must be an integer from {low} to {high}, "
+                                          f"got {value}$"):
+        resolved("--config", str(config))
+    for inside in (low, high):  # the bounds themselves are in range
+        assert getattr(resolved("--model", "/m", "--budget", "1G", option.option, str(inside)), option.name) == inside
+        assert getattr(resolved("--config", str(config_file(tmp_path, top={option.name: inside}))),
+                       option.name) == inside
+
+
+# A value other than the default for the options whose default is unset, with what it needs beside it.
+EXAMPLES = {
+    "path": ("/n", {}), "budget": ("2GiB", {}), "layers": ("0-1", {}), "profile": ("/p.json", {}),
+    "socket": ("ipc:///tmp/moe-l2-example.sock", {}), "runtime_dir": ("/tmp/moe-l2-example", {}),
+    "socket_group": ("0", {}), "metrics": ("127.0.0.1:9464", {}),
+    "curve_secret_key": ("{secret}", {"curve_clients": "{clients}", "socket": "tcp://127.0.0.1:5557"}),
+    "curve_clients": ("{clients}", {"curve_secret_key": "{secret}", "socket": "tcp://127.0.0.1:5557"}),
+}
+
+
+def test_every_option_is_a_flag_and_a_toml_key_with_its_default(tmp_path):
+    import zmq.auth
+
+    from moe_l2.daemon.config import BOTH, MODEL, OPTIONS, TOP, DaemonConfig, ModelConfig, Switch, build_parser
+
+    (tmp_path / "clients").mkdir()
+    _, secret = zmq.auth.create_certificates(str(tmp_path), "daemon")
+    Path(secret).chmod(0o600)
+    names = {"secret": secret, "clients": str(tmp_path / "clients")}
+    parser = build_parser()
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    assert flags == {"-h", "--help", "--config", "--version", *(o.option for o in OPTIONS)}
+    by_name = {o.name: o for o in OPTIONS}
+    plain = resolved("--config", str(config_file(tmp_path)))
+    assert plain == resolved("--model", "/m", "--budget", "1GiB")
+    for o in OPTIONS:
+        (action,) = [a for a in parser._actions if o.option in a.option_strings]
+        assert action.help.replace("%%", "%") == o.full_help() and o.help
+        where = {TOP: [DaemonConfig], MODEL: [ModelConfig], BOTH: [DaemonConfig, ModelConfig]}[o.scope]
+        fields = [f for cls in where for f in cls.__dataclass_fields__]
+        if o.default is not None:  # unset but for what the flag or key gives, or a value found at start
+            if o.name in fields:
+                found = plain.models[0] if o.scope != TOP else plain
+                assert getattr(found, o.name) == o.default_value(), o.name
+            value, extra = o.default, {}
+        else:
+            value, extra = EXAMPLES[o.name]
+        value = value.format(**names) if isinstance(value, str) else value
+        extra = {k: v.format(**names) for k, v in extra.items()}
+        top = {k: v for k, v in {o.name: value, **extra}.items() if by_name[k].scope != MODEL}
+        model = {k: v for k, v in {o.name: value, **extra}.items() if by_name[k].scope == MODEL}
+        keyed = resolved("--config", str(config_file(tmp_path, top, model)))
+        if o.name == "path":  # --model adds a model beside the file's
+            assert [str(m.path) for m in resolved("--model", "/n", "--budget", "1GiB").models] == ["/n"]
+            continue
+        argv = [arg for k, v in {o.name: value, **extra}.items()
+                for arg in ([by_name[k].option] if isinstance(by_name[k].kind, Switch) else [by_name[k].option, str(v)])
+                if not (isinstance(by_name[k].kind, Switch) and v is False)]
+        flagged = resolved("--model", "/m", "--budget", "1GiB", *argv) if o.name != "budget" else \
+            resolved("--model", "/m", *argv)
+        assert flagged == keyed, o.name
+        assert (keyed == plain) == (o.default is not None), o.name
+        if o.scope == BOTH:  # also a [[model]] key
+            assert resolved("--config", str(config_file(tmp_path, model={o.name: value}))) == keyed
+
+
+def test_the_readme_table_of_flags_is_the_one_the_option_table_makes():
+    from moe_l2.daemon.config import flags_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert flags_table() in readme, "README.md's moe-l2d flags differ from daemon/config.py's OPTIONS: paste " \
+        "python -c 'from moe_l2.daemon.config import flags_table; print(flags_table(), end=\"\")'"
 
 
 def write_sparse_model(directory, n_experts=64, expert_bytes=1 << 30):
@@ -217,12 +334,26 @@ def test_a_budget_the_machine_cannot_back_is_refused(tmp_path):
 
 
 def test_a_budget_above_what_the_model_needs_is_reported_with_what_l2_takes(daemon_factory, model_dir, model_files):
-    daemon = daemon_factory([model_dir], "100GiB")
+    daemon = daemon_factory([model_dir], "1GiB")
     every = budget_for(model_files, model_files.n_experts)
     taken = stats(daemon)["daemon"]["shm_bytes"]
-    assert taken == every
-    assert f"--budget 100.0 GiB for {model_dir} is more than every expert" in daemon.log()
-    assert f"L2 takes {format_size(taken)}" in daemon.log()
+    assert taken == every < 1 << 30
+    (line,) = [line for line in daemon.log().splitlines() if "--budget 1.0 GiB" in line]
+    assert f"--budget 1.0 GiB for {model_dir} is more than every expert" in line
+    assert f"L2 takes {format_size(taken)}; the rest stays free" in line
+
+
+def test_a_budget_above_memory_and_the_model_is_reported_in_one_line_with_what_l2_takes(daemon_factory, model_dir,
+                                                                                        model_files):
+    gib = (SharedMemoryRoom.read().total >> 30) * 4 + 4  # 100 GiB on this 24 GB machine; above memory anywhere
+    daemon = daemon_factory([model_dir], f"{gib}GiB")
+    taken = stats(daemon)["daemon"]["shm_bytes"]
+    assert taken == budget_for(model_files, model_files.n_experts)
+    (line,) = [line for line in daemon.log().splitlines() if f"--budget {gib}.0 GiB" in line]
+    assert f"--budget {gib}.0 GiB for {model_dir} is more than this machine's memory (" in line
+    assert re.search(r"(of memory is available|/dev/shm has .* free|this Mac has .* of memory)\) and more than "
+                     r"every expert of its \d+ served layers needs", line), line
+    assert f"L2 takes {format_size(taken)}; the rest stays free" in line
 
 
 def test_console_script_is_installed():

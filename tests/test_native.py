@@ -507,3 +507,22 @@ def test_pread_records_checks_its_destinations(data_file, shm_name):
         native.pread_records([(-1, 0, 16, native.Buffer(64), 0)])
     with pytest.raises(ValueError, match=r"\[pread_records\] threads must be >= 1"):
         native.pread_records([(fd, 0, 16, native.Buffer(64), 0)], threads=0)
+
+
+def test_the_extension_ships_type_stubs_naming_all_it_exports_with_their_signatures():
+    import ast
+    from pathlib import Path
+
+    stub = Path(native.__file__).with_name("_native.pyi")
+    tree = ast.parse(stub.read_text())
+    stubbed = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    constants = {node.target.id for node in tree.body if isinstance(node, ast.AnnAssign)}
+    assert set(stubbed) | constants == {name for name in dir(native) if not name.startswith("_")}
+    methods = {node.name: ast.unparse(node.args) + " -> " + ast.unparse(node.returns)
+               for node in stubbed["Segment"].body if isinstance(node, ast.FunctionDef)}
+    assert methods["create"] == f"name: str, nbytes: int, mode: int={0o600} -> Segment"
+    assert methods["array"] == ("self, offset: int, shape: Sequence[int], strides: Sequence[int], "
+                                "dtype: mlx.core.Dtype -> mlx.core.array")
+    import moe_l2
+
+    assert (Path(moe_l2.__file__).parent / "py.typed").exists()  # type checkers read moe_l2's own annotations

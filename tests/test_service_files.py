@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-# Works from a source checkout (tests/ beside systemd/) and from the wheel (moe_l2/tests, moe_l2/systemd).
+# Run from a source checkout (tests/ beside systemd/): the wheel ships systemd/ as moe_l2/systemd, not the tests.
 SERVICE_DIR = Path(__file__).resolve().parents[1] / "systemd"
 UNIT = SERVICE_DIR / "moe-l2d.service"
 PLIST = SERVICE_DIR / "com.moe-l2.moe-l2d.plist"
