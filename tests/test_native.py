@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 from moe_l2 import _native as native
+from moe_l2.layout import LAYOUT_VERSION, Geometry
 
 PAGE = os.sysconf("SC_PAGESIZE")
 _names = itertools.count()
@@ -279,11 +280,9 @@ class Store:
         return slots.copy(pieces, experts, rows, threads)
 
 
-def test_slot_format_sizes_are_layouts():
+def test_layout_places_the_index_with_slot_index_sizes():
     """The sizes layout.py places the index with are SlotIndex's, and lay a served model's index out as before
     (layout version 2): slot_of int32 entries, 16-byte metadata."""
-    from moe_l2.layout import LAYOUT_VERSION, Geometry
-
     assert (native.SlotIndex.SLOT_OF_BYTES, native.SlotIndex.META_BYTES, LAYOUT_VERSION) == (4, 16, 2)
     g = Geometry(n_layers=3, n_experts=10, n_slots=5, record_bytes=100)
     assert g.slot_of_offset(2) - g.slot_of_offset(1) == 40
@@ -511,14 +510,30 @@ while index.load_u32(0) == 0:
 """
 
 
-@pytest.mark.parametrize("record, threads", [(256 << 10, 1), (4 << 20, 4)])  # one thread; chunks on four
-def test_copy_never_returns_a_torn_record(shm_name, record, threads):
-    """Every copy reported True holds a single version of a record another process rewrites."""
+def lent_read(store, pools, half):
+    """The zero-copy path on the store's one slot: lend expert 1, read its bytes in place (into the pools' second
+    rows, where copy puts them), then check the loan."""
+    ((slot, seq),) = store.slots.lend([1])
+    if slot < 0:
+        return False
+    data = store.data.view()
+    for k, pool in enumerate(pools):
+        pool.view()[half:] = data[k * half:(k + 1) * half]
+    return store.slots.check([slot], [seq]) == [True]
+
+
+@pytest.mark.parametrize("record, threads, path", [(256 << 10, 1, "copy"), (4 << 20, 4, "copy"),  # chunks on four
+                                                   (256 << 10, 1, "lend")])
+def test_readers_never_take_a_torn_record(shm_name, record, threads, path):
+    """Every copy reported True, and every loan that passed its check, holds a single version of a record another
+    process rewrites."""
     half = record // 2
     store = Store(shm_name, n_experts=2, n_slots=1, stride=record)
     store.fill(0, 1, bytes(record))
     pools = [native.Buffer(2 * half), native.Buffer(2 * half)]
     pieces = [(0, half, pools[0]), (half, half, pools[1])]
+    read = (lambda: store.copy(pieces, [1], [1], threads=threads)[0]) if path == "copy" else \
+        (lambda: lent_read(store, pools, half))
     args = [store.index.name, store.data.name, str(store.SLOT_OF), str(store.meta), str(record)]
     consistent = rejected_torn = 0
     # -P: without it `python -c` puts the working directory first on sys.path, and in the
@@ -530,11 +545,11 @@ def test_copy_never_returns_a_torn_record(shm_name, record, threads):
             while time.monotonic() < deadline and (consistent < 100 or rejected_torn < 5):
                 if proc.poll() is not None:
                     pytest.fail("the writer process died:\n" + proc.stderr.read().decode())
-                (ok,) = store.copy(pieces, [1], [1], threads=threads)
+                ok = read()
                 first, second = (bytes(pool.view()[half:]) for pool in pools)
                 uniform = first == second == first[:1] * half
                 if ok:
-                    assert uniform, "copy returned True for a torn record"
+                    assert uniform, f"{path} vouched for a torn record"
                     consistent += 1
                 elif not uniform:
                     rejected_torn += 1
