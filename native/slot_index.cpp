@@ -71,6 +71,12 @@ std::pair<int32_t, uint32_t> find(const Layer& at, size_t n_slots, int32_t exper
   return {slot, seq};
 }
 
+// `what` = value is outside [0, end), `what` named as what[i] where i >= 0.
+[[noreturn]] void throw_outside(const char* fn, const char* what, int64_t i, int64_t value, size_t end) {
+  std::string name = i < 0 ? std::string(what) : std::string(what) + "[" + std::to_string(i) + "]";
+  throw_value_error(fn, name + " = " + std::to_string(value) + " is outside [0, " + std::to_string(end) + ")");
+}
+
 }  // namespace
 
 SlotIndex::SlotIndex(Memory& index, Memory* data, int64_t slot_of_offset, int64_t meta_offset,
@@ -94,15 +100,6 @@ SlotIndex::SlotIndex(Memory& index, Memory* data, int64_t slot_of_offset, int64_
     data->check_range(fn, 0, checked_mul(fn, n_slots_, slot_stride_));
   }
 }
-
-namespace {
-
-[[noreturn]] void throw_outside(const char* fn, const char* what, int64_t i, int64_t value, size_t end) {
-  std::string name = i < 0 ? std::string(what) : std::string(what) + "[" + std::to_string(i) + "]";
-  throw_value_error(fn, name + " = " + std::to_string(value) + " is outside [0, " + std::to_string(end) + ")");
-}
-
-}  // namespace
 
 size_t SlotIndex::check_slot(const char* fn, const char* what, int64_t slot, int64_t i) const {
   if (slot < 0 || static_cast<size_t>(slot) >= n_slots_) {
