@@ -1,7 +1,7 @@
 """The L2 data path, measured side by side in one process (ratios: the machines are noisy).
 
-1. L2 hit copy of a batch of records (native seqlock copy, on one thread and on the pool's copy threads) vs
-   plain memcpy of the same bytes.
+1. L2 hit copy of a batch of records (SlotIndex.copy, on one thread and on the pool's copy threads) vs
+   plain memcpy of the same bytes; SlotIndex.lend + check of the same batch (the zero-copy path's instead).
 2. Per-record cost: L2 copy vs pread from a warm page cache vs pread after posix_fadvise(DONTNEED).
 3. `stats` reply latency p50/p99, idle and with 4 clients copying flat out.
 
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_l2 import _native, protocol
+from moe_l2 import protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.process import DaemonProcess
@@ -82,18 +82,18 @@ def main() -> None:
         client = L2Client(files, socket, wait_s=5)
         att = client.attachment
         g = att.geometry
+        slot_index = att.slot_indexes[0]
         pool = ExpertPool(files, capacity=args.batch, client=client)
         lp = pool.layers[0]
         experts = list(range(args.batch))
         rows = list(range(args.batch))
 
         def l2_copy(threads=pool.copy_threads):
-            ok = _native.copy_records(att.index, att.data[0], g.slot_of_offset(0), g.meta_offset(0),
-                                      g.n_experts, g.n_slots, g.slot_stride, lp.copy_pieces, experts, rows, threads)
+            ok = slot_index.copy(lp.copy_pieces, experts, rows, threads)
             assert all(ok)
 
         src = att.data[0].view()
-        slots = [att.index.load_i32(g.slot_of_offset(0) + 4 * e) for e in experts]
+        slots = [slot_index.slot_of(e) for e in experts]
         dsts = {key: buf.view() for key, buf in lp.buffers.items()}
 
         def memcpy():
@@ -112,6 +112,14 @@ def main() -> None:
               f"({t_one / t_l2:.2f}x the threads' time)")
         print(f"   memcpy   {t_memcpy * 1e3:8.3f} ms  {batch_bytes / t_memcpy / 1e9:6.2f} GB/s")
         print(f"   L2 copy speed / memcpy speed = {t_memcpy / t_l2:.2f}x")
+
+        def lend_check():
+            lent = slot_index.lend(experts)
+            assert all(slot_index.check([slot for slot, _ in lent], [seq for _, seq in lent]))
+
+        t_lend = best_of(lend_check, args.repeat)
+        print(f"   lend + check {t_lend * 1e6:8.1f} us  (the zero-copy path's seqlock work for the batch: "
+              f"{t_lend / t_l2:.4f}x the copy's time)")
 
         fds = pool._fds
 

@@ -73,6 +73,7 @@ class Attachment:
     data: tuple
     layers: frozenset[int]  # the MoE layers the daemon serves
     slots: tuple[int, ...]  # per MoE layer, its slots in L2 (0 where unserved)
+    slot_indexes: tuple  # per MoE layer, its _native.SlotIndex (copy, lend, check); None where unserved
 
     def serves(self, layer: int) -> bool:
         return layer in self.layers
@@ -106,7 +107,10 @@ def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] 
                  for layer, name in enumerate(header.data_names))
     for layer in slots:
         check_segment(data[layer], trusted)
-    return Attachment(header.epoch, g, index, data, served, tuple(slots.get(layer, 0) for layer in range(g.n_layers)))
+    slot_indexes = tuple(g.slot_index(index, layer, slots[layer], data[layer]) if layer in slots else None
+                         for layer in range(g.n_layers))
+    return Attachment(header.epoch, g, index, data, served, tuple(slots.get(layer, 0) for layer in range(g.n_layers)),
+                      slot_indexes)
 
 
 def wait_idle(address: str, timeout_s: float = 10.0) -> None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from moe_l2 import _native
 from moe_l2.model.records import RecordLayout
 
 
@@ -79,19 +78,14 @@ class L2View:
 
     def lend(self, layer: int, experts: list[int]) -> Loan:
         """The experts L2 holds whole now (the rest are absent or being written), as slots to compute on."""
-        g = self.attachment.geometry
-        lent = _native.lend_records(self.attachment.index, g.slot_of_offset(layer), g.meta_offset(layer),
-                                    g.n_experts, self.attachment.slots[layer], experts)
+        lent = self.attachment.slot_indexes[layer].lend(experts)
         held = [(e, slot, seq) for e, (slot, seq) in zip(experts, lent) if slot >= 0]
         return Loan(self, layer, *(tuple(column) for column in zip(*held))) if held else Loan(self, layer, (), (), ())
 
     def unchanged(self, loan: Loan) -> list[bool]:
         """Per lent expert: whether its slot was not written since it was lent (call once the computation
         that read it is evaluated)."""
-        g = self.attachment.geometry
-        return _native.records_unchanged(self.attachment.index, g.meta_offset(loan.layer),
-                                         self.attachment.slots[loan.layer],
-                                         list(loan.slots), list(loan.seqs))
+        return self.attachment.slot_indexes[loan.layer].check(list(loan.slots), list(loan.seqs))
 
 
 def _row_major(first: int, shape) -> list[int]:

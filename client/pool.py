@@ -29,7 +29,6 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from moe_l2 import _native
 from moe_l2.model import ModelFiles
 
 from moe_l2.client.l2view import L2View, Loan
@@ -383,10 +382,7 @@ class ExpertPool:
         attachment = self.client.attachment if self.client is not None else None
         if attachment is None or not attachment.serves(layer):  # an unserved layer: the file (moe-l2d --layers)
             return [False] * len(experts)
-        g = attachment.geometry
-        return _native.copy_records(attachment.index, attachment.data[layer], g.slot_of_offset(layer),
-                                    g.meta_offset(layer), g.n_experts, attachment.slots[layer], g.slot_stride,
-                                    lp.copy_pieces, experts, rows, self.copy_threads)
+        return attachment.slot_indexes[layer].copy(lp.copy_pieces, experts, rows, self.copy_threads)
 
     def _intact_copy(self, layer: int, lp: LayerPool, expert: int, row: int) -> bool:
         """Whether a record copied from L2 matches the manifest; one that does not is read from the file."""

@@ -1,8 +1,8 @@
 """A model the daemon serves: its files, its shared-memory segments, one slot store per layer.
 
 Every change of a slot follows the seqlock (docs/architecture.md, "Shared memory"), so that a client copying
-concurrently either gets the whole record or gives up: begin (seq odd, evicted expert's slot_of cleared),
-pread the record, set the slot's expert, end (seq even), publish slot_of.
+concurrently either gets the whole record or gives up: SlotIndex.begin_fill (seq odd, the evicted expert unmapped),
+pread the record, SlotIndex.finish_fill (the slot's expert, seq even, then slot_of published).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from moe_l2.cache.policy import DEFAULT_POLICY, make_policy
 from moe_l2.cache.prediction import PredictorError
 from moe_l2.cache.profile import MIN_CONFIDENCE, Profile
 from moe_l2.cache.store import LayerStore, Reservation
-from moe_l2.layout import META_CHECKSUM, META_EXPERT, META_SEQ, Geometry, IndexHeader
+from moe_l2.layout import Geometry, IndexHeader
 from moe_l2.model import ModelFiles
 from moe_l2.model.files import format_ranges
 from moe_l2.protocol import ProtocolError
@@ -59,6 +59,7 @@ class ServedModel:
         self.released: set[tuple[int, int]] = set()  # (layer, slot) whose pages the governor gave back
         self.index = None
         self.data: dict = {}  # served layer -> its data segment
+        self.slot_indexes: dict = {}  # served layer -> its _native.SlotIndex, through which every fill goes
         self.fds = files.open_fds(direct_io)
         # Linux can tell whether the filesystem took O_DIRECT; macOS' F_NOCACHE cannot be queried.
         self.direct_io = ModelFiles.direct_fds(self.fds) if hasattr(os, "O_DIRECT") else \
@@ -81,12 +82,11 @@ class ServedModel:
         header = IndexHeader(g, epoch, self.files.fingerprint, self.index_name, names).pack()
         view = self.index.view()
         view[:len(header)] = header
-        absent = b"\xff" * (4 * g.n_experts)
+        # Every layer's whole part of the index starts empty: g.n_slots entries, a short layer's last one unused.
         for layer in range(g.n_layers):
-            start = g.slot_of_offset(layer)
-            view[start:start + len(absent)] = absent
-            for slot in range(g.n_slots):
-                self.index.store_i32(g.meta_offset(layer, slot) + META_EXPERT, -1)
+            g.slot_index(self.index, layer, g.n_slots).clear()
+        self.slot_indexes = {layer: g.slot_index(self.index, layer, self.slots[layer], self.data[layer])
+                             for layer in self.layers}
 
     @property
     def segment_names(self) -> list[str]:
@@ -145,19 +145,11 @@ class ServedModel:
                 reservation = store.reserve(expert, keep)
                 if reservation is None:
                     break  # every slot pinned or loading: later misses will come back
-                self._begin_fill(layer, reservation)
+                self.slot_indexes[layer].begin_fill(reservation.slot, reservation.evicted)
                 reservations.append(reservation)
         for reservation in reservations:
             loader.submit(self, layer, reservation)
         return len(reservations)
-
-    def _begin_fill(self, layer: int, r: Reservation) -> None:
-        g = self.geometry
-        meta = g.meta_offset(layer, r.slot)
-        self.index.seq_begin_write(meta + META_SEQ)
-        if r.evicted >= 0:
-            self.index.store_i32(g.slot_of_offset(layer) + 4 * r.evicted, -1)
-        self.index.store_i32(meta + META_EXPERT, -1)
 
     def resize(self, target: int) -> int:
         """Shrink or grow every layer toward `target` slots for the memory governor; returns the slots changed.
@@ -172,8 +164,9 @@ class ServedModel:
         with self.lock:
             for layer, store in self.stores.items():
                 for r in store.shrink(target):
-                    self._begin_fill(layer, r)
-                    self.index.seq_end_write(g.meta_offset(layer, r.slot) + META_SEQ)
+                    # Emptied under the seqlock: the expert unmapped, then the seq closed on an empty slot.
+                    self.slot_indexes[layer].begin_fill(r.slot, r.evicted)
+                    self.slot_indexes[layer].abort_fill(r.slot)
                     taken.append((layer, r.slot))
                 given += [(layer, slot) for slot in store.grow(target)]
         for layer, slot in taken:
@@ -192,19 +185,13 @@ class ServedModel:
         return len(self.released) * self.geometry.slot_stride
 
     def finish_fill(self, layer: int, r: Reservation, checksum: int) -> None:
-        g = self.geometry
-        meta = g.meta_offset(layer, r.slot)
         with self.lock:
-            self.index.store_u32(meta + META_CHECKSUM, checksum)
-            self.index.store_i32(meta + META_EXPERT, r.expert)
-            self.index.seq_end_write(meta + META_SEQ)
-            self.index.store_i32(g.slot_of_offset(layer) + 4 * r.expert, r.slot)
+            self.slot_indexes[layer].finish_fill(r.slot, r.expert, checksum)
             self.stores[layer].commit(r)
 
     def abort_fill(self, layer: int, r: Reservation) -> None:
         with self.lock:
-            # The slot stays marked empty (expert -1), so closing the seqlock publishes nothing.
-            self.index.seq_end_write(self.geometry.meta_offset(layer, r.slot) + META_SEQ)
+            self.slot_indexes[layer].abort_fill(r.slot)
             self.stores[layer].abort(r)
 
     def report(self, layers: dict[int, list[list[int]]], routed: dict[int, list[int]], loader,
@@ -351,4 +338,4 @@ class ServedModel:
                 segment.close()
         for name in self.segment_names:
             _native.Segment.unlink(name)
-        self.index, self.data = None, {}
+        self.index, self.data, self.slot_indexes = None, {}, {}

@@ -3,14 +3,17 @@
 Index segment:
     header   magic, layout version, epoch, fingerprint, geometry, one data-segment name per layer
     slot_of  per layer, n_experts x int32: the slot holding the expert, -1 when absent
-    meta     per layer, n_slots x SlotMeta {int32 expert, uint32 seq, uint32 checksum, uint32 reserved}
+    meta     per layer, n_slots x SlotMeta (the slot's expert, seq, checksum)
 Data segment, one per served layer: its slots x slot_stride bytes; slot s holds one record at s * slot_stride.
 A budget that does not divide evenly over the served layers gives the last `n_short` of them one slot fewer
 than n_slots, so that none of it is left unspent.
 The index covers every MoE layer; a layer the daemon does not serve (moe-l2d --layers) has no data segment
 and an empty name in the header, and its slot_of stays -1 (docs/architecture.md, "Shared memory").
 
-``seq`` is the slot's seqlock: odd while the daemon writes the slot, even when the record is whole.
+``seq`` is the slot's seqlock: odd while the daemon writes the slot, even when the record is whole. The slot_of
+entries, the metadata and the seqlock's protocol are defined once, in native/slot_index.h: this module only
+places each layer's part of the index (with the sizes moe_l2._native.SlotIndex gives), and `Geometry.slot_index`
+hands a layer to it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ from moe_l2.sizes import format_size
 
 MAGIC = b"MOEL2IDX"
 LAYOUT_VERSION = 2  # 2: n_short, the served layers with one slot fewer
-SLOT_META_BYTES = 16
-META_EXPERT, META_SEQ, META_CHECKSUM = 0, 4, 8
 NAME_BYTES = 32
 FINGERPRINT_BYTES = 64
 MAX_SHM_NAME = 31  # macOS' PSHMNAMLEN; Linux allows more, but one name scheme must fit both
@@ -36,6 +37,14 @@ TOKEN_HEX = 10  # 40 random bits per segment name: too many names to take first,
 # magic, layout version, n_layers, epoch, n_experts, n_slots, n_short, record_bytes, slot_stride, fingerprint,
 # index name
 _HEADER = struct.Struct(f"<8sIIQIIIQQ{FINGERPRINT_BYTES}s{NAME_BYTES}s")
+
+
+def _slot_format():
+    """moe_l2._native.SlotIndex, the owner of the slot format; imported on first use, so that commands that only
+    describe slots (stats) do not load MLX."""
+    from moe_l2 import _native
+
+    return _native.SlotIndex
 
 
 def align(value: int, to: int) -> int:
@@ -110,14 +119,22 @@ class Geometry:
         return align(_HEADER.size + self.n_layers * NAME_BYTES, 64)
 
     def slot_of_offset(self, layer: int) -> int:
-        return self.slot_of_base + layer * self.n_experts * 4
+        return self.slot_of_base + layer * self.n_experts * _slot_format().SLOT_OF_BYTES
 
     @property
     def meta_base(self) -> int:
         return align(self.slot_of_offset(self.n_layers), 64)
 
-    def meta_offset(self, layer: int, slot: int = 0) -> int:
-        return self.meta_base + (layer * self.n_slots + slot) * SLOT_META_BYTES
+    def meta_offset(self, layer: int) -> int:
+        return self.meta_base + layer * self.n_slots * _slot_format().META_BYTES
+
+    def slot_index(self, index, layer: int, n_slots: int, data=None):
+        """MoE `layer`'s slots in the index segment `index`, `n_slots` of them (the layer's own count,
+        `layer_slots`), whose records lie in the segment `data` (None: an unserved layer): a
+        moe_l2._native.SlotIndex, the seqlock's writer and reader sides."""
+        return _slot_format()(index, data, slot_of_offset=self.slot_of_offset(layer),
+                              meta_offset=self.meta_offset(layer), n_experts=self.n_experts, n_slots=n_slots,
+                              slot_stride=self.slot_stride)
 
     @property
     def index_bytes(self) -> int:

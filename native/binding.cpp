@@ -10,6 +10,7 @@
 
 #include "memory.h"
 #include "records.h"
+#include "slot_index.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -96,23 +97,7 @@ void init_memory(nb::module_& m) {
       .def(
           "store_i32",
           [](Memory& self, int64_t off, int32_t v) { self.store_i32(offset_arg("Memory.store_i32", off), v); },
-          "offset"_a, "value"_a, "Atomic release store of an int32 at offset.")
-      .def(
-          "seq_begin_write",
-          [](Memory& self, int64_t off) {
-            return self.seq_begin_write(offset_arg("Memory.seq_begin_write", off));
-          },
-          "offset"_a,
-          "Seqlock writer start: makes the (even) uint32 seq at offset odd, then a release "
-          "fence. Returns the new seq.")
-      .def(
-          "seq_end_write",
-          [](Memory& self, int64_t off) {
-            return self.seq_end_write(offset_arg("Memory.seq_end_write", off));
-          },
-          "offset"_a,
-          "Seqlock writer end: makes the (odd) seq at offset even with a release store. "
-          "Returns the new seq.");
+          "offset"_a, "value"_a, "Atomic release store of an int32 at offset.");
 
   nb::class_<Buffer, Memory>(m, "Buffer",
                              "C++-owned memory from MLX's allocator: page-aligned, zero-filled, "
@@ -180,18 +165,48 @@ void init_memory(nb::module_& m) {
       });
 }
 
-void init_copy(nb::module_& m) {
-  m.def("copy_records", &copy_records, "index"_a, "data"_a, "slot_of_off"_a, "meta_off"_a,
-        "n_experts"_a, "n_slots"_a, "slot_stride"_a, "pieces"_a, "experts"_a, "rows"_a,
-        "threads"_a = 1,
-        "Copy the L2 records of experts into rows of the pieces' destinations, checked by each "
-        "slot's seqlock, on up to `threads` threads, with the GIL released. Result i is False where experts[i] is absent "
-        "or was being written (its rows may then be partly written).");
-  m.def("lend_records", &lend_records, "index"_a, "slot_of_off"_a, "meta_off"_a, "n_experts"_a,
-        "n_slots"_a, "experts"_a,
-        "(slot, seq) of each expert L2 holds whole, slot -1 for the rest: records to compute on in place.");
-  m.def("records_unchanged", &records_unchanged, "index"_a, "meta_off"_a, "n_slots"_a, "slots"_a,
-        "seqs"_a, "Whether each lent slot still has the seq it was lent with.");
+void init_slot_index(nb::module_& m) {
+  nb::class_<SlotIndex> cls(m, "SlotIndex",
+                            "One MoE layer's slots in the daemon's shared memory: its part of the index "
+                            "segment (slot_of and the slots' metadata) and its data segment, with the "
+                            "seqlock's writer and reader sides as named operations (docs/architecture.md, "
+                            "\"Shared memory\"). Keeps index and data alive.");
+  cls.def(nb::init<Memory&, Memory*, int64_t, int64_t, int64_t, int64_t, int64_t>(), "index"_a,
+          "data"_a.none(), nb::kw_only(), "slot_of_offset"_a, "meta_offset"_a, "n_experts"_a,
+          "n_slots"_a, "slot_stride"_a, nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(),
+          "The layer's slot_of at slot_of_offset and metadata at meta_offset of index, its records "
+          "slot_stride apart in data (None: an unserved layer, which has none); bounds-checked here.")
+      .def("begin_fill", &SlotIndex::begin_fill, "slot"_a, "evicted"_a = -1,
+           "Writer: start filling slot (seq odd; RuntimeError if it already is), unmap the evicted "
+           "expert (-1: none) and mark the slot empty. Returns the new seq.")
+      .def("finish_fill", &SlotIndex::finish_fill, "slot"_a, "expert"_a, "checksum"_a = 0,
+           "Writer: the slot now holds expert's whole record: set its checksum and expert, make seq "
+           "even, then map expert to the slot. Returns the new seq.")
+      .def("abort_fill", &SlotIndex::abort_fill, "slot"_a,
+           "Writer: end a fill that wrote no record (seq even, the slot left empty). Returns the new seq.")
+      .def("clear", &SlotIndex::clear, "Writer: every expert absent, every slot empty (a new index).")
+      .def("copy", &SlotIndex::copy, "pieces"_a, "experts"_a, "rows"_a, "threads"_a = 1,
+           "Copy the records of experts into rows of the pieces' destinations ((src_off, nbytes, dst) "
+           "each), checked by each slot's seqlock, on up to `threads` threads, with the GIL released. "
+           "Result i is False where experts[i] is absent or was being filled (its rows may then be "
+           "partly written).")
+      .def("lend", &SlotIndex::lend, "experts"_a,
+           "(slot, seq) of each expert held whole now, slot -1 for the rest: records to compute on in "
+           "place; check() says afterwards whether they stayed whole.")
+      .def("check", &SlotIndex::check, "slots"_a, "seqs"_a,
+           "Once whatever read the lent records has finished: whether each slot still has the seq it "
+           "was lent with (True: the bytes read were one whole record).")
+      .def("slot_of", &SlotIndex::slot_of, "expert"_a, "The slot that slot_of maps expert to (-1: none).")
+      .def("meta", &SlotIndex::meta, "slot"_a, "The slot's (expert, seq, checksum).")
+      .def_prop_ro("n_experts", &SlotIndex::n_experts)
+      .def_prop_ro("n_slots", &SlotIndex::n_slots)
+      .def("__repr__", [](const SlotIndex& self) {
+        return "<moe_l2._native.SlotIndex n_experts=" + std::to_string(self.n_experts()) +
+               " n_slots=" + std::to_string(self.n_slots()) + ">";
+      });
+  // The sizes moe_l2/layout.py lays each layer's part of the index out with.
+  cls.attr("SLOT_OF_BYTES") = kSlotOfBytes;
+  cls.attr("META_BYTES") = sizeof(SlotMeta);
 }
 
 void init_pread(nb::module_& m) {
@@ -228,7 +243,7 @@ void init_transcode(nb::module_& m) {
 }  // namespace moe_l2
 
 NB_MODULE(_native, m) {
-  m.doc() = "moe-l2's native core: MLX-backed buffers, shared memory, record copies and reads.";
+  m.doc() = "moe-l2's native core: MLX-backed buffers, shared memory, the L2 slot index, record reads.";
   // Registers mlx.core.array and mlx.core.Dtype in the shared "mlx" domain before any use.
   nb::module_::import_("mlx.core");
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
@@ -239,7 +254,7 @@ NB_MODULE(_native, m) {
     }
   });
   moe_l2::init_memory(m);
-  moe_l2::init_copy(m);
+  moe_l2::init_slot_index(m);
   moe_l2::init_pread(m);
   moe_l2::init_transcode(m);
 }

@@ -102,38 +102,6 @@ void Memory::store_i32(size_t off, int32_t v) {
                    __ATOMIC_RELEASE);
 }
 
-uint32_t Memory::seq_begin_write(size_t off) {
-  const char* fn = "Memory.seq_begin_write";
-  uint32_t* seq = word(fn, off, true);
-  uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
-  if (s & 1u) {
-    throw std::runtime_error(prefixed(
-        fn, "seq at offset " + std::to_string(off) + " is odd (" + std::to_string(s) +
-                "): a write is already in progress, or its writer died mid-write"));
-  }
-  // A compare-exchange, so that two writers racing on one slot fail instead of both "owning" it.
-  if (!__atomic_compare_exchange_n(seq, &s, s + 1, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-    throw std::runtime_error(prefixed(fn, "seq at offset " + std::to_string(off) +
-                                              " changed under a writer: two writers on one slot"));
-  }
-  // Readers must see the odd seq before any of the record bytes written after this call.
-  __atomic_thread_fence(__ATOMIC_RELEASE);
-  return s + 1;
-}
-
-uint32_t Memory::seq_end_write(size_t off) {
-  const char* fn = "Memory.seq_end_write";
-  uint32_t* seq = word(fn, off, true);
-  uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
-  if (!(s & 1u)) {
-    throw std::runtime_error(prefixed(fn, "seq at offset " + std::to_string(off) + " is even (" +
-                                              std::to_string(s) +
-                                              "): no write in progress (seq_begin_write first)"));
-  }
-  __atomic_store_n(seq, s + 1, __ATOMIC_RELEASE);
-  return s + 1;
-}
-
 // ---------------------------------------------------------------------------------------
 // Buffer
 //

@@ -58,8 +58,6 @@ class Memory {
   int32_t load_i32(size_t off) const;
   void store_u32(size_t off, uint32_t v);
   void store_i32(size_t off, int32_t v);
-  uint32_t seq_begin_write(size_t off);
-  uint32_t seq_end_write(size_t off);
 
   // "buffer" or "segment '/name'", for error messages.
   virtual std::string describe() const = 0;

@@ -1,5 +1,5 @@
-// Batch operations on records: the client's L2 -> L0 copy and the L3 file reads.
-// Both validate everything with the GIL held, then release it for the copying or reading.
+// Batch operations on records: the L3 file reads and their conversion (the L2 copy is SlotIndex's).
+// They validate everything with the GIL held, then release it for the copying or reading.
 #pragma once
 
 #include <cstdint>
@@ -30,30 +30,6 @@ void run_on_threads(size_t n_threads, Loop&& loop) {
     t.join();
   }
 }
-
-// (src_off, nbytes, dst): one piece of a record and the pool memory whose rows receive it.
-using CopyPiece = std::tuple<int64_t, int64_t, Memory*>;
-
-// Seqlock-checked copy of records from the L2 shared-memory store, on up to `threads` threads.
-// Result i is true iff the record of experts[i] was present and copied without a concurrent write
-// (docs/architecture.md, "Native module": the reader side of the seqlock).
-std::vector<bool> copy_records(const Memory& index, const Memory& data, int64_t slot_of_off,
-                               int64_t meta_off, int64_t n_experts, int64_t n_slots,
-                               int64_t slot_stride, const std::vector<CopyPiece>& pieces,
-                               const std::vector<int64_t>& experts,
-                               const std::vector<int64_t>& rows, int64_t threads);
-
-// Records computed on in place (Segment.array, docs/architecture.md "Zero-copy L2 reads"), the reader
-// side of the seqlock in two steps. lend_records: (slot, seq) of each expert that L2 holds and no
-// writer is filling, slot -1 for the rest. records_unchanged: once the computation has read them,
-// whether each lent slot's seq is still the one lent (true: the bytes read were the whole record).
-std::vector<std::pair<int64_t, int64_t>> lend_records(const Memory& index, int64_t slot_of_off,
-                                                      int64_t meta_off, int64_t n_experts,
-                                                      int64_t n_slots,
-                                                      const std::vector<int64_t>& experts);
-std::vector<bool> records_unchanged(const Memory& index, int64_t meta_off, int64_t n_slots,
-                                    const std::vector<int64_t>& slots,
-                                    const std::vector<int64_t>& seqs);
 
 // (fd, file_offset, nbytes, dst, dst_offset): read nbytes of a file into dst.
 using ReadJob = std::tuple<int, int64_t, int64_t, Memory*, int64_t>;

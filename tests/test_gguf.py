@@ -242,7 +242,7 @@ try:
     g, same = served.geometry, []
     for layer in range(files.n_layers):
         for e in range(files.n_experts):
-            slot = served.index.load_i32(g.slot_of_offset(layer) + 4 * e)
+            slot = served.slot_indexes[layer].slot_of(e)
             start = slot * g.slot_stride
             same.append(slot >= 0 and bytes(served.data[layer].view()[start:start + files.layout.nbytes])
                         == files.read_record(layer, e))

@@ -15,7 +15,6 @@ from moe_l2 import _native, protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.generator import make_gguf_model
-from moe_l2.layout import META_CHECKSUM
 from moe_l2.model import MANIFEST_NAME, CorruptRecord, ModelFiles
 from moe_l2.model.packer import pack
 
@@ -136,11 +135,10 @@ def test_the_daemon_never_publishes_a_corrupt_record(daemon_factory, packed_copy
     client = L2Client(files, daemon.socket, wait_s=5)
     pool = ExpertPool(files, capacity=4, client=client)
     try:
-        att = client.attachment
-        g = att.geometry
-        slot = att.index.load_i32(g.slot_of_offset(1) + 4 * 3)
+        slots = client.attachment.slot_indexes[1]
+        expert, _, checksum = slots.meta(slots.slot_of(3))
         # The loader's slot checksum and the manifest's are one definition.
-        assert att.index.load_u32(g.meta_offset(1, slot) + META_CHECKSUM) == files.checksums.expected(1, 3)
+        assert (expert, checksum) == (3, files.checksums.expected(1, 3))
         assert pool.fetch(1, [0, 1, 3]).l2_hits == 3
         assert_resident_exact(pool, files, 1, [0, 1, 3])
         # Not in L2, so the client reads the file, which is damaged: refused, never fed to a forward pass.
@@ -194,7 +192,7 @@ def test_verify_all_rereads_a_damaged_l2_copy_from_the_file(daemon_factory, pack
     try:
         att = client.attachment
         g = att.geometry
-        slot = att.index.load_i32(g.slot_of_offset(0) + 4 * 6)
+        slot = att.slot_indexes[0].slot_of(6)
         # Damage the slot's bytes behind the seqlock's back (a stray write into shared memory).
         writable = _native.Segment.open(att.data[0].name, readonly=False)
         view = writable.view()

@@ -14,7 +14,7 @@ from moe_l2 import _native
 from moe_l2.client.l2view import L2View
 from moe_l2.client.mlx_lm import StreamedLM
 from moe_l2.client.pool import ExpertPool
-from moe_l2.layout import META_EXPERT, META_SEQ, Geometry
+from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
 
 from .conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, made_and_loaded_whole,
@@ -218,12 +218,10 @@ def evict_in_shm(daemon, files: ModelFiles, layer: int, expert: int, slot: int) 
     index_name, data_names = daemon_segments(daemon, files)
     index = _native.Segment.open(index_name, readonly=False)
     data = _native.Segment.open(data_names[layer], readonly=False)
-    meta = g.meta_offset(layer, slot)
-    index.seq_begin_write(meta + META_SEQ)
-    index.store_i32(g.slot_of_offset(layer) + 4 * expert, -1)
-    index.store_i32(meta + META_EXPERT, -1)
+    slots = g.slot_index(index, layer, data.nbytes // g.slot_stride, data)
+    slots.begin_fill(slot, evicted=expert)
     data.view()[slot * g.slot_stride:slot * g.slot_stride + g.record_bytes] = os.urandom(g.record_bytes)
-    index.seq_end_write(meta + META_SEQ)
+    slots.abort_fill(slot)
     index.close()
     data.close()
 

@@ -3,6 +3,7 @@
 import errno
 import itertools
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 from moe_l2 import _native as native
+from moe_l2.layout import LAYOUT_VERSION, Geometry
 
 PAGE = os.sysconf("SC_PAGESIZE")
 _names = itertools.count()
@@ -170,8 +172,6 @@ def test_readonly_segment_rejects_writes(shm_name):
         view[0] = 1
     with pytest.raises(ValueError, match=r"\[Memory.store_u32\] segment '.*' is read-only"):
         ro.store_u32(0, 1)
-    with pytest.raises(ValueError, match=r"\[Memory.seq_begin_write\] .* is read-only"):
-        ro.seq_begin_write(0)
 
 
 @pytest.mark.parametrize("name", ["/" + "x" * 31, "noslash", "/a/b", "/", ""])
@@ -227,7 +227,7 @@ def test_segment_size_errors(shm_name):
         native.Segment.create(shm_name(), PAGE, mode=0o1777)
 
 
-# --- atomics and the seqlock writer side ------------------------------------------------
+# --- atomics ---------------------------------------------------------------------------
 
 
 def test_atomic_loads_and_stores():
@@ -243,58 +243,169 @@ def test_atomic_loads_and_stores():
         buf.store_i32(64, 0)
 
 
-def test_seq_write_parity():
-    buf = native.Buffer(64)
-    assert buf.seq_begin_write(16) == 1
-    with pytest.raises(RuntimeError, match=r"\[Memory.seq_begin_write\] seq at offset 16 is odd"):
-        buf.seq_begin_write(16)
-    assert buf.seq_end_write(16) == 2
-    with pytest.raises(RuntimeError, match=r"\[Memory.seq_end_write\] seq at offset 16 is even"):
-        buf.seq_end_write(16)
-    buf.store_u32(16, 2**32 - 2)
-    assert buf.seq_begin_write(16) == 2**32 - 1
-    assert buf.seq_end_write(16) == 0  # wraps to even
+# --- SlotIndex: the slot format and its seqlock -----------------------------------------
 
 
-# --- copy_records -----------------------------------------------------------------------
+META = "<iIII"  # a slot's metadata as docs/architecture.md ("Shared memory") gives it: expert, seq, checksum, reserved
 
 
 class Store:
-    """A small L2 store laid out as docs/architecture.md ("Shared memory") says, written the way the daemon writes.
-    The index's first 64 bytes stand for its header; word 0 tells a writer process to stop."""
+    """A small L2 store laid out as docs/architecture.md ("Shared memory") says: a 64-byte header stand-in, slot_of,
+    the slots' metadata, written through SlotIndex as the daemon writes. Word 0 tells a writer process to stop."""
 
     SLOT_OF = 64
-    META_SIZE = 16
 
     def __init__(self, names, n_experts=8, n_slots=4, stride=2 * PAGE):
         self.n_experts, self.n_slots, self.stride = n_experts, n_slots, stride
-        self.meta = self.SLOT_OF + 4 * n_experts
-        self.index = native.Segment.create(names(), self.meta + self.META_SIZE * n_slots)
+        self.meta = self.SLOT_OF + native.SlotIndex.SLOT_OF_BYTES * n_experts
+        self.index = native.Segment.create(names(), self.meta + native.SlotIndex.META_BYTES * n_slots)
         self.data = native.Segment.create(names(), n_slots * stride)
-        for e in range(n_experts):
-            self.index.store_i32(self.SLOT_OF + 4 * e, -1)
+        self.slots = self.slot_index(self.index)
+        self.slots.clear()
 
-    def seq_off(self, slot):
-        return self.meta + self.META_SIZE * slot + 4
+    def slot_index(self, index, data=None, **layout):
+        args = dict(slot_of_offset=self.SLOT_OF, meta_offset=self.meta, n_experts=self.n_experts,
+                    n_slots=self.n_slots, slot_stride=self.stride)
+        return native.SlotIndex(index, data or self.data, **{**args, **layout})
 
-    def fill(self, slot, expert, record):
-        old = self.index.load_i32(self.meta + self.META_SIZE * slot)
-        self.index.seq_begin_write(self.seq_off(slot))
-        if 0 <= old < self.n_experts and self.index.load_i32(self.SLOT_OF + 4 * old) == slot:
-            self.index.store_i32(self.SLOT_OF + 4 * old, -1)
+    def fill(self, slot, expert, record, checksum=0):
+        old = self.slots.meta(slot)[0]
+        evicted = old if old >= 0 and self.slots.slot_of(old) == slot else -1
+        self.slots.begin_fill(slot, evicted)
         self.data.view()[slot * self.stride : slot * self.stride + len(record)] = record
-        self.index.store_i32(self.meta + self.META_SIZE * slot, expert)
-        self.index.seq_end_write(self.seq_off(slot))
-        self.index.store_i32(self.SLOT_OF + 4 * expert, slot)
+        return self.slots.finish_fill(slot, expert, checksum)
 
     def copy(self, pieces, experts, rows, index=None, threads=1):
-        return native.copy_records(
-            index or self.index, self.data, self.SLOT_OF, self.meta,
-            self.n_experts, self.n_slots, self.stride, pieces, experts, rows, threads,
-        )
+        slots = self.slots if index is None else self.slot_index(index)
+        return slots.copy(pieces, experts, rows, threads)
 
 
-def test_copy_records_copies_exact_bytes(shm_name):
+def test_layout_places_the_index_with_slot_index_sizes():
+    """The sizes layout.py places the index with are SlotIndex's, and lay a served model's index out as before
+    (layout version 2): slot_of int32 entries, 16-byte metadata."""
+    assert (native.SlotIndex.SLOT_OF_BYTES, native.SlotIndex.META_BYTES, LAYOUT_VERSION) == (4, 16, 2)
+    g = Geometry(n_layers=3, n_experts=10, n_slots=5, record_bytes=100)
+    assert g.slot_of_offset(2) - g.slot_of_offset(1) == 40
+    assert g.meta_offset(1) - g.meta_offset(0) == 80 and g.meta_base % 64 == 0
+
+
+def test_slot_index_fills_read_back_byte_exact(shm_name):
+    """What the writer side publishes is what every reader side sees: the record's bytes (copy, and lend's slot
+    read in place), the slot's metadata, slot_of; an evicted expert is unmapped."""
+    store = Store(shm_name)
+    records = {e: os.urandom(store.stride) for e in (2, 7)}
+    assert store.fill(0, 2, records[2], checksum=0xDEADBEEF) == 2
+    assert store.fill(3, 7, records[7], checksum=5) == 2
+    assert store.slots.meta(0) == (2, 2, 0xDEADBEEF) and store.slots.meta(3) == (7, 2, 5)
+    assert [store.slots.slot_of(e) for e in range(store.n_experts)] == [-1, -1, 0, -1, -1, -1, -1, 3]
+    # The bytes are the documented layout (the format of layout version 2, which clients of other builds read).
+    index = store.index.view()
+    assert struct.unpack_from("<8i", index, store.SLOT_OF) == (-1, -1, 0, -1, -1, -1, -1, 3)
+    assert [struct.unpack_from(META, index, store.meta + 16 * slot) for slot in range(4)] == \
+        [(2, 2, 0xDEADBEEF, 0), (-1, 0, 0, 0), (-1, 0, 0, 0), (7, 2, 5, 0)]
+    pool = native.Buffer(2 * store.stride)
+    assert store.copy([(0, store.stride, pool)], [7, 2], [0, 1]) == [True, True]
+    assert bytes(pool.view()[: store.stride]) == records[7]
+    assert bytes(pool.view()[store.stride :]) == records[2]
+    lent = store.slots.lend([2, 7, 1])
+    assert lent == [(0, 2), (3, 2), (-1, 0)]
+    data = store.data.view()
+    for (slot, _), e in zip(lent, (2, 7)):
+        assert bytes(data[slot * store.stride : (slot + 1) * store.stride]) == records[e]
+    assert store.slots.check([0, 3], [2, 2]) == [True, True]
+    # Slot 0 refilled with expert 5: expert 2 is gone, its old loan fails the check, expert 5 reads back.
+    record = os.urandom(store.stride)
+    assert store.fill(0, 5, record) == 4
+    assert store.slots.slot_of(2) == -1 and store.slots.meta(0) == (5, 4, 0)
+    assert store.slots.lend([2, 5]) == [(-1, 0), (0, 4)]
+    assert store.copy([(0, store.stride, pool)], [5, 2], [0, 1]) == [True, False]
+    assert bytes(pool.view()[: store.stride]) == record
+
+
+def test_slot_index_refuses_a_fill_in_progress(shm_name):
+    """Between begin_fill and finish_fill neither copy nor lend hands out the slot, not even for the expert
+    slot_of still names (a refill of its own slot); abort_fill leaves the slot empty."""
+    store = Store(shm_name)
+    store.fill(1, 4, b"\x04" * 64)
+    pool = native.Buffer(64)
+    pieces = [(0, 64, pool)]
+    assert store.slots.begin_fill(1) == 3  # expert 4 is not evicted: slot_of still points at slot 1
+    assert store.slots.slot_of(4) == 1 and store.slots.meta(1) == (-1, 3, 0)
+    assert store.copy(pieces, [4], [0]) == [False]
+    assert store.slots.lend([4]) == [(-1, 3)]
+    with pytest.raises(RuntimeError, match=r"\[SlotIndex.begin_fill\] slot 1 has an odd seq \(3\): a fill is "
+                                           r"already in progress"):
+        store.slots.begin_fill(1)
+    assert store.slots.abort_fill(1) == 4
+    assert store.slots.meta(1) == (-1, 4, 0)
+    assert store.copy(pieces, [4], [0]) == [False]  # empty: slot_of names a slot that holds no expert
+    assert store.slots.lend([4]) == [(-1, 4)]
+    for finish in (lambda: store.slots.finish_fill(1, 4, 0), lambda: store.slots.abort_fill(1)):
+        with pytest.raises(RuntimeError, match=r"is not being filled \(seq 4 is even\): begin_fill first"):
+            finish()
+    assert store.fill(1, 4, b"\x09" * 64) == 6
+    assert store.copy(pieces, [4], [0]) == [True] and bytes(pool.view()) == b"\x09" * 64
+
+
+def test_a_loan_invalidated_by_a_later_fill_fails_check(shm_name):
+    """check is True only while the lent slot has the seq it was lent with: a fill begun since (even one that was
+    aborted, or refilled the same expert) makes it False for good."""
+    store = Store(shm_name)
+    store.fill(0, 1, b"\x01" * 64)
+    store.fill(2, 3, b"\x03" * 64)
+    (slot1, seq1), (slot3, seq3) = store.slots.lend([1, 3])
+    assert store.slots.check([slot1, slot3], [seq1, seq3]) == [True, True]
+    store.slots.begin_fill(slot1)
+    assert store.slots.check([slot1, slot3], [seq1, seq3]) == [False, True]  # mid-fill
+    store.slots.finish_fill(slot1, 1)
+    assert store.slots.check([slot1, slot3], [seq1, seq3]) == [False, True]  # same expert, new record
+    store.slots.begin_fill(slot3, evicted=3)
+    store.slots.abort_fill(slot3)
+    assert store.slots.check([slot1, slot3], [seq1, seq3]) == [False, False]
+    assert store.slots.check([], []) == []
+
+
+def test_slot_index_seq_wraps_to_even(shm_name):
+    store = Store(shm_name)
+    store.index.store_u32(store.meta + 4, 2**32 - 2)  # slot 0's seq (META, the documented layout)
+    assert store.slots.begin_fill(0) == 2**32 - 1
+    assert store.slots.finish_fill(0, 6) == 0
+    assert store.slots.lend([6]) == [(0, 0)]
+
+
+def test_slot_index_bounds_are_checked(shm_name):
+    store = Store(shm_name)
+    for op, match in ((lambda: store.slots.begin_fill(4), r"begin_fill\] slot = 4 is outside \[0, 4\)"),
+                      (lambda: store.slots.begin_fill(0, 8), r"begin_fill\] evicted = 8 is outside \[0, 8\)"),
+                      (lambda: store.slots.finish_fill(-1, 0), r"finish_fill\] slot = -1 is outside"),
+                      (lambda: store.slots.finish_fill(0, 9), r"finish_fill\] expert = 9 is outside"),
+                      (lambda: store.slots.abort_fill(7), r"abort_fill\] slot = 7 is outside"),
+                      (lambda: store.slots.lend([0, 8]), r"lend\] experts\[1\] = 8 is outside \[0, 8\)"),
+                      (lambda: store.slots.check([4], [0]), r"check\] slots\[0\] = 4 is outside \[0, 4\)"),
+                      (lambda: store.slots.check([0], []), r"check\] slots and seqs differ in length"),
+                      (lambda: store.slots.slot_of(-1), r"slot_of\] expert = -1 is outside"),
+                      (lambda: store.slots.meta(4), r"meta\] slot = 4 is outside")):
+        with pytest.raises(ValueError, match=r"\[SlotIndex\." + match):
+            op()
+    for layout, match in ((dict(n_experts=10_000), r"bytes .* are outside segment"),
+                          (dict(n_slots=store.n_slots + 1), r"bytes .* are outside segment"),
+                          (dict(slot_of_offset=store.SLOT_OF + 2), r"slot_of_offset and meta_offset must be 4-byte aligned"),
+                          (dict(slot_stride=-1), r"slot_stride must be >= 0")):
+        with pytest.raises(ValueError, match=r"\[SlotIndex\] " + match):
+            store.slot_index(store.index, **layout)
+    reader = store.slot_index(native.Segment.open(store.index.name))
+    with pytest.raises(ValueError, match=r"\[SlotIndex.begin_fill\] segment .* is read-only"):
+        reader.begin_fill(0)
+    unserved = native.SlotIndex(store.index, None, slot_of_offset=store.SLOT_OF, meta_offset=store.meta,
+                                n_experts=store.n_experts, n_slots=store.n_slots, slot_stride=store.stride)
+    with pytest.raises(ValueError, match=r"\[SlotIndex.copy\] this layer has no data segment"):
+        unserved.copy([], [0], [0])
+    store.index.close()
+    with pytest.raises(ValueError, match=r"\[SlotIndex.lend\] segment .* is closed"):
+        store.slots.lend([0])
+
+
+def test_copy_copies_exact_bytes(shm_name):
     store = Store(shm_name)
     records = {e: os.urandom(store.stride) for e in (1, 5, 6)}
     for slot, e in enumerate(records):
@@ -317,7 +428,7 @@ def test_copy_records_copies_exact_bytes(shm_name):
     assert bytes(memoryview(arr[2])) == records[5][:1000]
 
 
-def test_copy_records_on_threads_copies_exact_bytes(shm_name):
+def test_copy_on_threads_copies_exact_bytes(shm_name):
     """Records of several MiB go in 1 MiB chunks over threads: every byte lands in its row, an absent expert
     is reported as such."""
     stride = 5 << 20
@@ -336,36 +447,33 @@ def test_copy_records_on_threads_copies_exact_bytes(shm_name):
             assert got == (records[e][off : off + n] if e in records else bytes(n))
 
 
-def test_copy_records_refuses_absent_busy_and_foreign_slots(shm_name):
+def test_copy_refuses_absent_busy_and_foreign_slots(shm_name):
     store = Store(shm_name)
     for e, slot in ((0, 0), (1, 1), (2, 2)):
         store.fill(slot, e, bytes([e + 1]) * 64)
     pool = native.Buffer(64 * 8)
     pieces = [(0, 64, pool)]
     assert store.copy(pieces, [3], [0]) == [False]  # slot_of is -1
-    store.index.seq_begin_write(store.seq_off(1))  # a write in progress: odd seq
-    store.index.store_i32(store.SLOT_OF + 4 * 4, 2)  # expert 4 -> slot 2, which holds expert 2
-    store.index.store_i32(store.SLOT_OF + 4 * 5, store.n_slots)  # a slot that does not exist
+    store.slots.begin_fill(1)  # a fill in progress: odd seq
+    slot_of = store.SLOT_OF
+    store.index.store_i32(slot_of + 4 * 4, 2)  # expert 4 -> slot 2, which holds expert 2
+    store.index.store_i32(slot_of + 4 * 5, store.n_slots)  # a slot that does not exist
     assert store.copy(pieces, [0, 1, 4, 5, 2], [0, 1, 2, 3, 4]) == [True, False, False, False, True]
     assert bytes(pool.view()[:64]) == b"\x01" * 64
     assert bytes(pool.view()[4 * 64 : 5 * 64]) == b"\x03" * 64
-    store.index.seq_end_write(store.seq_off(1))
+    store.slots.finish_fill(1, 1)
     assert store.copy(pieces, [1], [1]) == [True]
     assert store.copy(pieces, [], []) == []
 
 
-def test_copy_records_bounds_are_checked(shm_name):
+def test_copy_bounds_are_checked(shm_name):
     store = Store(shm_name)
     pool = native.Buffer(64 * 4)
     good = [(0, 64, pool)]
 
-    def bad(match, pieces=good, experts=(0,), rows=(0,), threads=1, **layout):
-        args = dict(slot_of_off=store.SLOT_OF, meta_off=store.meta, n_experts=store.n_experts,
-                    n_slots=store.n_slots, slot_stride=store.stride)
-        args.update(layout)
-        with pytest.raises(ValueError, match=r"\[copy_records\] " + match):
-            native.copy_records(store.index, store.data, pieces=pieces, experts=list(experts),
-                                rows=list(rows), threads=threads, **args)
+    def bad(match, pieces=good, experts=(0,), rows=(0,), threads=1):
+        with pytest.raises(ValueError, match=r"\[SlotIndex.copy\] " + match):
+            store.slots.copy(pieces, list(experts), list(rows), threads)
 
     bad(r"experts\[0\] = 8 is outside \[0, 8\)", experts=[8])
     bad(r"experts\[1\] = -1", experts=[0, -1], rows=[0, 1])
@@ -376,41 +484,57 @@ def test_copy_records_bounds_are_checked(shm_name):
     stride = store.stride  # two pages: 8 KiB with 4 KiB pages, 32 KiB on Apple Silicon's 16 KiB pages
     bad(rf"pieces\[0\] \[{stride - 192}, {stride + 8}\) overruns the {stride}-byte slot",
         pieces=[(stride - 192, 200, pool)])
-    bad(r"bytes .* are outside segment", n_experts=10_000)
-    bad(r"bytes .* are outside segment", n_slots=store.n_slots + 1)
-    bad(r"slot_of_off and meta_off must be 4-byte aligned", slot_of_off=store.SLOT_OF + 2)
     ro = native.Segment.open(store.data.name)
     bad(r"segment .* is read-only", pieces=[(0, 64, ro)])
 
 
-# Another process (like the daemon) rewrites one slot until told to stop: each version fills
-# the record with one byte value, then it pauses so that readers also find the slot at rest.
+# Another process (like the daemon) refills one slot with expert 1 until told to stop, through SlotIndex as the
+# daemon does: each version fills the record with one byte value, then it pauses so that readers also find the
+# slot at rest.
 WRITER = """
 import sys, time
 from moe_l2 import _native as native
 index = native.Segment.open(sys.argv[1], readonly=False)
 data = native.Segment.open(sys.argv[2], readonly=False)
-seq_off, size = int(sys.argv[3]), int(sys.argv[4])
+slot_of_offset, meta_offset, size = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+slots = native.SlotIndex(index, data, slot_of_offset=slot_of_offset, meta_offset=meta_offset, n_experts=2,
+                         n_slots=1, slot_stride=size)
 view = data.view()
 version = 0
 while index.load_u32(0) == 0:
     version += 1
-    index.seq_begin_write(seq_off)
+    slots.begin_fill(0)
     view[:size] = bytes([version & 0xFF]) * size
-    index.seq_end_write(seq_off)
+    slots.finish_fill(0, 1)
     time.sleep(0.0001)
 """
 
 
-@pytest.mark.parametrize("record, threads", [(256 << 10, 1), (4 << 20, 4)])  # one thread; chunks on four
-def test_copy_records_never_returns_a_torn_record(shm_name, record, threads):
-    """Every copy reported True holds a single version of a record another process rewrites."""
+def lent_read(store, pools, half):
+    """The zero-copy path on the store's one slot: lend expert 1, read its bytes in place (into the pools' second
+    rows, where copy puts them), then check the loan."""
+    ((slot, seq),) = store.slots.lend([1])
+    if slot < 0:
+        return False
+    data = store.data.view()
+    for k, pool in enumerate(pools):
+        pool.view()[half:] = data[k * half:(k + 1) * half]
+    return store.slots.check([slot], [seq]) == [True]
+
+
+@pytest.mark.parametrize("record, threads, path", [(256 << 10, 1, "copy"), (4 << 20, 4, "copy"),  # chunks on four
+                                                   (256 << 10, 1, "lend")])
+def test_readers_never_take_a_torn_record(shm_name, record, threads, path):
+    """Every copy reported True, and every loan that passed its check, holds a single version of a record another
+    process rewrites."""
     half = record // 2
     store = Store(shm_name, n_experts=2, n_slots=1, stride=record)
     store.fill(0, 1, bytes(record))
     pools = [native.Buffer(2 * half), native.Buffer(2 * half)]
     pieces = [(0, half, pools[0]), (half, half, pools[1])]
-    args = [store.index.name, store.data.name, str(store.seq_off(0)), str(record)]
+    read = (lambda: store.copy(pieces, [1], [1], threads=threads)[0]) if path == "copy" else \
+        (lambda: lent_read(store, pools, half))
+    args = [store.index.name, store.data.name, str(store.SLOT_OF), str(store.meta), str(record)]
     consistent = rejected_torn = 0
     # -P: without it `python -c` puts the working directory first on sys.path, and in the
     # repository's root that is the moe_l2 source folder, which has no _native under a wheel.
@@ -421,11 +545,11 @@ def test_copy_records_never_returns_a_torn_record(shm_name, record, threads):
             while time.monotonic() < deadline and (consistent < 100 or rejected_torn < 5):
                 if proc.poll() is not None:
                     pytest.fail("the writer process died:\n" + proc.stderr.read().decode())
-                (ok,) = store.copy(pieces, [1], [1], threads=threads)
+                ok = read()
                 first, second = (bytes(pool.view()[half:]) for pool in pools)
                 uniform = first == second == first[:1] * half
                 if ok:
-                    assert uniform, "copy_records returned True for a torn record"
+                    assert uniform, f"{path} vouched for a torn record"
                     consistent += 1
                 elif not uniform:
                     rejected_torn += 1

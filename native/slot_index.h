@@ -1,0 +1,86 @@
+// The shared-memory slot format and its seqlock, defined here and nowhere else (docs/architecture.md,
+// "Shared memory"). Per MoE layer the index segment holds slot_of (n_experts x int32: the slot holding
+// the expert, -1 when absent) and the slots' metadata (n_slots x SlotMeta); the layer's data segment
+// holds slot s's record at s * slot_stride. moe_l2/layout.py places the layers' parts and reads the
+// sizes below from SlotIndex.SLOT_OF_BYTES and META_BYTES.
+//
+// The seqlock, writer side (the daemon, one writer per slot, all under its lock):
+//   begin_fill   seq odd (compare-exchange), release fence, the evicted expert's slot_of -1, expert -1
+//   (the record's bytes are written)
+//   finish_fill  checksum, expert, seq even (release), then slot_of[expert] = slot (release)
+//   abort_fill   seq even, the slot left empty (expert -1)
+// Reader side (clients, never blocking the writer): acquire loads of slot_of and seq, the slot's expert
+// must be the one looked up and seq even; the bytes are read; an acquire fence; seq must be unchanged.
+// copy does it all in one call; lend + check split it around a computation on the record in place.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "memory.h"
+
+namespace moe_l2 {
+
+// One slot's metadata, as it lies in the index segment.
+struct SlotMeta {
+  int32_t expert;     // whose record the slot holds, -1 while empty or being filled
+  uint32_t seq;       // the seqlock: odd while the slot is being filled, even when its record is whole
+  uint32_t checksum;  // the record's (record_checksum), 0 where the model has no checksum manifest
+  uint32_t reserved;
+};
+static_assert(sizeof(SlotMeta) == 16 && offsetof(SlotMeta, seq) == 4 && offsetof(SlotMeta, checksum) == 8,
+              "the slot metadata is part of the shared-memory layout (moe_l2.layout.LAYOUT_VERSION)");
+
+// One slot_of entry: an int32 slot number.
+constexpr size_t kSlotOfBytes = sizeof(int32_t);
+
+// (src_off, nbytes, dst): one piece of a record and the pool memory whose rows receive it.
+using CopyPiece = std::tuple<int64_t, int64_t, Memory*>;
+
+// One MoE layer's slots: its part of the index segment and, where the layer is served, its data segment.
+// Everything is bounds-checked once here; every operation takes the memory's region again, so a closed
+// segment is an error, never a read of unmapped memory.
+class SlotIndex {
+ public:
+  // data may be null (a layer the daemon does not serve): such an index can be cleared, not copied from.
+  SlotIndex(Memory& index, Memory* data, int64_t slot_of_offset, int64_t meta_offset, int64_t n_experts,
+            int64_t n_slots, int64_t slot_stride);
+
+  // Writer side. Each returns the slot's new seq. begin_fill refuses a slot already being filled.
+  uint32_t begin_fill(int64_t slot, int64_t evicted);
+  uint32_t finish_fill(int64_t slot, int64_t expert, uint32_t checksum);
+  uint32_t abort_fill(int64_t slot);
+  // Every expert absent and every slot empty: a new index's state before its first fill.
+  void clear();
+
+  // Reader side. copy: the records of experts into rows of the pieces' destinations, on up to `threads`
+  // threads with the GIL released; result i is false where experts[i] is absent or was being filled
+  // (its rows may then be partly written).
+  std::vector<bool> copy(const std::vector<CopyPiece>& pieces, const std::vector<int64_t>& experts,
+                         const std::vector<int64_t>& rows, int64_t threads) const;
+  // (slot, seq) of each expert held whole now, slot -1 for the rest: records to compute on in place.
+  std::vector<std::pair<int64_t, int64_t>> lend(const std::vector<int64_t>& experts) const;
+  // Once whatever read the lent records is finished: whether each slot still has the seq it was lent with.
+  std::vector<bool> check(const std::vector<int64_t>& slots, const std::vector<int64_t>& seqs) const;
+
+  // What a slot_of entry and a slot's metadata hold now (acquire loads; for inspection and tests).
+  int64_t slot_of(int64_t expert) const;
+  std::tuple<int64_t, int64_t, int64_t> meta(int64_t slot) const;
+
+  size_t n_experts() const { return n_experts_; }
+  size_t n_slots() const { return n_slots_; }
+
+ private:
+  // `what`, or `what`[i] where i >= 0, names the argument in the error (built only then: these run per item).
+  size_t check_slot(const char* fn, const char* what, int64_t slot, int64_t i = -1) const;
+  size_t check_expert(const char* fn, const char* what, int64_t expert, int64_t i = -1) const;
+
+  Memory& index_;
+  Memory* data_;
+  size_t slot_of_off_, meta_off_, n_experts_, n_slots_, slot_stride_;
+};
+
+}  // namespace moe_l2
