@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from moe_l2.cache.prefetch import prefetch_rates
+from moe_l2.cache.score import prefetch_rates
 from moe_l2.protocol import PREFETCH_COUNTERS
 
 log = logging.getLogger("moe-l2.client")

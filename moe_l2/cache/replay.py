@@ -33,7 +33,8 @@ import numpy as np
 
 from .policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
 from .prediction import PredictorError
-from .prefetch import REPLAY_PREDICTORS, Score, guess_streams
+from .prefetch import REPLAY_PREDICTORS, guess_streams
+from .score import Score
 from .profile import MIN_CONFIDENCE, Profile
 from .store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, LayerStore
 from .trace import TraceSet

@@ -13,7 +13,7 @@ from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.client.options import DEFAULTS
 from moe_l2.layout import align, page_size, slot_range
 from moe_l2.model import ModelFiles
-from moe_l2.model.files import parse_ranges
+from moe_l2.ranges import parse_ranges
 from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.plan import DEFAULT_KV_BYTES, ModelSizes, Plan, PlanError, plan, read_memory
 from moe_l2.sizes import format_pct, format_size, parse_size, size_arg

@@ -11,9 +11,9 @@ import sys
 import time
 
 from moe_l2.layout import describe_slots
-from moe_l2.model.files import format_ranges
+from moe_l2.ranges import format_ranges
 from moe_l2.model.location import socket_arg
-from moe_l2.cache.prefetch import prefetch_rates
+from moe_l2.cache.score import prefetch_rates
 from moe_l2.sizes import format_pct, format_size
 
 
