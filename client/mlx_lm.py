@@ -29,7 +29,7 @@ from moe_l2.cache.trace import read_traces
 from moe_l2.client.connection import L2Client
 from moe_l2.client.nextlayer import NextLayer, find_router
 from moe_l2.client.options import StreamOptions
-from moe_l2.client.pool import ExpertPool
+from moe_l2.client.pool import ExpertPool, source_shares
 from moe_l2.client.switch import ForwardState, RoutingRecorder, StreamedSwitch, StreamStats
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import decoder_layer, set_module
@@ -348,11 +348,6 @@ def stats(model) -> ExpertStats:
 
 
 def hit_rates(counts) -> dict:
-    """Each source's share of the lookups (TierCounts.by_source: l0, l2, daemon_disk, own_disk), and `disk`,
-    the two disk shares together: a cold run shows its disk share, a warm one its L2."""
-    tiers = counts.by_source()
-    lookups = sum(tiers.values())
-    rate = (lambda n: n / lookups) if lookups else (lambda n: None)
-    return {"lookups": lookups, **{tier: rate(n) for tier, n in tiers.items()},
-            "disk": rate(tiers["daemon_disk"] + tiers["own_disk"])}
+    """Each source's share of the lookups (TierCounts.by_source: l0, l2, daemon_disk, own_disk), and `disk`."""
+    return source_shares(counts.by_source())
 

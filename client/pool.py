@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import mlx.core as mx
 
@@ -63,8 +63,12 @@ class TierCounts:
     read_s: float = 0.0    # spent reading from the model files
 
     def add(self, other: "TierCounts") -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def minus(self, other: "TierCounts") -> "TierCounts":
+        """The counts since `other` was taken (a run's, from the pool's totals before and after it)."""
+        return TierCounts(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
     def by_source(self) -> dict[str, int]:
         """Each lookup once, by where its bytes came from: L0; L2, held when looked up; the disk, read by the
@@ -72,6 +76,15 @@ class TierCounts:
         What every hit rate shown to a user is made of (docs/architecture.md, "Client pool (L0)")."""
         return {"l0": self.l0_hits, "l2": self.l2_hits - self.l2_awaited, "daemon_disk": self.l2_awaited,
                 "own_disk": self.l3_reads}
+
+
+def source_shares(tiers: dict[str, int]) -> dict:
+    """Of lookups counted by source (TierCounts.by_source), their number, each source's share and `disk`, the two
+    disk shares together: a cold run shows its disk share, a warm one its L2 (None for each when none)."""
+    lookups = sum(tiers.values())
+    rate = (lambda n: n / lookups) if lookups else (lambda n: None)
+    return {"lookups": lookups, **{tier: rate(n) for tier, n in tiers.items()},
+            "disk": rate(tiers["daemon_disk"] + tiers["own_disk"])}
 
 
 class ExpertPool:
