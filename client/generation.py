@@ -10,8 +10,9 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from moe_l2.client.pool import TierCounts, source_shares
+from moe_l2.client.pool import TierCounts
 from moe_l2.client.prefetcher import PrefetchCounts
+from moe_l2.tiers import source_shares
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:

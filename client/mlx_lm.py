@@ -29,13 +29,14 @@ from moe_l2.cache.trace import read_traces
 from moe_l2.client.connection import L2Client
 from moe_l2.client.nextlayer import NextLayer, find_router
 from moe_l2.client.options import StreamOptions
-from moe_l2.client.pool import ExpertPool, source_shares
+from moe_l2.client.pool import ExpertPool
 from moe_l2.client.switch import ForwardState, RoutingRecorder, StreamedSwitch, StreamStats
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import decoder_layer, set_module
 from moe_l2.model.location import resolve_model
 from moe_l2.plan import ModelSizes, plan, read_memory
 from moe_l2.sizes import format_size, parse_size
+from moe_l2.tiers import source_shares
 
 __all__ = ["load", "close", "stats", "streamed", "ExpertStats", "StreamedLM", "stream_experts", "load_model",
            "pipeline_models", "pipeline_stage", "l0_slots_for", "peak_rss_bytes", "hit_rates"]

@@ -78,14 +78,6 @@ class TierCounts:
                 "own_disk": self.l3_reads}
 
 
-def source_shares(tiers: dict[str, int]) -> dict:
-    """Of lookups counted by source (TierCounts.by_source), their number, each source's share and `disk`, the two
-    disk shares together: a cold run shows its disk share, a warm one its L2 (None for each when none)."""
-    lookups = sum(tiers.values())
-    rate = (lambda n: n / lookups) if lookups else (lambda n: None)
-    return {"lookups": lookups, **{tier: rate(n) for tier, n in tiers.items()},
-            "disk": rate(tiers["daemon_disk"] + tiers["own_disk"])}
-
 
 class ExpertPool:
     def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = DEFAULTS.policy,
@@ -143,6 +135,7 @@ class ExpertPool:
         self._prefetcher = Prefetcher(self)
         if client is not None:
             client.count_prefetch(lambda: self.prefetch_counts.wire())
+            client.count_tiers(lambda: self.counts.by_source())
 
     @property
     def counts(self) -> TierCounts:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 
-from moe_l2.protocol import PREFETCH_COUNTERS
+from moe_l2.protocol import PREFETCH_COUNTERS, TIER_COUNTERS
 
 # stats lists at most this many of the records that failed their checksum (corrupt_records counts them all)
 _CORRUPT_LISTED = 64
@@ -45,6 +45,7 @@ class ModelCounters:
         self.bytes_served = 0  # copied out of L2 by clients
         self.load_latency = LatencyWindow()
         self.prefetch = dict.fromkeys(PREFETCH_COUNTERS, 0)  # clients' next-layer prefetch, summed
+        self.tiers = dict.fromkeys(TIER_COUNTERS, 0)  # where clients' lookups got their bytes, summed
 
     def add_lookups(self, hits: int, misses: int, record_bytes: int, picks: int) -> None:
         with self._lock:
@@ -57,6 +58,11 @@ class ModelCounters:
         with self._lock:
             for name, n in counters.items():
                 self.prefetch[name] += n
+
+    def add_tiers(self, counters: dict[str, int]) -> None:
+        with self._lock:
+            for name, n in counters.items():
+                self.tiers[name] += n
 
     def add_load(self, seconds: float, nbytes: int) -> None:
         self.load_latency.add(seconds)
@@ -94,6 +100,7 @@ class ModelCounters:
                 "load_latency_p50_s": self.load_latency.percentile(50),
                 "load_latency_p99_s": self.load_latency.percentile(99),
                 "prefetch": dict(self.prefetch),
+                "tiers": dict(self.tiers),
             }
 
 
