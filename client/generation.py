@@ -70,8 +70,8 @@ class StreamFigures:
     daemon_reads: int        # read from disk by moe-l2d while the lookup waited (load-through)
     l3_reads: int            # read from disk by this process
     l2_lent: int             # computed on in place in L2, not copied
-    bytes_read: int          # from the model files
-    bytes_copied: int        # from L2
+    read_bytes: int          # from the model files
+    copied_bytes: int        # from L2
     l0_slots: int
     l0_bytes: int
     layers: list[int]        # the MoE layers this process ran
@@ -82,7 +82,7 @@ class StreamFigures:
     peak_mlx_bytes: int
 
     # Summed over a pipeline's ranks; the peaks are the largest rank's, the layers all ranks'.
-    SUMMED = ("l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "bytes_read", "bytes_copied", "l0_bytes")
+    SUMMED = ("l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "read_bytes", "copied_bytes", "l0_bytes")
 
     @classmethod
     def of(cls, run: Generation, lm) -> StreamFigures:
@@ -92,14 +92,14 @@ class StreamFigures:
         tiers = c.by_source()
         client = lm.client
         return cls(l0_hits=tiers["l0"], l2_hits=tiers["l2"], daemon_reads=tiers["daemon_disk"],
-                   l3_reads=tiers["own_disk"], l2_lent=c.l2_lent, bytes_read=c.bytes_read,
-                   bytes_copied=c.bytes_copied, l0_slots=lm.pool.capacity, l0_bytes=lm.pool.nbytes,
+                   l3_reads=tiers["own_disk"], l2_lent=c.l2_lent, read_bytes=c.bytes_read,
+                   copied_bytes=c.bytes_copied, l0_slots=lm.pool.capacity, l0_bytes=lm.pool.nbytes,
                    layers=sorted(lm.pool.layers),
                    daemon=None if client is None else {"address": client.address, "attached": client.attached,
                                                        "attaches": client.attaches, "last_error": client.last_error},
                    streaming=run.stats,
                    prefetch=None if lm.next_layer is None else {"predictor": lm.next_layer.describe(),
-                                                                **run.prefetch.as_dict()},
+                                                                **run.prefetch.to_json()},
                    peak_rss_bytes=peak_rss_bytes(), peak_mlx_bytes=mx.get_peak_memory())
 
     def by_source(self) -> dict[str, int]:

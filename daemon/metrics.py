@@ -43,8 +43,8 @@ def families(payload: dict) -> list:
     gauge("uptime_seconds", "seconds since the daemon started", d["uptime_s"])
     memory = d.get("memory") or {}
     gauge("memory_available_bytes", "the machine's available memory, as the governor last read it",
-          memory.get("available"))
-    gauge("memory_floor_bytes", "below this much available memory the daemon shrinks L2", memory.get("floor"))
+          memory.get("available_bytes"))
+    gauge("memory_floor_bytes", "below this much available memory the daemon shrinks L2", memory.get("floor_bytes"))
     requests = CounterMetricFamily("moe_l2_requests", "control-plane requests handled")
     requests.add_metric([], d["requests"])
     errors = CounterMetricFamily("moe_l2_request_errors", "control-plane requests refused")
@@ -72,8 +72,8 @@ def families(payload: dict) -> list:
     for m in payload["models"]:
         label = [m["path"]]
         for name, key in (("hits", "hits"), ("misses", "misses"), ("loads", "loads_done"),
-                          ("load_errors", "load_errors"), ("disk_read_bytes", "bytes_loaded"),
-                          ("served_bytes", "bytes_served")):
+                          ("load_errors", "load_errors"), ("disk_read_bytes", "loaded_bytes"),
+                          ("served_bytes", "served_bytes")):
             counters[name].add_metric(label, m[key])
         for name, key in (("slots_per_layer", "slots_per_layer"), ("released_bytes", "released_bytes"),
                           ("model_loads_in_flight", "loads_in_flight")):

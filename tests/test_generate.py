@@ -53,7 +53,7 @@ def test_json_run_gives_the_whole_models_tokens_and_consistent_counts(capsys, mo
     assert s["l0_hits"] + s["l2_hits"] + s["l3_reads"] == s["expert_lookups"] > 0
     assert s["l0_hit_rate"] + s["l2_hit_rate"] + s["daemon_read_rate"] + s["l3_rate"] == pytest.approx(1.0)
     assert s["disk_rate"] == s["l3_rate"] and s["daemon_reads"] == 0
-    assert s["bytes_read"] == s["l3_reads"] * model_files.layout.nbytes
+    assert s["read_bytes"] == s["l3_reads"] * model_files.layout.nbytes
     assert s["prompt_tps"] > 0 and s["generation_tps"] > 0
     assert s["peak_rss_bytes"] > s["l0_bytes"] > 0
 
@@ -113,7 +113,7 @@ def test_through_the_daemon_the_second_run_finds_experts_in_l2(capsys, running_d
     assert cold["l3_reads"] > 0
     assert warm["l2_hits"] > 0
     assert (warm["l2_lent"] > 0) == (l2_reads == "in-place")
-    assert warm["bytes_copied"] == (warm["l2_hits"] + warm["daemon_reads"] - warm["l2_lent"]) * model_files.layout.nbytes
+    assert warm["copied_bytes"] == (warm["l2_hits"] + warm["daemon_reads"] - warm["l2_lent"]) * model_files.layout.nbytes
 
 
 def test_by_default_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(capsys, daemon_factory, model_dir,
@@ -125,11 +125,11 @@ def test_by_default_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(caps
     s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
                  "--l0-slots", "4", "--load-through-ms", "5000")
     assert s["tokens"] == expected
-    assert s["l2_lent"] > 0 and s["bytes_copied"] == 0
+    assert s["l2_lent"] > 0 and s["copied_bytes"] == 0
     # L2 has room for every expert: each miss was read once, by the daemon, while the client waited. That is
     # the cold run's disk share, not L2 hits (those are the experts L0 dropped and L2 already held).
     loaded = stats(daemon)["models"][0]["loads_done"]
-    assert s["l3_reads"] == 0 and s["bytes_read"] == 0 and loaded == s["daemon_reads"] > 0
+    assert s["l3_reads"] == 0 and s["read_bytes"] == 0 and loaded == s["daemon_reads"] > 0
     assert s["disk_rate"] == pytest.approx(loaded / s["expert_lookups"])
     assert s["l0_hits"] + s["l2_hits"] + s["daemon_reads"] == s["expert_lookups"]
     summary = render(s).splitlines()[1]
@@ -186,7 +186,7 @@ def test_with_a_shared_l0_prefetch_has_the_daemon_load_the_guesses(capsys, daemo
     # the guesses the daemon was asked for.
     loaded = stats(daemon)["models"][0]["loads_done"]
     assert s["daemon_reads"] < loaded <= s["daemon_reads"] + p["issued"]
-    assert s["bytes_read"] == 0 and s["bytes_copied"] == 0
+    assert s["read_bytes"] == 0 and s["copied_bytes"] == 0
 
 
 def test_an_absent_daemon_means_reading_the_file(capsys, model_dir, tmp_path, expected):

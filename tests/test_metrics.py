@@ -81,8 +81,8 @@ def test_metrics_carry_the_figures_of_stats(daemon_factory, model_dir, model_fil
     model = ("model", str(model_dir))
     assert m["hits"] == 4 * model_files.n_layers > 0
     for metric, key in (("moe_l2_hits_total", "hits"), ("moe_l2_misses_total", "misses"),
-                        ("moe_l2_loads_total", "loads_done"), ("moe_l2_disk_read_bytes_total", "bytes_loaded"),
-                        ("moe_l2_served_bytes_total", "bytes_served"), ("moe_l2_slots_per_layer", "slots_per_layer")):
+                        ("moe_l2_loads_total", "loads_done"), ("moe_l2_disk_read_bytes_total", "loaded_bytes"),
+                        ("moe_l2_served_bytes_total", "served_bytes"), ("moe_l2_slots_per_layer", "slots_per_layer")):
         assert samples[(metric, model)] == m[key], metric
     for i, layer in enumerate(m["layers"]):
         labels = (("layer", str(i)), model)
@@ -95,7 +95,7 @@ def test_metrics_carry_the_figures_of_stats(daemon_factory, model_dir, model_fil
         assert samples[("moe_l2_lookups_total", model, ("source", source))] == count
     assert samples[("moe_l2_clients",)] == 1
     assert samples[("moe_l2_shm_bytes",)] == s["daemon"]["shm_bytes"]
-    assert samples[("moe_l2_memory_floor_bytes",)] == s["daemon"]["memory"]["floor"]
+    assert samples[("moe_l2_memory_floor_bytes",)] == s["daemon"]["memory"]["floor_bytes"]
 
 
 def parse(*argv: str):

@@ -356,7 +356,7 @@ def test_replay_prefetch_errors(tmp_path, capsys, args, words):
     assert words in capsys.readouterr().err
 
 
-def test_generate_reports_prefetch_in_its_summary(capsys, model_dir, whole):
+def test_generate_reports_prefetch_in_its_summary(capsys, model_dir, model_files, whole):
     model, tokenizer = whole
     assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", TEXT, "--no-daemon", "--l0-slots", "5",
                         "--max-tokens", "6", "--prefetch", "cooccurrence", "--json"]) == 0
@@ -364,6 +364,7 @@ def test_generate_reports_prefetch_in_its_summary(capsys, model_dir, whole):
     p = s["prefetch"]
     assert p["predictor"].startswith("cooccurrence") and p["guessed"] > 0
     assert 0 <= p["precision"] <= 1 and 0 <= p["recall"] <= 1
+    assert p["read_bytes"] == p["issued"] * model_files.layout.nbytes > 0 and p["copied_bytes"] == 0  # no daemon
     assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", TEXT, "--no-daemon", "--l0-slots", "5",
                         "--max-tokens", "6", "--prefetch", "router"]) == 0
     assert "prefetch by router (the next layer's gate): guesses" in capsys.readouterr().out

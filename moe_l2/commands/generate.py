@@ -60,8 +60,8 @@ def render(s: dict) -> str:
         f"decode {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
         f"experts: {s['expert_lookups']} lookups: L0 {format_pct(s['l0_hit_rate'])}, L2 {format_pct(s['l2_hit_rate'])}, "
         f"disk {format_pct(s['disk_rate'])} (read by moe-l2d while waiting {format_pct(s['daemon_read_rate'])}, by "
-        f"this process {format_pct(s['l3_rate'])}); this process read {format_size(s['bytes_read'])} from disk, "
-        f"copied {format_size(s['bytes_copied'])} from L2 and computed {s['l2_lent']} experts in place there",
+        f"this process {format_pct(s['l3_rate'])}); this process read {format_size(s['read_bytes'])} from disk, "
+        f"copied {format_size(s['copied_bytes'])} from L2 and computed {s['l2_lent']} experts in place there",
         f"L0 {s['l0_slots']} experts {'in all' if s['l0_shared'] else 'per layer'} ({format_size(s['l0_bytes'])}); "
         f"{_daemon_text(s['daemon'])}",
         *([] if s["prefetch"] is None else [_render_prefetch(s["prefetch"])]),

@@ -88,8 +88,9 @@ def render(reply: dict) -> str:
         f"(refused {d['errors']})",
     ]
     memory = d.get("memory")  # a daemon from before the governor does not report it
-    if memory and memory.get("available") is not None:
-        lines.append(f"memory available {format_size(memory['available'])}, floor {format_size(memory['floor'])}: "
+    if memory and memory.get("available_bytes") is not None:
+        lines.append(f"memory available {format_size(memory['available_bytes'])}, floor "
+                     f"{format_size(memory['floor_bytes'])}: "
                      f"L2 shrunk {memory['shrinks']} times, grown back {memory['grows']} times")
     for m in reply["models"]:
         resident = sum(layer["resident"] for layer in m["layers"])
@@ -100,7 +101,7 @@ def render(reply: dict) -> str:
             f"{_slots_per_layer(m)}, policy {m['policy']})",
             f"  {served(m)}",
             f"  hit rate {format_pct(m['hit_rate'])}  hits {m['hits']}  misses {m['misses']}  "
-            f"served {format_size(m['bytes_served'])}  loaded {format_size(m['bytes_loaded'])}",
+            f"served {format_size(m['served_bytes'])}  loaded {format_size(m['loaded_bytes'])}",
             *([f"  clients' lookups: {describe_sources(m['tiers'])}"] if m.get("tiers") else []),
             f"  loads done {m['loads_done']}  errors {m['load_errors']}{_corrupt(m)}  in flight "
             f"{m['loads_in_flight']}  latency p50 {_ms(m['load_latency_p50_s'])}  p99 {_ms(m['load_latency_p99_s'])}",
@@ -160,7 +161,7 @@ def model_rates(prev: dict | None, cur: dict, seconds: float) -> dict:
                        "loading": layer["loading"], "pinned": layer["pinned"],
                        "hit_rate": h / (h + m) if h + m else None})
     return {"tiers": tiers, "picks": picks, "l0": picks - hits - misses, "l2": hits, "l3": misses,
-            "disk_bytes_per_s": delta("bytes_loaded") / seconds if seconds > 0 else 0.0, "layers": layers}
+            "disk_bytes_per_s": delta("loaded_bytes") / seconds if seconds > 0 else 0.0, "layers": layers}
 
 
 def watch_frame(prev: dict | None, cur: dict, seconds: float):
@@ -172,10 +173,10 @@ def watch_frame(prev: dict | None, cur: dict, seconds: float):
     d = cur["daemon"]
     memory = d.get("memory") or {}
     released = sum(m.get("released_bytes", 0) for m in cur["models"])
-    available = memory.get("available")
+    available = memory.get("available_bytes")
     parts = [Text(f"moe-l2d {d['version']}  pid {d['pid']}  up {d['uptime_s']:.0f} s  {d['socket']}", style="bold"),
              Text(f"memory: available {'-' if available is None else format_size(available)}  floor "
-                  f"{format_size(memory.get('floor') or 0)}  shared {format_size(d['shm_bytes'])}  released "
+                  f"{format_size(memory.get('floor_bytes') or 0)}  shared {format_size(d['shm_bytes'])}  released "
                   f"{format_size(released)}  daemon RSS {format_size(d['rss_bytes'])}")]
     span = "since start" if prev is None else f"last {seconds:.1f} s"
     for i, m in enumerate(cur["models"]):
