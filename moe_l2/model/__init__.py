@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-import importlib
+from moe_l2.exports import lazy_exports
 
 # Name -> the module that defines it. Each is imported on first use, so that what needs a light module of the
 # package (moe_l2.model.location: `moe-l2 stats`) loads neither numpy nor the format readers.
@@ -26,14 +26,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
