@@ -97,16 +97,11 @@ def _rate(hits: int, lookups: int) -> float | None:
 
 
 @dataclass(frozen=True)
-class PolicyResult:
-    """One policy at one capacity, over the replayed layers."""
+class _Lookups:
+    """Lookups over the replayed layers, and of them the hits; to_json leads with the hit rate."""
 
     hits: int
     lookups: int
-    loads: int
-    preloads: int                     # loads a hint made before its sequence
-    per_layer: list[float | None]     # each replayed layer's hit rate, in ReplayResult.layers' order
-    records_per_token: float | None   # loads per token over all layers
-    switch_hit_rate: float | None = None  # over the tokens after domain switches (the policy under test and LRU)
 
     @property
     def hit_rate(self) -> float | None:
@@ -117,11 +112,20 @@ class PolicyResult:
 
 
 @dataclass(frozen=True)
-class PrefetchResult:
+class PolicyResult(_Lookups):
+    """One policy at one capacity, over the replayed layers."""
+
+    loads: int
+    preloads: int                     # loads a hint made before its sequence
+    per_layer: list[float | None]     # each replayed layer's hit rate, in ReplayResult.layers' order
+    records_per_token: float | None   # loads per token over all layers
+    switch_hit_rate: float | None = None  # over the tokens after domain switches (the policy under test and LRU)
+
+
+@dataclass(frozen=True)
+class PrefetchResult(_Lookups):
     """The policy under test at one capacity with a next-layer predictor's guesses loaded ahead."""
 
-    hits: int
-    lookups: int
     loads: int                         # demand loads
     prefetch_loads: int
     useful: int                        # prefetched experts demanded before their eviction
@@ -129,13 +133,6 @@ class PrefetchResult:
     records_per_token: float | None    # demand loads and prefetches per token over all layers
     records_vs_demand: float | None    # against the demand policy's records_per_token
     per_layer: list[float | None]
-
-    @property
-    def hit_rate(self) -> float | None:
-        return _rate(self.hits, self.lookups)
-
-    def to_json(self) -> dict:
-        return {"hit_rate": self.hit_rate, **asdict(self)}
 
 
 @dataclass(frozen=True)
