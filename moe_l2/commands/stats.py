@@ -138,7 +138,6 @@ def _share(part: int, whole: int) -> str:
     return format_pct(part / whole if whole > 0 else None)
 
 
-
 def model_rates(prev: dict | None, cur: dict, seconds: float) -> dict:
     """One model's figures over the interval between two stats replies (since start for the first). `tiers`:
     the clients' lookups by where their bytes came from (protocol.TIER_COUNTERS), None from a daemon from before
