@@ -59,7 +59,7 @@ def section_main(traces_by_file: dict, jobs: int) -> dict:
     for name, traces in traces_by_file.items():
         for order in ("blocked", "interleave"):
             start = time.time()
-            result = rp.replay(traces, slots=slots_for(traces.n_experts), order=order, seed=0, jobs=jobs)
+            result = rp.replay(traces, slots=slots_for(traces.n_experts), order=order, seed=0, jobs=jobs).to_json()
             result["seconds"] = time.time() - start
             out[f"{name}|{order}"] = result
             print(f"  {name} {order}: {result['seconds']:.0f} s", file=sys.stderr, flush=True)
@@ -151,7 +151,7 @@ def section_hints(traces_by_file: dict, jobs: int, layer_step: int) -> dict:
                 for train, test in ((halves[0], halves[1]), (halves[1], halves[0])):
                     profile = Profile.from_traces(subset(traces, train))
                     r = rp.replay(subset(traces, test), slots=slots, order=order, seed=0, profile=profile,
-                                  compare=("lru",), belady=False, layers=layers, jobs=jobs, **kw)
+                                  compare=("lru",), belady=False, layers=layers, jobs=jobs, **kw).to_json()
                     for c in r["capacities"]:
                         a = agg.setdefault(c["slots"], {"hits": 0, "lookups": 0, "loads": 0, "preloads": 0,
                                                         "switch": [], "lru": [], "lru_switch": [],
@@ -254,7 +254,7 @@ def section_sensitivity(traces_by_file: dict, jobs: int, layer_step: int) -> dic
                 for order in ("blocked", "interleave"):
                     # jobs=1: the spawned workers would not see the patched defaults.
                     r = rp.replay(traces, slots=slots_for(traces.n_experts, (0.25, 0.5)), order=order, seed=0,
-                                  compare=("lru", "lfu"), belady=False, layers=layers, jobs=1)
+                                  compare=("lru", "lfu"), belady=False, layers=layers, jobs=1).to_json()
                     out[f"{variant}|{name}|{order}"] = {
                         c["slots"]: {n: c["policies"][n]["hit_rate"] for n in ("adaptive", "lru", "lfu")}
                         for c in r["capacities"]}

@@ -8,7 +8,7 @@ nor mlx-lm.
 
 from __future__ import annotations
 
-import importlib
+from moe_l2.exports import lazy_exports
 
 # Name -> the module that defines it.
 _EXPORTS = {
@@ -20,14 +20,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

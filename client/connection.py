@@ -49,6 +49,23 @@ MAX_REPORT_IDS = protocol.MAX_IDS // 4
 RECEIVE_BATCH = 64
 
 
+class Increments:
+    """Running totals (`source()`, a map of counter names to integers) as reports carry them: what grew since
+    the previous take."""
+
+    def __init__(self) -> None:
+        self.source = None
+        self._sent: dict[str, int] = {}
+
+    def take(self) -> dict[str, int]:
+        if self.source is None:
+            return {}
+        totals = self.source()
+        out = {k: n - self._sent.get(k, 0) for k, n in totals.items()}
+        self._sent = totals
+        return {k: n for k, n in out.items() if n > 0}
+
+
 def check_segment(segment, trusted: frozenset[int]) -> None:
     """Raise UntrustedDaemon unless the mapped segment (fstat of its descriptor) belongs to a trusted user and
     no one else may write it."""
@@ -151,8 +168,9 @@ class L2Client:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._prefetch_source = None
-        self._prefetch_sent: dict[str, int] = {}
+        # Running totals the reports carry as increments: next-layer prefetch's and the lookups' tiers.
+        self._prefetch = Increments()
+        self._tiers = Increments()
         # Hints and prefetch requests, (message class, its fields but id and model), sent in order.
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -209,15 +227,12 @@ class L2Client:
     def count_prefetch(self, source) -> None:
         """Send what next-layer prefetch did with the reports: `source()` returns its running totals
         (protocol.PREFETCH_COUNTERS); each report carries the increments since the previous one."""
-        self._prefetch_source = source
+        self._prefetch.source = source
 
-    def _prefetch_increments(self) -> dict[str, int]:
-        if self._prefetch_source is None:
-            return {}
-        totals = self._prefetch_source()
-        out = {k: n - self._prefetch_sent.get(k, 0) for k, n in totals.items()}
-        self._prefetch_sent = totals
-        return {k: n for k, n in out.items() if n > 0}
+    def count_tiers(self, source) -> None:
+        """Send where the lookups got their bytes with the reports: `source()` returns the running totals
+        (protocol.TIER_COUNTERS, TierCounts.by_source), for the daemon's `stats`; as increments, as above."""
+        self._tiers.source = source
 
     def hint(self, text: str) -> None:
         """Tell the daemon what the next prompt is about (it may preload and pin that domain's experts);
@@ -329,10 +344,13 @@ class L2Client:
                     ids += len(hits) + len(misses) + len(picks)
             except queue.Empty:
                 pass
-            if routed and self.attachment is not None:
-                self._send(sock, protocol.Report(id=next(self._ids), model=self.files.fingerprint,
-                                                 layers=dict(layers), routed=dict(routed),
-                                                 prefetch=self._prefetch_increments()))
+            if self.attachment is not None:
+                # Counters alone go too: a run's last lookups are counted after their report was queued.
+                prefetch, tiers = self._prefetch.take(), self._tiers.take()
+                if routed or prefetch or tiers:
+                    self._send(sock, protocol.Report(id=next(self._ids), model=self.files.fingerprint,
+                                                     layers=dict(layers), routed=dict(routed), prefetch=prefetch,
+                                                     tiers=tiers))
             if ids < MAX_REPORT_IDS:
                 return
 

@@ -1,13 +1,18 @@
-"""Generation with streamed experts through mlx-lm's own loop: the prompt as mlx-lm encodes it, and one run's
-tokens, text and tier counts. Shared by `moe-l2 generate`, the demo, the benchmarks and the tests."""
+"""Generation with streamed experts through mlx-lm's own loop: the prompt as mlx-lm encodes it, one run's
+tokens, text and tier counts (`Generation`), and the summary `moe-l2 generate` prints (`GenerationSummary`).
+Shared by `moe-l2 generate`, the demo, the benchmarks and the tests."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from moe_l2.client.pool import TierCounts
+from moe_l2.client.prefetcher import PrefetchCounts
+from moe_l2.tiers import source_shares
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
@@ -17,10 +22,26 @@ def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]
     return list(tokenizer.encode(text))
 
 
-def generate_streamed(lm, prompt_ids: list[int], max_tokens: int, *, temp: float = 0.0, on_text=None) -> dict:
+@dataclass(frozen=True)
+class Generation:
+    """One run of generate_streamed: its tokens and text, and what the stream did over it."""
+
+    tokens: list[int]
+    text: str
+    counts: TierCounts        # this run's expert lookups, by tier
+    stats: dict               # StreamStats over this run: calls, sync/fetch/copy/pread seconds
+    prefetch: PrefetchCounts  # next-layer prefetch over this run
+    prompt_tokens: int
+    prompt_tps: float | None
+    generation_tokens: int
+    generation_tps: float | None
+    finish_reason: str | None
+
+
+def generate_streamed(lm, prompt_ids: list[int], max_tokens: int, *, temp: float = 0.0,
+                      on_text=None) -> Generation:
     """Generate with mlx-lm's own loop on a StreamedLM; returns the tokens, text and per-run numbers."""
-    before = TierCounts()
-    before.add(lm.pool.counts)
+    before = lm.pool.counts
     prefetch_before = lm.pool.prefetch_counts
     stats_before = lm.stats.as_dict()
     tokens, text, last = [], [], None
@@ -31,13 +52,121 @@ def generate_streamed(lm, prompt_ids: list[int], max_tokens: int, *, temp: float
         if on_text is not None and response.text:
             on_text(response.text)
         last = response
-    counts = TierCounts()
-    counts.add(lm.pool.counts)
-    for name in counts.__dataclass_fields__:
-        setattr(counts, name, getattr(counts, name) - getattr(before, name))
-    stats = {k: v - stats_before[k] for k, v in lm.stats.as_dict().items()}
-    return {"tokens": tokens, "text": "".join(text), "counts": counts, "stats": stats,
-            "prefetch": lm.pool.prefetch_counts.minus(prefetch_before),
-            "prompt_tokens": len(prompt_ids), "prompt_tps": last.prompt_tps if last else None,
-            "generation_tokens": len(tokens), "generation_tps": last.generation_tps if last else None,
-            "finish_reason": last.finish_reason if last else None}
+    return Generation(tokens=tokens, text="".join(text), counts=lm.pool.counts.minus(before),
+                      stats={k: v - stats_before[k] for k, v in lm.stats.as_dict().items()},
+                      prefetch=lm.pool.prefetch_counts.minus(prefetch_before), prompt_tokens=len(prompt_ids),
+                      prompt_tps=last.prompt_tps if last else None, generation_tokens=len(tokens),
+                      generation_tps=last.generation_tps if last else None,
+                      finish_reason=last.finish_reason if last else None)
+
+
+@dataclass(frozen=True)
+class StreamFigures:
+    """What one process' expert stream did over a run: a pipeline rank's own part of the summary. Each lookup is
+    counted once, by where its bytes came from (TierCounts.by_source)."""
+
+    l0_hits: int
+    l2_hits: int             # held in L2 when looked up
+    daemon_reads: int        # read from disk by moe-l2d while the lookup waited (load-through)
+    l3_reads: int            # read from disk by this process
+    l2_lent: int             # computed on in place in L2, not copied
+    read_bytes: int          # from the model files
+    copied_bytes: int        # from L2
+    l0_slots: int
+    l0_bytes: int
+    layers: list[int]        # the MoE layers this process ran
+    daemon: dict | None      # address, attached, attaches, last_error; None: no daemon
+    streaming: dict          # StreamStats over the run
+    prefetch: dict | None    # None: no next-layer prefetch
+    peak_rss_bytes: int
+    peak_mlx_bytes: int
+
+    # Summed over a pipeline's ranks; the peaks are the largest rank's, the layers all ranks'.
+    SUMMED = ("l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "read_bytes", "copied_bytes", "l0_bytes")
+
+    @classmethod
+    def of(cls, run: Generation, lm) -> StreamFigures:
+        from moe_l2.client.mlx_lm import peak_rss_bytes
+
+        c = run.counts
+        tiers = c.by_source()
+        client = lm.client
+        return cls(l0_hits=tiers["l0"], l2_hits=tiers["l2"], daemon_reads=tiers["daemon_disk"],
+                   l3_reads=tiers["own_disk"], l2_lent=c.l2_lent, read_bytes=c.bytes_read,
+                   copied_bytes=c.bytes_copied, l0_slots=lm.pool.capacity, l0_bytes=lm.pool.nbytes,
+                   layers=sorted(lm.pool.layers),
+                   daemon=None if client is None else {"address": client.address, "attached": client.attached,
+                                                       "attaches": client.attaches, "last_error": client.last_error},
+                   streaming=run.stats,
+                   prefetch=None if lm.next_layer is None else {"predictor": lm.next_layer.describe(),
+                                                                **run.prefetch.to_json()},
+                   peak_rss_bytes=peak_rss_bytes(), peak_mlx_bytes=mx.get_peak_memory())
+
+    def by_source(self) -> dict[str, int]:
+        return {"l0": self.l0_hits, "l2": self.l2_hits, "daemon_disk": self.daemon_reads, "own_disk": self.l3_reads}
+
+    def plus(self, other: StreamFigures) -> StreamFigures:
+        """Two ranks' figures as one pipeline's: this one's, with the counts summed."""
+        return replace(self, **{name: getattr(self, name) + getattr(other, name) for name in self.SUMMED},
+                       layers=sorted([*self.layers, *other.layers]),
+                       peak_rss_bytes=max(self.peak_rss_bytes, other.peak_rss_bytes),
+                       peak_mlx_bytes=max(self.peak_mlx_bytes, other.peak_mlx_bytes))
+
+    def to_json(self) -> dict:
+        return {"expert_lookups": sum(self.by_source().values()),
+                **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> StreamFigures:
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    """A run's numbers as `moe-l2 generate` prints them (to_json: --json's object). `stream` is this process'
+    figures, or a pipeline's summed over `ranks` (docs/distributed.md)."""
+
+    model: str
+    text: str
+    tokens: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    prompt_tps: float | None
+    generation_tokens: int
+    generation_tps: float | None
+    stream: StreamFigures
+    l0_shared: bool                          # l0_slots counts rows in all, not per layer
+    ranks: tuple[StreamFigures, ...] = ()    # a pipelined run's per-rank figures, in rank order
+    trace_out: str | None = None
+
+    @classmethod
+    def of(cls, run: Generation, lm) -> GenerationSummary:
+        return cls(model=str(lm.files.path), text=run.text, tokens=run.tokens, finish_reason=run.finish_reason,
+                   prompt_tokens=run.prompt_tokens, prompt_tps=run.prompt_tps,
+                   generation_tokens=run.generation_tokens, generation_tps=run.generation_tps,
+                   stream=StreamFigures.of(run, lm), l0_shared=lm.pool.shared_l0)
+
+    def merged(self, ranks: list[StreamFigures]) -> GenerationSummary:
+        """This (rank 0's) summary for a pipelined run: the ranks' figures summed, and each kept."""
+        total = ranks[0]
+        for one in ranks[1:]:
+            total = total.plus(one)
+        return replace(self, stream=total, ranks=tuple(ranks))
+
+    def rates(self) -> dict:
+        """Each source's share of the lookups (client.pool.source_shares)."""
+        return source_shares(self.stream.by_source())
+
+    def to_json(self) -> dict:
+        rates = self.rates()
+        out = {"model": self.model, "text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+               "prompt_tokens": self.prompt_tokens, "prompt_tps": self.prompt_tps,
+               "generation_tokens": self.generation_tokens, "generation_tps": self.generation_tps,
+               **self.stream.to_json(),
+               "l0_hit_rate": rates["l0"], "l2_hit_rate": rates["l2"], "daemon_read_rate": rates["daemon_disk"],
+               "l3_rate": rates["own_disk"], "disk_rate": rates["disk"], "l0_shared": self.l0_shared}
+        if self.ranks:
+            out["ranks"] = [{"rank": r, **one.to_json()} for r, one in enumerate(self.ranks)]
+        if self.trace_out is not None:
+            out["trace_out"] = self.trace_out
+        return out

@@ -36,6 +36,7 @@ from moe_l2.model.architecture import decoder_layer, set_module
 from moe_l2.model.location import resolve_model
 from moe_l2.plan import ModelSizes, plan, read_memory
 from moe_l2.sizes import format_size, parse_size
+from moe_l2.tiers import source_shares
 
 __all__ = ["load", "close", "stats", "streamed", "ExpertStats", "StreamedLM", "stream_experts", "load_model",
            "pipeline_models", "pipeline_stage", "l0_slots_for", "peak_rss_bytes", "hit_rates"]
@@ -348,11 +349,6 @@ def stats(model) -> ExpertStats:
 
 
 def hit_rates(counts) -> dict:
-    """Each source's share of the lookups (TierCounts.by_source: l0, l2, daemon_disk, own_disk), and `disk`,
-    the two disk shares together: a cold run shows its disk share, a warm one its L2."""
-    tiers = counts.by_source()
-    lookups = sum(tiers.values())
-    rate = (lambda n: n / lookups) if lookups else (lambda n: None)
-    return {"lookups": lookups, **{tier: rate(n) for tier, n in tiers.items()},
-            "disk": rate(tiers["daemon_disk"] + tiers["own_disk"])}
+    """Each source's share of the lookups (TierCounts.by_source: l0, l2, daemon_disk, own_disk), and `disk`."""
+    return source_shares(counts.by_source())
 

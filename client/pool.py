@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import mlx.core as mx
 
@@ -62,8 +62,12 @@ class TierCounts:
     read_s: float = 0.0    # spent reading from the model files
 
     def add(self, other: "TierCounts") -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def minus(self, other: "TierCounts") -> "TierCounts":
+        """The counts since `other` was taken (a run's, from the pool's totals before and after it)."""
+        return TierCounts(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
     def by_source(self) -> dict[str, int]:
         """Each lookup once, by where its bytes came from: L0; L2, held when looked up; the disk, read by the
@@ -71,6 +75,7 @@ class TierCounts:
         What every hit rate shown to a user is made of (docs/architecture.md, "Client pool (L0)")."""
         return {"l0": self.l0_hits, "l2": self.l2_hits - self.l2_awaited, "daemon_disk": self.l2_awaited,
                 "own_disk": self.l3_reads}
+
 
 
 class ExpertPool:
@@ -129,6 +134,7 @@ class ExpertPool:
         self._prefetcher = Prefetcher(self)
         if client is not None:
             client.count_prefetch(lambda: self.prefetch_counts.wire())
+            client.count_tiers(lambda: self.counts.by_source())
 
     @property
     def counts(self) -> TierCounts:

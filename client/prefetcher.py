@@ -21,10 +21,13 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from moe_l2.cache.prefetch import prefetch_rates
+from moe_l2.cache.score import prefetch_rates
 from moe_l2.protocol import PREFETCH_COUNTERS
 
 log = logging.getLogger("moe-l2.client")
+
+# PrefetchCounts' byte counts as JSON names them, by their unit (the fields keep the names the bench reads).
+_JSON_NAMES = {"bytes_copied": "copied_bytes", "bytes_read": "read_bytes"}
 
 
 @dataclass
@@ -54,8 +57,9 @@ class PrefetchCounts:
     def minus(self, other: "PrefetchCounts") -> "PrefetchCounts":
         return PrefetchCounts(**{n: getattr(self, n) - getattr(other, n) for n in self.__dataclass_fields__})
 
-    def as_dict(self) -> dict:
-        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+    def to_json(self) -> dict:
+        """The counts with their rates, byte counts named by their unit (`generate --json`'s "prefetch")."""
+        out = {_JSON_NAMES.get(name, name): getattr(self, name) for name in self.__dataclass_fields__}
         out.update(prefetch_rates(self.wire()))
         return out
 

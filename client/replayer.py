@@ -135,7 +135,7 @@ def main() -> int:
     stall, torn = replay(pool, tokens[warmup:], compute_s, next_layer)
     pool.wait_prefetches()
     after, disk_after = pool.counts, disk_read_bytes()
-    counts = {name: getattr(after, name) - getattr(before, name) for name in after.__dataclass_fields__}
+    counts = dataclasses.asdict(after.minus(before))
     prefetch = dataclasses.asdict(pool.prefetch_counts.minus(ahead))
     _say({"tokens": len(tokens) - warmup, "stall_s": stall, "torn_lookups": torn, "counts": counts, "prefetch": prefetch,
           "disk_read_bytes": None if disk_before is None else disk_after - disk_before,

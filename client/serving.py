@@ -350,11 +350,12 @@ def _follow(generator: HintingResponseGenerator) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def serve(host: str, port: int, provider: StreamedModelProvider, on_ready=None) -> None:
+def serve(host: str, port: int, provider: StreamedModelProvider, on_ready=None, on_close=None) -> None:
     """Load the model on mlx_lm.server's generation thread, then serve HTTP until SIGINT or SIGTERM.
 
     Raises the load's error (before anything listens) if the model cannot be loaded. `on_ready(provider)` runs
-    once the model is loaded, before the first request is accepted. Under mlx.launch, only rank 0 listens; the
+    once the model is loaded, before the first request is accepted; `on_close(provider)` after the last, before
+    the model's stream is closed. Under mlx.launch, only rank 0 listens; the
     other ranks run their pipeline stage for every request rank 0 shares, until they are stopped."""
     generator = HintingResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size))
     try:
@@ -377,4 +378,6 @@ def serve(host: str, port: int, provider: StreamedModelProvider, on_ready=None) 
         # process' exit, as mlx_lm.server leaves it.
         if provider.rank == 0:
             generator.stop_and_join()
+        if on_close is not None and provider.lm is not None:
+            on_close(provider)
         provider.close()

@@ -19,8 +19,8 @@ import zmq.auth
 from moe_l2 import __version__
 from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
 from moe_l2.model import DIRECT_IO
-from moe_l2.model.files import parse_ranges
 from moe_l2.model.location import expand_path, expand_socket, path_arg
+from moe_l2.ranges import parse_ranges
 from moe_l2.runtime import SOCKET_NAME, runtime_dir
 from moe_l2.sizes import parse_size
 

@@ -84,5 +84,6 @@ class Governor:
                              min(s.capacity for s in model.stores.values()), model.geometry.n_slots)
 
     def figures(self) -> dict:
-        return {"total": self.total, "available": self.available, "floor": self.floor, "checks": self.checks,
+        return {"total_bytes": self.total, "available_bytes": self.available, "floor_bytes": self.floor,
+                "checks": self.checks,
                 "shrinks": self.shrinks, "grows": self.grows}

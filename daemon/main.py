@@ -21,7 +21,7 @@ from moe_l2.layout import SEGMENT_PREFIX, BudgetError, Geometry, describe_slots,
 from moe_l2.machine import SharedMemoryRoom
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import build_in_child_processes
-from moe_l2.model.files import format_ranges
+from moe_l2.ranges import format_ranges
 from moe_l2.model.location import resolve_model
 from moe_l2.plan import ModelSizes, default_floor, plan, read_memory
 from moe_l2.runtime import instance_tag

@@ -43,8 +43,8 @@ def families(payload: dict) -> list:
     gauge("uptime_seconds", "seconds since the daemon started", d["uptime_s"])
     memory = d.get("memory") or {}
     gauge("memory_available_bytes", "the machine's available memory, as the governor last read it",
-          memory.get("available"))
-    gauge("memory_floor_bytes", "below this much available memory the daemon shrinks L2", memory.get("floor"))
+          memory.get("available_bytes"))
+    gauge("memory_floor_bytes", "below this much available memory the daemon shrinks L2", memory.get("floor_bytes"))
     requests = CounterMetricFamily("moe_l2_requests", "control-plane requests handled")
     requests.add_metric([], d["requests"])
     errors = CounterMetricFamily("moe_l2_request_errors", "control-plane requests refused")
@@ -65,20 +65,26 @@ def families(payload: dict) -> list:
                         ("resident", "experts resident in the layer"), ("pinned", "experts pinned in the layer"))}
     layer_counters = {name: CounterMetricFamily(f"moe_l2_layer_{name}", doc, labels=["model", "layer"])
                       for name, doc in (("hits", "L2 hits in the layer"), ("misses", "L2 misses in the layer"))}
+    lookups = CounterMetricFamily("moe_l2_lookups", "clients' expert lookups by where their bytes came from, as "
+                                  "they report them: l0 (the client's own rows), l2 (held in L2 when looked up), "
+                                  "daemon_disk (read from the model files by moe-l2d while the lookup waited: "
+                                  "load-through), own_disk (read by the client)", labels=["model", "source"])
     for m in payload["models"]:
         label = [m["path"]]
         for name, key in (("hits", "hits"), ("misses", "misses"), ("loads", "loads_done"),
-                          ("load_errors", "load_errors"), ("disk_read_bytes", "bytes_loaded"),
-                          ("served_bytes", "bytes_served")):
+                          ("load_errors", "load_errors"), ("disk_read_bytes", "loaded_bytes"),
+                          ("served_bytes", "served_bytes")):
             counters[name].add_metric(label, m[key])
         for name, key in (("slots_per_layer", "slots_per_layer"), ("released_bytes", "released_bytes"),
                           ("model_loads_in_flight", "loads_in_flight")):
             gauges[name].add_metric(label, m[key])
         gauges["served_layers"].add_metric(label, len(m["layers"]))
+        for source, n in m.get("tiers", {}).items():
+            lookups.add_metric([m["path"], source], n)
         for layer in m["layers"]:  # the served layers, by MoE layer number
             for name, family in (*layer_gauges.items(), *layer_counters.items()):
                 family.add_metric([m["path"], str(layer["layer"])], layer[name])
-    return out + [*counters.values(), *gauges.values(), *layer_gauges.values(), *layer_counters.values()]
+    return out + [*counters.values(), lookups, *gauges.values(), *layer_gauges.values(), *layer_counters.values()]
 
 
 class StatsCollector:

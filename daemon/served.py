@@ -18,7 +18,7 @@ from moe_l2.cache.profile import MIN_CONFIDENCE, Profile
 from moe_l2.cache.store import LayerStore, Reservation
 from moe_l2.layout import Geometry, IndexHeader
 from moe_l2.model import ModelFiles
-from moe_l2.model.files import format_ranges
+from moe_l2.ranges import format_ranges
 from moe_l2.protocol import ProtocolError
 
 from .stats import ModelCounters

@@ -72,9 +72,9 @@ class Server:
         self.epoch = epoch
         self.started = time.time()
         # identity -> (client name, last hello, its model, the MoE layers it streams or () when it did not
-        # say), oldest hello first.
-        self.clients: collections.OrderedDict[bytes, tuple[str, float, ServedModel, tuple[int, ...]]] = \
-            collections.OrderedDict()
+        # say, where its lookups got their bytes as its reports said: protocol.TIER_COUNTERS), oldest hello first.
+        self.clients: collections.OrderedDict[bytes, tuple[str, float, ServedModel, tuple[int, ...],
+                                                           dict[str, int]]] = collections.OrderedDict()
         self.requests = 0
         self.errors = 0
         # Report pieces waiting to be folded in, and the requests their senders made after them (see _run_work);
@@ -249,8 +249,9 @@ class Server:
             if not 0 <= layer < model.geometry.n_layers:
                 raise ProtocolError("BadField", f"hello: the client streams MoE layer {layer}, but {model.files.path} "
                                                 f"has MoE layers 0..{model.geometry.n_layers - 1}")
-        self.clients.pop(identity, None)
-        self.clients[identity] = (req.client, time.monotonic(), model, tuple(sorted(set(req.layers))))
+        known = self.clients.pop(identity, None)
+        tiers = known[4] if known is not None and known[0] == req.client else dict.fromkeys(protocol.TIER_COUNTERS, 0)
+        self.clients[identity] = (req.client, time.monotonic(), model, tuple(sorted(set(req.layers))), tiers)
         while len(self.clients) > MAX_CLIENTS:
             self.clients.popitem(last=False)
         g = model.geometry
@@ -275,13 +276,14 @@ class Server:
         and they read from their files (docs/architecture.md, "Served layers")."""
         now = time.monotonic()
         out = []
-        for name, seen, model, layers in self.clients.values():
+        for name, seen, model, layers, tiers in self.clients.values():
             parts = name.split(":")
             pid = int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
             ids = model.files.layer_ids
             out.append({"name": name, "pid": pid, "idle_s": now - seen, "model": str(model.files.path),
                         "layer_ids": [ids[layer] for layer in layers] if layers else None,
-                        "unserved_layer_ids": [ids[layer] for layer in layers if layer not in model.layers]})
+                        "unserved_layer_ids": [ids[layer] for layer in layers if layer not in model.layers],
+                        "tiers": dict(tiers)})
         return out
 
     def _stats(self, identity: bytes, req: protocol.Stats) -> bytes:
@@ -327,6 +329,11 @@ class Server:
         model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in layers.items()})
         model.check_ids(routed)
         model.counters.add_prefetch(req.prefetch)  # a few integers: counted at once
+        model.counters.add_tiers(req.tiers)
+        client = self.clients.get(identity)
+        if client is not None and client[2] is model:
+            for name, n in req.tiers.items():
+                client[4][name] += n
         pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS)
         cost = sum(piece[2] for piece in pieces)
         if self._pending_ids + cost > MAX_PENDING_IDS:

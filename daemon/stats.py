@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 
-from moe_l2.protocol import PREFETCH_COUNTERS
+from moe_l2.protocol import PREFETCH_COUNTERS, TIER_COUNTERS
 
 # stats lists at most this many of the records that failed their checksum (corrupt_records counts them all)
 _CORRUPT_LISTED = 64
@@ -41,28 +41,34 @@ class ModelCounters:
         # (layer, expert) of every record that failed its checksum, and how many loads it refused
         self.corrupt: set[tuple[int, int]] = set()
         self.corrupt_loads = 0
-        self.bytes_loaded = 0  # read from the model files into L2
-        self.bytes_served = 0  # copied out of L2 by clients
+        self.loaded_bytes = 0  # read from the model files into L2
+        self.served_bytes = 0  # copied out of L2 by clients
         self.load_latency = LatencyWindow()
         self.prefetch = dict.fromkeys(PREFETCH_COUNTERS, 0)  # clients' next-layer prefetch, summed
+        self.tiers = dict.fromkeys(TIER_COUNTERS, 0)  # where clients' lookups got their bytes, summed
 
     def add_lookups(self, hits: int, misses: int, record_bytes: int, picks: int) -> None:
         with self._lock:
             self.picks += picks
             self.hits += hits
             self.misses += misses
-            self.bytes_served += hits * record_bytes
+            self.served_bytes += hits * record_bytes
 
     def add_prefetch(self, counters: dict[str, int]) -> None:
         with self._lock:
             for name, n in counters.items():
                 self.prefetch[name] += n
 
+    def add_tiers(self, counters: dict[str, int]) -> None:
+        with self._lock:
+            for name, n in counters.items():
+                self.tiers[name] += n
+
     def add_load(self, seconds: float, nbytes: int) -> None:
         self.load_latency.add(seconds)
         with self._lock:
             self.loads_done += 1
-            self.bytes_loaded += nbytes
+            self.loaded_bytes += nbytes
 
     def add_load_error(self) -> None:
         with self._lock:
@@ -89,11 +95,12 @@ class ModelCounters:
                 "corrupt_records": len(self.corrupt),
                 "corrupt_loads": self.corrupt_loads,
                 "corrupt": [list(c) for c in sorted(self.corrupt)[:_CORRUPT_LISTED]],
-                "bytes_loaded": self.bytes_loaded,
-                "bytes_served": self.bytes_served,
+                "loaded_bytes": self.loaded_bytes,
+                "served_bytes": self.served_bytes,
                 "load_latency_p50_s": self.load_latency.percentile(50),
                 "load_latency_p99_s": self.load_latency.percentile(99),
                 "prefetch": dict(self.prefetch),
+                "tiers": dict(self.tiers),
             }
 
 

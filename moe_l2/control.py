@@ -233,23 +233,27 @@ def stats(address: str | None, timeout_s: float = 5.0, *, routing: bool = False,
 # a map of any string keys.
 _NUM = (int, float)
 _COUNTERS = {name: int for name in protocol.PREFETCH_COUNTERS}
+_TIERS = {name: int for name in protocol.TIER_COUNTERS}
 _LAYER = {"layer?": int, "layer_id?": int, "resident": int, "loading": int, "pinned": int, "slots": int, "hits": int,
           "misses": int}
 _MODEL = {
     "path": str, "fingerprint?": str, "policy": str, "n_layers": int, "n_experts": int, "slots_per_layer": int,
     "short_layers?": int, "served_layer_ids?": [int], "hit_rate": (None, _NUM), "hits": int, "misses": int,
-    "picks?": int, "bytes_served": int, "bytes_loaded": int, "loads_done": int, "load_errors": int,
+    "picks?": int, "served_bytes": int, "loaded_bytes": int, "loads_done": int, "load_errors": int,
     "corrupt_records?": int, "corrupt_loads?": int, "corrupt?": [[int]], "loads_in_flight": int,
-    "load_latency_p50_s": (None, _NUM), "load_latency_p99_s": (None, _NUM), "prefetch?": _COUNTERS, "shm_bytes": int,
+    "load_latency_p50_s": (None, _NUM), "load_latency_p99_s": (None, _NUM), "prefetch?": _COUNTERS, "tiers?": _TIERS,
+    "shm_bytes": int,
     "released_bytes?": int, "layers": [_LAYER], "routing?": {"*": [[int]]},
 }
-_CLIENT = {"name": str, "pid": (None, int), "idle_s": _NUM, "layer_ids?": (None, [int]), "unserved_layer_ids?": [int]}
+_CLIENT = {"name": str, "pid": (None, int), "idle_s": _NUM, "layer_ids?": (None, [int]), "unserved_layer_ids?": [int],
+           "tiers?": _TIERS}
 STATS_SHAPE = {
     "daemon": {
         "version": str, "pid": int, "socket": str, "uptime_s": _NUM, "rss_bytes": int, "clients": int,
         "client_list?": [_CLIENT], "requests": int, "errors": int, "loads_in_flight": int, "shm_bytes": int,
         "shm_locked_bytes?": int, "shm_unlocked_bytes?": int,
-        "memory?": (None, {"available?": (None, int), "floor?": (None, int), "shrinks?": int, "grows?": int}),
+        "memory?": (None, {"available_bytes?": (None, int), "floor_bytes?": (None, int), "shrinks?": int,
+                            "grows?": int}),
     },
     "models": [_MODEL],
 }

@@ -102,6 +102,11 @@ class ModelSizes:
         return Geometry.budget_for(self.n_layers, self.n_experts, self.record_bytes, slots, self.l2_layers)
 
 
+# Plan's fields that are bytes (their JSON names end in _bytes).
+_BYTES = ("total", "available", "os_headroom", "non_expert_per_process", "kv_per_process", "l0_per_process",
+          "l2_budget")
+
+
 @dataclass(frozen=True)
 class Plan:
     total: int
@@ -118,7 +123,8 @@ class Plan:
     n_experts: int
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """`plan --json`'s "plan": the byte figures named by their unit."""
+        return {f"{name}_bytes" if name in _BYTES else name: value for name, value in asdict(self).items()}
 
 
 def default_l0_slots(model: ModelSizes) -> int:

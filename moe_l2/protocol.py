@@ -30,6 +30,10 @@ MAX_STRING = {"model": 4096, "fingerprint": 64, "client": 256, "text": 64 << 10,
 # Next-layer prefetch counters a report may carry: increments since the client's previous report, times in
 # microseconds (docs/architecture.md, "Next-layer prefetch"). Each at most 2**53, so any sum stays exact.
 PREFETCH_COUNTERS = ("issued", "useful", "wasted", "guessed", "picked", "right", "worker_us", "wait_us")
+# Where a client's expert lookups got their bytes, as a report may carry them (increments since its previous
+# report, client.pool.TierCounts.by_source): its L0; L2, held when looked up; the disk, read by the daemon while
+# the lookup waited (load-through) or by the client itself (docs/architecture.md, "Client pool (L0)").
+TIER_COUNTERS = ("l0", "l2", "daemon_disk", "own_disk")
 MAX_COUNTER = 2**53
 # How much of a refused value an error message (and the daemon's log) quotes, and the longest reason a client
 # takes from a reply.
@@ -78,6 +82,12 @@ def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and all(type(v) is int for v in value)
 
 
+def _counters(names: tuple[str, ...]) -> tuple:
+    return (lambda v: isinstance(v, dict)
+            and all(k in names and _is_int(n) and 0 <= n <= MAX_COUNTER for k, n in v.items()),
+            f"a map of counters ({', '.join(names)}) to integers 0..2**53")
+
+
 # Field types a message may declare; each maps to a validator and a description for error messages.
 _VALIDATORS = {
     str: (lambda v: isinstance(v, str), "a string"),
@@ -94,11 +104,8 @@ _VALIDATORS = {
         lambda v: isinstance(v, dict) and all(_is_int(k) and _is_int_list(p) for k, p in v.items()),
         "a map layer -> expert ids",
     ),
-    "counters": (
-        lambda v: isinstance(v, dict)
-        and all(k in PREFETCH_COUNTERS and _is_int(n) and 0 <= n <= MAX_COUNTER for k, n in v.items()),
-        f"a map of counters ({', '.join(PREFETCH_COUNTERS)}) to integers 0..2**53",
-    ),
+    "counters": _counters(PREFETCH_COUNTERS),
+    "tier_counters": _counters(TIER_COUNTERS),
     dict: (lambda v: isinstance(v, dict), "a map"),
     "str_or_none": (lambda v: v is None or isinstance(v, str), "a string or nil"),
     list: (lambda v: isinstance(v, list), "a list"),
@@ -172,17 +179,20 @@ class Prefetch(Message):
 class Report(Message):
     """What a client's lookups found in L2 (per layer the experts it copied and the ones it missed), and
     every expert its router picked, L0 hits included (per layer, one id per pick), for online statistics;
-    with `prefetch`, what its next-layer prefetch did since its previous report (PREFETCH_COUNTERS). Both are
-    optional: a report from before either existed decodes with them empty."""
+    with `prefetch`, what its next-layer prefetch did since its previous report (PREFETCH_COUNTERS); with
+    `tiers`, where its lookups got their bytes since then (TIER_COUNTERS). All three are optional: a report
+    from before one existed decodes with it empty."""
 
     TYPE = "report"
-    FIELDS = {"model": str, "layers": "layer_lists", "routed": "layer_experts", "prefetch": "counters"}
-    OPTIONAL = ("routed", "prefetch")
+    FIELDS = {"model": str, "layers": "layer_lists", "routed": "layer_experts", "prefetch": "counters",
+              "tiers": "tier_counters"}
+    OPTIONAL = ("routed", "prefetch", "tiers")
     REPLIES = False
     model: str = ""
     layers: dict[int, list[list[int]]] = field(default_factory=dict)
     routed: dict[int, list[int]] = field(default_factory=dict)
     prefetch: dict[str, int] = field(default_factory=dict)
+    tiers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -116,11 +116,13 @@ def test_version_and_short_prompt_flag():
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["stats", "--help"], ["stats", "--socket", "NOWHERE"]])
-def test_light_commands_import_neither_mlx_lm_nor_transformers(argv, tmp_path):
-    """Admins run `stats` in loops: it, --version and --help must not pay for importing the model stack."""
+def test_light_commands_import_neither_the_model_stack_nor_the_format_readers(argv, tmp_path):
+    """Admins run `stats` in loops: it, --version and --help must not pay for importing the model stack, nor
+    numpy and gguf (the model files' readers)."""
     argv = [f"ipc://{tmp_path / 'none.sock'}" if a == "NOWHERE" else a for a in argv]
     probe = ("import sys\nfrom moe_l2.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-             "print('heavy:', sorted({m.split('.')[0] for m in sys.modules} & {'mlx_lm', 'transformers'}))")
+             "print('heavy:', sorted({m.split('.')[0] for m in sys.modules}\n"
+             "                       & {'mlx_lm', 'transformers', 'mlx', 'numpy', 'gguf'}))")
     result = subprocess.run([sys.executable, "-P", "-c", probe, *argv], capture_output=True, text=True, timeout=120)
     assert result.stdout.splitlines()[-1] == "heavy: []", result.stdout + result.stderr
 

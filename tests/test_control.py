@@ -52,7 +52,7 @@ DAEMON = {"version": "0", "pid": 1, "socket": "ipc:///x", "uptime_s": 1.0, "rss_
           "requests": 0, "errors": 0, "loads_in_flight": 0, "shm_bytes": 0}
 LAYER = {"layer": 0, "resident": 1, "loading": 0, "pinned": 0, "slots": 2, "hits": 0, "misses": 0}
 MODEL = {"path": "/m", "policy": "lru", "n_layers": 1, "n_experts": 4, "slots_per_layer": 2, "hit_rate": None,
-         "hits": 0, "misses": 0, "bytes_served": 0, "bytes_loaded": 0, "loads_done": 0, "load_errors": 0,
+         "hits": 0, "misses": 0, "served_bytes": 0, "loaded_bytes": 0, "loads_done": 0, "load_errors": 0,
          "loads_in_flight": 0, "load_latency_p50_s": None, "load_latency_p99_s": None, "shm_bytes": 0, "layers": [LAYER]}
 
 

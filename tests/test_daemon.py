@@ -55,7 +55,7 @@ def test_prefetched_experts_are_served_from_l2_byte_exact(running_daemon, model_
     wait_for(lambda: stats(running_daemon)["models"][0]["misses"] == model_files.n_layers, what="report")
     m = stats(running_daemon)["models"][0]
     assert m["hits"] == 3 * model_files.n_layers
-    assert m["bytes_served"] == m["hits"] * model_files.layout.nbytes
+    assert m["served_bytes"] == m["hits"] * model_files.layout.nbytes
 
 
 def send_raw(sock, frame: bytes) -> protocol.Reply:

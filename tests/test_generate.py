@@ -17,10 +17,13 @@ from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.generation import encode_prompt
 from moe_l2.commands.demo import DEMO_NAME, ensure_demo_model
 from moe_l2.commands.generate import render
+from moe_l2.commands.stats import model_rates
+from moe_l2.commands.stats import render as render_stats
 from moe_l2.cache.trace import read_traces
 from moe_l2.sizes import format_pct
 
-from .conftest import budget_for, stats, wait_for
+from .conftest import budget_for, free_port, stats, wait_for
+from .test_metrics import scrape
 
 
 PROMPT = "Which experts does the router pick for this sentence?"
@@ -31,6 +34,11 @@ def expected(model_dir) -> list[int]:
     whole, tokenizer = load(str(model_dir))
     ids = encode_prompt(tokenizer, PROMPT)
     return [r.token for r in stream_generate(whole, tokenizer, mx.array(ids), max_tokens=12)]
+
+
+def by_source(s: dict) -> dict:
+    """A generate --json object's lookups as the daemon's stats count them (protocol.TIER_COUNTERS)."""
+    return {"l0": s["l0_hits"], "l2": s["l2_hits"], "daemon_disk": s["daemon_reads"], "own_disk": s["l3_reads"]}
 
 
 def run_json(capsys, *args) -> dict:
@@ -45,7 +53,7 @@ def test_json_run_gives_the_whole_models_tokens_and_consistent_counts(capsys, mo
     assert s["l0_hits"] + s["l2_hits"] + s["l3_reads"] == s["expert_lookups"] > 0
     assert s["l0_hit_rate"] + s["l2_hit_rate"] + s["daemon_read_rate"] + s["l3_rate"] == pytest.approx(1.0)
     assert s["disk_rate"] == s["l3_rate"] and s["daemon_reads"] == 0
-    assert s["bytes_read"] == s["l3_reads"] * model_files.layout.nbytes
+    assert s["read_bytes"] == s["l3_reads"] * model_files.layout.nbytes
     assert s["prompt_tps"] > 0 and s["generation_tps"] > 0
     assert s["peak_rss_bytes"] > s["l0_bytes"] > 0
 
@@ -105,26 +113,38 @@ def test_through_the_daemon_the_second_run_finds_experts_in_l2(capsys, running_d
     assert cold["l3_reads"] > 0
     assert warm["l2_hits"] > 0
     assert (warm["l2_lent"] > 0) == (l2_reads == "in-place")
-    assert warm["bytes_copied"] == (warm["l2_hits"] + warm["daemon_reads"] - warm["l2_lent"]) * model_files.layout.nbytes
+    assert warm["copied_bytes"] == (warm["l2_hits"] + warm["daemon_reads"] - warm["l2_lent"]) * model_files.layout.nbytes
 
 
 def test_by_default_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(capsys, daemon_factory, model_dir,
                                                                             model_files, expected):
-    daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)))
+    port = free_port()
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)), "--metrics",
+                            f"127.0.0.1:{port}")
     # The default path, with a wait long enough for a loaded CI machine.
     s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
                  "--l0-slots", "4", "--load-through-ms", "5000")
     assert s["tokens"] == expected
-    assert s["l2_lent"] > 0 and s["bytes_copied"] == 0
+    assert s["l2_lent"] > 0 and s["copied_bytes"] == 0
     # L2 has room for every expert: each miss was read once, by the daemon, while the client waited. That is
     # the cold run's disk share, not L2 hits (those are the experts L0 dropped and L2 already held).
     loaded = stats(daemon)["models"][0]["loads_done"]
-    assert s["l3_reads"] == 0 and s["bytes_read"] == 0 and loaded == s["daemon_reads"] > 0
+    assert s["l3_reads"] == 0 and s["read_bytes"] == 0 and loaded == s["daemon_reads"] > 0
     assert s["disk_rate"] == pytest.approx(loaded / s["expert_lookups"])
     assert s["l0_hits"] + s["l2_hits"] + s["daemon_reads"] == s["expert_lookups"]
     summary = render(s).splitlines()[1]
     assert (f"L2 {format_pct(s['l2_hit_rate'])}, disk {format_pct(s['disk_rate'])} (read by moe-l2d while waiting "
             f"{format_pct(s['daemon_read_rate'])}") in summary
+    # The daemon says the same from the client's reports, in stats, --watch and --metrics: the disk's share.
+    cold = by_source(s)
+    wait_for(lambda: stats(daemon)["models"][0]["tiers"] == cold, what="the cold run's lookups in stats")
+    before = stats(daemon)
+    assert (f"L2 {format_pct(s['l2_hit_rate'])}  disk {format_pct(s['disk_rate'])} (read by moe-l2d while waiting "
+            f"{format_pct(s['daemon_read_rate'])}, by the client 0.0%)") in render_stats(before)
+    assert model_rates(None, before["models"][0], 1.0)["tiers"] == cold
+    lookups = {source: scrape(port)[("moe_l2_lookups_total", ("model", str(model_dir)), ("source", source))]
+               for source in cold}
+    assert lookups == cold and lookups["daemon_disk"] == loaded
     # A second process finds in L2 what the first had the daemon read: the same lookups, L2's share, no disk.
     warm = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
                     "--l0-slots", "4", "--load-through-ms", "5000")
@@ -132,6 +152,10 @@ def test_by_default_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(caps
     assert warm["daemon_reads"] == warm["l3_reads"] == 0 and warm["disk_rate"] == 0
     assert warm["l2_hits"] == s["l2_hits"] + s["daemon_reads"]
     assert stats(daemon)["models"][0]["loads_done"] == loaded
+    # --watch's frame over the second run shows it all from L0 and L2.
+    wait_for(lambda: stats(daemon)["models"][0]["tiers"] == {k: n + by_source(warm)[k] for k, n in cold.items()},
+             what="the warm run's lookups in stats")
+    assert model_rates(before["models"][0], stats(daemon)["models"][0], 1.0)["tiers"] == by_source(warm)
 
 
 @pytest.mark.parametrize("value", ["-5", "soon", "nan"])
@@ -162,7 +186,7 @@ def test_with_a_shared_l0_prefetch_has_the_daemon_load_the_guesses(capsys, daemo
     # the guesses the daemon was asked for.
     loaded = stats(daemon)["models"][0]["loads_done"]
     assert s["daemon_reads"] < loaded <= s["daemon_reads"] + p["issued"]
-    assert s["bytes_read"] == 0 and s["bytes_copied"] == 0
+    assert s["read_bytes"] == 0 and s["copied_bytes"] == 0
 
 
 def test_an_absent_daemon_means_reading_the_file(capsys, model_dir, tmp_path, expected):

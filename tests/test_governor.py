@@ -94,7 +94,7 @@ def test_low_memory_shrinks_l2_keeps_pins_and_grows_back(daemon_factory, model_d
         if sys.platform == "linux":  # the pages really went back to the system
             assert shm_bytes_held(data[1]) == stride
         d = stats(daemon)["daemon"]["memory"]
-        assert d["available"] == GiB // 2 and d["floor"] == GiB and d["shrinks"] >= 1
+        assert d["available_bytes"] == GiB // 2 and d["floor_bytes"] == GiB and d["shrinks"] >= 1
         assert "below the floor" in daemon.log()
         table = render(stats(daemon))
         assert f"memory available 512.0 MiB, floor 1.0 GiB: L2 shrunk {d['shrinks']} times" in table
@@ -131,7 +131,7 @@ def test_floor_off_never_shrinks(daemon_factory, model_dir, model_files, tmp_pat
     daemon = daemon_factory([model_dir], str(budget_for(model_files, SLOTS)), "--memory-floor", "off")
     wait_for(lambda: stats(daemon)["daemon"]["memory"]["checks"] >= 3, what="governor checks")
     d = stats(daemon)["daemon"]["memory"]
-    assert d["available"] == 1 and d["floor"] == 0 and d["shrinks"] == 0
+    assert d["available_bytes"] == 1 and d["floor_bytes"] == 0 and d["shrinks"] == 0
     assert layer_slots(daemon) == [SLOTS] * model_files.n_layers
 
 
@@ -175,5 +175,5 @@ def test_the_governor_reads_memory_with_the_descriptor_table_full():
     figures = json.loads(out.stdout)
     assert figures["table_full"], "psutil still opened /proc/meminfo: the table was not full"
     assert figures["checks"] == 1
-    assert figures["total"] == psutil.virtual_memory().total
-    assert 0 < figures["available"] <= figures["total"]
+    assert figures["total_bytes"] == psutil.virtual_memory().total
+    assert 0 < figures["available_bytes"] <= figures["total_bytes"]

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from moe_l2 import __version__, protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
+from moe_l2.commands.stats import render
 from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.daemon.http import MAX_CONNECTIONS, MAX_HEAD_BYTES
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
@@ -64,9 +65,15 @@ def test_metrics_carry_the_figures_of_stats(daemon_factory, model_dir, model_fil
         n = model_files.n_layers  # reports travel on the client's own thread: wait until all are counted
         wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == 8 * n and stats(daemon)["models"][0]["hits"]
                  == 4 * n, what="the reports and loads")
+        # Without load-through every miss was read by the client itself: its own disk share, in its row too.
+        tiers = pool.counts.by_source()
+        assert tiers == {"l0": 0, "l2": 4 * n, "daemon_disk": 0, "own_disk": 8 * n}
+        wait_for(lambda: stats(daemon)["daemon"]["client_list"][0]["tiers"] == tiers, what="the client's lookups")
         samples = scrape(port)
         s = stats(daemon)
         assert s["daemon"]["clients"] == 1
+        assert "L0 0.0%  L2 33.3%  disk 66.7% (read by moe-l2d while waiting 0.0%, by the client 66.7%) of " \
+            in render(s).splitlines()[-1]
     finally:
         pool.close()
         client.close()
@@ -74,8 +81,8 @@ def test_metrics_carry_the_figures_of_stats(daemon_factory, model_dir, model_fil
     model = ("model", str(model_dir))
     assert m["hits"] == 4 * model_files.n_layers > 0
     for metric, key in (("moe_l2_hits_total", "hits"), ("moe_l2_misses_total", "misses"),
-                        ("moe_l2_loads_total", "loads_done"), ("moe_l2_disk_read_bytes_total", "bytes_loaded"),
-                        ("moe_l2_served_bytes_total", "bytes_served"), ("moe_l2_slots_per_layer", "slots_per_layer")):
+                        ("moe_l2_loads_total", "loads_done"), ("moe_l2_disk_read_bytes_total", "loaded_bytes"),
+                        ("moe_l2_served_bytes_total", "served_bytes"), ("moe_l2_slots_per_layer", "slots_per_layer")):
         assert samples[(metric, model)] == m[key], metric
     for i, layer in enumerate(m["layers"]):
         labels = (("layer", str(i)), model)
@@ -83,9 +90,12 @@ def test_metrics_carry_the_figures_of_stats(daemon_factory, model_dir, model_fil
         assert samples[("moe_l2_layer_misses_total", *labels)] == layer["misses"] == 8
         assert samples[("moe_l2_layer_resident", *labels)] == layer["resident"]
         assert samples[("moe_l2_layer_slots", *labels)] == layer["slots"] == m["slots_per_layer"]
+    assert m["tiers"] == tiers
+    for source, count in tiers.items():
+        assert samples[("moe_l2_lookups_total", model, ("source", source))] == count
     assert samples[("moe_l2_clients",)] == 1
     assert samples[("moe_l2_shm_bytes",)] == s["daemon"]["shm_bytes"]
-    assert samples[("moe_l2_memory_floor_bytes",)] == s["daemon"]["memory"]["floor"]
+    assert samples[("moe_l2_memory_floor_bytes",)] == s["daemon"]["memory"]["floor_bytes"]
 
 
 def parse(*argv: str):

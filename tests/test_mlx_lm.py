@@ -298,7 +298,7 @@ text = "Tell me everything about caches, experts and memory. " * 4
 if mode == "streamed":
     with StreamedLM(path, l0_slots=8, daemon=False) as lm:
         r = generate_streamed(lm, encode_prompt(lm.tokenizer, text, False), 16)
-        extra = {"pool_bytes": lm.pool.nbytes, "l3_reads": r["counts"].l3_reads, "tokens": r["tokens"]}
+        extra = {"pool_bytes": lm.pool.nbytes, "l3_reads": r.counts.l3_reads, "tokens": r.tokens}
 else:
     model, tokenizer = load(path)
     ids = encode_prompt(tokenizer, text, False)

@@ -125,6 +125,7 @@ def test_plan_command_prints_the_split_and_each_tiers_hit_rate(capsys, fake_memo
     out = plan_json(capsys, "--model", str(model_dir), "--processes", "3")
     expected = plan(Memory(32 * GiB, 20 * GiB), ModelSizes.of(model_files), 3)
     assert out["plan"] == expected.to_dict() and out["hit_rates"] is None
+    assert (out["plan"]["available_bytes"], out["plan"]["l2_budget_bytes"]) == (20 * GiB, expected.l2_budget)
     trace = synthetic_trace(tmp_path / "t.jsonl", n_layers=model_files.n_layers, n_experts=model_files.n_experts,
                             top_k=model_files.top_k)
     rates = plan_json(capsys, "--model", str(model_dir), "--trace", str(trace))["hit_rates"]

@@ -235,14 +235,14 @@ def test_cooccurrence_precision_on_a_known_answer(tmp_path):
 def test_logistic_learns_what_the_token_before_tells_and_cooccurrence_cannot(tmp_path):
     traces = read_traces([previous_token_trace(tmp_path / "p.jsonl", tokens=300)])
     r = replay(traces, slots=[4], compare=(), prefetch=("logistic", "cooccurrence"), prefetch_train=0.5)
-    scores, entry = r["prefetch_scores"], r["capacities"][0]
-    assert scores["logistic"]["precision"] > 0.9
-    assert scores["cooccurrence"]["precision"] < 0.3  # chance is 2 of 16
-    assert entry["prefetch"]["logistic"]["hit_rate"] > entry["policies"]["min"]["hit_rate"]
+    scores, entry = r.prefetch_scores, r.capacities[0]
+    assert scores["logistic"].precision > 0.9
+    assert scores["cooccurrence"].precision < 0.3  # chance is 2 of 16
+    assert entry.prefetch["logistic"].hit_rate > entry.policies["min"].hit_rate
     # And a layer's function of the layer before, which co-occurrence finds exactly.
     r = replay(read_traces([known_answer_trace(tmp_path / "f.jsonl", tokens=300)]), slots=[4], compare=(),
                prefetch=("logistic",), prefetch_train=0.5)
-    assert r["prefetch_scores"]["logistic"]["precision"] > 0.9
+    assert r.prefetch_scores["logistic"].precision > 0.9
 
 
 def guess_precision(model_files, mode: str, tokens: list, *, seed=None, scored_from: int = 0) -> tuple[float, int]:
@@ -325,16 +325,16 @@ def test_replay_prefetch_beats_demand_caching_on_a_known_answer(tmp_path, capsys
     path = known_answer_trace(tmp_path / "f.jsonl")
     traces = read_traces([path])
     r = replay(traces, slots=[4], compare=("lru",), prefetch=("cooccurrence", "repeat"), prefetch_train=0.5)
-    assert r["prefetch_trained_on"]["sequences"] == 3
+    assert r.prefetch_trained_on["sequences"] == 3
     scored = sum(s.n_tokens for s in traces.sequences[3:])  # interleave, seed 0: the same split as `replay`'s
-    assert r["tokens"] == scored
-    assert r["prefetch_scores"]["cooccurrence"]["precision"] == 1.0
-    entry = r["capacities"][0]
-    pf, demand = entry["prefetch"]["cooccurrence"], entry["policies"]
+    assert r.tokens == scored
+    assert r.prefetch_scores["cooccurrence"].precision == 1.0
+    entry = r.capacities[0]
+    pf, demand = entry.prefetch["cooccurrence"], entry.policies
     # Layers 1..3 are prefetched exactly; layer 0 is demand-cached as before.
-    assert pf["hit_rate"] > demand["min"]["hit_rate"]
-    assert pf["wasted"] == 0 and pf["useful"] == pf["prefetch_loads"]
-    assert pf["records_vs_demand"] == pytest.approx(pf["records_per_token"] / demand[r["policy"]]["records_per_token"])
+    assert pf.hit_rate > demand["min"].hit_rate
+    assert pf.wasted == 0 and pf.useful == pf.prefetch_loads
+    assert pf.records_vs_demand == pytest.approx(pf.records_per_token / demand[r.policy].records_per_token)
     # The command: a table, and the same numbers in JSON.
     assert moe_l2_main(["replay", "--trace", str(path), "--slots", "4", "--prefetch", "cooccurrence",
                         "--jobs", "1"]) == 0
@@ -342,7 +342,7 @@ def test_replay_prefetch_beats_demand_caching_on_a_known_answer(tmp_path, capsys
     assert moe_l2_main(["replay", "--trace", str(path), "--slots", "4", "--prefetch", "cooccurrence",
                         "--jobs", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["capacities"][0]["prefetch"]["cooccurrence"]["hit_rate"] == pf["hit_rate"]
+    assert out["capacities"][0]["prefetch"]["cooccurrence"]["hit_rate"] == pf.hit_rate
 
 
 @pytest.mark.parametrize("args, words", [
@@ -356,7 +356,7 @@ def test_replay_prefetch_errors(tmp_path, capsys, args, words):
     assert words in capsys.readouterr().err
 
 
-def test_generate_reports_prefetch_in_its_summary(capsys, model_dir, whole):
+def test_generate_reports_prefetch_in_its_summary(capsys, model_dir, model_files, whole):
     model, tokenizer = whole
     assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", TEXT, "--no-daemon", "--l0-slots", "5",
                         "--max-tokens", "6", "--prefetch", "cooccurrence", "--json"]) == 0
@@ -364,6 +364,7 @@ def test_generate_reports_prefetch_in_its_summary(capsys, model_dir, whole):
     p = s["prefetch"]
     assert p["predictor"].startswith("cooccurrence") and p["guessed"] > 0
     assert 0 <= p["precision"] <= 1 and 0 <= p["recall"] <= 1
+    assert p["read_bytes"] == p["issued"] * model_files.layout.nbytes > 0 and p["copied_bytes"] == 0  # no daemon
     assert moe_l2_main(["generate", "--model", str(model_dir), "--prompt", TEXT, "--no-daemon", "--l0-slots", "5",
                         "--max-tokens", "6", "--prefetch", "router"]) == 0
     assert "prefetch by router (the next layer's gate): guesses" in capsys.readouterr().out

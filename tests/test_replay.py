@@ -167,13 +167,13 @@ def test_replay_is_deterministic_for_a_seed_and_min_is_the_ceiling(tmp_path):
     two = rp.replay(traces, slots=[2, 4], order="interleave", seed=3)
     assert one == two
     other = rp.replay(traces, slots=[2, 4], order="interleave", seed=4)
-    assert other["capacities"][0]["policies"]["lru"] != one["capacities"][0]["policies"]["lru"]
-    for entry in one["capacities"]:
-        ceiling = entry["policies"]["min"]["hit_rate"]
+    assert other.capacities[0].policies["lru"] != one.capacities[0].policies["lru"]
+    for entry in one.capacities:
+        ceiling = entry.policies["min"].hit_rate
         for name in ("adaptive", "lru", "lfu"):
-            assert entry["policies"][name]["hit_rate"] <= ceiling
-            assert len(entry["policies"][name]["per_layer"]) == traces.n_layers
-    assert one["capacities"][1]["policies"]["min"]["hit_rate"] >= one["capacities"][0]["policies"]["min"]["hit_rate"]
+            assert entry.policies[name].hit_rate <= ceiling
+            assert len(entry.policies[name].per_layer) == traces.n_layers
+    assert one.capacities[1].policies["min"].hit_rate >= one.capacities[0].policies["min"].hit_rate
 
 
 def test_parallel_replay_gives_the_same_numbers(tmp_path):
@@ -199,12 +199,12 @@ def test_hints_preload_the_domain_and_help_after_switches(tmp_path):
     plain = rp.replay(traces, slots=[8], order="interleave", seed=1, profile=profile, compare=("lru",))
     hinted = rp.replay(traces, slots=[8], order="interleave", seed=1, profile=profile, hints="prompt",
                        compare=("lru",))
-    p, h = plain["capacities"][0]["policies"]["adaptive"], hinted["capacities"][0]["policies"]["adaptive"]
-    assert hinted["hint_stats"]["hints_sent"] == 8 and hinted["hint_stats"]["predicted_correctly"] == 8
-    assert h["preloads"] > 0 and p["preloads"] == 0
-    assert h["switch_hit_rate"] > p["switch_hit_rate"]
+    p, h = plain.capacities[0].policies["adaptive"], hinted.capacities[0].policies["adaptive"]
+    assert hinted.hint_stats["hints_sent"] == 8 and hinted.hint_stats["predicted_correctly"] == 8
+    assert h.preloads > 0 and p.preloads == 0
+    assert h.switch_hit_rate > p.switch_hit_rate
     # The comparison policies never get hints.
-    assert hinted["capacities"][0]["policies"]["lru"] == plain["capacities"][0]["policies"]["lru"]
+    assert hinted.capacities[0].policies["lru"] == plain.capacities[0].policies["lru"]
 
 
 def test_replay_command_prints_a_table_and_json(tmp_path, capsys):
@@ -244,7 +244,7 @@ def test_replay_on_a_slice_of_the_real_traces():
     seqs = list(itertools.islice(iter_traces(path), 8))
     traces = TraceSet(seqs[0].model, seqs[0].n_layers, seqs[0].n_experts, seqs[0].top_k, seqs, [str(path)])
     result = rp.replay(traces, slots=[8, 16], layers=[0], order="interleave", seed=0)
-    for entry in result["capacities"]:
-        ps = entry["policies"]
-        assert all(ps[n]["hit_rate"] <= ps["min"]["hit_rate"] for n in ("adaptive", "lru", "lfu"))
-        assert 0.3 < ps["lru"]["hit_rate"] < 1.0
+    for entry in result.capacities:
+        ps = entry.policies
+        assert all(ps[n].hit_rate <= ps["min"].hit_rate for n in ("adaptive", "lru", "lfu"))
+        assert 0.3 < ps["lru"].hit_rate < 1.0

@@ -5,6 +5,7 @@ real daemon that is killed and restarted under them; its error replies and its /
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 import threading
@@ -71,6 +72,10 @@ def served(model_dir, model_files, logs):
     server.wait_healthy()
     yield server
     assert server.stop() == 0, server.log()  # SIGTERM is a clean shutdown
+    # Its log ends with where the experts came from: without a daemon, the files read by the server itself.
+    lookups = re.search(r"expert lookups since start: L0 \S+  L2 0\.0%  disk (\S+) \(read by moe-l2d while waiting "
+                        r"0\.0%, by this process (\S+)\) of (\d+)", server.log())
+    assert lookups and lookups[1] == lookups[2] != "0.0%" and int(lookups[3]) > 0, server.log()
 
 
 def _openai_chat(client: openai.OpenAI, model: str, prompt: str, *, stream: bool) -> str:

@@ -25,19 +25,21 @@ def watch_command(daemon, *extra: str) -> list[str]:
 
 def traffic(daemon, files):
     """Per layer: picks 0,1,2,3,0,1 (6 picks, 4 L2 misses), then after the loads picks 4..7 and 0..3 with an
-    L0 of 4 (8 picks: 4 misses, then 4 L2 hits)."""
+    L0 of 4 (8 picks: 4 misses, then 4 L2 hits). The client reads every miss itself (no load-through)."""
     client = L2Client(files, daemon.socket, wait_s=5)
     pool = ExpertPool(files, capacity=4, client=client)
     n = files.n_layers
     for layer in range(n):
         pool.fetch(layer, [0, 1, 2, 3, 0, 1])
     wait_for(lambda: stats(daemon)["models"][0]["loads_done"] == 4 * n, what="loads")
+    wait_for(lambda: stats(daemon)["models"][0]["tiers"] == pool.counts.by_source(), what="the lookups")
     before = stats(daemon)
     for layer in range(n):
         pool.fetch(layer, [4, 5, 6, 7])
         pool.fetch(layer, [0, 1, 2, 3])
     wait_for(lambda: stats(daemon)["models"][0]["hits"] == 4 * n and stats(daemon)["models"][0]["loads_done"]
              == 8 * n, what="reports")
+    wait_for(lambda: stats(daemon)["models"][0]["tiers"] == pool.counts.by_source(), what="the lookups")
     return client, pool, before, stats(daemon)
 
 
@@ -49,9 +51,11 @@ def test_rates_between_two_replies_split_the_picks_by_tier(daemon_factory, model
     n = model_files.n_layers
     first = model_rates(None, before["models"][0], 2.0)
     assert (first["picks"], first["l0"], first["l2"], first["l3"]) == (6 * n, 2 * n, 0, 4 * n)
+    assert first["tiers"] == {"l0": 0, "l2": 0, "daemon_disk": 0, "own_disk": 4 * n}  # the batch's 4 experts
     assert first["disk_bytes_per_s"] == 4 * n * model_files.layout.nbytes / 2.0
     r = model_rates(before["models"][0], after["models"][0], 0.5)
     assert (r["picks"], r["l0"], r["l2"], r["l3"]) == (8 * n, 0, 4 * n, 4 * n)
+    assert r["tiers"] == {"l0": 0, "l2": 4 * n, "daemon_disk": 0, "own_disk": 4 * n}
     assert r["disk_bytes_per_s"] == 4 * n * model_files.layout.nbytes / 0.5
     assert [layer["hit_rate"] for layer in r["layers"]] == [0.5] * n
     assert [layer["resident"] for layer in r["layers"]] == [8] * n
@@ -70,15 +74,12 @@ def test_watch_prints_frames_to_a_pipe(daemon_factory, model_dir, model_files):
     frames = [f for f in out.stdout.split("─" * 20) if "moe-l2d" in f]
     assert len(frames) == 2
     n = model_files.n_layers
-    picks = 14 * n
-    # The first frame's rates are since the daemon started: of 14 picks per layer, 2 repeats served by L0,
-    # 4 copied from L2 and 8 read from disk.
-    m = after["models"][0]
-    l0 = picks - m["hits"] - m["misses"]
-    assert (l0, m["hits"], m["misses"]) == (2 * n, 4 * n, 8 * n)
-    assert re.search(rf"since start: L0 {100 * l0 / picks:.1f}%  L2 {100 * m['hits'] / picks:.1f}%  disk "
-                     rf"{100 * m['misses'] / picks:.1f}% of {picks} picks", frames[0]), frames[0]
-    assert "last 0." in frames[1] and "of 0 picks" in frames[1]
+    # The first frame's rates are since the daemon started: of 12 lookups per layer (the 2 repeated picks are
+    # looked up once), 4 copied from L2 and 8 read from disk by the client.
+    assert after["models"][0]["tiers"] == {"l0": 0, "l2": 4 * n, "daemon_disk": 0, "own_disk": 8 * n}
+    assert (f"since start: lookups L0 0.0%  L2 33.3%  disk 66.7% (read by moe-l2d while waiting 0.0%, by the "
+            f"client 66.7%) of {12 * n}  |") in frames[0], frames[0]
+    assert re.search(r"last 0\.\d s: lookups .* of 0  \|", frames[1]), frames[1]
     for i in range(n):  # per layer: slots, resident, loading, pinned, L2 hit rate 4/12
         assert re.search(rf"\n\s*{i}\s+8\s+8\s+0\s+0\s+33\.3%", frames[0]), frames[0]
     assert f":{os.getpid()}:" in frames[0] and f" {os.getpid()} " in frames[0]  # this process, by name and pid

@@ -21,10 +21,11 @@ online in blocks of tokens so that no token is guessed by a predictor that has s
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from .score import Score
 
 # The client's prefetch modes (`generate`/`serve --prefetch`, client.nextlayer.NextLayer): off, the next
 # layer's router on this layer's input, LogisticPredictor, CooccurrencePredictor, or router where the model
@@ -289,33 +290,6 @@ def top(scores: np.ndarray, k: int) -> list[int]:
     return order[:k].tolist()
 
 
-@dataclass
-class Score:
-    """Guesses against what the router picked: precision = right / guessed, recall = right / picked."""
-
-    guessed: int = 0
-    picked: int = 0
-    right: int = 0
-
-    def add(self, guesses: Iterable[int], picked: Iterable[int]) -> None:
-        g, p = set(guesses), set(picked)
-        self.guessed += len(g)
-        self.picked += len(p)
-        self.right += len(g & p)
-
-    @property
-    def precision(self) -> float | None:
-        return self.right / self.guessed if self.guessed else None
-
-    @property
-    def recall(self) -> float | None:
-        return self.right / self.picked if self.picked else None
-
-    def as_dict(self) -> dict:
-        return {"guessed": self.guessed, "picked": self.picked, "right": self.right,
-                "precision": self.precision, "recall": self.recall}
-
-
 def score_predictor(predictor: NextLayerPredictor, sequences: Iterable, k: int, *, learn: bool = True) -> Score:
     """Precision and recall of k guesses per token and layer pair over trace sequences, in order; with
     `learn` the predictor observes each token after it was scored (online: it never scores what it learned)."""
@@ -327,13 +301,3 @@ def score_predictor(predictor: NextLayerPredictor, sequences: Iterable, k: int, 
                 if learn:
                     predictor.observe(layer, token[layer], token[layer + 1])
     return score
-
-
-def prefetch_rates(c: dict) -> dict:
-    """From prefetch counters (protocol.PREFETCH_COUNTERS): the guesses' precision and recall, and the stall
-    hidden. The worker's time on experts that were then demanded is time the forward did not wait for them:
-    an estimate (every load is taken to cost the same), less the time fetches waited for the worker."""
-    per_load = c["worker_us"] / c["issued"] if c["issued"] else 0.0
-    score = Score(c["guessed"], c["picked"], c["right"])
-    return {"precision": score.precision, "recall": score.recall,
-            "hidden_s": max(0.0, per_load * c["useful"] - c["wait_us"]) / 1e6}

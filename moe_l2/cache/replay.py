@@ -26,14 +26,15 @@ from __future__ import annotations
 import random
 from array import array
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from multiprocessing import get_context
 
 import numpy as np
 
 from .policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
 from .prediction import PredictorError
-from .prefetch import REPLAY_PREDICTORS, Score, guess_streams
+from .prefetch import REPLAY_PREDICTORS, guess_streams
+from .score import Score
 from .profile import MIN_CONFIDENCE, Profile
 from .store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, LayerStore
 from .trace import TraceSet
@@ -89,6 +90,104 @@ def plan_hints(sequences: list, profile: Profile, source: str = "prompt") -> tup
         domains.append(domain)
     return HintPlan(tuple(starts), tuple(domains)), {"hints_sent": sent, "confident": confident,
                                                      "predicted_correctly": correct}
+
+
+def _rate(hits: int, lookups: int) -> float | None:
+    return hits / lookups if lookups else None
+
+
+@dataclass(frozen=True)
+class _Lookups:
+    """Lookups over the replayed layers, and of them the hits; to_json leads with the hit rate."""
+
+    hits: int
+    lookups: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        return _rate(self.hits, self.lookups)
+
+    def to_json(self) -> dict:
+        return {"hit_rate": self.hit_rate, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class PolicyResult(_Lookups):
+    """One policy at one capacity, over the replayed layers."""
+
+    loads: int
+    preloads: int                     # loads a hint made before its sequence
+    per_layer: list[float | None]     # each replayed layer's hit rate, in ReplayResult.layers' order
+    records_per_token: float | None   # loads per token over all layers
+    switch_hit_rate: float | None = None  # over the tokens after domain switches (the policy under test and LRU)
+
+
+@dataclass(frozen=True)
+class PrefetchResult(_Lookups):
+    """The policy under test at one capacity with a next-layer predictor's guesses loaded ahead."""
+
+    loads: int                         # demand loads
+    prefetch_loads: int
+    useful: int                        # prefetched experts demanded before their eviction
+    wasted: int                        # prefetched experts evicted undemanded
+    records_per_token: float | None    # demand loads and prefetches per token over all layers
+    records_vs_demand: float | None    # against the demand policy's records_per_token
+    per_layer: list[float | None]
+
+
+@dataclass(frozen=True)
+class CapacityResult:
+    """Every policy (and prefetch predictor) at one capacity."""
+
+    slots: int                             # expert slots per layer
+    share: float                           # of the layer's experts
+    policies: dict[str, PolicyResult]      # the policy under test first, then the comparisons and "min"
+    prefetch: dict[str, PrefetchResult]    # per predictor (--prefetch)
+    gap_closed_vs_lru: float | None = None  # the share of LRU's distance to MIN the policy under test covers
+
+    def to_json(self) -> dict:
+        return {"slots": self.slots, "share": self.share,
+                "policies": {name: r.to_json() for name, r in self.policies.items()},
+                "prefetch": {name: r.to_json() for name, r in self.prefetch.items()},
+                "gap_closed_vs_lru": self.gap_closed_vs_lru}
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What `replay` measured, and the run's settings (to_json: `moe-l2 replay --json`'s object)."""
+
+    traces: list[str]
+    model: str
+    n_layers: int
+    n_experts: int
+    top_k: int
+    sequences: int                   # scored (with --prefetch: those the predictors did not learn from)
+    tokens: int
+    order: str
+    seed: int
+    policy: str
+    compare: list[str]               # the other policies run, "min" included
+    profile: str | None
+    hints: str | None                # None, "prompt" or "oracle"
+    hint_stats: dict | None          # hints_sent, confident, predicted_correctly (plan_hints)
+    prior: float
+    hint_share: float
+    hint_prior: float
+    hint_lift: float
+    layers: list[int]
+    switch_window: int               # tokens after a domain switch that switch_hit_rate covers
+    domain_switches: int
+    capacities: list[CapacityResult]
+    prefetch: list[str]              # the predictors scored
+    prefetch_k: int | None           # their guesses per token and layer
+    prefetch_trained_on: dict        # sequences and tokens the predictors learned from
+    prefetch_scores: dict[str, Score]
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["capacities"] = [c.to_json() for c in self.capacities]
+        out["prefetch_scores"] = {name: score.as_dict() for name, score in self.prefetch_scores.items()}
+        return out
 
 
 @dataclass(frozen=True)
@@ -209,8 +308,8 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
            hint_lift: float = HINT_MIN_LIFT,
            layers: list[int] | None = None, jobs: int = 1, switch_window: int = SWITCH_WINDOW,
            belady: bool = True, prefetch: tuple[str, ...] = (), prefetch_train: float = 0.5,
-           prefetch_k: int | None = None) -> dict:
-    """Run the trace and return the results as a JSON-able dict (see `render` for the table).
+           prefetch_k: int | None = None) -> ReplayResult:
+    """Run the trace and return what it measured (`moe-l2 replay` renders it as a table or JSON).
 
     hints: None, "prompt" (predict each sequence's domain from its prompt) or "oracle" (use the trace's
     domain label: what a perfect predictor would give).
@@ -276,7 +375,7 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         for layer in range(1, traces.n_layers):
             for guess, batch in zip(guesses[layer], routed[:, layer].tolist()):
                 score.add(guess, batch)
-        scores[name] = score.as_dict()
+        scores[name] = score
         for n_slots in slots:
             for layer in layers:
                 tasks.append(Task(layer, n_slots, policy, streams[layer], traces.n_experts, guesses=guesses[layer],
@@ -294,29 +393,14 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
             starts.append(t)
         previous = s.domain
         t += s.n_tokens
-    out = {
-        "traces": traces.paths, "model": traces.model, "n_layers": traces.n_layers,
-        "n_experts": traces.n_experts, "top_k": traces.top_k, "sequences": len(sequences), "tokens": n_tokens,
-        "order": order, "seed": seed, "policy": policy, "compare": [n for n in names if n != policy],
-        "profile": profile.path if profile is not None else None, "hints": hints, "hint_stats": hint_stats,
-        "prior": prior, "hint_share": hint_share, "hint_prior": hint_prior, "hint_lift": hint_lift,
-        "layers": layers,
-        "switch_window": switch_window, "domain_switches": len(starts), "capacities": [],
-        "prefetch": list(prefetch), "prefetch_k": k if prefetch else None,
-        "prefetch_trained_on": {"sequences": len(trained_on), "tokens": sum(s.n_tokens for s in trained_on)},
-        "prefetch_scores": scores,
-    }
     by_key = {(r["slots"], r["policy"], r["layer"]): r for r in results}
+    capacities = []
     for n_slots in slots:
-        entry = {"slots": n_slots, "share": n_slots / traces.n_experts, "policies": {}}
+        policies = {}
         for name in names:
             rs = [by_key[(n_slots, name, layer)] for layer in layers]
-            hits, lookups = sum(r["hits"] for r in rs), sum(r["lookups"] for r in rs)
-            result = {
-                "hit_rate": hits / lookups if lookups else None, "hits": hits, "lookups": lookups,
-                "loads": sum(r["loads"] for r in rs), "preloads": sum(r["preloads"] for r in rs),
-                "per_layer": [r["hits"] / r["lookups"] if r["lookups"] else None for r in rs],
-            }
+            loads = sum(r["loads"] for r in rs)
+            switch_hit_rate = None
             if rs[0]["per_token"] is not None:
                 total = array("l", [0]) * n_tokens
                 for r in rs:
@@ -329,26 +413,34 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
                     for i in range(start, min(start + switch_window, n_tokens)):
                         sw_hits += total[i]
                         sw_lookups += sum(len(streams[layer][i]) for layer in layers)
-                result["switch_hit_rate"] = sw_hits / sw_lookups if sw_lookups else None
-            result["records_per_token"] = result["loads"] / n_tokens if n_tokens else None
-            entry["policies"][name] = result
-        demand = entry["policies"][policy]["records_per_token"]
-        entry["prefetch"] = {}
+                switch_hit_rate = _rate(sw_hits, sw_lookups)
+            policies[name] = PolicyResult(
+                hits=sum(r["hits"] for r in rs), lookups=sum(r["lookups"] for r in rs), loads=loads,
+                preloads=sum(r["preloads"] for r in rs), per_layer=[_rate(r["hits"], r["lookups"]) for r in rs],
+                records_per_token=loads / n_tokens if n_tokens else None, switch_hit_rate=switch_hit_rate)
+        demand = policies[policy].records_per_token
+        ahead = {}
         for name in prefetch:
             rs = [by_key[(n_slots, f"prefetch:{name}", layer)] for layer in layers]
-            hits, lookups = sum(r["hits"] for r in rs), sum(r["lookups"] for r in rs)
             loaded = sum(r["loads"] + r["prefetch_loads"] for r in rs)
             per_token = loaded / n_tokens if n_tokens else None
-            entry["prefetch"][name] = {
-                "hit_rate": hits / lookups if lookups else None, "hits": hits, "lookups": lookups,
-                "loads": sum(r["loads"] for r in rs), "prefetch_loads": sum(r["prefetch_loads"] for r in rs),
-                "useful": sum(r["useful"] for r in rs), "wasted": sum(r["wasted"] for r in rs),
-                "records_per_token": per_token,
-                "records_vs_demand": per_token / demand if demand else None,
-                "per_layer": [r["hits"] / r["lookups"] if r["lookups"] else None for r in rs],
-            }
-        p, base, ceiling = (entry["policies"].get(n, {}).get("hit_rate") for n in (policy, "lru", "min"))
+            ahead[name] = PrefetchResult(
+                hits=sum(r["hits"] for r in rs), lookups=sum(r["lookups"] for r in rs),
+                loads=sum(r["loads"] for r in rs), prefetch_loads=sum(r["prefetch_loads"] for r in rs),
+                useful=sum(r["useful"] for r in rs), wasted=sum(r["wasted"] for r in rs),
+                records_per_token=per_token, records_vs_demand=per_token / demand if demand else None,
+                per_layer=[_rate(r["hits"], r["lookups"]) for r in rs])
+        p, base, ceiling = (policies[n].hit_rate if n in policies else None for n in (policy, "lru", "min"))
+        gap = None
         if None not in (p, base, ceiling) and ceiling > base and policy != "lru":
-            entry["gap_closed_vs_lru"] = (p - base) / (ceiling - base)
-        out["capacities"].append(entry)
-    return out
+            gap = (p - base) / (ceiling - base)
+        capacities.append(CapacityResult(n_slots, n_slots / traces.n_experts, policies, ahead, gap))
+    return ReplayResult(
+        traces=traces.paths, model=traces.model, n_layers=traces.n_layers, n_experts=traces.n_experts,
+        top_k=traces.top_k, sequences=len(sequences), tokens=n_tokens, order=order, seed=seed, policy=policy,
+        compare=[n for n in names if n != policy], profile=profile.path if profile is not None else None,
+        hints=hints, hint_stats=hint_stats, prior=prior, hint_share=hint_share, hint_prior=hint_prior,
+        hint_lift=hint_lift, layers=layers, switch_window=switch_window, domain_switches=len(starts),
+        capacities=capacities, prefetch=list(prefetch), prefetch_k=k if prefetch else None,
+        prefetch_trained_on={"sequences": len(trained_on), "tokens": sum(s.n_tokens for s in trained_on)},
+        prefetch_scores=scores)

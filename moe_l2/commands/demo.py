@@ -85,13 +85,13 @@ def _run_prompts(model: Path, socket: str | None, l0_slots: int | None, max_toke
         attached = lm.client.attached if lm.client is not None else False
         for prompt in PROMPTS:
             r = generate_streamed(lm, encode_prompt(lm.tokenizer, prompt), max_tokens)
-            counts.add(r["counts"])
-            tokens.append(r["tokens"])
-            texts.append(r["text"])
-            prompt_n += r["prompt_tokens"]
-            gen_n += r["generation_tokens"]
-            prompt_s += r["prompt_tokens"] / r["prompt_tps"]
-            gen_s += r["generation_tokens"] / r["generation_tps"]
+            counts.add(r.counts)
+            tokens.append(r.tokens)
+            texts.append(r.text)
+            prompt_n += r.prompt_tokens
+            gen_n += r.generation_tokens
+            prompt_s += r.prompt_tokens / r.prompt_tps
+            gen_s += r.generation_tokens / r.generation_tps
         slots = f"{lm.pool.capacity} experts {'in all layers' if lm.pool.shared_l0 else 'per layer'}"
     return {"counts": counts, "tokens": tokens, "texts": texts, "attached": attached, "l0_slots": slots,
             "prompt_tps": prompt_n / prompt_s, "generation_tps": gen_n / gen_s}

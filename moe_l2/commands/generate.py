@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 from moe_l2.client import options
 from moe_l2.model.location import path_arg
@@ -41,78 +42,6 @@ def _read_prompt(args) -> str:
     return args.prompt_file.read_text(encoding="utf-8")
 
 
-def summary(result: dict, lm) -> dict:
-    """The run's numbers as one JSON-able dict."""
-    from moe_l2.client.mlx_lm import hit_rates, peak_rss_bytes
-    import mlx.core as mx
-
-    c = result["counts"]
-    rates = hit_rates(c)
-    tiers = c.by_source()
-    client = lm.client
-    return {
-        "model": str(lm.files.path),
-        "text": result["text"],
-        "tokens": result["tokens"],
-        "finish_reason": result["finish_reason"],
-        "prompt_tokens": result["prompt_tokens"],
-        "prompt_tps": result["prompt_tps"],
-        "generation_tokens": result["generation_tokens"],
-        "generation_tps": result["generation_tps"],
-        # Each lookup once, by where its bytes came from (TierCounts.by_source).
-        "expert_lookups": rates["lookups"],
-        "l0_hits": tiers["l0"],
-        "l2_hits": tiers["l2"],
-        "daemon_reads": tiers["daemon_disk"],
-        "l3_reads": tiers["own_disk"],
-        "l2_lent": c.l2_lent,
-        "l0_hit_rate": rates["l0"],
-        "l2_hit_rate": rates["l2"],
-        "daemon_read_rate": rates["daemon_disk"],
-        "l3_rate": rates["own_disk"],
-        "disk_rate": rates["disk"],
-        "bytes_read": c.bytes_read,
-        "bytes_copied": c.bytes_copied,
-        "l0_slots": lm.pool.capacity,
-        "l0_bytes": lm.pool.nbytes,
-        "l0_shared": lm.pool.shared_l0,  # l0_slots counts rows in all, not per layer
-        "layers": sorted(lm.pool.layers),  # the MoE layers this process ran
-        "daemon": None if client is None else {"address": client.address, "attached": client.attached,
-                                               "attaches": client.attaches, "last_error": client.last_error},
-        "streaming": result["stats"],  # StreamStats over this run: calls, sync/fetch/copy/pread seconds
-        "prefetch": None if lm.next_layer is None else {"predictor": lm.next_layer.describe(),
-                                                        **result["prefetch"].as_dict()},
-        "peak_rss_bytes": peak_rss_bytes(),
-        "peak_mlx_bytes": mx.get_peak_memory(),
-    }
-
-
-# What each rank reports of its own streaming; the rest of the summary is the same on every rank.
-_PER_RANK = ("expert_lookups", "l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "bytes_read", "bytes_copied",
-             "l0_slots",
-             "l0_bytes", "layers", "daemon", "streaming", "prefetch", "peak_rss_bytes", "peak_mlx_bytes")
-_SUMMED = ("expert_lookups", "l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "bytes_read", "bytes_copied",
-           "l0_bytes")
-
-
-def merge_ranks(summaries: list[dict]) -> dict:
-    """One summary for a pipelined run: rank 0's, with the expert counts summed over the ranks, the peaks the
-    largest rank's, and each rank's own figures under "ranks" (docs/distributed.md)."""
-    s = dict(summaries[0])
-    s["ranks"] = [{"rank": r, **{k: one[k] for k in _PER_RANK}} for r, one in enumerate(summaries)]
-    for key in _SUMMED:
-        s[key] = sum(one[key] for one in summaries)
-    for key in ("peak_rss_bytes", "peak_mlx_bytes"):
-        s[key] = max(one[key] for one in summaries)
-    s["layers"] = sorted(layer for one in summaries for layer in one["layers"])
-    lookups = s["expert_lookups"]
-    for tier, count in (("l0_hit_rate", ("l0_hits",)), ("l2_hit_rate", ("l2_hits",)),
-                        ("daemon_read_rate", ("daemon_reads",)), ("l3_rate", ("l3_reads",)),
-                        ("disk_rate", ("daemon_reads", "l3_reads"))):
-        s[tier] = sum(s[c] for c in count) / lookups if lookups else None
-    return s
-
-
 def _daemon_text(daemon: dict | None) -> str:
     if daemon is None:
         return "no daemon"
@@ -122,6 +51,7 @@ def _daemon_text(daemon: dict | None) -> str:
 
 
 def render(s: dict) -> str:
+    """The text summary of a run, from its JSON object (GenerationSummary.to_json)."""
     ranks = [f"rank {r['rank']}: MoE layers {r['layers'][0]}-{r['layers'][-1]}, {r['expert_lookups']} lookups, "
              f"L3 {r['l3_reads']}, L0 {r['l0_slots']} experts per layer; {_daemon_text(r['daemon'])}; "
              f"peak RSS {format_size(r['peak_rss_bytes'])}" for r in s.get("ranks", [])]
@@ -130,8 +60,8 @@ def render(s: dict) -> str:
         f"decode {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
         f"experts: {s['expert_lookups']} lookups: L0 {format_pct(s['l0_hit_rate'])}, L2 {format_pct(s['l2_hit_rate'])}, "
         f"disk {format_pct(s['disk_rate'])} (read by moe-l2d while waiting {format_pct(s['daemon_read_rate'])}, by "
-        f"this process {format_pct(s['l3_rate'])}); this process read {format_size(s['bytes_read'])} from disk, "
-        f"copied {format_size(s['bytes_copied'])} from L2 and computed {s['l2_lent']} experts in place there",
+        f"this process {format_pct(s['l3_rate'])}); this process read {format_size(s['read_bytes'])} from disk, "
+        f"copied {format_size(s['copied_bytes'])} from L2 and computed {s['l2_lent']} experts in place there",
         f"L0 {s['l0_slots']} experts {'in all' if s['l0_shared'] else 'per layer'} ({format_size(s['l0_bytes'])}); "
         f"{_daemon_text(s['daemon'])}",
         *([] if s["prefetch"] is None else [_render_prefetch(s["prefetch"])]),
@@ -151,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from moe_l2.client.distributed import gather_json, rank_socket, share_text, speaks_for_daemon
-    from moe_l2.client.generation import encode_prompt, generate_streamed
+    from moe_l2.client.generation import GenerationSummary, StreamFigures, encode_prompt, generate_streamed
     from moe_l2.client.mlx_lm import StreamedLM
     from moe_l2.model import CorruptRecord
     from moe_l2.cache.trace import TraceWriter
@@ -208,22 +138,22 @@ def run(args: argparse.Namespace) -> int:
         except CorruptRecord as exc:
             print(f"\nmoe-l2 generate: {exc}", file=sys.stderr)
             return 1
-        s = summary(result, lm)
+        s = GenerationSummary.of(result, lm)
         if pipelined:
-            s = merge_ranks(gather_json(group, s))
+            s = s.merged([StreamFigures.from_json(one) for one in gather_json(group, s.stream.to_json())])
         if args.trace_out is not None:
             # Every token the model processed: the prompt's, then each generated one fed back.
-            routed = lm.recorder.take()[: len(ids) + len(result["tokens"])]
+            routed = lm.recorder.take()[: len(ids) + len(result.tokens)]
             f = lm.files
             with TraceWriter(args.trace_out, model=f.path.name, n_layers=f.n_layers, n_experts=f.n_experts,
                              top_k=f.top_k, append=True) as writer:
                 writer.write(routed, seq=f"generate-{time.time_ns()}", domain=args.trace_domain, prompt=prompt)
-            s["trace_out"] = str(args.trace_out)
+            s = replace(s, trace_out=str(args.trace_out))
     if not rank0:
         return 0
     if args.json:
-        print(json.dumps(s))
+        print(json.dumps(s.to_json()))
     else:
         print("\n")
-        print(render(s))
+        print(render(s.to_json()))
     return 0

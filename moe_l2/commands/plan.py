@@ -13,7 +13,7 @@ from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.client.options import DEFAULTS
 from moe_l2.layout import align, page_size, slot_range
 from moe_l2.model import ModelFiles
-from moe_l2.model.files import parse_ranges
+from moe_l2.ranges import parse_ranges
 from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.plan import DEFAULT_KV_BYTES, ModelSizes, Plan, PlanError, plan, read_memory
 from moe_l2.sizes import format_pct, format_size, parse_size, size_arg
@@ -45,8 +45,7 @@ def tier_hit_rates(traces, p: Plan, layers: list[int] | None = None) -> dict:
     l2 = [p.l2_slots, p.l2_slots - 1] if p.l2_short else [p.l2_slots] if p.l2_slots else []
     result = replay(traces, slots=sorted({p.l0_slots, *l2}), policy=DEFAULT_POLICY, compare=(L0_POLICY,),
                     belady=False, layers=layers)
-    rate = {(c["slots"], name): r["hit_rate"] or 0.0 for c in result["capacities"]
-            for name, r in c["policies"].items()}
+    rate = {(c.slots, name): r.hit_rate or 0.0 for c in result.capacities for name, r in c.policies.items()}
     l0 = rate[(p.l0_slots, L0_POLICY)]
     l2_alone = 0.0
     if p.l2_slots:
@@ -55,7 +54,7 @@ def tier_hit_rates(traces, p: Plan, layers: list[int] | None = None) -> dict:
         l2_alone = (1 - short) * rate[(p.l2_slots, DEFAULT_POLICY)]
         if p.l2_short:
             l2_alone += short * rate[(p.l2_slots - 1, DEFAULT_POLICY)]
-    return {"tokens": result["tokens"], "l0": l0, "l2": max(0.0, l2_alone - l0), "l3": 1.0 - max(l0, l2_alone)}
+    return {"tokens": result.tokens, "l0": l0, "l2": max(0.0, l2_alone - l0), "l3": 1.0 - max(l0, l2_alone)}
 
 
 def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, layers: str | None = None) -> str:

@@ -11,7 +11,7 @@ import sys
 from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
 from moe_l2.cache.prefetch import REPLAY_PREDICTORS
 from moe_l2.cache.profile import Profile, ProfileError
-from moe_l2.cache.replay import ORDERS, ReplayError, parse_slots, replay
+from moe_l2.cache.replay import ORDERS, ReplayError, ReplayResult, parse_slots, replay
 from moe_l2.cache.store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.model.location import path_arg
@@ -22,73 +22,73 @@ def _pct(x) -> str:
     return f"{format_pct(x, sign=False):>5}"
 
 
-def render(result: dict, per_layer: bool = True) -> str:
-    names = [result["policy"], *result["compare"]]
-    head = (f"{', '.join(os.path.basename(p) for p in result['traces'])}: {result['model']}, "
-            f"{result['n_layers']} layers x {result['n_experts']} experts, top-{result['top_k']}; "
-            f"{result['sequences']} sequences, {result['tokens']} tokens; order {result['order']}"
-            + (f" (seed {result['seed']})" if result["order"] == "interleave" else ""))
+def render(result: ReplayResult, per_layer: bool = True) -> str:
+    names = [result.policy, *result.compare]
+    head = (f"{', '.join(os.path.basename(p) for p in result.traces)}: {result.model}, "
+            f"{result.n_layers} layers x {result.n_experts} experts, top-{result.top_k}; "
+            f"{result.sequences} sequences, {result.tokens} tokens; order {result.order}"
+            + (f" (seed {result.seed})" if result.order == "interleave" else ""))
     lines = [head]
-    if result["hints"]:
-        hs = result["hint_stats"]
-        lines.append(f"hints: {result['hints']} ({hs['hints_sent']} sent, {hs['confident']} confident, "
-                     f"{hs['predicted_correctly']} predicted correctly); profile {result['profile']}")
-    elif result["profile"]:
-        lines.append(f"profile {result['profile']} (prior strength {result['prior']:g})")
+    if result.hints:
+        hs = result.hint_stats
+        lines.append(f"hints: {result.hints} ({hs['hints_sent']} sent, {hs['confident']} confident, "
+                     f"{hs['predicted_correctly']} predicted correctly); profile {result.profile}")
+    elif result.profile:
+        lines.append(f"profile {result.profile} (prior strength {result.prior:g})")
     lines.append("")
     lines.append("hit rate (%) per capacity" + " " * 4 + "slots = expert slots per layer")
     cols = "".join(f"{n:>10}" for n in names)
-    lines.append(f"{'slots':>5} {'share':>6}{cols}{'gap closed':>12}{'switch ' + result['policy']:>18}"
+    lines.append(f"{'slots':>5} {'share':>6}{cols}{'gap closed':>12}{'switch ' + result.policy:>18}"
                  f"{'switch lru':>12}")
-    for entry in result["capacities"]:
-        ps = entry["policies"]
-        gap = entry.get("gap_closed_vs_lru")
-        row = "".join(f"{_pct(ps[n]['hit_rate']):>10}" for n in names)
-        sw = ps[result["policy"]].get("switch_hit_rate")
-        swl = ps.get("lru", {}).get("switch_hit_rate")
-        lines.append(f"{entry['slots']:>5} {100 * entry['share']:5.1f}%{row}"
+    for entry in result.capacities:
+        ps = entry.policies
+        gap = entry.gap_closed_vs_lru
+        row = "".join(f"{_pct(ps[n].hit_rate):>10}" for n in names)
+        sw = ps[result.policy].switch_hit_rate
+        swl = ps["lru"].switch_hit_rate if "lru" in ps else None
+        lines.append(f"{entry.slots:>5} {100 * entry.share:5.1f}%{row}"
                      f"{'-' if gap is None else f'{100 * gap:.0f}%':>12}{_pct(sw):>18}{_pct(swl):>12}")
     lines.append("")
-    lines.append(f"gap closed: share of the distance from LRU to MIN that {result['policy']} covers; "
-                 f"switch: hit rate over the first {result['switch_window']} tokens after each of the "
-                 f"{result['domain_switches']} domain switches")
-    if result["prefetch"]:
+    lines.append(f"gap closed: share of the distance from LRU to MIN that {result.policy} covers; "
+                 f"switch: hit rate over the first {result.switch_window} tokens after each of the "
+                 f"{result.domain_switches} domain switches")
+    if result.prefetch:
         lines.append("")
         lines.extend(_render_prefetch(result))
     if per_layer:
-        shown = [n for n in (result["policy"], "lru", "min") if n in names]
+        shown = [n for n in (result.policy, "lru", "min") if n in names]
         lines.append("")
         lines.append("per layer hit rate (%): " + " / ".join(shown) + " at each capacity")
-        header = "layer" + "".join(f"{'slots ' + str(e['slots']):>22}" for e in result["capacities"])
+        header = "layer" + "".join(f"{'slots ' + str(e.slots):>22}" for e in result.capacities)
         lines.append(header)
-        for i, layer in enumerate(result["layers"]):
+        for i, layer in enumerate(result.layers):
             cells = []
-            for entry in result["capacities"]:
-                cells.append(" /".join(_pct(entry["policies"][n]["per_layer"][i]) for n in shown))
+            for entry in result.capacities:
+                cells.append(" /".join(_pct(entry.policies[n].per_layer[i]) for n in shown))
             lines.append(f"{layer:>5}" + "".join(f"{c:>22}" for c in cells))
     return "\n".join(lines)
 
 
-def _render_prefetch(result: dict) -> list[str]:
-    trained = result["prefetch_trained_on"]
-    lines = [f"next-layer prefetch with {result['policy']}, {result['prefetch_k']} guesses per token and layer; "
+def _render_prefetch(result: ReplayResult) -> list[str]:
+    trained = result.prefetch_trained_on
+    lines = [f"next-layer prefetch with {result.policy}, {result.prefetch_k} guesses per token and layer; "
              f"learned from the first {trained['sequences']} sequences ({trained['tokens']} tokens), every "
              "column above and below scored on the others only",
              f"{'predictor':>14}{'precision':>10}{'recall':>8}"]
-    for name, score in result["prefetch_scores"].items():
-        lines.append(f"{name:>14}{_pct(score['precision']):>10}{_pct(score['recall']):>8}")
+    for name, score in result.prefetch_scores.items():
+        lines.append(f"{name:>14}{_pct(score.precision):>10}{_pct(score.recall):>8}")
     lines.append("")
     lines.append(f"{'slots':>5} {'share':>6}{'predictor':>14}{'hit rate':>9}{'vs min':>8}"
-                 f"{'records/token':>14}{'vs ' + result['policy']:>14}{'useful':>10}{'wasted':>10}")
-    for entry in result["capacities"]:
-        ceiling = entry["policies"].get("min", {}).get("hit_rate")
-        for name, p in entry["prefetch"].items():
-            vs_min = "-" if ceiling is None else f"{100 * (p['hit_rate'] - ceiling):+.1f}"
-            lines.append(f"{entry['slots']:>5} {100 * entry['share']:5.1f}%{name:>14}{_pct(p['hit_rate']):>9}"
-                         f"{vs_min:>8}{p['records_per_token']:>14.2f}{p['records_vs_demand']:>13.2f}x"
-                         f"{p['useful']:>10}{p['wasted']:>10}")
+                 f"{'records/token':>14}{'vs ' + result.policy:>14}{'useful':>10}{'wasted':>10}")
+    for entry in result.capacities:
+        ceiling = entry.policies["min"].hit_rate if "min" in entry.policies else None
+        for name, p in entry.prefetch.items():
+            vs_min = "-" if ceiling is None else f"{100 * (p.hit_rate - ceiling):+.1f}"
+            lines.append(f"{entry.slots:>5} {100 * entry.share:5.1f}%{name:>14}{_pct(p.hit_rate):>9}"
+                         f"{vs_min:>8}{p.records_per_token:>14.2f}{p.records_vs_demand:>13.2f}x"
+                         f"{p.useful:>10}{p.wasted:>10}")
     lines.append("records/token: records loaded per token over all layers (demand loads plus prefetches); "
-                 f"vs {result['policy']}: against the demand policy's; every prefetch is taken to land in time")
+                 f"vs {result.policy}: against the demand policy's; every prefetch is taken to land in time")
     return lines
 
 
@@ -162,5 +162,5 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, ProfileError) as exc:  # a trace or profile it cannot use
         print(f"moe-l2 replay: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=1) if args.json else render(result))
+    print(json.dumps(result.to_json(), indent=1) if args.json else render(result))
     return 0

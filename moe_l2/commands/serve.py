@@ -18,6 +18,7 @@ from pathlib import Path
 
 from moe_l2.client import options
 from moe_l2.model.location import resolve_model
+from moe_l2.tiers import describe_sources
 
 # mlx_lm.server options this command has no use for, with the values its code expects.
 # Under mlx.launch the model is split in pipeline stages (docs/distributed.md), never tensor-parallel.
@@ -128,6 +129,12 @@ def _announce(host: str, port: int):
     return ready
 
 
+def _farewell(provider) -> None:
+    """The log's last line: where the experts of every request came from (moe_l2/tiers.py)."""
+    print(f"moe-l2 serve: expert lookups since start: "
+          f"{describe_sources(provider.lm.pool.counts.by_source(), 'this process')}", file=sys.stderr, flush=True)
+
+
 def check_listen(host: str, port: int) -> None:
     """Bind --host and --port as the server will (mlx_lm.server's getaddrinfo; SO_REUSEADDR, as HTTPServer),
     then let go: a port that is taken is said at once, not after the model's load, which can take minutes."""
@@ -180,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     provider = StreamedModelProvider(cli_args, model_dir, args.model, stream, group if group.size() > 1 else None)
     status = 0
     try:
-        serve(args.host, args.port, provider, on_ready=_announce(args.host, args.port))
+        serve(args.host, args.port, provider, on_ready=_announce(args.host, args.port), on_close=_farewell)
     except (OSError, ValueError) as exc:
         # 2: a model it cannot serve; 1: the port (taken since check_listen) or the like.
         status = 2 if exc is provider.load_error else 1

@@ -11,10 +11,11 @@ import sys
 import time
 
 from moe_l2.layout import describe_slots
-from moe_l2.model.files import format_ranges
+from moe_l2.ranges import format_ranges
 from moe_l2.model.location import socket_arg
-from moe_l2.cache.prefetch import prefetch_rates
+from moe_l2.cache.score import prefetch_rates
 from moe_l2.sizes import format_pct, format_size
+from moe_l2.tiers import describe_sources
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,8 +88,9 @@ def render(reply: dict) -> str:
         f"(refused {d['errors']})",
     ]
     memory = d.get("memory")  # a daemon from before the governor does not report it
-    if memory and memory.get("available") is not None:
-        lines.append(f"memory available {format_size(memory['available'])}, floor {format_size(memory['floor'])}: "
+    if memory and memory.get("available_bytes") is not None:
+        lines.append(f"memory available {format_size(memory['available_bytes'])}, floor "
+                     f"{format_size(memory['floor_bytes'])}: "
                      f"L2 shrunk {memory['shrinks']} times, grown back {memory['grows']} times")
     for m in reply["models"]:
         resident = sum(layer["resident"] for layer in m["layers"])
@@ -99,7 +101,8 @@ def render(reply: dict) -> str:
             f"{_slots_per_layer(m)}, policy {m['policy']})",
             f"  {served(m)}",
             f"  hit rate {format_pct(m['hit_rate'])}  hits {m['hits']}  misses {m['misses']}  "
-            f"served {format_size(m['bytes_served'])}  loaded {format_size(m['bytes_loaded'])}",
+            f"served {format_size(m['served_bytes'])}  loaded {format_size(m['loaded_bytes'])}",
+            *([f"  clients' lookups: {describe_sources(m['tiers'])}"] if m.get("tiers") else []),
             f"  loads done {m['loads_done']}  errors {m['load_errors']}{_corrupt(m)}  in flight "
             f"{m['loads_in_flight']}  latency p50 {_ms(m['load_latency_p50_s'])}  p99 {_ms(m['load_latency_p99_s'])}",
             *_prefetch(m),
@@ -114,8 +117,9 @@ def render(reply: dict) -> str:
                   for i, layer in enumerate(m["layers"])]
     clients = d.get("client_list", [])
     if clients:
-        lines += ["", "client  pid  idle  streams"]
-        lines += [f"{c['name']}  {c['pid'] or '-'}  {c['idle_s']:.0f} s  {client_layers(c)}" for c in clients]
+        lines += ["", "client  pid  idle  streams  lookups"]
+        lines += [f"{c['name']}  {c['pid'] or '-'}  {c['idle_s']:.0f} s  {client_layers(c)}  "
+                  f"{describe_sources(c['tiers']) if c.get('tiers') else '-'}" for c in clients]
     return "\n".join(lines)
 
 
@@ -135,11 +139,15 @@ def _share(part: int, whole: int) -> str:
 
 
 def model_rates(prev: dict | None, cur: dict, seconds: float) -> dict:
-    """One model's figures over the interval between two stats replies (since start for the first). Tiers are
-    shares of the routers' picks: what L2 had, what it lacked (read from disk), and the rest, served by L0."""
+    """One model's figures over the interval between two stats replies (since start for the first). `tiers`:
+    the clients' lookups by where their bytes came from (protocol.TIER_COUNTERS), None from a daemon from before
+    them; `picks`, `l0`, `l2`, `l3`: the routers' picks, of which L2 had (`l2`), lacked (`l3`) and the rest."""
     def delta(key, p=prev, c=cur):
         return c[key] - (p[key] if p is not None else 0)
 
+    tiers = None
+    if "tiers" in cur:
+        tiers = {k: n - (prev.get("tiers", {}).get(k, 0) if prev is not None else 0) for k, n in cur["tiers"].items()}
     hits, misses = delta("hits"), delta("misses")
     picks = max(delta("picks") if "picks" in cur else 0, hits + misses)
     layers = []
@@ -151,8 +159,8 @@ def model_rates(prev: dict | None, cur: dict, seconds: float) -> dict:
         layers.append({"layer": number, "slots": layer["slots"], "resident": layer["resident"],
                        "loading": layer["loading"], "pinned": layer["pinned"],
                        "hit_rate": h / (h + m) if h + m else None})
-    return {"picks": picks, "l0": picks - hits - misses, "l2": hits, "l3": misses,
-            "disk_bytes_per_s": delta("bytes_loaded") / seconds if seconds > 0 else 0.0, "layers": layers}
+    return {"tiers": tiers, "picks": picks, "l0": picks - hits - misses, "l2": hits, "l3": misses,
+            "disk_bytes_per_s": delta("loaded_bytes") / seconds if seconds > 0 else 0.0, "layers": layers}
 
 
 def watch_frame(prev: dict | None, cur: dict, seconds: float):
@@ -164,10 +172,10 @@ def watch_frame(prev: dict | None, cur: dict, seconds: float):
     d = cur["daemon"]
     memory = d.get("memory") or {}
     released = sum(m.get("released_bytes", 0) for m in cur["models"])
-    available = memory.get("available")
+    available = memory.get("available_bytes")
     parts = [Text(f"moe-l2d {d['version']}  pid {d['pid']}  up {d['uptime_s']:.0f} s  {d['socket']}", style="bold"),
              Text(f"memory: available {'-' if available is None else format_size(available)}  floor "
-                  f"{format_size(memory.get('floor') or 0)}  shared {format_size(d['shm_bytes'])}  released "
+                  f"{format_size(memory.get('floor_bytes') or 0)}  shared {format_size(d['shm_bytes'])}  released "
                   f"{format_size(released)}  daemon RSS {format_size(d['rss_bytes'])}")]
     span = "since start" if prev is None else f"last {seconds:.1f} s"
     for i, m in enumerate(cur["models"]):
@@ -177,18 +185,21 @@ def watch_frame(prev: dict | None, cur: dict, seconds: float):
         parts.append(Text(f"{m['path']}  {m['n_layers']} layers x {m['n_experts']} experts, "
                           f"L2 {_slots_per_layer(m)}, policy {m['policy']}; {served(m)}",
                           style="bold"))
-        parts.append(Text(f"{span}: L0 {_share(r['l0'], r['picks'])}  L2 {_share(r['l2'], r['picks'])}  disk "
-                          f"{_share(r['l3'], r['picks'])} of {r['picks']} picks  |  disk "
-                          f"{r['disk_bytes_per_s'] / 1e6:.1f} MB/s  |  loads in flight {m['loads_in_flight']}"))
+        lookups = (f"lookups {describe_sources(r['tiers'])}" if r["tiers"] is not None else
+                   f"L0 {_share(r['l0'], r['picks'])}  L2 {_share(r['l2'], r['picks'])}  disk "
+                   f"{_share(r['l3'], r['picks'])} of {r['picks']} picks")
+        parts.append(Text(f"{span}: {lookups}  |  disk {r['disk_bytes_per_s'] / 1e6:.1f} MB/s  |  loads in flight "
+                          f"{m['loads_in_flight']}"))
         table = Table("layer", "slots", "resident", "loading", "pinned", "L2 hit rate", box=None, padding=(0, 2))
         for layer in r["layers"]:
             table.add_row(str(layer["layer"]), str(layer["slots"]), str(layer["resident"]), str(layer["loading"]),
                           str(layer["pinned"]), format_pct(layer["hit_rate"]))
         parts.append(table)
-    clients = Table("client", "pid", "idle", "streams", title=f"{d['clients']} client(s) attached",
-                    title_justify="left", box=None, padding=(0, 2))
+    clients = Table("client", "pid", "idle", "streams", "lookups since it attached",
+                    title=f"{d['clients']} client(s) attached", title_justify="left", box=None, padding=(0, 2))
     for c in d.get("client_list", []):
-        clients.add_row(c["name"], str(c["pid"] or "-"), f"{c['idle_s']:.0f} s", client_layers(c))
+        clients.add_row(c["name"], str(c["pid"] or "-"), f"{c['idle_s']:.0f} s", client_layers(c),
+                        describe_sources(c["tiers"]) if c.get("tiers") else "-")
     parts += [Text(""), clients]
     return Group(*parts)
 

@@ -9,11 +9,21 @@
 - ``packer``: ``pack``, which writes a packed copy of a checkpoint.
 """
 
-from moe_l2.model.checksums import MANIFEST_NAME, CorruptRecord, Manifest
-from moe_l2.model.files import DIRECT_IO, ModelFiles
-from moe_l2.model.packed import PACK_MARKER
-from moe_l2.model.records import ALIGN, FORMATS, PACK_ALIGN, Piece, RecordLayout, RecordReader
-from moe_l2.model.safetensors import INDEX_NAME
+from __future__ import annotations
 
-__all__ = ["ALIGN", "PACK_ALIGN", "PACK_MARKER", "INDEX_NAME", "FORMATS", "DIRECT_IO", "Piece", "RecordLayout",
-           "RecordReader", "ModelFiles", "MANIFEST_NAME", "CorruptRecord", "Manifest"]
+from moe_l2.exports import lazy_exports
+
+# Name -> the module that defines it. Each is imported on first use, so that what needs a light module of the
+# package (moe_l2.model.location: `moe-l2 stats`) loads neither numpy nor the format readers.
+_EXPORTS = {
+    "MANIFEST_NAME": "checksums", "CorruptRecord": "checksums", "Manifest": "checksums",
+    "DIRECT_IO": "files", "ModelFiles": "files",
+    "PACK_MARKER": "packed",
+    "ALIGN": "records", "FORMATS": "records", "PACK_ALIGN": "records", "Piece": "records", "RecordLayout": "records",
+    "RecordReader": "records",
+    "INDEX_NAME": "safetensors",
+}
+
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
