@@ -130,3 +130,26 @@ def test_stats_refuses_a_crashed_daemons_socket_at_once(running_daemon):
     running_daemon.kill9()
     result = moe_l2("stats", "--socket", running_daemon.socket, "--timeout", "600")
     assert result.returncode == 1 and "no moe-l2d listens at" in result.stderr, result.stderr
+
+
+def test_a_renamed_flag_keeps_its_old_name_for_one_release(capsys):
+    """commands/flags.py add_renamed: the new name, the old one saying on stderr it is deprecated, never both."""
+    import argparse
+
+    from moe_l2.commands.flags import add_renamed
+
+    parser = argparse.ArgumentParser(prog="moe-l2 x")
+    add_renamed(parser, "--num-layers", "--layers", type=int, required=True, help="decoder layers")
+    add_renamed(parser, "--json", "--as-json", action="store_true", help="JSON")
+    assert vars(parser.parse_args(["--num-layers", "3"])) == {"num_layers": 3, "json": False}
+    assert capsys.readouterr().err == ""
+    assert vars(parser.parse_args(["--layers", "4", "--as-json"])) == {"num_layers": 4, "json": True}
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["moe-l2 x: --layers is deprecated: use --num-layers (the old name goes after the next release)",
+                   "moe-l2 x: --as-json is deprecated: use --json (the old name goes after the next release)"]
+    for argv, says in ((["--num-layers", "3", "--layers", "3"], "not allowed with"), ([], "--num-layers is required"),
+                       (["--layers", "x"], "invalid int value")):
+        with pytest.raises(SystemExit) as exit:
+            parser.parse_args(argv)
+        assert exit.value.code == 2 and says in capsys.readouterr().err
+    assert "--layers" not in parser.format_usage() and "(was --layers)" in parser.format_help()

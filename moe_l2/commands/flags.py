@@ -1,0 +1,36 @@
+"""What several commands' parsers share: a flag's old name kept for one release (`add_renamed`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class _OldName(argparse.Action):
+    """A flag's old name: says on stderr that it is deprecated, then does what the new name does."""
+
+    def __init__(self, option_strings, dest, renamed: argparse.Action, **kwargs):
+        super().__init__(option_strings, dest, nargs=renamed.nargs, const=renamed.const, default=argparse.SUPPRESS,
+                         type=renamed.type, choices=renamed.choices, metavar=renamed.metavar, help=argparse.SUPPRESS)
+        self.renamed = renamed
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = self.renamed.option_strings[-1]
+        # stderr, not warnings.warn: a script sees it whatever its warning filters, and tests keep warnings errors.
+        print(f"{parser.prog}: {option_string} is deprecated: use {new} (the old name goes after the next "
+              "release)", file=sys.stderr)
+        self.renamed(parser, namespace, values, new)
+
+
+def add_renamed(container, new: str, old: str, **kwargs) -> argparse.Action:
+    """Add flag `new` (`kwargs` as add_argument takes them) to a parser or argument group, with `old`, its
+    name until now, as a hidden alias that keeps working for one release and says on stderr that it is
+    deprecated. The two exclude each other; `required` holds for the pair."""
+    if isinstance(container, argparse._MutuallyExclusiveGroup):
+        pair = container  # argparse does not nest exclusive groups: the pair joins the one it is in
+    else:
+        pair = container.add_mutually_exclusive_group(required=kwargs.pop("required", False))
+    kwargs["help"] = f"{kwargs.get('help', '')} (was {old})".lstrip()
+    action = pair.add_argument(new, **kwargs)
+    pair.add_argument(old, action=_OldName, dest=action.dest, renamed=action)
+    return action
