@@ -79,13 +79,22 @@ def test_verify_catches_l2_bytes_that_differ_from_the_file(daemon_factory, tmp_p
 
 
 def test_make_model_cli_writes_a_loadable_checkpoint(tmp_path):
-    result = moe_l2("make-model", "--arch", "mixtral", "--layers", "2", "--experts", "4", "--top-k", "2",
-                    "--hidden-size", "64", "--moe-hidden-size", "64", "--bits", "8", "--out", str(tmp_path / "m"))
-    assert result.returncode == 0, result.stderr
     from moe_l2.model import ModelFiles
 
+    dims = ["--experts", "4", "--top-k", "2", "--hidden-size", "64", "--moe-hidden-size", "64", "--bits", "8"]
+    result = moe_l2("make-model", "--arch", "mixtral", "--num-layers", "2", *dims, "--out", str(tmp_path / "m"))
+    assert result.returncode == 0, result.stderr
+    assert "deprecated" not in result.stderr
     files = ModelFiles.open(tmp_path / "m")
     assert (files.n_layers, files.n_experts, files.top_k) == (2, 4, 2)
+    # --layers, the count's old name, works for one release and says so; --layers names decoder layers elsewhere.
+    old = moe_l2("make-model", "--arch", "mixtral", "--layers", "3", *dims, "--out", str(tmp_path / "old"))
+    assert old.returncode == 0, old.stderr
+    assert "moe-l2 make-model: --layers is deprecated: use --num-layers" in old.stderr
+    assert ModelFiles.open(tmp_path / "old").n_layers == 3
+    for bad in (["--num-layers", "two"], []):
+        wrong = moe_l2("make-model", "--arch", "mixtral", *bad, *dims, "--out", str(tmp_path / "x"))
+        assert wrong.returncode == 2 and "--num-layers" in wrong.stderr
     bad = moe_l2("make-model", "--arch", "mixtral", "--top-k", "9", "--experts", "4", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "top" in bad.stderr
 
