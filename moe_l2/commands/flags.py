@@ -1,9 +1,25 @@
-"""What several commands' parsers share: a flag's old name kept for one release (`add_renamed`)."""
+"""What several commands' parsers share: a flag's old name kept for one release (`add_renamed`), and the
+values of mlx-lm's flags that generate and serve both take."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+# KV cache bits that mlx-lm's --kv-bits can take (mlx.core.quantize's).
+KV_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object, such as the keyword arguments of a tokenizer's apply_chat_template."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); give an object, e.g. '{{\"enable_thinking\": false}}'")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
 
 
 class _OldName(argparse.Action):
