@@ -11,6 +11,16 @@ import sys
 KV_BITS = (2, 3, 4, 5, 6, 8)
 
 
+def add_sampling(group, default: str = "") -> None:
+    """mlx-lm's sampling flags, which mlx_lm.generate and mlx_lm.server take with the same defaults; `default`
+    starts their help (serve: "default " for what a request leaves out)."""
+    for flag, kind, value, help in (("--temp", float, 0.0, "sampling temperature (default: 0.0, greedy)"),
+                                    ("--top-p", float, 1.0, "nucleus sampling top-p (default: 1.0, off)"),
+                                    ("--min-p", float, 0.0, "min-p sampling (default: 0.0, off)"),
+                                    ("--top-k", int, 0, "top-k sampling (default: 0, off)")):
+        group.add_argument(flag, type=kind, default=value, help=default + help)
+
+
 def json_object(text: str) -> dict:
     """An argparse type: a JSON object, such as the keyword arguments of a tokenizer's apply_chat_template."""
     try:

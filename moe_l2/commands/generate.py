@@ -9,7 +9,7 @@ import sys
 import time
 
 from moe_l2.client import options
-from moe_l2.commands.flags import KV_BITS, json_object
+from moe_l2.commands.flags import KV_BITS, add_sampling, json_object
 from moe_l2.model.location import path_arg
 from moe_l2.sizes import format_pct, format_size
 
@@ -64,10 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     mlx.add_argument("--prefill-response", default=None,
                      help="the start of the response, which the chat template continues")
     mlx.add_argument("--max-tokens", "-m", type=int, default=100, help="tokens to generate, at most (default: 100)")
-    mlx.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default: 0.0, greedy)")
-    mlx.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p (default: 1.0, off)")
-    mlx.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (default: 0.0, off)")
-    mlx.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0, off)")
+    add_sampling(mlx)
     mlx.add_argument("--xtc-probability", type=float, default=0.0,
                      help="probability of XTC sampling at each token (default: 0.0, off)")
     mlx.add_argument("--xtc-threshold", type=float, default=0.1,

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from moe_l2.client import options
-from moe_l2.commands.flags import KV_BITS, json_object
+from moe_l2.commands.flags import KV_BITS, add_sampling, json_object
 from moe_l2.model.location import resolve_model
 
 # mlx_lm.server options this command has no use for, with the values its code expects.
@@ -42,10 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="use the tokenizer's default chat template when the model has none")
     mlx.add_argument("--chat-template-args", type=json_object, default={},
                      help="JSON arguments for the tokenizer's apply_chat_template, e.g. '{\"enable_thinking\":false}'")
-    mlx.add_argument("--temp", type=float, default=0.0, help="default sampling temperature (default: 0.0)")
-    mlx.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p (default: 1.0)")
-    mlx.add_argument("--top-k", type=int, default=0, help="default top-k sampling (default: 0, off)")
-    mlx.add_argument("--min-p", type=float, default=0.0, help="default min-p sampling (default: 0.0, off)")
+    add_sampling(mlx, "default ")
     mlx.add_argument("--max-tokens", type=int, default=512,
                      help="default maximum number of tokens to generate (default: 512)")
     mlx.add_argument("--decode-concurrency", type=int, default=32,
