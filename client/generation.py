@@ -10,18 +10,25 @@ from moe_l2.client.pool import TierCounts
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool = True, *, system_prompt: str | None = None,
-                  prefill_response: str | None = None, template_args: dict | None = None) -> list[int]:
+                  prefill_response: str | None = None, template_args: dict | None = None,
+                  after_cache: bool = False) -> list[int]:
     """The prompt's token ids as mlx_lm.generate builds them: through the chat template when the tokenizer has
     one, after `system_prompt`, and continuing the assistant's `prefill_response`; `template_args` go to
-    apply_chat_template."""
+    apply_chat_template. after_cache: the ids that follow a KV cache saved by mlx_lm.cache_prompt, which holds
+    the template's text up to the user's message (mlx_lm.generate --prompt-cache-file)."""
     if chat_template and getattr(tokenizer, "chat_template", None):
         messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
         messages.append({"role": "user", "content": text})
         prefill = prefill_response is not None
         if prefill:
             messages.append({"role": "assistant", "content": prefill_response})
-        return list(tokenizer.apply_chat_template(messages, continue_final_message=prefill,
-                                                  add_generation_prompt=not prefill, **(template_args or {})))
+        template = {"continue_final_message": prefill, "add_generation_prompt": not prefill}
+        if not after_cache:
+            return list(tokenizer.apply_chat_template(messages, **template, **(template_args or {})))
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, **template, **(template_args or {}))
+        messages[-1]["content"] = "<query>"  # where the message starts, as mlx_lm.generate finds it
+        start = tokenizer.apply_chat_template(messages, tokenize=False, **template).index("<query>")
+        return list(tokenizer.encode(rendered[start:], add_special_tokens=False))
     return list(tokenizer.encode(text))
 
 

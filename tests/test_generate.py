@@ -242,8 +242,7 @@ def test_every_mlx_lm_generate_flag_is_taken_with_its_default_or_refused_with_a_
     assert ours["model"].required  # mlx-lm's default model is a dense one
 
 
-@pytest.mark.parametrize("flag", ["--draft-model", "--adapter-path", "--image", "--prompt-cache-file",
-                                  "--num-draft-tokens"])
+@pytest.mark.parametrize("flag", ["--draft-model", "--adapter-path", "--image", "--num-draft-tokens"])
 def test_an_mlx_lm_flag_moe_l2_does_not_take_is_refused_with_the_reason(capsys, flag):
     from moe_l2.commands.generate import NOT_TAKEN
 
@@ -281,6 +280,33 @@ def test_the_same_command_line_prints_mlx_lm_generates_text(capsys, monkeypatch,
     monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
     assert moe_l2_main(["generate", *argv, "--no-daemon"]) == 0
     assert capsys.readouterr().out == want and want.strip()
+
+
+def test_a_prompt_cache_file_continues_as_mlx_lm_generate_does(capsys, monkeypatch, model_dir, tmp_path):
+    """A KV cache saved by mlx_lm.cache_prompt: moe-l2 generate prints mlx_lm.generate's text from it; it refuses
+    the cache for another model (a wrong command line) and a file that is no cache (exit status 1)."""
+    from mlx_lm.cache_prompt import main as mlx_lm_cache_prompt
+    from mlx_lm.generate import main as mlx_lm_generate
+
+    saved = tmp_path / "prefix.safetensors"
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.cache_prompt", "--model", str(model_dir), "--prompt",
+                                      "You answer questions about routers.", "--prompt-cache-file", str(saved)])
+    mlx_lm_cache_prompt()
+    capsys.readouterr()
+    argv = ["--model", str(model_dir), "--prompt-cache-file", str(saved), "-p", PROMPT, "-m", "12",
+            "--verbose", "False"]
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.generate", *argv])
+    mlx_lm_generate()
+    want = capsys.readouterr().out
+    assert moe_l2_main(["generate", *argv, "--no-daemon"]) == 0
+    assert capsys.readouterr().out == want and want.strip()
+    assert moe_l2_main(["generate", *argv[:2], *argv[4:], "--no-daemon"]) == 0
+    assert capsys.readouterr().out != want  # the cached prefix counted
+    assert moe_l2_main(["generate", "--model", str(tmp_path), *argv[2:], "--no-daemon"]) == 2
+    assert "was made with the model" in capsys.readouterr().err
+    assert moe_l2_main(["generate", *argv[:2], "--prompt-cache-file", str(model_dir / "config.json"), *argv[4:],
+                        "--no-daemon"]) == 1
+    assert "give a file that mlx_lm.cache_prompt wrote" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags", [["--temp", "0.8", "--top-k", "5", "--top-p", "0.9"],

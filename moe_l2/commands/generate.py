@@ -26,7 +26,6 @@ NOT_TAKEN = {
     "--adapter-path": "the experts are streamed from the checkpoint as it is; fuse the adapter into it first "
                       "(mlx_lm.fuse)",
     "--image": "moe-l2 streams text models; it builds no image processor",
-    "--prompt-cache-file": "a saved KV cache is not loaded yet; give the whole prompt",
     "--draft-model": "speculative decoding needs a second model, which moe-l2 does not stream",
     "--num-draft-tokens": "it goes with --draft-model, which moe-l2 generate does not take",
 }
@@ -85,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="keep at most this many tokens in the KV cache (a rotating cache; default: all)")
     mlx.add_argument("--prefill-step-size", type=int, default=2048,
                      help="prompt tokens processed at a time; fewer lower the prefill's peak memory (default: 2048)")
+    mlx.add_argument("--prompt-cache-file", type=path_arg, default=None,
+                     help="a KV cache saved by mlx_lm.cache_prompt for this --model: the prompt continues it")
     mlx.add_argument("--quantize-activations", "-qa", action="store_true",
                      help="quantize the activations of the dense layers as their weights are (nvfp4, mxfp8 models)")
     mlx.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS,
@@ -105,6 +106,32 @@ def _read_prompt(args) -> str:
         return sys.stdin.read() if str(args.prompt_file) == "-" else args.prompt_file.read_text(encoding="utf-8")
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     return sys.stdin.read() if prompt == "-" else prompt
+
+
+class _UnreadableCache(Exception):
+    """--prompt-cache-file is no file that mlx_lm.cache_prompt wrote."""
+
+
+def _saved_cache(args) -> tuple[list, dict]:
+    """The KV cache in --prompt-cache-file and the tokenizer configuration it was made with, checked as
+    mlx_lm.generate checks them: the same model, KV bits and group size (ValueError)."""
+    from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache
+
+    try:
+        cache, metadata = load_prompt_cache(str(args.prompt_cache_file), return_metadata=True)
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # mx.load's errors, or another file's metadata
+        raise _UnreadableCache(f"cannot read --prompt-cache-file {args.prompt_cache_file} ({exc}); give a file "
+                               "that mlx_lm.cache_prompt wrote") from None
+    if metadata.get("model") != args.model:
+        raise ValueError(f"--prompt-cache-file {args.prompt_cache_file} was made with the model "
+                         f"{metadata.get('model')!r}, not --model {args.model}: give that model, or cache the prompt "
+                         "again with this one")
+    if isinstance(cache[0], QuantizedKVCache):
+        for flag, mine, saved in (("--kv-bits", args.kv_bits, cache[0].bits),
+                                  ("--kv-group-size", args.kv_group_size, cache[0].group_size)):
+            if mine is not None and mine != saved:
+                raise ValueError(f"{flag} {mine} does not match the KV cache in --prompt-cache-file ({saved})")
+    return cache, json.loads(metadata.get("tokenizer_config", "{}"))
 
 
 def summary(result: dict, lm) -> dict:
@@ -241,6 +268,20 @@ def run(args: argparse.Namespace) -> int:
         print("moe-l2 generate: --trace-out records one process' routing: run without mlx.launch to write a trace",
               file=sys.stderr)
         return 2
+    if pipelined and args.prompt_cache_file is not None:
+        print("moe-l2 generate: --prompt-cache-file holds every layer's KV cache: run without mlx.launch to use it",
+              file=sys.stderr)
+        return 2
+    prompt_cache, tokenizer_config = None, {}
+    if args.prompt_cache_file is not None:
+        try:
+            prompt_cache, tokenizer_config = _saved_cache(args)
+        except _UnreadableCache as exc:
+            print(f"moe-l2 generate: {exc}", file=sys.stderr)
+            return 1
+        except ValueError as exc:  # a cache made for another model or KV quantization
+            print(f"moe-l2 generate: {exc}", file=sys.stderr)
+            return 2
     prompt = None
     if rank0:
         try:
@@ -254,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         lm = StreamedLM(args.model, options.from_args(args, socket=rank_socket(args.socket, group)),
                         model_config={"quantize_activations": args.quantize_activations},
-                        tokenizer_config={"trust_remote_code": args.trust_remote_code},
+                        tokenizer_config={**tokenizer_config, "trust_remote_code": args.trust_remote_code},
                         download=True, record=args.trace_out is not None, group=group if pipelined else None)
     except options.OptionError as exc:
         print(f"moe-l2 generate: {exc.on_command_line()}", file=sys.stderr)
@@ -283,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
         for token in args.extra_eos_token:
             tokenizer.add_eos_token(token)
         ids = encode_prompt(tokenizer, prompt, not args.ignore_chat_template, system_prompt=args.system_prompt,
-                            prefill_response=args.prefill_response, template_args=args.chat_template_config)
+                            prefill_response=args.prefill_response, template_args=args.chat_template_config,
+                            after_cache=prompt_cache is not None)
         if not ids:
             if rank0:
                 print("moe-l2 generate: the prompt is empty", file=sys.stderr)
@@ -297,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
             result = generate_streamed(lm, ids, args.max_tokens, on_text=show, sampler=sampler,
                                        max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size,
                                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                                       quantized_kv_start=args.quantized_kv_start)
+                                       quantized_kv_start=args.quantized_kv_start, prompt_cache=prompt_cache)
         except CorruptRecord as exc:
             print(f"\nmoe-l2 generate: {exc}", file=sys.stderr)
             return 1
