@@ -79,13 +79,22 @@ def test_verify_catches_l2_bytes_that_differ_from_the_file(daemon_factory, tmp_p
 
 
 def test_make_model_cli_writes_a_loadable_checkpoint(tmp_path):
-    result = moe_l2("make-model", "--arch", "mixtral", "--layers", "2", "--experts", "4", "--top-k", "2",
-                    "--hidden-size", "64", "--moe-hidden-size", "64", "--bits", "8", "--out", str(tmp_path / "m"))
-    assert result.returncode == 0, result.stderr
     from moe_l2.model import ModelFiles
 
+    dims = ["--experts", "4", "--top-k", "2", "--hidden-size", "64", "--moe-hidden-size", "64", "--bits", "8"]
+    result = moe_l2("make-model", "--arch", "mixtral", "--num-layers", "2", *dims, "--out", str(tmp_path / "m"))
+    assert result.returncode == 0, result.stderr
+    assert "deprecated" not in result.stderr
     files = ModelFiles.open(tmp_path / "m")
     assert (files.n_layers, files.n_experts, files.top_k) == (2, 4, 2)
+    # --layers, the count's old name, works for one release and says so; --layers names decoder layers elsewhere.
+    old = moe_l2("make-model", "--arch", "mixtral", "--layers", "3", *dims, "--out", str(tmp_path / "old"))
+    assert old.returncode == 0, old.stderr
+    assert "moe-l2 make-model: --layers is deprecated: use --num-layers" in old.stderr
+    assert ModelFiles.open(tmp_path / "old").n_layers == 3
+    for bad in (["--num-layers", "two"], []):
+        wrong = moe_l2("make-model", "--arch", "mixtral", *bad, *dims, "--out", str(tmp_path / "x"))
+        assert wrong.returncode == 2 and "--num-layers" in wrong.stderr
     bad = moe_l2("make-model", "--arch", "mixtral", "--top-k", "9", "--experts", "4", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "top" in bad.stderr
 
@@ -132,3 +141,26 @@ def test_stats_refuses_a_crashed_daemons_socket_at_once(running_daemon):
     running_daemon.kill9()
     result = moe_l2("stats", "--socket", running_daemon.socket, "--timeout", "600")
     assert result.returncode == 1 and "no moe-l2d listens at" in result.stderr, result.stderr
+
+
+def test_a_renamed_flag_keeps_its_old_name_for_one_release(capsys):
+    """commands/flags.py add_renamed: the new name, the old one saying on stderr it is deprecated, never both."""
+    import argparse
+
+    from moe_l2.commands.flags import add_renamed
+
+    parser = argparse.ArgumentParser(prog="moe-l2 x")
+    add_renamed(parser, "--num-layers", "--layers", type=int, required=True, help="decoder layers")
+    add_renamed(parser, "--json", "--as-json", action="store_true", help="JSON")
+    assert vars(parser.parse_args(["--num-layers", "3"])) == {"num_layers": 3, "json": False}
+    assert capsys.readouterr().err == ""
+    assert vars(parser.parse_args(["--layers", "4", "--as-json"])) == {"num_layers": 4, "json": True}
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["moe-l2 x: --layers is deprecated: use --num-layers (the old name goes after the next release)",
+                   "moe-l2 x: --as-json is deprecated: use --json (the old name goes after the next release)"]
+    for argv, says in ((["--num-layers", "3", "--layers", "3"], "not allowed with"), ([], "--num-layers is required"),
+                       (["--layers", "x"], "invalid int value")):
+        with pytest.raises(SystemExit) as exit:
+            parser.parse_args(argv)
+        assert exit.value.code == 2 and says in capsys.readouterr().err
+    assert "--layers" not in parser.format_usage() and "(was --layers)" in parser.format_help()

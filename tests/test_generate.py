@@ -234,3 +234,141 @@ def test_demo_end_to_end(tmp_path):
     out = io.StringIO()
     assert ensure_demo_model(tmp_path, out=out) == tmp_path / DEMO_NAME  # made once: the next run finds it
     assert out.getvalue() == "" and (tmp_path / DEMO_NAME / "config.json").stat().st_mtime_ns == made
+
+
+def _generate_parser():
+    import argparse
+
+    from moe_l2.cli import build_parser
+
+    (sub,) = [a for a in build_parser("generate")._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices["generate"]
+
+
+def test_every_mlx_lm_generate_flag_is_taken_with_its_default_or_refused_with_a_reason():
+    """mlx_lm.generate's parser, as installed, against moe-l2 generate's: the same option strings, defaults,
+    nargs, numeric types and kinds of action, flag by flag; its flags that moe-l2 lacks are NOT_TAKEN's."""
+    from mlx_lm.generate import setup_arg_parser
+
+    from moe_l2.commands.generate import NOT_TAKEN, _NotTaken
+
+    ours = {a.dest: a for a in _generate_parser()._actions if not isinstance(a, _NotTaken)}
+    theirs = [a for a in setup_arg_parser()._actions if a.dest != "help"]
+    missing = {a.option_strings[0] for a in theirs if a.dest not in ours}
+    assert missing == set(NOT_TAKEN)
+    for a in theirs:
+        if a.dest in ours:
+            mine = ours[a.dest]
+            assert (set(mine.option_strings), mine.default, mine.nargs, type(mine)) == \
+                   (set(a.option_strings), a.default, a.nargs, type(a)), a.dest
+            if a.type in (int, float):
+                assert mine.type is a.type, a.dest
+    assert ours["model"].required  # mlx-lm's default model is a dense one
+
+
+@pytest.mark.parametrize("flag", ["--draft-model", "--adapter-path", "--image", "--num-draft-tokens"])
+def test_an_mlx_lm_flag_moe_l2_does_not_take_is_refused_with_the_reason(capsys, flag):
+    from moe_l2.commands.generate import NOT_TAKEN
+
+    with pytest.raises(SystemExit) as exit_:
+        moe_l2_main(["generate", "--model", "m", flag, "x"])
+    assert exit_.value.code == 2
+    assert f"{flag} is mlx_lm.generate's, and moe-l2 generate does not take it: {NOT_TAKEN[flag]}" in \
+           capsys.readouterr().err
+
+
+# mlx_lm.generate's command lines, each given to both (with -m 12 --verbose False); "-p -" reads stdin.
+# Greedy: at a temperature, mlx_lm.generate's --seed also drives the initial weights of the model it builds.
+SAME_AS_MLX_LM = {
+    "defaults": [],
+    "greedy with sampling flags": ["-p", PROMPT, "--top-k", "5", "--top-p", "0.9", "--min-p", "0.05", "--seed", "7"],
+    "stdin, system prompt, rotating KV cache": ["-p", "-", "--system-prompt", "Answer briefly.", "--max-kv-size",
+                                                "16", "--prefill-step-size", "5"],
+    "quantized KV cache": ["-p", PROMPT, "--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "4"],
+    "template options": ["-p", "Route\\nthis", "--prefill-response", "The router",
+                         "--chat-template-config", '{"enable_thinking": false}', "--extra-eos-token", "."],
+    "no template": ["-p", PROMPT, "--ignore-chat-template"],
+}
+
+
+@pytest.mark.parametrize("flags", SAME_AS_MLX_LM.values(), ids=SAME_AS_MLX_LM)
+def test_the_same_command_line_prints_mlx_lm_generates_text(capsys, monkeypatch, model_dir, flags):
+    """The model loaded whole by mlx_lm.generate's own main() and moe-l2 generate, same flags: the same text."""
+    from mlx_lm.generate import main as mlx_lm_generate
+
+    argv = ["--model", str(model_dir), *flags, "-m", "12", "--verbose", "False"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.generate", *argv])
+    mlx_lm_generate()
+    want = capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    assert moe_l2_main(["generate", *argv, "--no-daemon"]) == 0
+    assert capsys.readouterr().out == want and want.strip()
+
+
+def test_a_prompt_cache_file_continues_as_mlx_lm_generate_does(capsys, monkeypatch, model_dir, tmp_path):
+    """A KV cache saved by mlx_lm.cache_prompt: moe-l2 generate prints mlx_lm.generate's text from it; it refuses
+    the cache for another model (a wrong command line) and a file that is no cache (exit status 1)."""
+    from mlx_lm.cache_prompt import main as mlx_lm_cache_prompt
+    from mlx_lm.generate import main as mlx_lm_generate
+
+    saved = tmp_path / "prefix.safetensors"
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.cache_prompt", "--model", str(model_dir), "--prompt",
+                                      "You answer questions about routers.", "--prompt-cache-file", str(saved)])
+    mlx_lm_cache_prompt()
+    capsys.readouterr()
+    argv = ["--model", str(model_dir), "--prompt-cache-file", str(saved), "-p", PROMPT, "-m", "12",
+            "--verbose", "False"]
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.generate", *argv])
+    mlx_lm_generate()
+    want = capsys.readouterr().out
+    assert moe_l2_main(["generate", *argv, "--no-daemon"]) == 0
+    assert capsys.readouterr().out == want and want.strip()
+    assert moe_l2_main(["generate", *argv[:2], *argv[4:], "--no-daemon"]) == 0
+    assert capsys.readouterr().out != want  # the cached prefix counted
+    assert moe_l2_main(["generate", "--model", str(tmp_path), *argv[2:], "--no-daemon"]) == 2
+    assert "was made with the model" in capsys.readouterr().err
+    assert moe_l2_main(["generate", *argv[:2], "--prompt-cache-file", str(model_dir / "config.json"), *argv[4:],
+                        "--no-daemon"]) == 1
+    assert "give a file that mlx_lm.cache_prompt wrote" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--temp", "0.8", "--top-k", "5", "--top-p", "0.9"],
+                                   ["--temp", "1.0", "--min-p", "0.05", "--xtc-probability", "0.5",
+                                    "--xtc-threshold", "0.05"]])
+def test_a_seed_samples_the_whole_models_tokens(capsys, model_dir, flags):
+    """At a temperature, --seed gives the tokens of the model loaded whole, seeded once it is built, with the
+    sampler mlx_lm.generate makes of the same flags; twice the same."""
+    from mlx_lm.generate import setup_arg_parser
+    from mlx_lm.sample_utils import make_sampler
+
+    whole, tokenizer = load(str(model_dir))
+    a = setup_arg_parser().parse_args(flags)
+    sampler = make_sampler(a.temp, a.top_p, a.min_p, a.min_tokens_to_keep, top_k=a.top_k,
+                           xtc_probability=a.xtc_probability, xtc_threshold=a.xtc_threshold,
+                           xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
+    mx.random.seed(11)
+    want = [r.token for r in stream_generate(whole, tokenizer, mx.array(encode_prompt(tokenizer, PROMPT)),
+                                             max_tokens=12, sampler=sampler)]
+    runs = [run_json(capsys, "--model", str(model_dir), "-p", PROMPT, "--no-daemon", *flags, "--seed", "11")
+            for _ in range(2)]
+    assert [s["tokens"] for s in runs] == [want, want]
+    greedy = run_json(capsys, "--model", str(model_dir), "-p", PROMPT, "--no-daemon")
+    assert greedy["tokens"] != want  # the flags did sample
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-kv-size", "0"], "--max-kv-size must be at least 1"),
+    (["--kv-group-size", "0"], "--kv-group-size must be at least 1"),
+])
+def test_bad_mlx_lm_values_are_a_wrong_command_line(capsys, model_dir, args, message):
+    assert moe_l2_main(["generate", "--model", str(model_dir), "--no-daemon", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--kv-bits", "7"], ["--verbose"], ["--chat-template-config", "[1]"],
+                                  ["-m", "many"]])
+def test_values_the_parser_refuses(capsys, args):
+    with pytest.raises(SystemExit) as exit_:
+        moe_l2_main(["generate", "--model", "m", *args])
+    assert exit_.value.code == 2

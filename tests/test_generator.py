@@ -193,7 +193,7 @@ def test_refuses_non_empty_dir(tmp_path):
 
 def test_cli(tmp_path, capsys):
     out = tmp_path / "cli"
-    argv = ["make-model", "--arch", "mixtral", "--layers", "2", "--experts", "4", "--top-k", "2", "--hidden-size", "64",
+    argv = ["make-model", "--arch", "mixtral", "--num-layers", "2", "--experts", "4", "--top-k", "2", "--hidden-size", "64",
             "--moe-hidden-size", "64", "--bits", "8", "--out", str(out), "--per-expert", "--shards", "2",
             "--seed", "1"]
     assert moe_l2_main(argv) == 0

@@ -221,7 +221,7 @@ def test_replay_command_prints_a_table_and_json(tmp_path, capsys):
     ({"slots": "0"}, "a layer holds 1..8 experts", 2),
     ({"slots": "a,b"}, "integers separated by commas", 2),
     ({"hints": True}, "--hints needs --profile", 2),
-    ({"layers": "7"}, "layer 7 out of range", 2),
+    ({"moe_layers": "7"}, "layer 7 out of range", 2),
     ({"compare": "fifo"}, "unknown comparison policy", 2),
     ({"profile": "/nonexistent/p.json"}, "cannot read profile", 1),  # the flags are fine, the file is not
 ])
@@ -229,6 +229,29 @@ def test_replay_command_errors(tmp_path, capsys, kw, words, status):
     path = synthetic_trace(tmp_path / "t.jsonl.gz", seqs=2, tokens=5)
     assert replay_cmd.run(args_for(trace=[path], jobs=1, **kw)) == status
     assert words in capsys.readouterr().err
+
+
+def test_replay_moe_layers_and_its_old_name_layers(tmp_path, capsys):
+    """--moe-layers (MoE layer numbers, ranges as --layers takes them elsewhere); --layers, its old name, still
+    works for one release and says so on stderr; a value that is no layer list is a wrong command line."""
+    from moe_l2.cli import main
+
+    path = synthetic_trace(tmp_path / "t.jsonl.gz", n_layers=3, seqs=2, tokens=5)
+    base = ["replay", "--trace", str(path), "--slots", "2", "--jobs", "1", "--json"]
+    assert main([*base, "--moe-layers", "0,2"]) == 0
+    new = capsys.readouterr()
+    assert json.loads(new.out)["layers"] == [0, 2] and new.err == ""
+    assert main([*base, "--moe-layers", "1-2"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == [1, 2]
+    assert main([*base, "--layers", "0,2"]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out
+    assert "--layers is deprecated: use --moe-layers" in old.err
+    for bad in (["--moe-layers", "x"], ["--moe-layers", "2-1"], ["--layers", "0", "--moe-layers", "0"]):
+        with pytest.raises(SystemExit) as exit:
+            main([*base, *bad])
+        assert exit.value.code == 2
+    assert "MoE layer numbers as ranges" in capsys.readouterr().err
 
 
 def test_replay_refuses_a_profile_of_another_model(tmp_path, capsys):

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moe_l2.commands.flags import add_renamed
 from moe_l2.generator import _DEFAULT_VOCAB, ARCHS, make_model
 from moe_l2.model.location import path_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", required=True, choices=sorted(ARCHS), help="mlx-lm architecture")
-    parser.add_argument("--layers", type=int, required=True, help="decoder layers")
+    # A count, where --layers elsewhere names decoder layers (moe-l2d, plan).
+    add_renamed(parser, "--num-layers", "--layers", type=int, required=True,
+                help="decoder layers, how many (the config's num_hidden_layers)")
     parser.add_argument("--experts", type=int, required=True, help="routed experts per MoE layer")
     parser.add_argument("--top-k", type=int, required=True, help="experts per token")
     parser.add_argument("--hidden-size", type=int, required=True, help="model width (multiple of 32)")
@@ -28,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        make_model(args.out, args.arch, args.layers, args.experts, args.top_k, args.hidden_size,
+        make_model(args.out, args.arch, args.num_layers, args.experts, args.top_k, args.hidden_size,
                    args.moe_hidden_size, args.bits, per_expert=args.per_expert, shards=args.shards, seed=args.seed,
                    vocab_size=args.vocab_size, progress=lambda msg: print(msg, file=sys.stderr))
     except ValueError as exc:

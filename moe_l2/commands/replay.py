@@ -14,12 +14,23 @@ from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.replay import ORDERS, ReplayError, ReplayResult, parse_slots, replay
 from moe_l2.cache.store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR
 from moe_l2.cache.trace import TraceError, read_traces
+from moe_l2.commands.flags import add_renamed
 from moe_l2.model.location import path_arg
+from moe_l2.ranges import parse_ranges
 from moe_l2.sizes import format_pct
 
 
 def _pct(x) -> str:
     return f"{format_pct(x, sign=False):>5}"
+
+
+def _moe_layers(text: str) -> list[int]:
+    """An argparse type: MoE layer numbers (the trace's, 0 first) as ranges, e.g. 0-3,8."""
+    try:
+        return sorted({layer for first, last in parse_ranges(text) for layer in range(first, last + 1)})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes the trace's MoE layer numbers as ranges such as 0-3,8 (0: the "
+                                         f"first MoE layer), not {text!r}") from None
 
 
 def render(result: ReplayResult, per_layer: bool = True) -> str:
@@ -118,7 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", choices=ORDERS, default="interleave",
                         help="interleave: shuffle sequences with --seed; blocked: group them by domain")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed for --order interleave (default 0)")
-    parser.add_argument("--layers", metavar="L[,L...]", help="replay only these layers (default all)")
+    # MoE layer numbers, as a trace has them; --layers means decoder layers everywhere else (moe-l2d, plan).
+    add_renamed(parser, "--moe-layers", "--layers", type=_moe_layers, metavar="A-B[,C-D...]",
+                help="replay only these MoE layers, numbered as in the trace from 0 (default: all)")
     parser.add_argument("--sequences", type=int, metavar="N", help="use only the first N sequences of the trace")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (layers run in parallel)")
     parser.add_argument("--prefetch", metavar="P[,P...]",
@@ -142,17 +155,11 @@ def run(args: argparse.Namespace) -> int:
             traces.sequences = traces.sequences[:args.sequences]
         slots = parse_slots(args.slots, traces.n_experts)
         profile = Profile.load(args.profile) if args.profile else None
-        layers = None
-        if args.layers:
-            try:
-                layers = [int(v) for v in args.layers.split(",") if v.strip()]
-            except ValueError:
-                raise ReplayError(f"--layers takes integers separated by commas, got {args.layers!r}") from None
         compare = tuple(c.strip() for c in args.compare.split(",") if c.strip())
         hints = "oracle" if args.oracle_hints else ("prompt" if args.hints else None)
         prefetch = tuple(p.strip() for p in (args.prefetch or "").split(",") if p.strip())
         result = replay(traces, slots=slots, policy=args.policy, compare=compare, order=args.order,
-                        seed=args.seed, profile=profile, hints=hints, prior=args.prior, layers=layers,
+                        seed=args.seed, profile=profile, hints=hints, prior=args.prior, layers=args.moe_layers,
                         jobs=max(1, args.jobs), hint_share=args.hint_share, hint_prior=args.hint_prior,
                         hint_lift=args.hint_lift, prefetch=prefetch, prefetch_train=args.prefetch_train,
                         prefetch_k=args.prefetch_k)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import os
 import socket
@@ -17,6 +16,7 @@ import sys
 from pathlib import Path
 
 from moe_l2.client import options
+from moe_l2.commands.flags import KV_BITS, add_sampling, json_object
 from moe_l2.model.location import resolve_model
 from moe_l2.tiers import describe_sources
 
@@ -24,16 +24,6 @@ from moe_l2.tiers import describe_sources
 # Under mlx.launch the model is split in pipeline stages (docs/distributed.md), never tensor-parallel.
 _FIXED = {"adapter_path": None, "draft_model": None, "num_draft_tokens": 3, "trust_remote_code": False,
           "pipeline": True}
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc}); give an object, e.g. '{{\"enable_thinking\": false}}'")
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("give a JSON object, e.g. '{\"enable_thinking\": false}'")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -51,12 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     mlx.add_argument("--chat-template", default="", help="a chat template to use instead of the tokenizer's")
     mlx.add_argument("--use-default-chat-template", action="store_true",
                      help="use the tokenizer's default chat template when the model has none")
-    mlx.add_argument("--chat-template-args", type=_json_object, default={},
+    mlx.add_argument("--chat-template-args", type=json_object, default={},
                      help="JSON arguments for the tokenizer's apply_chat_template, e.g. '{\"enable_thinking\":false}'")
-    mlx.add_argument("--temp", type=float, default=0.0, help="default sampling temperature (default: 0.0)")
-    mlx.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p (default: 1.0)")
-    mlx.add_argument("--top-k", type=int, default=0, help="default top-k sampling (default: 0, off)")
-    mlx.add_argument("--min-p", type=float, default=0.0, help="default min-p sampling (default: 0.0, off)")
+    add_sampling(mlx, "default ")
     mlx.add_argument("--max-tokens", type=int, default=512,
                      help="default maximum number of tokens to generate (default: 512)")
     mlx.add_argument("--decode-concurrency", type=int, default=32,
@@ -92,8 +79,8 @@ def _check(args: argparse.Namespace) -> None:
         low = 0 if name == "port" else 1
         if value < low:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
-    if args.kv_bits is not None and args.kv_bits not in (2, 3, 4, 5, 6, 8):
-        raise ValueError(f"--kv-bits must be 2, 3, 4, 5, 6 or 8, got {args.kv_bits}")
+    if args.kv_bits is not None and args.kv_bits not in KV_BITS:
+        raise ValueError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, got {args.kv_bits}")
 
 
 def mlx_lm_args(args: argparse.Namespace) -> argparse.Namespace:
