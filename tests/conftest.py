@@ -265,6 +265,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape(port: int) -> dict:
+    """{(name, labels...): value} of every sample of a Prometheus endpoint on this host."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, *sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 class ServeProcess:
     """An HTTP server process on a free loopback port: `moe-l2 serve ...` or `mlx_lm server ...`."""
 

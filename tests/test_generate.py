@@ -22,8 +22,7 @@ from moe_l2.commands.stats import render as render_stats
 from moe_l2.cache.trace import read_traces
 from moe_l2.sizes import format_pct
 
-from .conftest import budget_for, free_port, stats, wait_for
-from .test_metrics import scrape
+from .conftest import budget_for, free_port, scrape, stats, wait_for
 
 
 PROMPT = "Which experts does the router pick for this sentence?"

@@ -14,7 +14,6 @@ import threading
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from moe_l2 import __version__, protocol
 from moe_l2.client.connection import L2Client, request
@@ -24,22 +23,9 @@ from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.daemon.http import MAX_CONNECTIONS, MAX_HEAD_BYTES
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 
-from .conftest import AS_NOBODY, budget_for, nobody_runs_python, quarter_budget, retire, stats, wait_for
+from .conftest import AS_NOBODY, budget_for, free_port, scrape, nobody_runs_python, quarter_budget, retire, stats, wait_for
 
 REFUSAL = "metrics endpoint at its limit"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict:
-    """{(name, labels...): value} of every sample."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(s.name, *sorted(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def scrapes(port: int) -> bool:
