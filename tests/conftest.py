@@ -209,13 +209,15 @@ def stats(daemon) -> dict:
     return reply.payload
 
 
-def wait_for(predicate, timeout=20.0, what="condition"):
+def wait_for(predicate, timeout=20.0, what="condition", detail=None):
+    """Poll `predicate` until it holds; fail naming `what`, with `detail()` (a log, the last figures) if given.
+    The timeout is a bound for a loaded machine, never waited out on the path that succeeds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}" + (f":\n{detail()}" if detail else ""))
 
 
 def segment_exists(name: str) -> bool:
@@ -295,16 +297,16 @@ class ServeProcess:
         return cls([sys.executable, "-P", "-m", "mlx_lm", "server", "--model", str(model_dir)], log_path)
 
     def wait_healthy(self, timeout: float = 120.0) -> "ServeProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if json.loads(r.read()) == {"status": "ok"}:
-                        return self
+                    return json.loads(r.read()) == {"status": "ok"}
             except OSError:
-                time.sleep(0.1)
-        raise AssertionError(f"no /health after {timeout:g} s:\n{self.log()}")
+                return False
+
+        wait_for(healthy, timeout, what=f"{self.url}/health", detail=self.log)
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

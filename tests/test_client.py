@@ -164,9 +164,9 @@ def test_a_shared_l0_gives_rows_to_any_layer_and_evicts_the_least_recently_used(
         ExpertPool(model_files, capacity=model_files.n_layers * model_files.n_experts + 1, shared_l0=True)
 
 
-def start_hammers(files: ModelFiles, socket: str, seconds: float, n: int = 3) -> list[subprocess.Popen]:
-    """Hammer processes (tests/hammer.py); seconds 0: until finish() closes their standard input."""
-    procs = [subprocess.Popen([sys.executable, str(HAMMER), str(files.path), socket, str(seconds), str(seed)],
+def start_hammers(files: ModelFiles, socket: str, n: int = 3) -> list[subprocess.Popen]:
+    """Hammer processes (tests/hammer.py), fetching until finish() closes their standard input."""
+    procs = [subprocess.Popen([sys.executable, str(HAMMER), str(files.path), socket, str(seed)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for seed in range(n)]
     for proc in procs:
         assert json.loads(proc.stdout.readline()) == {"ready": True}
@@ -188,14 +188,23 @@ def finish(proc: subprocess.Popen) -> dict:
 
 
 def test_three_clients_hammering_an_evicting_daemon_never_see_a_wrong_record(running_daemon, model_files):
-    procs = start_hammers(model_files, running_daemon.socket, seconds=8)
+    procs = start_hammers(model_files, running_daemon.socket)
+    m = stats(running_daemon)["models"][0]
+    slots = m["slots_per_layer"] * m["n_layers"]
+
+    def hammered() -> bool:
+        # The daemon counts the lookups reported to it (each a copy from L2 or a read of the file).
+        m = stats(running_daemon)["models"][0]
+        return m["hits"] + m["misses"] >= 3000 and m["loads_done"] > 5 * slots
+
+    wait_for(hammered, timeout=120, what="3000 lookups and the daemon reloading its slots five times over",
+             detail=lambda: stats(running_daemon)["models"][0])
     results = [finish(p) for p in procs]
     for r in results:
         assert r["mismatches"] == 0, r
         assert r["l2_hits"] > 0 and r["l3_reads"] > 0
     assert sum(r["l2_hits"] + r["l3_reads"] for r in results) >= 3000
     m = stats(running_daemon)["models"][0]
-    slots = m["slots_per_layer"] * m["n_layers"]
     assert m["loads_done"] > 5 * slots  # the daemon evicted and reloaded all along
     assert m["load_errors"] == 0
 
@@ -203,7 +212,7 @@ def test_three_clients_hammering_an_evicting_daemon_never_see_a_wrong_record(run
 def test_kill9_mid_hammer_then_restart(daemon_factory, model_dir, model_files):
     budget = quarter_budget(model_files)
     daemon = daemon_factory([model_dir], budget)
-    procs = start_hammers(model_files, daemon.socket, seconds=0)
+    procs = start_hammers(model_files, daemon.socket)
     wait_attached(procs, True)
     wait_for(lambda: stats(daemon)["models"][0]["hits"] > 0, what="the hammers copying from L2")
     daemon.kill9()
@@ -220,14 +229,15 @@ def test_kill9_mid_hammer_then_restart(daemon_factory, model_dir, model_files):
 
 
 def test_a_client_killed_while_copying_leaves_the_daemon_unaffected(running_daemon, model_files):
-    (victim,) = start_hammers(model_files, running_daemon.socket, seconds=0, n=1)
+    (victim,) = start_hammers(model_files, running_daemon.socket, n=1)
     wait_for(lambda: stats(running_daemon)["models"][0]["hits"] > 0, what="the victim copying from L2")
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
     victim.stdin.close()
     victim.stdout.close()
     before = stats(running_daemon)["models"][0]["hits"]
-    (survivor,) = start_hammers(model_files, running_daemon.socket, seconds=3, n=1)
+    (survivor,) = start_hammers(model_files, running_daemon.socket, n=1)
+    wait_for(lambda: stats(running_daemon)["models"][0]["hits"] > before, what="the survivor copying from L2")
     r = finish(survivor)
     assert r["mismatches"] == 0 and r["l2_hits"] > 0
     reply = request(running_daemon.socket, protocol.Stats(id=1))

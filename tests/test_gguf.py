@@ -235,8 +235,10 @@ loader = Loader(threads=3)
 try:
     for layer in range(files.n_layers):
         served.demand(layer, range(files.n_experts), loader)
-    deadline = time.monotonic() + 60
-    while loader.in_flight and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60  # a bound for a hung load: shutdown() below would drop the queued ones
+    while loader.in_flight:
+        if time.monotonic() > deadline:
+            sys.exit(f"{loader.in_flight} loads still in flight after 60 s")
         time.sleep(0.01)
     loader.shutdown()
     g, same = served.geometry, []

@@ -268,6 +268,7 @@ def test_a_flood_of_legal_reports_never_detaches_a_client(running_daemon, model_
     client = L2Client(model_files, running_daemon.socket, wait_s=5, heartbeat_s=0.2, timeout_s=2.0)
     assert client.attached
     stop = threading.Event()
+    refused = threading.Event()  # a Busy refusal came back: the daemon's queue of reports is full
 
     def flood():
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -281,6 +282,7 @@ def test_a_flood_of_legal_reports_never_detaches_a_client(running_daemon, model_
                 time.sleep(0.01)
             while sock.poll(0):
                 sock.recv()  # Busy refusals
+                refused.set()
         sock.close(0)
 
     flooders = [threading.Thread(target=flood) for _ in range(2)]
@@ -288,6 +290,8 @@ def test_a_flood_of_legal_reports_never_detaches_a_client(running_daemon, model_
         t.start()
     detached = 0
     try:
+        assert refused.wait(20), "the flood never filled the daemon's queue (no Busy refusal)"
+        # The subject: five seconds under a full queue, the client sampled all along (a re-attach is counted too).
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             detached += not client.attached

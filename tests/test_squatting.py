@@ -107,8 +107,10 @@ files = ModelFiles.open(sys.argv[1])
 out = []
 for address in sys.argv[2:]:
     client = L2Client(files, address, wait_s=0, heartbeat_s=0.05)
-    deadline = time.monotonic() + 20
-    while not client.last_error.startswith("cannot map") and time.monotonic() < deadline:
+    deadline = time.monotonic() + 20  # until the client has tried the segments the fake named, and failed
+    while not client.last_error.startswith("cannot map"):
+        if time.monotonic() > deadline:
+            sys.exit(f"the client never tried the segments {address} named (last error {client.last_error!r})")
         time.sleep(0.01)
     pool = ExpertPool(files, capacity=2, client=client)
     counts = pool.fetch(0, [1, 2])

@@ -96,16 +96,26 @@ def switch_layers(config: dict) -> list[SwitchLayer]:
 
     Switch layers the forward never calls (multi-token-prediction heads) are left out: they are ordinary
     weights to mlx-lm's generation. Raises ValueError when mlx-lm cannot build or run the model."""
-    if not _IN_CHILD:
-        return _switch_layers_here(config)
-    # The child imports MLX and mlx-lm and builds the model: 1.7 s of every daemon start on a 2-core Linux VM.
-    # Its answer is kept, so a restart (or another daemon of the same model) skips it.
+    # Building imports mlx-lm: 1.7 s of every daemon start on a 2-core Linux VM, and of every process that
+    # only copies records (a client, `moe-l2 verify`). The answer is kept, so a later open of the same model,
+    # in any process, skips it.
     kept = kept_answer(config)
     if kept is not None:
         try:
             return _parse(kept.read_text())
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             pass  # not kept yet, or unreadable: build it
+    built = _built_in_child(config) if _IN_CHILD else None
+    if built is None:
+        built = json.dumps([layer.__dict__ for layer in _switch_layers_here(config)])
+    layers = _parse(built)
+    if kept is not None:
+        _keep(kept, built)
+    return layers
+
+
+def _built_in_child(config: dict) -> str | None:
+    """The child process' answer (JSON), or None where no child can be started."""
     # -P: a source checkout in the working directory must not shadow the installed package.
     try:
         done = subprocess.run([sys.executable, "-P", "-c", _CHILD], input=json.dumps(config), capture_output=True,
@@ -113,15 +123,12 @@ def switch_layers(config: dict) -> list[SwitchLayer]:
     except OSError as exc:  # e.g. a service user that may not execute this interpreter's path again
         log.warning("cannot start a child process to build the model (%s); building it in this process, "
                     "which asks MLX's allocator for a few bytes", exc)
-        return _switch_layers_here(config)
+        return None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise ValueError(last.split(": ", 1)[1] if last.startswith("ValueError: ") else
                          f"building the model in a child process failed: {last}")
-    layers = _parse(done.stdout)
-    if kept is not None:
-        _keep(kept, done.stdout)
-    return layers
+    return done.stdout
 
 
 def kept_answer(config: dict) -> Path | None:
