@@ -40,12 +40,12 @@ class SharedRows:
     def victim(self, taker: "LayerPool", batch: set[int]) -> tuple["LayerPool", int]:
         """The least recently used expert of any layer, outside the taker's batch and unpinned."""
         for lp, expert in self.order:
-            if not (lp is taker and expert in batch) and expert not in lp._pinned:
+            if not (lp is taker and expert in batch) and not lp.is_pinned(expert):
                 return lp, expert
         raise RuntimeError("no L0 row to take: every row holds the batch or a pinned expert")
 
     def pinned(self) -> int:
-        return sum(len(lp._pinned) for lp in self.layers)
+        return sum(lp.n_pinned for lp in self.layers)
 
 
 def _rows(files: ModelFiles, capacity: int) -> tuple[dict, dict]:
@@ -115,6 +115,16 @@ class LayerPool:
         """The pinned experts."""
         with self._lock:
             return frozenset(self._pinned)
+
+    def is_pinned(self, expert: int) -> bool:
+        with self._lock:
+            return expert in self._pinned
+
+    @property
+    def n_pinned(self) -> int:
+        """How many experts of this layer are pinned."""
+        with self._lock:
+            return len(self._pinned)
 
     @property
     def unpinned_rows(self) -> int:
