@@ -149,6 +149,7 @@ class L2Client:
         os.set_blocking(self._wake_w, False)
         self._prefetch_source = None
         self._prefetch_sent: dict[str, int] = {}
+        self._l0_source = None
         # Hints and prefetch requests, (message class, its fields but id and model), sent in order.
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -206,6 +207,11 @@ class L2Client:
         """Send what next-layer prefetch did with the reports: `source()` returns its running totals
         (protocol.PREFETCH_COUNTERS); each report carries the increments since the previous one."""
         self._prefetch_source = source
+
+    def count_l0(self, source) -> None:
+        """Tell the daemon, in every hello, the rows this process' L0 holds: `source()` returns (rows held now,
+        the most it may hold), over all its layers (for `moe-l2 stats`)."""
+        self._l0_source = source
 
     def _prefetch_increments(self) -> dict[str, int]:
         if self._prefetch_source is None:
@@ -292,8 +298,9 @@ class L2Client:
             self._refuse_daemon(f"refusing moe-l2d on {self.address}: {exc}; reading experts from "
                                 f"{self.files.path}")
             return None, now + self.heartbeat_s
+        rows, ceiling = self._l0_source() if self._l0_source is not None else (0, 0)
         msg = protocol.Hello(id=next(self._ids), model=self.model_path, fingerprint=self.files.fingerprint,
-                             client=self.name, layers=self.layers)
+                             client=self.name, layers=self.layers, l0_rows=rows, l0_ceiling=ceiling)
         if self._send(sock, msg):
             return (msg.id, now), now + self.heartbeat_s
         # Not connected (yet): the ipc pipe of a daemon that just started takes a few ms; or this user may not

@@ -243,7 +243,8 @@ _MODEL = {
     "load_latency_p50_s": (None, _NUM), "load_latency_p99_s": (None, _NUM), "prefetch?": _COUNTERS, "shm_bytes": int,
     "released_bytes?": int, "layers": [_LAYER], "routing?": {"*": [[int]]},
 }
-_CLIENT = {"name": str, "pid": (None, int), "idle_s": _NUM, "layer_ids?": (None, [int]), "unserved_layer_ids?": [int]}
+_CLIENT = {"name": str, "pid": (None, int), "idle_s": _NUM, "layer_ids?": (None, [int]), "unserved_layer_ids?": [int],
+           "l0_rows?": (None, int), "l0_ceiling?": (None, int)}
 STATS_SHAPE = {
     "daemon": {
         "version": str, "pid": int, "socket": str, "uptime_s": _NUM, "rss_bytes": int, "clients": int,

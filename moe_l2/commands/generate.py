@@ -73,8 +73,10 @@ def summary(result: dict, lm) -> dict:
         "disk_rate": rates["disk"],
         "bytes_read": c.bytes_read,
         "bytes_copied": c.bytes_copied,
-        "l0_slots": lm.pool.capacity,
-        "l0_bytes": lm.pool.nbytes,
+        "l0_slots": lm.pool.capacity,  # the ceiling, per layer or in all
+        "l0_rows": lm.pool.rows,  # held now, in all layers (fewer than the ceiling while L0 grows on demand)
+        "l0_bytes": lm.pool.nbytes,  # what l0_rows hold
+        "l0_ceiling_bytes": lm.pool.ceiling_bytes,
         "l0_shared": lm.pool.shared_l0,  # l0_slots counts rows in all, not per layer
         "layers": sorted(lm.pool.layers),  # the MoE layers this process ran
         "daemon": None if client is None else {"address": client.address, "attached": client.attached,
@@ -89,10 +91,10 @@ def summary(result: dict, lm) -> dict:
 
 # What each rank reports of its own streaming; the rest of the summary is the same on every rank.
 _PER_RANK = ("expert_lookups", "l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "bytes_read", "bytes_copied",
-             "l0_slots",
-             "l0_bytes", "layers", "daemon", "streaming", "prefetch", "peak_rss_bytes", "peak_mlx_bytes")
+             "l0_slots", "l0_rows", "l0_bytes", "l0_ceiling_bytes", "layers", "daemon", "streaming", "prefetch",
+             "peak_rss_bytes", "peak_mlx_bytes")
 _SUMMED = ("expert_lookups", "l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "bytes_read", "bytes_copied",
-           "l0_bytes")
+           "l0_rows", "l0_bytes", "l0_ceiling_bytes")
 
 
 def merge_ranks(summaries: list[dict]) -> dict:
@@ -132,7 +134,8 @@ def render(s: dict) -> str:
         f"disk {format_pct(s['disk_rate'])} (read by moe-l2d while waiting {format_pct(s['daemon_read_rate'])}, by "
         f"this process {format_pct(s['l3_rate'])}); this process read {format_size(s['bytes_read'])} from disk, "
         f"copied {format_size(s['bytes_copied'])} from L2 and computed {s['l2_lent']} experts in place there",
-        f"L0 {s['l0_slots']} experts {'in all' if s['l0_shared'] else 'per layer'} ({format_size(s['l0_bytes'])}); "
+        f"L0 {s['l0_slots']} experts {'in all' if s['l0_shared'] else 'per layer'} at most, {s['l0_rows']} rows held "
+        f"({format_size(s['l0_bytes'])} of {format_size(s['l0_ceiling_bytes'])}); "
         f"{_daemon_text(s['daemon'])}",
         *([] if s["prefetch"] is None else [_render_prefetch(s["prefetch"])]),
         f"peak memory: RSS {format_size(s['peak_rss_bytes'])}, MLX {format_size(s['peak_mlx_bytes'])}",
