@@ -171,6 +171,7 @@ class L2Client:
         # Running totals the reports carry as increments: next-layer prefetch's and the lookups' tiers.
         self._prefetch = Increments()
         self._tiers = Increments()
+        self._l0_source = None
         # Hints and prefetch requests, (message class, its fields but id and model), sent in order.
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -233,6 +234,11 @@ class L2Client:
         """Send where the lookups got their bytes with the reports: `source()` returns the running totals
         (protocol.TIER_COUNTERS, TierCounts.by_source), for the daemon's `stats`; as increments, as above."""
         self._tiers.source = source
+
+    def count_l0(self, source) -> None:
+        """Tell the daemon, in every hello, the rows this process' L0 holds: `source()` returns (rows held now,
+        the most it may hold), over all its layers (for `moe-l2 stats`)."""
+        self._l0_source = source
 
     def hint(self, text: str) -> None:
         """Tell the daemon what the next prompt is about (it may preload and pin that domain's experts);
@@ -311,8 +317,9 @@ class L2Client:
             self._refuse_daemon(f"refusing moe-l2d on {self.address}: {exc}; reading experts from "
                                 f"{self.files.path}")
             return None, now + self.heartbeat_s
+        rows, ceiling = self._l0_source() if self._l0_source is not None else (0, 0)
         msg = protocol.Hello(id=next(self._ids), model=self.model_path, fingerprint=self.files.fingerprint,
-                             client=self.name, layers=self.layers)
+                             client=self.name, layers=self.layers, l0_rows=rows, l0_ceiling=ceiling)
         if self._send(sock, msg):
             return (msg.id, now), now + self.heartbeat_s
         # Not connected (yet): the ipc pipe of a daemon that just started takes a few ms; or this user may not

@@ -87,8 +87,10 @@ class StreamFigures:
     l2_lent: int             # computed on in place in L2, not copied
     read_bytes: int          # from the model files
     copied_bytes: int        # from L2
-    l0_slots: int
-    l0_bytes: int
+    l0_slots: int            # the ceiling, per layer or in all
+    l0_rows: int             # held now, in all layers (fewer than the ceiling while L0 grows on demand)
+    l0_bytes: int            # what l0_rows hold
+    l0_ceiling_bytes: int
     layers: list[int]        # the MoE layers this process ran
     daemon: dict | None      # address, attached, attaches, last_error; None: no daemon
     streaming: dict          # StreamStats over the run
@@ -97,7 +99,8 @@ class StreamFigures:
     peak_mlx_bytes: int
 
     # Summed over a pipeline's ranks; the peaks are the largest rank's, the layers all ranks'.
-    SUMMED = ("l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "read_bytes", "copied_bytes", "l0_bytes")
+    SUMMED = ("l0_hits", "l2_hits", "daemon_reads", "l3_reads", "l2_lent", "read_bytes", "copied_bytes", "l0_rows",
+              "l0_bytes", "l0_ceiling_bytes")
 
     @classmethod
     def of(cls, run: Generation, lm) -> StreamFigures:
@@ -108,7 +111,8 @@ class StreamFigures:
         client = lm.client
         return cls(l0_hits=tiers["l0"], l2_hits=tiers["l2"], daemon_reads=tiers["daemon_disk"],
                    l3_reads=tiers["own_disk"], l2_lent=c.l2_lent, read_bytes=c.bytes_read,
-                   copied_bytes=c.bytes_copied, l0_slots=lm.pool.capacity, l0_bytes=lm.pool.nbytes,
+                   copied_bytes=c.bytes_copied, l0_slots=lm.pool.capacity, l0_rows=lm.pool.rows,
+                   l0_bytes=lm.pool.nbytes, l0_ceiling_bytes=lm.pool.ceiling_bytes,
                    layers=sorted(lm.pool.layers),
                    daemon=None if client is None else {"address": client.address, "attached": client.attached,
                                                        "attaches": client.attaches, "last_error": client.last_error},

@@ -1,15 +1,25 @@
-"""L0's bookkeeping: LayerPool, one layer's rows, residents, pins and eviction policy; and SharedRows, the
-rows every layer of a pool takes from when L0 is one pool for all layers.
+"""L0's bookkeeping: Rows, the rows a pool holds now and their ceiling; LayerPool, one layer's residents, pins and
+eviction policy; and SharedRows, the rows every layer of a pool takes from when L0 is one pool for all layers.
 
-Per layer (the default), each layer owns `capacity` rows and evicts by its own policy. Shared
-(`ExpertPool(shared_l0=True)`), the pool has `capacity` rows in all and a layer takes a free row, or the row of
-the least recently used expert of any layer outside the batch it is making resident. That suits an L0 that
+Per layer (the default), each layer owns up to `capacity` rows and evicts by its own policy. Shared
+(`ExpertPool(shared_l0=True)`), the pool has up to `capacity` rows in all and a layer takes a free row, or the row
+of the least recently used expert of any layer outside the batch it is making resident. That suits an L0 that
 only catches L2's misses while the layers compute on L2 in place: a few rows in all instead of top-k rows in
 every layer leave the memory to the shared L2 (docs/architecture.md, "Client pool (L0)").
+
+Grown on demand (`ExpertPool(grow=True)`), rows start at the model's top-k (one token's experts) and grow by
+GROWTH while the working set outgrows them, up to the ceiling; only at the ceiling is an expert evicted. Rows are
+one array per record piece (mx.gather_qmm takes one weight array), so growing reallocates: new buffers of more
+rows, the old rows copied in, the new arrays published under the lock. The old buffers are never written again,
+and stay alive while anything still references them (every array is a view that keeps its allocation:
+native/memory.cpp), so queued MLX work and the unevaluated tail of a forward read what they were given; a
+layer's rows are written by one thread at a time (a fetch settles the layer's prefetch first), after it took
+them, so no write lands in a buffer that a growth left behind.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 
@@ -20,16 +30,61 @@ from moe_l2.cache.policy import make_policy
 from moe_l2.model import ModelFiles
 from moe_l2.model.records import record_checksum
 
+# How much a pool's rows grow at a time when every row is taken and it is below its ceiling: as the resident
+# pool of the MLX streaming runtime that moe-l2 grew from.
+GROWTH = 1.5
 
-class SharedRows:
-    """`capacity` rows per record piece for every layer of a pool, one lock for all of them, and the experts
-    holding rows from the least to the most recently used."""
 
-    def __init__(self, files: ModelFiles, capacity: int):
-        self.capacity = capacity
-        self.buffers, self.arrays = _rows(files, capacity)
-        self.free = list(range(capacity - 1, -1, -1))
+class Rows:
+    """Rows per record piece, `start` at first and at most `ceiling`: C++-owned buffers, MLX arrays over them,
+    the free rows and the lock of everything that uses them."""
+
+    def __init__(self, files: ModelFiles, ceiling: int, start: int):
+        self.ceiling = ceiling
+        self.pieces = files.layout.pieces
+        self.held = 0
+        self.buffers: dict = {}
+        self.arrays: dict = {}
+        self.copy_pieces: list = []
+        self.free: list[int] = []
         self.lock = threading.RLock()
+        self._resize(min(start, ceiling))
+
+    def grow(self, need: int) -> bool:
+        """At least `need` more rows, GROWTH times as many if that is more, never past the ceiling; False at the
+        ceiling. The caller holds the lock."""
+        if self.held >= self.ceiling:
+            return False
+        self._resize(min(self.ceiling, max(self.held + need, math.ceil(self.held * GROWTH))))
+        return True
+
+    def _resize(self, rows: int) -> None:
+        old = self.held
+        buffers = {p.key: _native.Buffer(rows * p.nbytes) for p in self.pieces}
+        for p in self.pieces:
+            if old:
+                buffers[p.key].view()[:old * p.nbytes] = self.buffers[p.key].view()[:old * p.nbytes]
+        self.arrays = {p.key: buffers[p.key].array(0, [rows, *p.shape], getattr(mx, p.dtype)) for p in self.pieces}
+        self.buffers = buffers
+        self.copy_pieces = [(p.offset, p.nbytes, buffers[p.key]) for p in self.pieces]
+        self.free[:0] = range(rows - 1, old - 1, -1)  # taken from the end: the free rows before the new ones
+        self.held = rows
+        if old:
+            # MLX keeps freed buffers in its cache (the old rows' smaller pieces), which would hold memory past
+            # the ceiling (docs/benchmarks.md, "L0 grown on demand"); those still referenced are freed later.
+            mx.clear_cache()
+
+    @property
+    def growable(self) -> int:
+        """Rows it may still grow by."""
+        return self.ceiling - self.held
+
+
+class SharedRows(Rows):
+    """Rows for every layer of a pool, and the experts holding them from the least to the most recently used."""
+
+    def __init__(self, files: ModelFiles, ceiling: int, start: int):
+        super().__init__(files, ceiling, start)
         self.order: OrderedDict[tuple[LayerPool, int], None] = OrderedDict()
         self.layers: list[LayerPool] = []
 
@@ -40,50 +95,60 @@ class SharedRows:
     def victim(self, taker: "LayerPool", batch: set[int]) -> tuple["LayerPool", int]:
         """The least recently used expert of any layer, outside the taker's batch and unpinned."""
         for lp, expert in self.order:
-            if not (lp is taker and expert in batch) and expert not in lp._pinned:
+            if not (lp is taker and expert in batch) and not lp.is_pinned(expert):
                 return lp, expert
         raise RuntimeError("no L0 row to take: every row holds the batch or a pinned expert")
 
     def pinned(self) -> int:
-        return sum(len(lp._pinned) for lp in self.layers)
-
-
-def _rows(files: ModelFiles, capacity: int) -> tuple[dict, dict]:
-    """C++-owned buffers of `capacity` rows per record piece, and MLX arrays over them."""
-    buffers = {p.key: _native.Buffer(capacity * p.nbytes) for p in files.layout.pieces}
-    arrays = {p.key: buffers[p.key].array(0, [capacity, *p.shape], getattr(mx, p.dtype)) for p in files.layout.pieces}
-    return buffers, arrays
+        return sum(lp.n_pinned for lp in self.layers)
 
 
 class LayerPool:
-    """One layer of L0: `capacity` rows per record piece (its own, or SharedRows' for every layer), which expert
-    holds which row, the pins and the eviction policy. Callers go through the methods; only the pool changes its
-    bookkeeping. The bookkeeping is behind a lock: the prefetch worker changes one layer while the forward
-    reads another."""
+    """One layer of L0: up to `capacity` rows per record piece (its own Rows, `start` of them at first, or
+    SharedRows' for every layer), which expert holds which row, the pins and the eviction policy. Callers go
+    through the methods; only the pool changes its bookkeeping. The bookkeeping is behind a lock: the prefetch
+    worker changes one layer while the forward reads another."""
 
-    def __init__(self, files: ModelFiles, capacity: int, policy: str, shared: SharedRows | None = None):
-        self.capacity = capacity if shared is None else shared.capacity
+    def __init__(self, files: ModelFiles, capacity: int, policy: str, shared: SharedRows | None = None,
+                 start: int | None = None):
+        self._rows = Rows(files, capacity, capacity if start is None else start) if shared is None else shared
+        self.capacity = self._rows.ceiling
         self.n_experts = files.n_experts
         self.record_bytes = files.layout.nbytes
         self.pieces = files.layout.pieces
         self._shared = shared
-        if shared is None:
-            self.buffers, self.arrays = _rows(files, capacity)
-            self._free = list(range(capacity - 1, -1, -1))
-            self._lock = threading.RLock()
-        else:
-            self.buffers, self.arrays, self._free, self._lock = shared.buffers, shared.arrays, shared.free, shared.lock
+        self._free, self._lock = self._rows.free, self._rows.lock
+        if shared is not None:
             shared.layers.append(self)
         self._table_buffer = _native.Buffer(4 * files.n_experts)
         self._table_buffer.view()[:] = b"\xff" * (4 * files.n_experts)  # -1: not in L0
         self._table = self._table_buffer.view().cast("i")
         self.table = self._table_buffer.array(0, [files.n_experts], mx.int32)
-        self.copy_pieces = [(p.offset, p.nbytes, self.buffers[p.key]) for p in self.pieces]
         self._row_of: dict[int, int] = {}
         self._pinned: set[int] = set()
         self._policy = make_policy(policy)
         self._prefetched: set[int] = set()  # loaded ahead and not demanded since
         self.prefetch_useful = self.prefetch_wasted = 0
+
+    @property
+    def rows(self) -> Rows:
+        """The rows this layer takes from (shared by every layer with a shared L0)."""
+        return self._rows
+
+    @property
+    def buffers(self) -> dict:
+        """key -> the buffer of the piece's rows now (replaced when the rows grow)."""
+        return self._rows.buffers
+
+    @property
+    def arrays(self) -> dict[str, mx.array]:
+        """key -> MLX array [rows now, *piece shape] (replaced when the rows grow)."""
+        return self._rows.arrays
+
+    @property
+    def copy_pieces(self) -> list:
+        """(record offset, bytes, buffer) of each piece, as the native copy from L2 takes them."""
+        return self._rows.copy_pieces
 
     def holds(self, expert: int) -> bool:
         with self._lock:
@@ -103,7 +168,7 @@ class LayerPool:
     def has_room_for(self, experts) -> bool:
         """Making the batch resident evicts nothing."""
         with self._lock:
-            return len(set(experts) - self._row_of.keys()) <= len(self._free)
+            return len(set(experts) - self._row_of.keys()) <= len(self._free) + self._rows.growable
 
     def rows_for(self, experts) -> list[int]:
         """The rows of resident experts (repeats allowed), to remap router picks to pool rows."""
@@ -115,6 +180,16 @@ class LayerPool:
         """The pinned experts."""
         with self._lock:
             return frozenset(self._pinned)
+
+    def is_pinned(self, expert: int) -> bool:
+        with self._lock:
+            return expert in self._pinned
+
+    @property
+    def n_pinned(self) -> int:
+        """How many experts of this layer are pinned."""
+        with self._lock:
+            return len(self._pinned)
 
     @property
     def unpinned_rows(self) -> int:
@@ -139,11 +214,12 @@ class LayerPool:
                     self.prefetch_useful += 1
 
     def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
-        """Rows for experts not in L0, evicting residents outside the batch (the forward in flight)."""
+        """Rows for experts not in L0: free ones, new ones while below the ceiling (the rows grow), then the rows
+        of residents outside the batch (the forward in flight), evicted."""
         with self._lock:
             rows = []
-            for _ in experts:
-                if self._free:
+            for i in range(len(experts)):
+                if self._free or self._rows.grow(len(experts) - i):
                     rows.append(self._free.pop())
                     continue
                 if self._shared is not None:
@@ -155,12 +231,12 @@ class LayerPool:
             return rows
 
     def spare_rows(self, experts: list[int], keep: set[int]) -> tuple[list[int], list[int]]:
-        """Rows for as many of the experts (best first) as free rows and evictable residents allow, never
+        """Rows for as many of the experts (best first) as free rows, growth and evictable residents allow, never
         evicting a pinned expert or one in `keep`; returns (experts given rows, rows). Not for shared rows,
         where a row of the layer being computed could be taken."""
         with self._lock:
             wanted = [e for e in experts if e not in self._row_of]
-            free = len(self._free)
+            free = len(self._free) + self._rows.growable
             candidates = [e for e in self._row_of if e not in keep and e not in self._pinned]
             n = min(len(wanted), free + len(candidates))
             wanted = wanted[:n]

@@ -252,7 +252,7 @@ class StreamedLM:
                                    l0_slots_for(self.files, options.l0_slots, options.l0_budget, len(layers), shared),
                                    self.client, policy=options.policy, direct=options.direct,
                                    verify=options.verify, layers=layers, lend=options.lend, shared_l0=shared,
-                                   load_through_s=options.load_through_s)
+                                   load_through_s=options.load_through_s, grow=options.l0_grow)
             try:
                 self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, options.prefetch,
                                                seed)

@@ -92,6 +92,12 @@ class StreamOptions:
               "catches what the daemon has not loaded yet and a few rows leave the memory to L2 ({prefetch} then "
               "has the daemon load its guesses into L2), and per layer otherwise",
         "--l0-shared", action=argparse.BooleanOptionalAction, exclusive="l0 layout")
+    l0_grow: bool = _option(
+        False, "L0 starts with the model's top-k rows (per layer, or in all when shared) and grows them by half at "
+               "a time while the experts in use outgrow them, up to {l0_slots} (what the budget gives), evicting only "
+               "there: a short prompt holds less memory than a long one; off by default, since on the machine "
+               "measured growing cost the first tokens time (docs/benchmarks.md, \"L0 grown on demand\")",
+        "--l0-grow", action=argparse.BooleanOptionalAction)
     policy: str = _option(
         "lru", "how L0 evicts (per-layer rows; a shared L0 evicts the least recently used expert)",
         choices=tuple(POLICIES))

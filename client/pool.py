@@ -82,7 +82,7 @@ class ExpertPool:
     def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = DEFAULTS.policy,
                  read_threads: int | None = None, direct: bool | None = DEFAULTS.direct,
                  verify: str = DEFAULTS.verify, load_through_s: float = 0.0, layers=None,
-                 lend: bool = DEFAULTS.lend, shared_l0: bool = False):
+                 lend: bool = DEFAULTS.lend, shared_l0: bool = False, grow: bool = DEFAULTS.l0_grow):
         """The mechanism under moe_l2.load and StreamedLM, which pass every argument from StreamOptions
         (client/options.py, the owner of the defaults); used alone, the pool waits for no load-through and
         keeps rows in every layer unless told to, so that a lookup's tier depends on the call alone.
@@ -99,7 +99,10 @@ class ExpertPool:
         lend: `borrow` may lend L2's records in place (where MLX can compute on shared memory: L2View.supported);
         False: it never does, and every lookup copies (`fetch` always copies).
         shared_l0: `capacity` rows in all, which every layer takes from, evicting the least recently used expert
-        of any layer (client/layerpool.py), instead of `capacity` rows in each layer; LRU only, no prefetch."""
+        of any layer (client/layerpool.py), instead of `capacity` rows in each layer; LRU only, no prefetch.
+        grow: hold the model's top-k rows at first (per layer, or in all when shared) and grow them while the
+        experts in use outgrow them, evicting only once `capacity` rows are held (client/layerpool.py); False:
+        `capacity` rows from the start."""
         layers = range(files.n_layers) if layers is None else sorted(set(layers))
         if not layers or not all(0 <= layer < files.n_layers for layer in layers):
             raise ValueError(f"layers must be a non-empty subset of the MoE layers 0..{files.n_layers - 1}")
@@ -126,8 +129,9 @@ class ExpertPool:
         self.lend = lend and L2View.supported() and not self._check_l2
         self._view: L2View | None = None
         self.shared_l0 = shared_l0
-        shared = SharedRows(files, capacity) if shared_l0 else None
-        self.layers = {layer: LayerPool(files, capacity, policy, shared) for layer in layers}
+        start = min(capacity, files.top_k) if grow else capacity
+        shared = SharedRows(files, capacity, start) if shared_l0 else None
+        self.layers = {layer: LayerPool(files, capacity, policy, shared, start) for layer in layers}
         self._counts = TierCounts()
         self._counts_lock = threading.Lock()
         self._fds = files.open_fds(direct)
@@ -135,6 +139,7 @@ class ExpertPool:
         if client is not None:
             client.count_prefetch(lambda: self.prefetch_counts.wire())
             client.count_tiers(lambda: self.counts.by_source())
+            client.count_l0(lambda: (self.rows, self.ceiling))
 
     @property
     def counts(self) -> TierCounts:
@@ -152,10 +157,32 @@ class ExpertPool:
         with self._counts_lock:
             self._counts.l0_hits += n
 
+    def rows_held(self) -> dict[int, int]:
+        """MoE layer -> the rows its pool holds now (with a shared L0, every layer names the same rows)."""
+        return {layer: lp.rows.held for layer, lp in self.layers.items()}
+
+    @property
+    def rows(self) -> int:
+        """L0 rows held now, in all layers."""
+        return sum({id(lp.rows): lp.rows.held for lp in self.layers.values()}.values())
+
+    @property
+    def ceiling(self) -> int:
+        """The most L0 rows it may hold, in all layers: what the budget gave."""
+        return self.capacity * (1 if self.shared_l0 else len(self.layers))
+
     @property
     def nbytes(self) -> int:
-        rows = self.capacity * (1 if self.shared_l0 else len(self.layers))
-        return rows * sum(p.nbytes for p in self.files.layout.pieces)
+        """Bytes of the L0 rows held now."""
+        return self.rows * self.row_bytes
+
+    @property
+    def ceiling_bytes(self) -> int:
+        return self.ceiling * self.row_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(p.nbytes for p in self.files.layout.pieces)
 
     def arrays(self, layer: int) -> dict[str, mx.array]:
         return self.layers[layer].arrays

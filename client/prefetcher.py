@@ -4,8 +4,9 @@ One thread per pool, started by the first prefetch. A job loads a layer's guesse
 into rows that free up without evicting a pinned expert, another guess or one in `keep` (what queued work
 may still read), through the pool's own load path (L2 copy, else the model file, checked as configured),
 and publishes them only when every byte is in place. The pool's fetch of that layer first calls `settle`: a
-job not started yet is cancelled, a running one waited for (stall). No MLX call runs on the worker; the
-copies and reads release the GIL. Counts what it did in PrefetchCounts.
+job not started yet is cancelled, a running one waited for (stall). No MLX computation runs on the worker (rows
+it grows are new buffers and views: client/layerpool.py); the copies and reads release the GIL. Counts what it
+did in PrefetchCounts.
 
 A shared L0 has no rows of the next layer to load into (the layer being computed may own any row): there the
 guesses that neither L0 nor L2 holds are asked of the daemon instead (`L2Client.prefetch`), which loads them

@@ -57,9 +57,25 @@ class _PoolCollector:
                                   value=s.bytes_read)
         yield CounterMetricFamily("moe_l2_serve_expert_l2_copied_bytes", "bytes copied out of moe-l2d's L2",
                                   value=s.bytes_copied)
-        yield GaugeMetricFamily("moe_l2_serve_l0_slots", "expert rows in this process' L0", value=lm.pool.capacity)
+        yield GaugeMetricFamily("moe_l2_serve_l0_slots", "the most expert rows this process' L0 may hold, per MoE "
+                                "layer, or in all with a shared L0", value=lm.pool.capacity)
+        yield from _l0_rows(lm.pool)
         yield GaugeMetricFamily("moe_l2_serve_daemon_attached", "1 while attached to a moe-l2d, else 0",
                                 value=int(s.daemon is not None))
+
+
+def _l0_rows(pool):
+    """The rows each L0 pool holds now and its ceiling: per MoE layer, or one pool (layer "all") when shared."""
+    held = GaugeMetricFamily("moe_l2_serve_l0_rows", "expert rows an L0 pool holds now (it grows on demand up to "
+                             "moe_l2_serve_l0_ceiling_rows)", labels=["layer"])
+    ceiling = GaugeMetricFamily("moe_l2_serve_l0_ceiling_rows", "the most expert rows an L0 pool may hold",
+                                labels=["layer"])
+    pools = {"all": pool.rows} if pool.shared_l0 else {str(layer): rows for layer, rows in pool.rows_held().items()}
+    for layer, rows in pools.items():
+        held.add_metric([layer], rows)
+        ceiling.add_metric([layer], pool.capacity)
+    yield held
+    yield ceiling
 
 
 class ServingMetrics:

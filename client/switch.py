@@ -299,8 +299,8 @@ class StreamedSwitch(nn.Module):
         return x.squeeze(-2)
 
     def _chunked(self, x: mx.array, indices: mx.array, chosen: np.ndarray, pool: ExpertPool) -> mx.array:
-        """The batch in pieces that each fit L0, each evaluated before the next piece's experts are fetched."""
-        arrays = pool.arrays(self.layer)
+        """The batch in pieces that each fit L0, each evaluated before the next piece's experts are fetched (on
+        the arrays the fetch leaves: a fetch may grow the rows)."""
         lp = pool.layers[self.layer]
         free, pinned = lp.unpinned_rows, lp.pins()
         n_tokens, top_k = chosen.shape
@@ -320,7 +320,7 @@ class StreamedSwitch(nn.Module):
                 by_row = np.argsort(rows, kind="stable")  # sorted_indices promises ascending pool rows
                 pairs = order[lo:hi][by_row]
                 pieces.append(pairs)
-                out = self._on_pairs(arrays, x, pairs, top_k, rows[by_row], True, indices.size)
+                out = self._on_pairs(pool.arrays(self.layer), x, pairs, top_k, rows[by_row], True, indices.size)
                 mx.eval(out)
                 outs.append(out)
             return _in_pair_order(outs, pieces, indices.shape)
@@ -329,7 +329,7 @@ class StreamedSwitch(nn.Module):
             part = chosen[run.start:run.stop]
             self._fetch(np.unique(part).tolist())
             idx = np.array(lp.rows_for(part.reshape(-1).tolist()), dtype=np.uint32).reshape(part.shape)
-            out = self._experts(arrays, x[run.start:run.stop], mx.array(idx), False, indices.size)
+            out = self._experts(pool.arrays(self.layer), x[run.start:run.stop], mx.array(idx), False, indices.size)
             mx.eval(out)
             outs.append(out)
         out = mx.concatenate(outs, axis=0)

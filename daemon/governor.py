@@ -65,25 +65,36 @@ class Governor:
         self.checks += 1
         for model in self.models:
             per_slot = model.geometry.served * model.geometry.slot_stride  # served layers only
-            capacity = min(s.capacity for s in model.stores.values())
+            fewest, most, short = _slots(model)
             if memory.available < self.floor:
                 step = max(1, -(-(self.floor - memory.available) // per_slot))
-                if model.resize(capacity - step):
+                if model.resize(fewest - step):
                     self.shrinks += 1
                     log.warning("available memory %s is below the floor %s: %s now holds %d slots per layer "
                                 "(of %d); it grows back when memory recovers", format_size(memory.available),
-                                format_size(self.floor), model.files.path,
-                                min(s.capacity for s in model.stores.values()), model.geometry.n_slots)
-            elif any(s.capacity < s.n_slots for s in model.stores.values()):
+                                format_size(self.floor), model.files.path, _slots(model)[0],
+                                model.geometry.n_slots)
+            elif short:
                 spare = memory.available - self.floor - self.floor // 4
                 step = spare // per_slot
-                if step > 0 and model.resize(max(s.capacity for s in model.stores.values()) + step):
+                if step > 0 and model.resize(most + step):
                     self.grows += 1
                     log.info("available memory %s: %s grows back to %d slots per layer (of %d)",
-                             format_size(memory.available), model.files.path,
-                             min(s.capacity for s in model.stores.values()), model.geometry.n_slots)
+                             format_size(memory.available), model.files.path, _slots(model)[0],
+                             model.geometry.n_slots)
 
     def figures(self) -> dict:
         return {"total_bytes": self.total, "available_bytes": self.available, "floor_bytes": self.floor,
                 "checks": self.checks,
                 "shrinks": self.shrinks, "grows": self.grows}
+
+
+def _slots(model: ServedModel) -> tuple[int, int, bool]:
+    """The fewest and the most slots a layer of the model holds now, and whether any layer holds fewer than
+    it was configured with (layers may differ by a slot: Geometry.layer_slots), in one walk of its stores."""
+    fewest, most, short = None, 0, False
+    for store in model.stores.values():
+        fewest = store.capacity if fewest is None else min(fewest, store.capacity)
+        most = max(most, store.capacity)
+        short |= store.capacity < store.n_slots
+    return fewest or 0, most, short

@@ -72,9 +72,11 @@ class Server:
         self.epoch = epoch
         self.started = time.time()
         # identity -> (client name, last hello, its model, the MoE layers it streams or () when it did not
-        # say, where its lookups got their bytes as its reports said: protocol.TIER_COUNTERS), oldest hello first.
+        # say, where its lookups got their bytes as its reports said: protocol.TIER_COUNTERS, its L0's (rows held,
+        # ceiling) or None), oldest hello first.
         self.clients: collections.OrderedDict[bytes, tuple[str, float, ServedModel, tuple[int, ...],
-                                                           dict[str, int]]] = collections.OrderedDict()
+                                                           dict[str, int], tuple[int, int] | None]] = \
+            collections.OrderedDict()
         self.requests = 0
         self.errors = 0
         # Report pieces waiting to be folded in, and the requests their senders made after them (see _run_work);
@@ -249,9 +251,13 @@ class Server:
             if not 0 <= layer < model.geometry.n_layers:
                 raise ProtocolError("BadField", f"hello: the client streams MoE layer {layer}, but {model.files.path} "
                                                 f"has MoE layers 0..{model.geometry.n_layers - 1}")
+        if not 0 <= req.l0_rows <= req.l0_ceiling <= protocol.MAX_COUNTER and (req.l0_rows, req.l0_ceiling) != (0, 0):
+            raise ProtocolError("BadField", f"hello: an L0 of {req.l0_rows} rows held of at most {req.l0_ceiling}: "
+                                            f"give 0 <= l0_rows <= l0_ceiling <= {protocol.MAX_COUNTER}")
+        l0 = (req.l0_rows, req.l0_ceiling) if req.l0_ceiling else None
         known = self.clients.pop(identity, None)
         tiers = known[4] if known is not None and known[0] == req.client else dict.fromkeys(protocol.TIER_COUNTERS, 0)
-        self.clients[identity] = (req.client, time.monotonic(), model, tuple(sorted(set(req.layers))), tiers)
+        self.clients[identity] = (req.client, time.monotonic(), model, tuple(sorted(set(req.layers))), tiers, l0)
         while len(self.clients) > MAX_CLIENTS:
             self.clients.popitem(last=False)
         g = model.geometry
@@ -276,14 +282,15 @@ class Server:
         and they read from their files (docs/architecture.md, "Served layers")."""
         now = time.monotonic()
         out = []
-        for name, seen, model, layers, tiers in self.clients.values():
+        for name, seen, model, layers, tiers, l0 in self.clients.values():
             parts = name.split(":")
             pid = int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
             ids = model.files.layer_ids
             out.append({"name": name, "pid": pid, "idle_s": now - seen, "model": str(model.files.path),
                         "layer_ids": [ids[layer] for layer in layers] if layers else None,
                         "unserved_layer_ids": [ids[layer] for layer in layers if layer not in model.layers],
-                        "tiers": dict(tiers)})
+                        "tiers": dict(tiers), "l0_rows": l0[0] if l0 else None,
+                        "l0_ceiling": l0[1] if l0 else None})
         return out
 
     def _stats(self, identity: bytes, req: protocol.Stats) -> bytes:

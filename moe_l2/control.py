@@ -246,7 +246,7 @@ _MODEL = {
     "released_bytes?": int, "layers": [_LAYER], "routing?": {"*": [[int]]},
 }
 _CLIENT = {"name": str, "pid": (None, int), "idle_s": _NUM, "layer_ids?": (None, [int]), "unserved_layer_ids?": [int],
-           "tiers?": _TIERS}
+           "tiers?": _TIERS, "l0_rows?": (None, int), "l0_ceiling?": (None, int)}
 STATS_SHAPE = {
     "daemon": {
         "version": str, "pid": int, "socket": str, "uptime_s": _NUM, "rss_bytes": int, "clients": int,

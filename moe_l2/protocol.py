@@ -132,16 +132,22 @@ class Message:
 @dataclass(frozen=True)
 class Hello(Message):
     """Attach to a model (also the client's heartbeat: the reply carries the daemon's epoch). `layers`: the MoE
-    layers this client streams (a pipeline rank's), for `stats`; empty: not said (all). Optional, so a hello
-    from before the field decodes, and an older daemon ignores it."""
+    layers this client streams (a pipeline rank's), for `stats`; empty: not said (all); `l0_rows` and
+    `l0_ceiling` likewise. Optional, so a hello from before the fields decodes, and an older daemon ignores
+    them."""
 
     TYPE = "hello"
-    FIELDS = {"model": str, "fingerprint": str, "client": str, "layers": "int_list"}
-    OPTIONAL = ("layers",)
+    FIELDS = {"model": str, "fingerprint": str, "client": str, "layers": "int_list", "l0_rows": int,
+              "l0_ceiling": int}
+    OPTIONAL = ("layers", "l0_rows", "l0_ceiling")
     model: str = ""
     fingerprint: str = ""
     client: str = ""
     layers: list[int] = field(default_factory=list)
+    # The client's L0: rows held now and the most it may hold, in all layers (0..MAX_COUNTER); for `stats`.
+    # Ceiling 0: not said (a client without a pool, or from before the fields).
+    l0_rows: int = 0
+    l0_ceiling: int = 0
 
 
 @dataclass(frozen=True)

@@ -230,6 +230,10 @@ def test_metrics_count_what_a_request_did(served):
              for tier in ("l0", "l2", "daemon_disk", "disk")}
     assert tiers["l0"] + tiers["disk"] > 0 and tiers["l2"] == tiers["daemon_disk"] == 0, tiers
     assert after[("moe_l2_serve_daemon_attached", ())] == 0
+    # Each L0 pool's rows held now, within its ceiling (it grows on demand).
+    held = {labels: v for (name, labels), v in after.items() if name == "moe_l2_serve_l0_rows"}
+    ceiling = {labels: v for (name, labels), v in after.items() if name == "moe_l2_serve_l0_ceiling_rows"}
+    assert held and held.keys() == ceiling.keys() and all(0 < held[k] <= ceiling[k] for k in held)
     assert after[("moe_l2_serve_requests_queued", ())] == 0
     wait_for(lambda: served.metrics()[("moe_l2_serve_requests_in_flight", ())] == 0, what="the requests to end")
     # Made-up paths do not grow the label set.

@@ -36,7 +36,7 @@ from moe_l2.sizes import format_pct, format_size
 
 CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch")
 # The streaming options the moe-l2 configurations take, as `generate` and `serve` do (client/options.py).
-STREAMING = ("shared_l0", "l2_reads", "load_through_ms")
+STREAMING = ("shared_l0", "l2_reads", "load_through_ms", "l0_grow")
 # Decode on Apple Silicon, per MoE layer: gpt-oss-20b (24 layers), MLX 4-bit, 91.5 tok/s on an M2 Max
 # (docs/architecture.md, "The bench", cites the measurement): 1000 / 91.5 / 24 ms.
 DEFAULT_COMPUTE_MS = 0.45
@@ -245,7 +245,7 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
                "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
                "load_through_ms": stream.load_through_ms, "prefetch": config == "moe-l2+prefetch",
-               "lend": in_place, "shared_l0": shared_l0}
+               "lend": in_place, "shared_l0": shared_l0, "grow": stream.l0_grow}
         for tokens, warm in parts:
             w = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.client.replayer"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)

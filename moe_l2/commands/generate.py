@@ -155,7 +155,8 @@ def render(s: dict) -> str:
         f"disk {format_pct(s['disk_rate'])} (read by moe-l2d while waiting {format_pct(s['daemon_read_rate'])}, by "
         f"this process {format_pct(s['l3_rate'])}); this process read {format_size(s['read_bytes'])} from disk, "
         f"copied {format_size(s['copied_bytes'])} from L2 and computed {s['l2_lent']} experts in place there",
-        f"L0 {s['l0_slots']} experts {'in all' if s['l0_shared'] else 'per layer'} ({format_size(s['l0_bytes'])}); "
+        f"L0 {s['l0_slots']} experts {'in all' if s['l0_shared'] else 'per layer'} at most, {s['l0_rows']} rows held "
+        f"({format_size(s['l0_bytes'])} of {format_size(s['l0_ceiling_bytes'])}); "
         f"{_daemon_text(s['daemon'])}",
         *([] if s["prefetch"] is None else [_render_prefetch(s["prefetch"])]),
         f"peak memory: RSS {format_size(s['peak_rss_bytes'])}, MLX {format_size(s['peak_mlx_bytes'])}",

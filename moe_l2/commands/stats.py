@@ -75,6 +75,13 @@ def client_layers(c: dict) -> str:
     return f"layers {format_ranges(ids)}" + (f" ({format_ranges(unserved)} from its files)" if unserved else "")
 
 
+def client_l0(c: dict) -> str:
+    """The rows an attached client's L0 holds now, of the most it may hold (over all its layers)."""
+    if c.get("l0_ceiling") is None:
+        return "-"  # a client without a pool, or one from before it said
+    return f"{c['l0_rows']}/{c['l0_ceiling']}"
+
+
 def _layer_number(i: int, layer: dict) -> int:
     return layer.get("layer", i)  # the MoE layer; a daemon from before --layers lists every layer in order
 
@@ -117,8 +124,8 @@ def render(reply: dict) -> str:
                   for i, layer in enumerate(m["layers"])]
     clients = d.get("client_list", [])
     if clients:
-        lines += ["", "client  pid  idle  streams  lookups"]
-        lines += [f"{c['name']}  {c['pid'] or '-'}  {c['idle_s']:.0f} s  {client_layers(c)}  "
+        lines += ["", "client  pid  idle  L0 rows  streams  lookups"]
+        lines += [f"{c['name']}  {c['pid'] or '-'}  {c['idle_s']:.0f} s  {client_l0(c)}  {client_layers(c)}  "
                   f"{describe_sources(c['tiers']) if c.get('tiers') else '-'}" for c in clients]
     return "\n".join(lines)
 
@@ -195,10 +202,10 @@ def watch_frame(prev: dict | None, cur: dict, seconds: float):
             table.add_row(str(layer["layer"]), str(layer["slots"]), str(layer["resident"]), str(layer["loading"]),
                           str(layer["pinned"]), format_pct(layer["hit_rate"]))
         parts.append(table)
-    clients = Table("client", "pid", "idle", "streams", "lookups since it attached",
+    clients = Table("client", "pid", "idle", "L0 rows", "streams", "lookups since it attached",
                     title=f"{d['clients']} client(s) attached", title_justify="left", box=None, padding=(0, 2))
     for c in d.get("client_list", []):
-        clients.add_row(c["name"], str(c["pid"] or "-"), f"{c['idle_s']:.0f} s", client_layers(c),
+        clients.add_row(c["name"], str(c["pid"] or "-"), f"{c['idle_s']:.0f} s", client_l0(c), client_layers(c),
                         describe_sources(c["tiers"]) if c.get("tiers") else "-")
     parts += [Text(""), clients]
     return Group(*parts)
