@@ -15,7 +15,7 @@ from mlx_lm.generate import stream_generate
 
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.generation import encode_prompt
-from moe_l2.commands.demo import COLUMN_WIDTH, DEMO_NAME, LABEL_WIDTH, ensure_demo_model
+from moe_l2.commands.demo import COLUMN_WIDTH, DEMO_NAME, LABEL_WIDTH, ensure_demo_model, render_verdict
 from moe_l2.commands.generate import render
 from moe_l2.cache.trace import read_traces
 from moe_l2.model import ModelFiles
@@ -224,3 +224,14 @@ def test_demo_end_to_end(tmp_path):
     out = io.StringIO()
     assert ensure_demo_model(tmp_path, out=out) == tmp_path / DEMO_NAME  # made once: the next run finds it
     assert out.getvalue() == "" and (tmp_path / DEMO_NAME / "config.json").stat().st_mtime_ns == made
+
+
+def test_the_demo_says_what_dominates_a_token():
+    def run(wall_s, stall_s):
+        return {"generated": 10, "wall_s": wall_s, "stall_s": stall_s}
+
+    assert render_verdict(run(1.0, 0.1), run(0.9, 0.002), run(0.9, 0.003)) == (
+        "on this machine compute dominates: run 1 spent 90.0 ms per token computing and 10.00 ms waiting for "
+        "experts; with L2 warm, the wait was 0.20 ms (run 2), 0.30 ms (process 2)")
+    assert render_verdict(run(1.0, 0.6), run(0.4, 0.0), run(0.4, 0.0)).startswith(
+        "on this machine waiting for experts dominates: run 1 spent 40.0 ms per token computing and 60.00 ms")

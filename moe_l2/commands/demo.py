@@ -153,8 +153,8 @@ def _whole_model_tokens(model: Path, max_tokens: int) -> list[list[int]]:
                                               max_tokens=max_tokens)] for p in PROMPTS]
 
 
-RUN_NAMES = ("run 1", "run 2", "process 2")
-RUNS = ("run 1: L2 cold", "run 2: L2 warm", "process 2: L2 warm")
+# The runs, in order: a name, and the state of L2 as each began.
+RUNS = (("run 1", "L2 cold"), ("run 2", "L2 warm"), ("process 2", "L2 warm"))
 LABEL_WIDTH, COLUMN_WIDTH = 32, 20
 
 
@@ -181,7 +181,7 @@ def render_table(*runs: dict) -> str:
     labels = ["expert lookups", "L0 hits (this process)", "L2 hits (shared memory)", "disk, read by moe-l2d",
               "disk, read by this process", "read from disk by moe-l2d", "read from disk by this process",
               "copied from L2", "waiting for experts, ms/token", "time to first token, ms"]
-    lines = ["".ljust(LABEL_WIDTH) + "".join(f"{title:>{COLUMN_WIDTH}s}" for title in RUNS[:len(runs)])]
+    lines = ["".ljust(LABEL_WIDTH) + "".join(f"{f'{name}: {l2}':>{COLUMN_WIDTH}s}" for name, l2 in RUNS[:len(runs)])]
     lines += [f"{label:{LABEL_WIDTH}s}" + "".join(f"{v:>{COLUMN_WIDTH}s}" for v in values)
               for label, *values in zip(labels, *map(rows, runs))]
     return "\n".join(lines)
@@ -191,7 +191,7 @@ def render_verdict(cold: dict, *warm: dict) -> str:
     """What dominates a token's time on this machine, computing or waiting for experts, and what L2 changed."""
     compute = _per_token_ms(cold, cold["wall_s"] - cold["stall_s"])
     stall = _per_token_ms(cold, cold["stall_s"])
-    after = ", ".join(f"{_per_token_ms(run, run['stall_s']):.2f} ms ({name})" for name, run in zip(RUN_NAMES[1:], warm))
+    after = ", ".join(f"{_per_token_ms(run, run['stall_s']):.2f} ms ({name})" for (name, _), run in zip(RUNS[1:], warm))
     return (f"on this machine {'compute' if compute >= stall else 'waiting for experts'} dominates: run 1 spent "
             f"{compute:.1f} ms per token computing and {stall:.2f} ms waiting for experts; with L2 warm, the wait "
             f"was {after}")
@@ -229,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  serving on {daemon.socket}")
         print("run 1 (L2 cold: experts come from the model file, and the daemon loads what was missed) ...",
               flush=True)
+
         def measured(run_prompts) -> tuple[dict, int]:
             before = _daemon_figures(daemon.socket)[0]
             one = run_prompts()
@@ -264,11 +265,11 @@ def run(args: argparse.Namespace) -> int:
           f"({format_size(cold_resident * record)}), "
           + ("from disk: the model's pages were dropped from the page cache first" if dropped else
              "perhaps from the page cache: nothing drops one file's cached pages here"))
-    print("per token: per token generated, prefill included; waiting for experts: the time the forward spent in "
-          "L0 fills, L2 copies and loans, disk reads and load-through")
+    print("ms/token: over the tokens generated, prefill included; waiting for experts: the forward's time in L0 "
+          "fills, L2 copies and loans, disk reads and load-through; time to first token: the first prompt's")
     print(render_verdict(*runs))
     print("attached to the daemon: " + ", ".join(f"{name} {'yes' if r['attached'] else 'NO'}"
-                                                 for name, r in zip(RUN_NAMES, runs)))
+                                                 for (name, _), r in zip(RUNS, runs)))
     print(f"tokens identical to the whole model: {sum(same)}/{len(same)} prompts")
     print(f"daemon stopped (exit {code}); shared memory "
           f"{'cleaned up' if not left else 'left behind and now removed: ' + ', '.join(left)}")
