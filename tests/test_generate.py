@@ -15,12 +15,13 @@ from mlx_lm.generate import stream_generate
 
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.generation import encode_prompt
-from moe_l2.commands.demo import DEMO_NAME, ensure_demo_model
+from moe_l2.commands.demo import COLUMN_WIDTH, DEMO_NAME, LABEL_WIDTH, ensure_demo_model, render_verdict
 from moe_l2.commands.generate import render
 from moe_l2.commands.stats import model_rates
 from moe_l2.commands.stats import render as render_stats
 from moe_l2.cache.trace import read_traces
-from moe_l2.sizes import format_pct
+from moe_l2.model import ModelFiles
+from moe_l2.sizes import format_pct, format_size
 
 from .conftest import budget_for, free_port, scrape, stats, wait_for
 
@@ -216,19 +217,32 @@ def test_a_directory_that_is_no_model_is_refused(capsys, tmp_path):
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
     cmd = [sys.executable, "-P", "-m", "moe_l2.cli", "demo", "--cache-dir", str(tmp_path), "--max-tokens", "8"]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "creating the demo model" in first.stderr
-    for line in ("tokens identical to the whole model: 3/3 prompts", "attached to the daemon: run 1 yes, run 2 yes",
-                 "shared memory cleaned up"):
+    for line in ("tokens identical to the whole model: 3/3 prompts",
+                 "attached to the daemon: run 1 yes, run 2 yes, process 2 yes", "shared memory cleaned up"):
         assert line in first.stdout
-    table = {line[:26].strip(): line[26:].split() for line in first.stdout.splitlines() if len(line) > 26}
-    assert table["this process read"][-2:] == ["0", "B"]  # warm: nothing from disk
+    assert "dominates: run 1 spent" in first.stdout
+    # Label, then a column per run: run 1 (L2 cold), run 2 (L2 warm), process 2 (L2 warm).
+    table = {line[:LABEL_WIDTH].strip(): [line[LABEL_WIDTH + COLUMN_WIDTH * i:][:COLUMN_WIDTH].strip()
+                                          for i in range(3)]
+             for line in first.stdout.splitlines() if len(line) > LABEL_WIDTH}
+    for row in ("waiting for experts, ms/token", "time to first token, ms"):
+        assert all(float(v) >= 0 for v in table[row]), row
+    # Ground truth for run 1's disk bytes: every expert moe-l2d holds after it was read once, at the record size
+    # of the model's file layout (nothing is evicted: L2 holds every expert).
+    resident = int(first.stdout.split("run 1: moe-l2d read ")[1].split()[0])
+    record = ModelFiles.open(tmp_path / DEMO_NAME).layout.nbytes
+    assert resident > 0
+    assert table["read from disk by moe-l2d"] == [format_size(resident * record), "0 B", "0 B"]
     # Cold, every expert not yet in L2 came from disk: read by the process, or by the daemon while it waited;
-    # warm, L2 held them all.
+    # warm, in this process or a second one, L2 held them all.
     assert (table["disk, read by moe-l2d"][0], table["disk, read by this process"][0]) != ("0.0%", "0.0%")
-    assert (table["disk, read by moe-l2d"][1], table["disk, read by this process"][1]) == ("0.0%", "0.0%")
-    assert table["L2 hits (shared memory)"][1] != "0.0%"
+    for warm in (1, 2):
+        assert (table["disk, read by moe-l2d"][warm], table["disk, read by this process"][warm]) == ("0.0%", "0.0%")
+        assert table["read from disk by this process"][warm] == "0 B"
+        assert float(table["L2 hits (shared memory)"][warm].rstrip("%")) > 0
     made = (tmp_path / DEMO_NAME / "config.json").stat().st_mtime_ns
     out = io.StringIO()
     assert ensure_demo_model(tmp_path, out=out) == tmp_path / DEMO_NAME  # made once: the next run finds it
@@ -371,3 +385,14 @@ def test_values_the_parser_refuses(capsys, args):
     with pytest.raises(SystemExit) as exit_:
         moe_l2_main(["generate", "--model", "m", *args])
     assert exit_.value.code == 2
+
+
+def test_the_demo_says_what_dominates_a_token():
+    def run(wall_s, stall_s):
+        return {"generated": 10, "wall_s": wall_s, "stall_s": stall_s}
+
+    assert render_verdict(run(1.0, 0.1), run(0.9, 0.002), run(0.9, 0.003)) == (
+        "on this machine compute dominates: run 1 spent 90.0 ms per token computing and 10.00 ms waiting for "
+        "experts; with L2 warm, the wait was 0.20 ms (run 2), 0.30 ms (process 2)")
+    assert render_verdict(run(1.0, 0.6), run(0.4, 0.0), run(0.4, 0.0)).startswith(
+        "on this machine waiting for experts dominates: run 1 spent 40.0 ms per token computing and 60.00 ms")

@@ -1,15 +1,21 @@
 """`moe-l2 demo`: the whole system on a small built-in model, in about a minute.
 
-Creates the demo model in the user cache dir (once), starts a private moe-l2d for it, generates from a few
-prompts twice (L2 cold, then warm, each with a fresh L0 as a new process would have), shows where the
-experts came from side by side, checks the tokens against the model loaded whole, and stops the daemon.
+Creates the demo model in the user cache dir (once), drops its pages from the page cache (Linux), starts a
+private moe-l2d for it and generates from a few prompts three times: L2 cold, then warm (each with a fresh L0),
+then in a second process started against the warm daemon. It shows side by side where the experts came from,
+the bytes read from disk, the time spent waiting for experts per token and the time to the first token, says
+whether compute or the experts dominate on this machine, checks the tokens against the model loaded whole, and
+stops the daemon.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -17,9 +23,10 @@ from pathlib import Path
 
 from moe_l2.model.location import path_arg
 
-DEMO_NAME = "demo-qwen3-moe-v1"
-# Small enough to run in about a minute on two CPU cores (MLX's CPU float16 kernels are slow).
-DEMO_MODEL = dict(arch="qwen3_moe", layers=4, experts=32, top_k=4, hidden_size=128, moe_hidden_size=128, bits=4,
+DEMO_NAME = "demo-qwen3-moe-v2"
+# Small enough to run in about a minute on two CPU cores (MLX's CPU float16 kernels are slow: a token's compute
+# grows with the expert size), with many experts, so that a cold run reads many records from disk.
+DEMO_MODEL = dict(arch="qwen3_moe", layers=4, experts=128, top_k=4, hidden_size=128, moe_hidden_size=128, bits=4,
                   seed=7)
 PROMPTS = (
     "Explain how a cache hierarchy keeps the hot data close.",
@@ -35,7 +42,7 @@ def default_cache_dir() -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per prompt (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per prompt (default 16)")
     parser.add_argument("--l0-slots", type=int, default=None,
                         help="experts in each run's L0, one set of rows for all layers as moe-l2 generate has "
                              "with a daemon (default: moe-l2 plan's for this machine)")
@@ -66,6 +73,13 @@ def ensure_demo_model(cache_dir: Path | None = None, out=sys.stderr) -> Path:
             make_model(work / "model", progress=step, **DEMO_MODEL)
             bar.n = bar.total
             bar.refresh()
+        # On disk before the rename, and so cleanly cached: the page cache can drop only written-back pages.
+        for file in (work / "model").iterdir():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(work / "model", path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -73,28 +87,58 @@ def ensure_demo_model(cache_dir: Path | None = None, out=sys.stderr) -> Path:
 
 
 def _run_prompts(model: Path, socket: str | None, l0_slots: int | None, max_tokens: int) -> dict:
+    """Generate from every prompt with a fresh L0 in this process; what `render_table` shows of one run."""
     from moe_l2.client.mlx_lm import StreamedLM
     from moe_l2.client.pool import TierCounts
     from moe_l2.client.generation import encode_prompt, generate_streamed
 
     counts = TierCounts()
     tokens, texts = [], []
-    prompt_n = gen_n = 0
-    prompt_s = gen_s = 0.0
+    generated = 0
+    wall_s = stall_s = 0.0
+    first_token_s = None
     with StreamedLM(model, l0_slots=l0_slots, socket=socket, daemon=socket is not None, client_wait_s=5.0) as lm:
         attached = lm.client.attached if lm.client is not None else False
         for prompt in PROMPTS:
+            start = time.perf_counter()
             r = generate_streamed(lm, encode_prompt(lm.tokenizer, prompt), max_tokens)
+            wall_s += time.perf_counter() - start
+            # The streamed forward's time in the pool's fetches and loans: waiting for experts, prefill included.
+            stall_s += r.stats["fetch_s"]
+            if first_token_s is None:  # mlx-lm's prompt time ends with the first token
+                first_token_s = r.prompt_tokens / r.prompt_tps
             counts.add(r.counts)
             tokens.append(r.tokens)
             texts.append(r.text)
-            prompt_n += r.prompt_tokens
-            gen_n += r.generation_tokens
-            prompt_s += r.prompt_tokens / r.prompt_tps
-            gen_s += r.generation_tokens / r.generation_tps
+            generated += r.generation_tokens
         slots = f"{lm.pool.capacity} experts {'in all layers' if lm.pool.shared_l0 else 'per layer'}"
     return {"counts": counts, "tokens": tokens, "texts": texts, "attached": attached, "l0_slots": slots,
-            "prompt_tps": prompt_n / prompt_s, "generation_tps": gen_n / gen_s}
+            "generated": generated, "wall_s": wall_s, "stall_s": stall_s, "first_token_s": first_token_s}
+
+
+def _run_in_second_process(model: Path, socket: str, l0_slots: int | None, max_tokens: int) -> dict:
+    """`_run_prompts` in a fresh Python process (python -m moe_l2.commands.demo), as another user's would be."""
+    from moe_l2.client.pool import TierCounts
+
+    job = json.dumps({"model": str(model), "socket": socket, "l0_slots": l0_slots, "max_tokens": max_tokens})
+    # -P: a source checkout in the working directory must not shadow the installed package.
+    done = subprocess.run([sys.executable, "-P", "-m", __name__, job], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the second process exited with {done.returncode}: {last}")
+    result = json.loads(done.stdout.splitlines()[-1])
+    result["counts"] = TierCounts(**result["counts"])
+    return result
+
+
+def _daemon_figures(socket: str) -> tuple[int, int]:
+    """(bytes moe-l2d has read from the model files, experts it holds in L2), once its loads are done."""
+    from moe_l2 import protocol
+    from moe_l2.client.connection import request, wait_idle
+
+    wait_idle(socket)
+    served = request(socket, protocol.Stats(id=1)).payload["models"][0]
+    return served["loaded_bytes"], sum(layer["resident"] for layer in served["layers"])
 
 
 def _whole_model_tokens(model: Path, max_tokens: int) -> list[list[int]]:
@@ -109,7 +153,18 @@ def _whole_model_tokens(model: Path, max_tokens: int) -> list[list[int]]:
                                               max_tokens=max_tokens)] for p in PROMPTS]
 
 
-def render_table(cold: dict, warm: dict) -> str:
+# The runs, in order: a name, and the state of L2 as each began.
+RUNS = (("run 1", "L2 cold"), ("run 2", "L2 warm"), ("process 2", "L2 warm"))
+LABEL_WIDTH, COLUMN_WIDTH = 32, 20
+
+
+def _per_token_ms(run: dict, seconds: float) -> float:
+    return 1e3 * seconds / run["generated"]
+
+
+def render_table(*runs: dict) -> str:
+    """The runs side by side (RUNS names them); each has `_run_prompts`' figures and `daemon_read`, the bytes
+    moe-l2d read from the model files meanwhile."""
     from moe_l2.client.mlx_lm import hit_rates
     from moe_l2.sizes import format_pct, format_size
 
@@ -117,20 +172,33 @@ def render_table(cold: dict, warm: dict) -> str:
         c = run["counts"]
         rates = hit_rates(c)
         return [f"{rates['lookups']}", format_pct(rates["l0"]), format_pct(rates["l2"]),
-                format_pct(rates["daemon_disk"]), format_pct(rates["own_disk"]), format_size(c.bytes_read),
-                format_size(c.bytes_copied), f"{run['prompt_tps']:.1f}", f"{run['generation_tps']:.1f}"]
+                format_pct(rates["daemon_disk"]), format_pct(rates["own_disk"]), format_size(run["daemon_read"]),
+                format_size(c.bytes_read), format_size(c.bytes_copied),
+                f"{_per_token_ms(run, run['stall_s']):.2f}", f"{1e3 * run['first_token_s']:.0f}"]
 
     # Each lookup by where its bytes came from: a miss the daemon loads while the process waits (load-through)
     # is read from disk once, by the daemon, and is no cache hit.
     labels = ["expert lookups", "L0 hits (this process)", "L2 hits (shared memory)", "disk, read by moe-l2d",
-              "disk, read by this process", "this process read", "copied from L2", "prefill tok/s", "decode tok/s"]
-    lines = [f"{'':26s}{'run 1: L2 cold':>16s}{'run 2: L2 warm':>16s}"]
-    lines += [f"{label:26s}{a:>16s}{b:>16s}" for label, a, b in zip(labels, rows(cold), rows(warm))]
+              "disk, read by this process", "read from disk by moe-l2d", "read from disk by this process",
+              "copied from L2", "waiting for experts, ms/token", "time to first token, ms"]
+    lines = ["".ljust(LABEL_WIDTH) + "".join(f"{f'{name}: {l2}':>{COLUMN_WIDTH}s}" for name, l2 in RUNS[:len(runs)])]
+    lines += [f"{label:{LABEL_WIDTH}s}" + "".join(f"{v:>{COLUMN_WIDTH}s}" for v in values)
+              for label, *values in zip(labels, *map(rows, runs))]
     return "\n".join(lines)
 
 
+def render_verdict(cold: dict, *warm: dict) -> str:
+    """What dominates a token's time on this machine, computing or waiting for experts, and what L2 changed."""
+    compute = _per_token_ms(cold, cold["wall_s"] - cold["stall_s"])
+    stall = _per_token_ms(cold, cold["stall_s"])
+    after = ", ".join(f"{_per_token_ms(run, run['stall_s']):.2f} ms ({name})" for (name, _), run in zip(RUNS[1:], warm))
+    return (f"on this machine {'compute' if compute >= stall else 'waiting for experts'} dominates: run 1 spent "
+            f"{compute:.1f} ms per token computing and {stall:.2f} ms waiting for experts; with L2 warm, the wait "
+            f"was {after}")
+
+
 def run(args: argparse.Namespace) -> int:
-    from moe_l2.client.connection import wait_idle
+    from moe_l2.commands.bench import _drop_page_cache
     from moe_l2.daemon.process import DaemonProcess
     from moe_l2.layout import Geometry
     from moe_l2.model import ModelFiles
@@ -142,9 +210,13 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     model = ensure_demo_model(args.cache_dir)
     files = ModelFiles.open(model)
+    record = files.layout.nbytes
     print(f"demo model: {model}\n  {files.model_type}, {files.n_layers} MoE layers x {files.n_experts} experts "
-          f"(top {files.top_k}), {format_size(files.layout.nbytes)} per expert")
-    every_expert = Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, files.n_experts)
+          f"(top {files.top_k}), {format_size(record)} per expert")
+    # So that run 1 reads the disk, not what the last run (or the model's creation) left in memory.
+    dropped = hasattr(os, "posix_fadvise")
+    _drop_page_cache(files)
+    every_expert = Geometry.budget_for(files.n_layers, files.n_experts, record, files.n_experts)
     daemon = DaemonProcess.serving([model], every_expert)
     print("starting moe-l2d for it ...", flush=True)
     try:
@@ -157,17 +229,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"  serving on {daemon.socket}")
         print("run 1 (L2 cold: experts come from the model file, and the daemon loads what was missed) ...",
               flush=True)
-        cold = _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens)
-        wait_idle(daemon.socket)
-        print("run 2 (L2 warm: a fresh process, its L0 empty, finds the experts in shared memory) ...", flush=True)
-        warm = _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens)
+
+        def measured(run_prompts) -> tuple[dict, int]:
+            before = _daemon_figures(daemon.socket)[0]
+            one = run_prompts()
+            read, resident = _daemon_figures(daemon.socket)
+            return dict(one, daemon_read=read - before), resident
+
+        cold, cold_resident = measured(lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
+        print("run 2 (L2 warm: a fresh L0 in this process finds the experts in shared memory) ...", flush=True)
+        warm, _ = measured(lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
+        print("process 2 (L2 warm: a second process, started now, finds them there too) ...", flush=True)
+        second, _ = measured(lambda: _run_in_second_process(model, daemon.socket, args.l0_slots, args.max_tokens))
+    except RuntimeError as exc:
+        print(f"moe-l2 demo: {exc}", file=sys.stderr)
+        return 1
     finally:
         code = daemon.stop()
         left = daemon.cleanup()
 
     print("checking against the model loaded whole ...", flush=True)
     whole = _whole_model_tokens(model, args.max_tokens)
-    same = [a == b == c for a, b, c in zip(cold["tokens"], warm["tokens"], whole)]
+    runs = (cold, warm, second)
+    same = [all(run["tokens"][i] == tokens for run in runs) for i, tokens in enumerate(whole)]
 
     print()
     for prompt, text in zip(PROMPTS, cold["texts"]):
@@ -175,13 +259,33 @@ def run(args: argparse.Namespace) -> int:
     print("(random weights: the text is noise; what matters is where the experts came from)\n")
     print(f"L0: {cold['l0_slots']} in each process (a layer has {files.n_experts} experts); "
           f"L2: every expert fits the daemon's shared memory")
-    print(render_table(cold, warm))
+    print(render_table(*runs))
     print()
-    print(f"attached to the daemon: run 1 {'yes' if cold['attached'] else 'NO'}, "
-          f"run 2 {'yes' if warm['attached'] else 'NO'}")
+    print(f"run 1: moe-l2d read {cold_resident} experts of {format_size(record)} into L2 "
+          f"({format_size(cold_resident * record)}), "
+          + ("from disk: the model's pages were dropped from the page cache first" if dropped else
+             "perhaps from the page cache: nothing drops one file's cached pages here"))
+    print("ms/token: over the tokens generated, prefill included; waiting for experts: the forward's time in L0 "
+          "fills, L2 copies and loans, disk reads and load-through; time to first token: the first prompt's")
+    print(render_verdict(*runs))
+    print("attached to the daemon: " + ", ".join(f"{name} {'yes' if r['attached'] else 'NO'}"
+                                                 for (name, _), r in zip(RUNS, runs)))
     print(f"tokens identical to the whole model: {sum(same)}/{len(same)} prompts")
     print(f"daemon stopped (exit {code}); shared memory "
           f"{'cleaned up' if not left else 'left behind and now removed: ' + ', '.join(left)}")
     print(f"done in {time.perf_counter() - started:.1f} s")
-    ok = all(same) and cold["attached"] and warm["attached"] and not left and code == 0
+    ok = all(same) and all(r["attached"] for r in runs) and not left and code == 0
     return 0 if ok else 1
+
+
+def _second_process(job: str) -> int:
+    """The second process' side of `_run_in_second_process`: one JSON line of its figures."""
+    options = json.loads(job)
+    result = _run_prompts(Path(options["model"]), options["socket"], options["l0_slots"], options["max_tokens"])
+    result["counts"] = dataclasses.asdict(result["counts"])
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_second_process(sys.argv[1]))
