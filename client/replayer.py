@@ -5,7 +5,8 @@ where L2 lends its records in place, else `ExpertPool.fetch`),
 then waits the configured compute time, during which background work may run. Stall is the time `fetch` took:
 what compute did not hide (docs/architecture.md, "The bench").
 
-Run as ``python -P -m moe_l2.client.replayer``; it speaks JSON lines. The first line on stdin is the job::
+Run as ``python -P -m moe_l2.client.replayer`` (the bench runs it tied to itself: moe_l2/lifeline.py); it
+speaks JSON lines. The first line on stdin is the job::
 
     {"model": DIR, "capacity": L0 experts per layer, "direct": true|false|null, "socket": ADDRESS or null,
      "policy": L0 policy, "cgroup": DIR or null, "compute_ms": per layer, "warmup": tokens,
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 
@@ -110,6 +112,8 @@ def replay(pool: ExpertPool, tokens: list, compute_s: float, next_layer: NextLay
 
 
 def main() -> int:
+    # A Ctrl-C reaches the bench's whole process group; the bench, which started this process, ends it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     job = json.loads(sys.stdin.readline())
     if job.get("cgroup"):
         # Join before touching the model: the page cache our reads bring in is charged to this group.

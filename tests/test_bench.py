@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
+import psutil
 import pytest
 
 from moe_l2.cache.trace import read_traces
@@ -14,7 +20,7 @@ from moe_l2.generator import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
 from moe_l2.model.synthetic import GEOMETRIES, build
-from .conftest import synthetic_trace
+from .conftest import segment_exists, synthetic_trace, wait_for
 
 FIELDS = {"name": str, "budget_share": float, "processes": int, "stall_ms_per_token": float,
           "tok_s_projected": float, "hit_rates": dict, "disk_bytes_per_token": float, "peak_bytes": int}
@@ -135,3 +141,89 @@ def test_a_built_geometry_is_a_packed_model_of_its_pieces(tmp_path):
     assert files.read_record(1, 5) == raw and len(set(raw)) > 200
     mtime = (path / "config.json").stat().st_mtime_ns
     assert build(small, 2, tmp_path) == path and (path / "config.json").stat().st_mtime_ns == mtime
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE  # a zombie has exited
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _started(bench: psutil.Process, module: str) -> list[psutil.Process]:
+    found = []
+    for child in bench.children(recursive=True):
+        try:
+            if module in child.cmdline():
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _listed_segments(daemon: psutil.Process) -> list[str]:
+    """The segments the daemon lists in its runtime dir (moe-l2d-*.segments), once it serves."""
+    args = daemon.cmdline()
+    runtime_dir = Path(args[args.index("--runtime-dir") + 1])
+    names = []
+    for state in runtime_dir.glob("moe-l2d-*.segments"):
+        try:
+            names += json.loads(state.read_text())
+        except (OSError, ValueError):
+            continue  # being written
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, how", [("moe-l2", "ctrl-c"), ("moe-l2", "sigterm"), ("moe-l2", "sigkill"),
+                                         ("page-cache", "sigkill")])
+def test_an_interrupted_bench_leaves_nothing_behind(tiny, tmp_path, config, how):
+    model, trace = tiny
+    log = tmp_path / "bench.err"
+    # Compute long enough that the replay is still running when the bench is stopped; its own session, so that
+    # a Ctrl-C can reach its whole process group as a terminal's does, and nothing else.
+    with log.open("wb") as err:
+        bench = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.cli", "bench", "--model", str(model), "--trace",
+                                  str(trace), "--budget", "50%", "--processes", "2", "--compute-ms", "1000",
+                                  "--configs", config, "--json"], stdout=subprocess.DEVNULL, stderr=err,
+                                 start_new_session=True)
+    try:
+        parent = psutil.Process(bench.pid)
+        cgroups = [root / f"moe-l2-bench-{bench.pid}" for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory"))]
+        # Up: both clients started and, for moe-l2, its daemon serving (it lists its segments once it does).
+        wait_for(lambda: len(_started(parent, "moe_l2.client.replayer")) == 2 or bench.poll() is not None,
+                 60, "the bench's client processes")
+        if bench.poll() is not None:
+            err = log.read_text()
+            assert config == "page-cache" and "cgroup" in err, err
+            pytest.skip(f"no memory cgroup here: {err}")
+        segments = []
+        if config == "moe-l2":
+            (daemon,) = _started(parent, "moe_l2.daemon.main")
+            wait_for(lambda: _listed_segments(daemon), 60, "the daemon's segments")
+            segments = _listed_segments(daemon)
+            assert all(segment_exists(name) for name in segments)
+        else:
+            assert any(c.is_dir() for c in cgroups)
+        started = parent.children(recursive=True)
+        if how == "ctrl-c":
+            os.killpg(bench.pid, signal.SIGINT)
+        else:
+            bench.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        status = bench.wait(60)
+        err = log.read_text()
+        assert status == {"ctrl-c": 130, "sigterm": 143, "sigkill": -signal.SIGKILL}[how], err
+        if how != "sigkill":
+            assert "stopped by" in err and "Traceback" not in err, err
+        # Killed outright, the bench removed nothing: its children saw it die and end (the daemon unlinking its
+        # segments as it does on SIGTERM), and the cgroup's keeper removes the group once they have.
+        wait_for(lambda: not any(_alive(p) for p in started), 60,
+                 f"the end of {[(p.pid, p.cmdline()) for p in started if _alive(p)]}")
+        wait_for(lambda: not any(segment_exists(name) for name in segments), 30, "the segments' unlinking")
+        if sys.platform == "linux":
+            assert not {f"/dev/shm/{name.lstrip('/')}" for name in segments} & {str(p) for p in Path("/dev/shm").iterdir()}
+        wait_for(lambda: not any(c.exists() for c in cgroups), 30, "the cgroup's removal")
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()

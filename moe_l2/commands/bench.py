@@ -14,13 +14,15 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import platformdirs
 
-from moe_l2 import protocol
+from moe_l2 import lifeline, protocol
 from moe_l2.cache.prefetch import Score
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.cgroup import MemoryCgroup
@@ -50,6 +52,14 @@ class BenchError(ValueError):
 
 class BudgetTooSmall(BenchError):
     """One point's budget cannot hold what the configuration needs; the others still run."""
+
+
+class Terminated(Exception):
+    """SIGTERM, raised where the bench is, so that what it started is stopped and removed on the way out."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -239,15 +249,18 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
             cgroup, why = MemoryCgroup.make(f"moe-l2-bench-{os.getpid()}")
             if cgroup is None:
                 return {"name": config, "budget_share": share, "processes": len(parts), "skipped": why}
+        # The daemon and the clients are tied to this process (moe_l2/lifeline.py): killed outright, it leaves
+        # no orphan holding segments; the cgroup has its own keeper.
         if plan["slots"]:
-            daemon = DaemonProcess.serving([files.path], plan["l2_budget"], "--log-level", "warning").start()
+            daemon = DaemonProcess.serving([files.path], plan["l2_budget"], "--log-level", "warning",
+                                           command=lifeline.command("moe_l2.daemon.main")).start()
         job = {"model": str(files.path), "capacity": plan["capacity"], "policy": stream.policy,
                "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
                "load_through_ms": stream.load_through_ms, "prefetch": config == "moe-l2+prefetch",
                "lend": in_place, "shared_l0": shared_l0}
         for tokens, warm in parts:
-            w = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.client.replayer"], stdin=subprocess.PIPE,
+            w = subprocess.Popen(lifeline.command("moe_l2.client.replayer"), stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
             workers.append(w)
             w.stdin.write(json.dumps(dict(job, tokens=tokens, warmup=warm)) + "\n")
@@ -273,6 +286,10 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
             if daemon:
                 shm = request(daemon.socket, protocol.Stats(id=1)).payload["daemon"]["shm_bytes"]
                 peak += shm + anon_bytes(daemon.proc.pid)
+    except BaseException:
+        for w in workers:
+            w.terminate()  # interrupted mid-replay: a worker reads its stdin again only at the end
+        raise
     finally:
         for w in workers:
             w.stdin.close()
@@ -376,6 +393,22 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Ctrl-C (KeyboardInterrupt) and SIGTERM unwind through run_config, which stops what it started.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        return _run(args)
+    except (KeyboardInterrupt, Terminated) as exc:
+        signum = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
+        print(f"moe-l2 bench: stopped by {signal.Signals(signum).name}; its daemon, client processes and cgroup "
+              "are gone", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         shares, counts = _shares(args.budget), _ints(args.processes, "--processes")
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
