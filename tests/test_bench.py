@@ -22,7 +22,7 @@ from moe_l2.model.architecture import switch_layers
 from moe_l2.model.synthetic import GEOMETRIES, build
 from .conftest import segment_exists, synthetic_trace, wait_for
 
-FIELDS = {"name": str, "budget_share": float, "processes": int, "stall_ms_per_token": float,
+FIELDS = {"name": str, "budget_share": float, "processes": int, "stall_s_per_token": float,
           "tok_s_projected": float, "hit_rates": dict, "disk_bytes_per_token": float, "peak_bytes": int}
 
 
@@ -62,7 +62,11 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
         # L2 hits are computed on in place (lent) by default, copied otherwise.
         assert counts["bytes_copied"] == (counts["l2_hits"] - counts["l2_lent"]) * record
         assert c["hit_rates"]["L0"] == pytest.approx(counts["l0_hits"] / counts["lookups"])
-        assert c["tok_s_projected"] == pytest.approx(1 / (2 * 0.1e-3 + c["stall_ms_per_token"] / 1e3))
+        assert c["tok_s_projected"] == pytest.approx(1 / (2 * 0.1e-3 + c["stall_s_per_token"]))
+        # Each lookup once, by where its bytes came from (TierCounts.by_source): a record the daemon read while the
+        # lookup waited is a disk read, not an L2 hit.
+        assert c["tiers"] == {"l0": counts["l0_hits"], "l2": counts["l2_hits"] - counts["l2_awaited"],
+                              "daemon_disk": counts["l2_awaited"], "own_disk": counts["l3_reads"]}
         assert c["peak_bytes"] > 0
     pread, moe = by_name["pread"], by_name["moe-l2"]
     # pread: the whole budget as L0, direct reads, so the kernel read at least what the pool read from the files.
