@@ -97,6 +97,41 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_repeat_takes_turns_and_reports_medians_in_their_range_and_ratios_pair_by_pair(tiny, capsys, monkeypatch):
+    from moe_l2.commands import bench
+
+    model, trace = tiny
+    order = []
+    real = bench.run_config
+
+    def run_config(files, config, *rest):
+        order.append(config)
+        return real(files, config, *rest)
+
+    monkeypatch.setattr(bench, "run_config", run_config)
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "50%", "--processes", "1",
+                 "--compute-ms", "0", "--warmup", "0", "--tokens", "8", "--configs", "pread,moe-l2", "--repeat", "3",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert order == ["pread", "moe-l2"] * 3 and result["repeat"] == 3
+    by_name = {c["name"]: c for c in result["configs"]}
+    for c in result["configs"]:
+        runs = c["runs"]
+        assert len(runs) == 3
+        for figure in ("stall_s_per_token", "tok_s_projected", "disk_bytes_per_token", "peak_bytes"):
+            values = [r[figure] for r in runs]
+            assert c["spread"][figure] == [min(values), max(values)]
+            assert min(values) <= c[figure] <= max(values) and c[figure] == sorted(values)[1]
+        # Counts add up over the runs: each replayed the same 8 tokens.
+        assert c["tokens"] == 3 * 8
+        assert c["counts"]["lookups"] == sum(c["tiers"].values()) == c["counts"]["l0_hits"] + c["counts"]["l2_hits"] + c["counts"]["l3_reads"]
+    (ratio,) = result["ratios"]
+    assert (ratio["name"], ratio["against"]) == ("moe-l2", "pread")
+    pairs = [m["tok_s_projected"] / p["tok_s_projected"] for m, p in zip(by_name["moe-l2"]["runs"], by_name["pread"]["runs"])]
+    assert ratio["pairs"] == pytest.approx(pairs) and len(pairs) == 3
+    assert ratio["min"] <= ratio["median"] <= ratio["max"] and ratio["median"] == pytest.approx(sorted(pairs)[1])
+
+
 def test_copied_l2_reads_give_l0_half_the_budget(tiny, capsys):
     model, trace = tiny
     assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "50%", "--processes", "1",

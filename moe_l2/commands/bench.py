@@ -91,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent client processes, each replaying its share of the sequences (default 1,3)")
     parser.add_argument("--configs", default=",".join(CONFIGS), metavar="NAME[,NAME...]",
                         help=f"configurations to run (default {','.join(CONFIGS)})")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="runs of each configuration at each point, taking turns (A B A B ...): each figure is "
+                             "the median of its runs, with min-max, and each ratio the median of the ratios of "
+                             "runs side by side (default 1)")
     options.add_arguments(parser.add_argument_group("moe-l2 and moe-l2+prefetch: streaming, as moe-l2 generate"),
                           STREAMING)
     parser.add_argument("--l0-share", type=float, metavar="F",
@@ -318,8 +322,8 @@ BASES = ("page-cache", "pread")  # what each configuration's tok/s is compared w
 
 
 def _median(values: list):
-    # The middle run's value itself (the lower of the two middle ones for an even count): a measured figure.
-    return statistics.median_low(values)
+    # A count of bytes stays a whole number: the lower middle run's for an even count of runs.
+    return statistics.median_low(values) if all(isinstance(v, int) for v in values) else statistics.median(values)
 
 
 @dataclass
@@ -426,6 +430,7 @@ class BenchResult:
     record_bytes: int
     expert_bytes: int
     machine: str
+    repeat: int = 1
     configs: list[ConfigResult] = field(default_factory=list)
 
     def done(self) -> list[ConfigResult]:
@@ -506,6 +511,16 @@ def render(result: BenchResult) -> str:
                          f"{format_pct(score.recall)} of picks guessed "
                          f"(recall); {pf['issued']} loaded ahead {_by_whom(pf, tokens)}, {pf['useful']} used, "
                          f"{pf['wasted']} unused")
+    if result.repeat > 1:
+        lines += ["", f"Over {result.repeat} runs of each, taking turns: the figures above are medians; min-max, and "
+                      "the ratios of the runs side by side:"]
+        for c in result.done():
+            (lo, hi), (tlo, thi) = c.spread("stall_s_per_token"), c.spread("tok_s_projected")
+            against = [f"vs {r.against} {r.median:.2f}x ({min(r.pairs):.2f}-{max(r.pairs):.2f}, {len(r.pairs)} pairs)"
+                       for base in BASES if c.name != base and (r := result.ratio(c, base))]
+            lines.append(f"  {c.name} at {format_pct(c.budget_share, 0)}, {c.processes} processes: stall "
+                         f"{lo * 1e3:.2f}-{hi * 1e3:.2f} ms/tok, tok/s {tlo:.1f}-{thi:.1f}"
+                         + "".join(f"; {a}" for a in against))
     lines += ["", "tok/s = 1 / (compute + stall) for the layers replayed; stall: fetch time compute did not hide; "
               "L2 hit: held in L2 when looked up, over L0 misses; pc hit: page-cache hits (from the kernel's "
               "disk-read count); files: lookups read from the model files, by the client or by the daemon while it "
@@ -567,6 +582,8 @@ def _run(args: argparse.Namespace) -> int:
             raise BenchError(f"--configs takes names from {', '.join(CONFIGS)}, not {', '.join(unknown) or 'none'}")
         if args.tokens is not None and args.tokens < 1 or not 0 <= args.warmup < 1 or args.compute_ms < 0:
             raise BenchError("--tokens must be at least 1, --warmup a share below 1, --compute-ms at least 0")
+        if args.repeat < 1:
+            raise BenchError(f"--repeat must be at least 1, not {args.repeat}")
         traces = read_traces(args.trace)
         path, name = _model(args, traces)
         files = ModelFiles.open(path)
@@ -577,21 +594,26 @@ def _run(args: argparse.Namespace) -> int:
                              compute_s_per_layer=args.compute_ms / 1e3, l2_reads=args.l2_reads,
                              record_bytes=files.layout.nbytes,
                              expert_bytes=files.n_layers * files.n_experts * files.layout.nbytes,
-                             machine=f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores")
+                             machine=f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
+                             repeat=args.repeat)
         for share in shares:
             for n in counts:
                 parts = _parts(traces, files.n_layers, n, args.tokens, args.warmup)
-                for config in configs:
-                    c = ConfigResult(config, share, n)
-                    result.configs.append(c)
-                    try:
-                        plan, run = run_config(files, config, share, parts, args)
-                    except Skipped as exc:
-                        c.skipped = str(exc)
-                        continue
-                    c.l0_experts, c.l0_shared, c.l2_slots, c.budget_bytes = (
-                        plan["capacity"], plan["shared_l0"], plan["slots"], plan["budget"])
-                    c.runs.append(run)
+                point = [ConfigResult(config, share, n) for config in configs]
+                result.configs += point
+                # Interleaved, so that the disk's drift between runs falls on every configuration alike.
+                for _ in range(args.repeat):
+                    for c in point:
+                        if c.skipped is not None:
+                            continue
+                        try:
+                            plan, run = run_config(files, c.name, share, parts, args)
+                        except Skipped as exc:
+                            c.skipped = str(exc)
+                            continue
+                        c.l0_experts, c.l0_shared, c.l2_slots, c.budget_bytes = (
+                            plan["capacity"], plan["shared_l0"], plan["slots"], plan["budget"])
+                        c.runs.append(run)
         if not result.done():
             raise BenchError("nothing could run: " + "; ".join(c.skipped for c in result.configs))
     except (BenchError, TraceError, SyntheticError, ValueError, OSError) as exc:
