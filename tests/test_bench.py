@@ -37,7 +37,7 @@ def tiny(tmp_path):
 def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
     model, trace = tiny
     png = tmp_path / "bench.png"
-    status = main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "50%", "--processes", "2",
+    status = main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "2",
                    "--compute-ms", "0.1", "--warmup", "0", "--plot", str(png), "--json"])
     assert status == 0
     result = json.loads(capsys.readouterr().out)
@@ -109,7 +109,7 @@ def test_repeat_takes_turns_and_reports_medians_in_their_range_and_ratios_pair_b
         return real(files, config, *rest)
 
     monkeypatch.setattr(bench, "run_config", run_config)
-    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "50%", "--processes", "1",
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "1",
                  "--compute-ms", "0", "--warmup", "0", "--tokens", "8", "--configs", "pread,moe-l2", "--repeat", "3",
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -134,7 +134,7 @@ def test_repeat_takes_turns_and_reports_medians_in_their_range_and_ratios_pair_b
 
 def test_copied_l2_reads_give_l0_half_the_budget(tiny, capsys):
     model, trace = tiny
-    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "50%", "--processes", "1",
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "1",
                  "--compute-ms", "0", "--warmup", "0", "--configs", "moe-l2", "--l2-reads", "copy", "--json"]) == 0
     moe = json.loads(capsys.readouterr().out)["configs"][0]
     files = ModelFiles.open(model)
@@ -145,13 +145,30 @@ def test_copied_l2_reads_give_l0_half_the_budget(tiny, capsys):
 
 def test_a_budget_under_top_k_and_a_mismatched_trace_say_what_to_do(tiny, tmp_path, capsys):
     model, trace = tiny
+    # --budget, bench's name for --budget-share until this release, still works and says so.
     assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "5%", "--processes", "1"]) == 1
     err = capsys.readouterr().err
-    assert "top-2" in err and "raise --budget" in err
+    assert "--budget is deprecated" in err and "use --budget-share" in err
+    assert "top-2" in err and "raise --budget-share" in err
     # The toy trace routes 32 experts, top-2; gpt-oss-20b has 32, top-4: refused before anything is built.
     assert main(["bench", "--geometry", "gpt-oss-20b", "--trace", str(trace), "--cache-dir", str(tmp_path)]) == 1
     assert "pass the geometry of the trace's model" in capsys.readouterr().err
     assert not list(tmp_path.glob("gpt-oss-20b*"))
+
+
+def test_the_old_name_of_first_layers_still_works_and_is_hidden(capsys):
+    from moe_l2.cli import build_parser
+
+    parser = build_parser("bench")
+    args = parser.parse_args(["bench", "--trace", "t.jsonl", "--layers", "6"])
+    assert args.first_layers == 6 and "--layers is deprecated" in capsys.readouterr().err
+    assert parser.parse_args(["bench", "--trace", "t.jsonl", "--first-layers", "6"]).first_layers == 6
+    assert not capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--help"])
+    shown = capsys.readouterr().out
+    assert "--first-layers" in shown and "--budget-share" in shown
+    assert "--layers " not in shown and "--budget " not in shown
 
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
@@ -223,7 +240,7 @@ def test_an_interrupted_bench_leaves_nothing_behind(tiny, tmp_path, config, how)
     # a Ctrl-C can reach its whole process group as a terminal's does, and nothing else.
     with log.open("wb") as err:
         bench = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.cli", "bench", "--model", str(model), "--trace",
-                                  str(trace), "--budget", "50%", "--processes", "2", "--compute-ms", "1000",
+                                  str(trace), "--budget-share", "50%", "--processes", "2", "--compute-ms", "1000",
                                   "--configs", config, "--json"], stdout=subprocess.DEVNULL, stderr=err,
                                  start_new_session=True)
     try:

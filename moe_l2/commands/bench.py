@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="expert shapes and sizes of this model, built once as random bytes (default: the "
                              "trace's model)")
     parser.add_argument("--model", metavar="DIR|ID", help="use this real checkpoint instead of a built geometry")
-    parser.add_argument("--layers", type=int, metavar="N",
+    parser.add_argument("--first-layers", type=int, metavar="N",
                         help="only the first N MoE layers of the geometry and the trace (default: all)")
     parser.add_argument("--tokens", type=int, metavar="N", help="replay at most N tokens over all processes")
     parser.add_argument("--warmup", type=float, default=0.2, metavar="SHARE",
@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-ms", type=float, default=DEFAULT_COMPUTE_MS, metavar="MS",
                         help=f"model compute per layer, during which background work may run (default "
                              f"{DEFAULT_COMPUTE_MS}: decode on an M2 Max, see docs/architecture.md)")
-    parser.add_argument("--budget", default="25%,50%", metavar="SHARE[,SHARE...]",
+    parser.add_argument("--budget-share", default="25%,50%", metavar="SHARE[,SHARE...]",
                         help="memory for experts, as shares of all experts' bytes (default 25%%,50%%)")
     parser.add_argument("--processes", default="1,3", metavar="N[,N...]",
                         help="concurrent client processes, each replaying its share of the sequences (default 1,3)")
@@ -105,6 +105,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where built geometries are kept and reused (default: the user cache dir)")
     parser.add_argument("--plot", type=path_arg, metavar="FILE.png", help="also draw tok/s and stall to a PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    renamed(parser, "--budget", "--budget-share")
+    renamed(parser, "--layers", "--first-layers")
+
+
+def renamed(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """`old`, a flag's name until this release, keeps working as `new` (hidden from --help), saying so."""
+    target = next(a for a in parser._actions if new in a.option_strings)
+
+    class Renamed(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            print(f"{parser.prog}: {old} is deprecated and will be removed in the next release: use {new}",
+                  file=sys.stderr)
+            setattr(namespace, target.dest, values)
+
+    parser.add_argument(old, action=Renamed, dest=target.dest, type=target.type, metavar=target.metavar,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _shares(text: str) -> list[float]:
@@ -113,9 +129,9 @@ def _shares(text: str) -> list[float]:
         try:
             value = float(part[:-1]) / 100 if part.endswith("%") else float(part)
         except ValueError:
-            raise BenchError(f"--budget takes shares like 25% or 0.25, separated by commas, not {part!r}") from None
+            raise BenchError(f"--budget-share takes shares like 25% or 0.25, separated by commas, not {part!r}") from None
         if not 0 < value <= 1:
-            raise BenchError(f"--budget share {part} must be above 0 and at most 100%")
+            raise BenchError(f"--budget-share {part} must be above 0 and at most 100%")
         shares.append(value)
     return shares
 
@@ -133,8 +149,8 @@ def _ints(text: str, flag: str) -> list[int]:
 def _model(args, traces) -> tuple[Path, str]:
     """The model directory to read, and what to call it."""
     if args.model:
-        if args.geometry or args.layers:
-            raise BenchError("--model uses a real checkpoint as it is: leave out --geometry and --layers")
+        if args.geometry or args.first_layers:
+            raise BenchError("--model uses a real checkpoint as it is: leave out --geometry and --first-layers")
         return Path(resolve_model(args.model)), args.model
     name = args.geometry or traces.model
     if name not in GEOMETRIES:
@@ -145,7 +161,7 @@ def _model(args, traces) -> tuple[Path, str]:
         raise BenchError(f"the trace routes {traces.n_experts} experts, top-{traces.top_k} ({traces.model}); "
                          f"{name} has {geometry.n_experts}, top-{geometry.top_k}: pass the geometry of the "
                          "trace's model, or another trace")
-    layers = min(args.layers or geometry.n_moe_layers, traces.n_layers)
+    layers = min(args.first_layers or geometry.n_moe_layers, traces.n_layers)
     cache = args.cache_dir or Path(platformdirs.user_cache_dir("moe-l2")) / "bench"
     say = (lambda m: print(m, file=sys.stderr)) if args.json else print
     return build(geometry, layers, cache, say=say), f"{name}, {layers} MoE layers"
@@ -190,12 +206,12 @@ def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share
         except BudgetError:
             raise BudgetTooSmall(f"{config} at {format_pct(share)} with {processes} processes: the L0s take the "
                                  f"whole budget ({format_size(budget)}), leaving no L2 slot in every layer: lower "
-                                 "--l0-share or raise --budget") from None
+                                 "--l0-share or raise --budget-share") from None
     if capacity < top_k or processes * capacity * row > budget:
         raise BudgetTooSmall(f"{config} at {format_pct(share)} ({format_size(budget)}) with {processes} processes: "
                              f"each process needs L0 rows for top-{top_k} experts "
                              f"{'in all' if shared_l0 else 'in every layer'} ({format_size(top_k * row)}): "
-                             "raise --budget or run fewer --processes")
+                             "raise --budget-share or run fewer --processes")
     return {"budget": budget, "capacity": capacity, "l2_budget": l2_budget, "slots": slots, "shared_l0": shared_l0}
 
 
@@ -575,7 +591,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        shares, counts = _shares(args.budget), _ints(args.processes, "--processes")
+        shares, counts = _shares(args.budget_share), _ints(args.processes, "--processes")
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
         unknown = sorted(set(configs) - set(CONFIGS))
         if unknown or not configs:
