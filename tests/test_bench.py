@@ -124,12 +124,37 @@ def test_repeat_takes_turns_and_reports_medians_in_their_range_and_ratios_pair_b
             assert min(values) <= c[figure] <= max(values) and c[figure] == sorted(values)[1]
         # Counts add up over the runs: each replayed the same 8 tokens.
         assert c["tokens"] == 3 * 8
-        assert c["counts"]["lookups"] == sum(c["tiers"].values()) == c["counts"]["l0_hits"] + c["counts"]["l2_hits"] + c["counts"]["l3_reads"]
+        counts = c["counts"]
+        assert counts["lookups"] == sum(c["tiers"].values()) == counts["l0_hits"] + counts["l2_hits"] + counts["l3_reads"]
     (ratio,) = result["ratios"]
     assert (ratio["name"], ratio["against"]) == ("moe-l2", "pread")
-    pairs = [m["tok_s_projected"] / p["tok_s_projected"] for m, p in zip(by_name["moe-l2"]["runs"], by_name["pread"]["runs"])]
+    pairs = [m["tok_s_projected"] / p["tok_s_projected"]
+             for m, p in zip(by_name["moe-l2"]["runs"], by_name["pread"]["runs"])]
     assert ratio["pairs"] == pytest.approx(pairs) and len(pairs) == 3
     assert ratio["min"] <= ratio["median"] <= ratio["max"] and ratio["median"] == pytest.approx(sorted(pairs)[1])
+
+
+def test_cold_warm_scenario_a_new_process_finds_what_the_first_left_in_l2(tiny, capsys):
+    model, trace = tiny
+    # The whole budget: L2 holds every record the tokens touch, so what the first process read, the second finds.
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "100%", "--processes",
+                 "1", "--compute-ms", "0", "--tokens", "8", "--configs", "moe-l2", "--scenario", "cold-warm",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    cold, warm, new = result["configs"]
+    assert [c["phase"] for c in (cold, warm, new)] == ["cold", "warm", "new process"]
+    tokens = [t for s in read_traces(trace).sequences for t in s.experts][:8]
+    records = {(layer, e) for t in tokens for layer, picks in enumerate(t) for e in picks}
+    lookups = sum(len(set(picks)) for t in tokens for picks in t)
+    for c in (cold, warm, new):
+        assert c["tokens"] == 8 and c["first_token_s"] > 0
+        assert c["counts"]["lookups"] == lookups + c["torn_lookups"] == sum(c["tiers"].values())
+    # Cold: each record the tokens touch came from the disk once, read by the daemon or the client; then the
+    # same process again, and a new one, find every L0 miss held in L2.
+    assert cold["tiers"]["daemon_disk"] + cold["tiers"]["own_disk"] == len(records)
+    for c in (warm, new):
+        assert c["tiers"]["daemon_disk"] == c["tiers"]["own_disk"] == 0
+        assert c["tiers"]["l2"] == c["counts"]["lookups"] - c["tiers"]["l0"] > 0 and c["hit_rates"]["L2"] == 1.0
 
 
 def test_copied_l2_reads_give_l0_half_the_budget(tiny, capsys):
@@ -245,7 +270,8 @@ def test_an_interrupted_bench_leaves_nothing_behind(tiny, tmp_path, config, how)
                                  start_new_session=True)
     try:
         parent = psutil.Process(bench.pid)
-        cgroups = [root / f"moe-l2-bench-{bench.pid}" for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory"))]
+        cgroups = [root / f"moe-l2-bench-{bench.pid}"
+                   for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory"))]
         # Up: both clients started and, for moe-l2, its daemon serving (it lists its segments once it does).
         wait_for(lambda: len(_started(parent, "moe_l2.client.replayer")) == 2 or bench.poll() is not None,
                  60, "the bench's client processes")
@@ -277,7 +303,7 @@ def test_an_interrupted_bench_leaves_nothing_behind(tiny, tmp_path, config, how)
                  f"the end of {[(p.pid, p.cmdline()) for p in started if _alive(p)]}")
         wait_for(lambda: not any(segment_exists(name) for name in segments), 30, "the segments' unlinking")
         if sys.platform == "linux":
-            assert not {f"/dev/shm/{name.lstrip('/')}" for name in segments} & {str(p) for p in Path("/dev/shm").iterdir()}
+            assert not {name.lstrip("/") for name in segments} & {p.name for p in Path("/dev/shm").iterdir()}
         wait_for(lambda: not any(c.exists() for c in cgroups), 30, "the cgroup's removal")
     finally:
         if bench.poll() is None:

@@ -91,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent client processes, each replaying its share of the sequences (default 1,3)")
     parser.add_argument("--configs", default=",".join(CONFIGS), metavar="NAME[,NAME...]",
                         help=f"configurations to run (default {','.join(CONFIGS)})")
+    parser.add_argument("--scenario", choices=("cold-warm",),
+                        help="cold-warm: the demo's scenario, each configuration's clients replaying their tokens "
+                             "cold (nothing cached, a fresh daemon), again warm, then as new processes against what "
+                             "the first left warm (no --warmup)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="runs of each configuration at each point, taking turns (A B A B ...): each figure is "
                              "the median of its runs, with min-max, and each ratio the median of the ratios of "
@@ -129,7 +133,8 @@ def _shares(text: str) -> list[float]:
         try:
             value = float(part[:-1]) / 100 if part.endswith("%") else float(part)
         except ValueError:
-            raise BenchError(f"--budget-share takes shares like 25% or 0.25, separated by commas, not {part!r}") from None
+            raise BenchError(f"--budget-share takes shares like 25% or 0.25, separated by commas, not {part!r}") \
+                from None
         if not 0 < value <= 1:
             raise BenchError(f"--budget-share {part} must be above 0 and at most 100%")
         shares.append(value)
@@ -260,19 +265,22 @@ def _by_whom(pf: dict, tokens: int) -> str:
     return f"into L0 ({format_size(loaded / tokens)} per token)" if loaded else "into L2, by the daemon"
 
 
-def run_config(files: ModelFiles, config: str, share: float, parts: list, args) -> tuple[dict, Run]:
-    """One configuration at one point: start its daemon / cgroup / clients, replay, and sum what they saw.
-    Returns its plan (_plan) and its run."""
+def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[list, int]],
+               args) -> tuple[dict, list[Run]]:
+    """One configuration at one point: start its daemon / cgroup, then for each round its clients (one per part,
+    each replaying the part's measured tokens `passes` times), and sum what they saw in each pass. One daemon and
+    cgroup serve every round: a later round's clients are fresh processes against what the earlier left warm.
+    Returns its plan (_plan) and its runs, a round's passes in turn."""
     stream = options.from_args(args)
     in_place = stream.lend
     l0_share = args.l0_share if args.l0_share is not None else 0.0 if in_place else 0.5
     # moe-l2+prefetch is moe-l2 with next-layer prefetch: into per-layer L0 rows, or with a shared L0 into L2.
     # Its L0 is laid out as a process of generate's with a daemon would lay it out.
     shared_l0 = config.startswith("moe-l2") and stream.l0_shared
-    plan = _plan(files, config, share, len(parts), l0_share, shared_l0)
+    plan = _plan(files, config, share, len(rounds[0][0]), l0_share, shared_l0)
     _drop_page_cache(files)
     daemon = cgroup = None
-    workers: list[subprocess.Popen] = []
+    runs: list[Run] = []
     try:
         if config == "page-cache":
             cgroup, why = MemoryCgroup.make(f"moe-l2-bench-{os.getpid()}")
@@ -288,6 +296,21 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
                "load_through_ms": stream.load_through_ms, "prefetch": config == "moe-l2+prefetch",
                "lend": in_place, "shared_l0": shared_l0}
+        for parts, passes in rounds:
+            runs += _round(files, config, plan, job, parts, passes, daemon, cgroup, limit=not runs)
+    finally:
+        if daemon is not None:
+            daemon.cleanup()
+        if cgroup is not None:
+            cgroup.remove()
+    return plan, runs
+
+
+def _round(files, config, plan, job, parts, passes, daemon, cgroup, limit: bool) -> list[Run]:
+    """One round of run_config: a client process per part, `passes` measured passes, then the clients end."""
+    workers: list[subprocess.Popen] = []
+    runs = []
+    try:
         for tokens, warm in parts:
             w = subprocess.Popen(lifeline.command("moe_l2.client.replayer"), stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
@@ -297,24 +320,27 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
         _all(workers, "ready")
         _go(workers)
         _all(workers, "warm")
-        if cgroup is not None:
+        if cgroup is not None and limit:
             # Warm, the clients' anonymous memory holds their L0 rows, the pool's read scratch and Python's heap;
             # the limit is that, plus what of the budget the L0s leave, plus a little room for the heap to grow
             # (a member past the limit with no page cache left is killed): the page cache gets the rest.
-            l0 = len(parts) * plan["capacity"] * (1 if shared_l0 else files.n_layers) * files.layout.nbytes
+            l0 = len(parts) * plan["capacity"] * (1 if plan["shared_l0"] else files.n_layers) * files.layout.nbytes
             cgroup.limit(cgroup.anon() + plan["budget"] - l0 + len(parts) * HEAP_ROOM)
-            cgroup.reset_peak()
-        daemon_before = _daemon_loaded(daemon, files.layout.nbytes) if daemon else 0
-        _go(workers)
-        results = _all(workers, "counts")
-        daemon_read = _daemon_loaded(daemon, files.layout.nbytes) - daemon_before if daemon else 0
-        if cgroup is not None:
-            peak = cgroup.peak()
-        else:
-            peak = sum(r["anon_bytes"] for r in results)
-            if daemon:
-                shm = request(daemon.socket, protocol.Stats(id=1)).payload["daemon"]["shm_bytes"]
-                peak += shm + anon_bytes(daemon.proc.pid)
+        for _ in range(passes):
+            if cgroup is not None:
+                cgroup.reset_peak()
+            daemon_before = _daemon_loaded(daemon, files.layout.nbytes) if daemon else 0
+            _go(workers)
+            results = _all(workers, "counts")
+            daemon_read = _daemon_loaded(daemon, files.layout.nbytes) - daemon_before if daemon else 0
+            if cgroup is not None:
+                peak = cgroup.peak()
+            else:
+                peak = sum(r["anon_bytes"] for r in results)
+                if daemon:
+                    shm = request(daemon.socket, protocol.Stats(id=1)).payload["daemon"]["shm_bytes"]
+                    peak += shm + anon_bytes(daemon.proc.pid)
+            runs.append(_run_of(plan, results, daemon_read, peak, files, job["compute_ms"], config))
     except BaseException:
         for w in workers:
             w.terminate()  # interrupted mid-replay: a worker reads its stdin again only at the end
@@ -324,17 +350,14 @@ def run_config(files: ModelFiles, config: str, share: float, parts: list, args) 
             w.stdin.close()
             w.wait()
             w.stdout.close()
-        if daemon is not None:
-            daemon.cleanup()
-        if cgroup is not None:
-            cgroup.remove()
-    return plan, _run_of(plan, results, daemon_read, peak, files, args.compute_ms, config)
+    return runs
 
 
 # What each run measures; a configuration's figure at a point is the median over its runs (--repeat), with min-max.
-FIGURES = ("stall_s_per_token", "tok_s_projected", "disk_bytes_per_token", "peak_bytes")
+FIGURES = ("stall_s_per_token", "first_token_s", "tok_s_projected", "disk_bytes_per_token", "peak_bytes")
 HIT_RATES = ("L0", "L2", "page_cache")
 BASES = ("page-cache", "pread")  # what each configuration's tok/s is compared with
+PHASES = ("cold", "warm", "new process")  # --scenario cold-warm: run_config's passes, in order
 
 
 def _median(values: list):
@@ -347,6 +370,7 @@ class Run:
     """One configuration's run at one point, summed over its processes."""
 
     stall_s_per_token: float     # the time fetch took that compute did not hide
+    first_token_s: float         # the first token's stall and compute (the mean over the processes)
     tok_s_projected: float       # 1 / (compute + stall), for the layers replayed
     disk_bytes_per_token: float  # read from storage by the clients and the daemon
     peak_bytes: int
@@ -365,6 +389,7 @@ class ConfigResult:
     name: str
     budget_share: float
     processes: int
+    phase: str | None = None     # --scenario cold-warm: which of PHASES
     skipped: str | None = None
     l0_experts: int = 0
     l0_shared: bool = False
@@ -373,8 +398,8 @@ class ConfigResult:
     runs: list[Run] = field(default_factory=list)
 
     @property
-    def point(self) -> tuple[float, int]:
-        return self.budget_share, self.processes
+    def point(self) -> tuple[float, int, str | None]:
+        return self.budget_share, self.processes, self.phase
 
     def median(self, figure: str):
         return _median([getattr(r, figure) for r in self.runs])
@@ -398,7 +423,8 @@ class ConfigResult:
         return {k: sum(p[k] for p in done) for k in done[0]} if done else None
 
     def to_json(self) -> dict:
-        head = {"name": self.name, "budget_share": self.budget_share, "processes": self.processes}
+        head = {"name": self.name, "budget_share": self.budget_share, "processes": self.processes,
+                "phase": self.phase}
         if self.skipped is not None:
             return dict(head, skipped=self.skipped)
         counts = self.counts()
@@ -424,6 +450,7 @@ class Ratio:
     against: str
     budget_share: float
     processes: int
+    phase: str | None
     pairs: list[float]
 
     @property
@@ -457,7 +484,7 @@ class BenchResult:
         if base is None or config.skipped is not None:
             return None
         pairs = [r.tok_s_projected / b.tok_s_projected for r, b in zip(config.runs, base.runs)]
-        return Ratio(config.name, against, config.budget_share, config.processes, pairs)
+        return Ratio(config.name, against, config.budget_share, config.processes, config.phase, pairs)
 
     def ratios(self) -> list[Ratio]:
         return [r for c in self.done() for base in BASES if c.name != base and (r := self.ratio(c, base))]
@@ -483,14 +510,15 @@ def _run_of(plan: dict, results: list[dict], daemon_read: int, peak: int, files:
     # Without /proc (macOS) the clients' reads are taken as all from disk: a bound, not a measurement.
     disk = (counts.bytes_read + ahead["bytes_read"] if None in client_disk else sum(client_disk)) + daemon_read
     stall = sum(r["stall_s"] for r in results) / tokens
+    first = sum(r["first_token_s"] for r in results) / len(results)
     compute = compute_ms / 1e3 * files.n_layers
     hit_rates = {"L0": tiers["l0"] / lookups if lookups else None,
                  "L2": tiers["l2"] / misses if plan["slots"] and misses else None,
                  "page_cache": None}
     if config == "page-cache" and counts.bytes_read and None not in client_disk:
         hit_rates["page_cache"] = max(0.0, 1 - sum(client_disk) / counts.bytes_read)
-    return Run(stall_s_per_token=stall, tok_s_projected=1 / (compute + stall), disk_bytes_per_token=disk / tokens,
-               peak_bytes=peak, hit_rates=hit_rates, tokens=tokens, counts=counts, disk_bytes=disk,
+    return Run(stall_s_per_token=stall, first_token_s=first, tok_s_projected=1 / (compute + stall),
+               disk_bytes_per_token=disk / tokens, peak_bytes=peak, hit_rates=hit_rates, tokens=tokens, counts=counts, disk_bytes=disk,
                prefetch=ahead if ahead["requests"] else None,
                torn_lookups=sum(r["torn_lookups"] for r in results))
 
@@ -499,10 +527,13 @@ def render(result: BenchResult) -> str:
     lines = [f"{result.model}: record {format_size(result.record_bytes)}, experts "
              f"{format_size(result.expert_bytes)}; trace {result.trace}; compute "
              f"{result.compute_s_per_layer * 1e3:g} ms per layer; L2 reads {result.l2_reads}; {result.machine}", ""]
-    lines.append(f"{'config':<16}{'budget':>7}{'procs':>6}{'stall ms/tok':>13}{'tok/s':>8}{'vs page-cache':>14}"
-                 f"{'vs pread':>9}{'L0 hit':>8}{'L2 hit':>8}{'pc hit':>8}{'disk':>6}{'disk MB/tok':>12}{'peak':>11}")
+    phases = any(c.phase for c in result.configs)
+    lines.append(f"{'config':<16}{'budget':>7}{'procs':>6}" + (f"  {'phase':<12}" if phases else "")
+                 + f"{'stall ms/tok':>13}{'1st tok ms':>11}{'tok/s':>8}{'vs page-cache':>14}"
+                 f"{'vs pread':>9}{'L0 hit':>8}{'L2 hit':>8}{'pc hit':>8}{'files':>6}{'disk MB/tok':>12}{'peak':>11}")
     for c in result.configs:
-        head = f"{c.name:<16}{format_pct(c.budget_share, 0, sign=False):>7}{c.processes:>6}"
+        head = (f"{c.name:<16}{format_pct(c.budget_share, 0, sign=False):>7}{c.processes:>6}"
+                + (f"  {c.phase:<12}" if phases else ""))
         if c.skipped is not None:
             lines.append(f"{head}  skipped: {c.skipped}")
             continue
@@ -512,7 +543,8 @@ def render(result: BenchResult) -> str:
             ratios.append(f"{ratio.median:.2f}x" if ratio else "-")
         tiers = c.counts().by_source()
         files = (tiers["daemon_disk"] + tiers["own_disk"]) / max(1, sum(tiers.values()))
-        lines.append(f"{head}{c.median('stall_s_per_token') * 1e3:>13.2f}{c.median('tok_s_projected'):>8.1f}"
+        lines.append(f"{head}{c.median('stall_s_per_token') * 1e3:>13.2f}{c.median('first_token_s') * 1e3:>11.1f}"
+                     f"{c.median('tok_s_projected'):>8.1f}"
                      f"{ratios[0]:>14}{ratios[1]:>9}"
                      + "".join(f"{format_pct(c.hit_rate(t), 0, sign=False):>8}" for t in HIT_RATES)
                      + f"{format_pct(files, 0, sign=False):>6}{c.median('disk_bytes_per_token') / 1e6:>12.1f}"
@@ -522,7 +554,8 @@ def render(result: BenchResult) -> str:
         if pf:
             score = Score(pf["guessed"], pf["picked"], pf["right"])
             tokens = sum(r.tokens for r in c.runs)
-            lines.append(f"{c.name} at {format_pct(c.budget_share, 0)}, {c.processes} processes: guesses "
+            lines.append(f"{c.name} at {format_pct(c.budget_share, 0)}, {c.processes} processes"
+                         + (f", {c.phase}" if c.phase else "") + ": guesses "
                          f"{format_pct(score.precision)} right (precision), "
                          f"{format_pct(score.recall)} of picks guessed "
                          f"(recall); {pf['issued']} loaded ahead {_by_whom(pf, tokens)}, {pf['useful']} used, "
@@ -534,10 +567,16 @@ def render(result: BenchResult) -> str:
             (lo, hi), (tlo, thi) = c.spread("stall_s_per_token"), c.spread("tok_s_projected")
             against = [f"vs {r.against} {r.median:.2f}x ({min(r.pairs):.2f}-{max(r.pairs):.2f}, {len(r.pairs)} pairs)"
                        for base in BASES if c.name != base and (r := result.ratio(c, base))]
-            lines.append(f"  {c.name} at {format_pct(c.budget_share, 0)}, {c.processes} processes: stall "
+            lines.append(f"  {c.name} at {format_pct(c.budget_share, 0)}, {c.processes} processes"
+                         + (f", {c.phase}" if c.phase else "") + ": stall "
                          f"{lo * 1e3:.2f}-{hi * 1e3:.2f} ms/tok, tok/s {tlo:.1f}-{thi:.1f}"
                          + "".join(f"; {a}" for a in against))
+    if phases:
+        lines += ["", "Phases (--scenario cold-warm): cold, each client's first pass, nothing cached (page cache "
+                      "dropped, a fresh daemon); warm, the same clients again; new process, fresh clients once the "
+                      "first have exited, against what they left warm (the daemon's L2, the page cache)"]
     lines += ["", "tok/s = 1 / (compute + stall) for the layers replayed; stall: fetch time compute did not hide; "
+              "1st tok: the first token's stall and compute; "
               "L2 hit: held in L2 when looked up, over L0 misses; pc hit: page-cache hits (from the kernel's "
               "disk-read count); files: lookups read from the model files, by the client or by the daemon while it "
               "waited; "
@@ -553,7 +592,7 @@ def plot(result: BenchResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     done = result.done()
-    points = sorted({c.point for c in done})
+    points = list(dict.fromkeys(c.point for c in done))  # in the order they ran
     names = [n for n in CONFIGS if any(c.name == n for c in done)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(names))
@@ -562,7 +601,7 @@ def plot(result: BenchResult, path: Path) -> None:
         xs = [j + i * width for j, p in enumerate(points) if p in by_point]
         for ax, key, scale in zip(axes, ("tok_s_projected", "stall_s_per_token"), (1, 1e3)):
             ax.bar(xs, [by_point[p].median(key) * scale for p in points if p in by_point], width, label=name)
-    labels = [f"{100 * s:g}%, {n} proc" for s, n in points]
+    labels = [f"{100 * s:g}%, {n} proc" + (f", {phase}" if phase else "") for s, n, phase in points]
     for ax, title in zip(axes, ("projected tok/s (higher is better)", "stall ms per token (lower is better)")):
         ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(points))], labels)
         ax.set_title(title)
@@ -614,22 +653,27 @@ def _run(args: argparse.Namespace) -> int:
                              repeat=args.repeat)
         for share in shares:
             for n in counts:
-                parts = _parts(traces, files.n_layers, n, args.tokens, args.warmup)
-                point = [ConfigResult(config, share, n) for config in configs]
-                result.configs += point
+                # cold-warm: no warm-up, the first pass is the cold one; the second round's clients are new.
+                parts = _parts(traces, files.n_layers, n, args.tokens, 0 if args.scenario else args.warmup)
+                rounds = [(parts, 2), (parts, 1)] if args.scenario else [(parts, 1)]
+                phases = PHASES if args.scenario else (None,)
+                by_config = {config: [ConfigResult(config, share, n, phase) for phase in phases] for config in configs}
+                result.configs += [c for point in by_config.values() for c in point]
                 # Interleaved, so that the disk's drift between runs falls on every configuration alike.
                 for _ in range(args.repeat):
-                    for c in point:
-                        if c.skipped is not None:
+                    for config, point in by_config.items():
+                        if point[0].skipped is not None:
                             continue
                         try:
-                            plan, run = run_config(files, c.name, share, parts, args)
+                            plan, runs = run_config(files, config, share, rounds, args)
                         except Skipped as exc:
-                            c.skipped = str(exc)
+                            for c in point:
+                                c.skipped = str(exc)
                             continue
-                        c.l0_experts, c.l0_shared, c.l2_slots, c.budget_bytes = (
-                            plan["capacity"], plan["shared_l0"], plan["slots"], plan["budget"])
-                        c.runs.append(run)
+                        for c, run in zip(point, runs):
+                            c.l0_experts, c.l0_shared, c.l2_slots, c.budget_bytes = (
+                                plan["capacity"], plan["shared_l0"], plan["slots"], plan["budget"])
+                            c.runs.append(run)
         if not result.done():
             raise BenchError("nothing could run: " + "; ".join(c.skipped for c in result.configs))
     except (BenchError, TraceError, SyntheticError, ValueError, OSError) as exc:
