@@ -133,8 +133,8 @@ def _shares(text: str) -> list[float]:
         try:
             value = float(part[:-1]) / 100 if part.endswith("%") else float(part)
         except ValueError:
-            raise BenchError(f"--budget-share takes shares like 25% or 0.25, separated by commas, not {part!r}") \
-                from None
+            raise BenchError("--budget-share takes shares like 25% or 0.25, separated by commas, "
+                             f"not {part!r}") from None
         if not 0 < value <= 1:
             raise BenchError(f"--budget-share {part} must be above 0 and at most 100%")
         shares.append(value)
