@@ -8,7 +8,6 @@ be made instead of raising.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,9 @@ class MemoryCgroup:
     def __init__(self, path: Path, v2: bool):
         self.path = path
         self.v2 = v2
-        self.keeper = subprocess.Popen([sys.executable, "-P", "-m", __name__, str(path)], stdin=subprocess.PIPE)
+        # Its own process group: a Ctrl-C to the maker's terminal does not reach it.
+        self.keeper = subprocess.Popen([sys.executable, "-P", "-m", __name__, str(path)], stdin=subprocess.PIPE,
+                                       process_group=0)
 
     @classmethod
     def make(cls, name: str) -> "tuple[MemoryCgroup | None, str]":
@@ -113,7 +114,6 @@ def _read(path: Path) -> str:
 def keep(path: Path) -> None:
     """The keeper: wait for the maker's pipe to end, then remove the group once its members exit (they were
     tied to the same maker, moe_l2/lifeline.py, so they are ending too)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the maker's whole process group: outlive it
     sys.stdin.buffer.read()
     _remove(path, timeout=60.0)
 

@@ -312,8 +312,10 @@ def _round(files, config, plan, job, parts, passes, daemon, cgroup, limit: bool)
     runs = []
     try:
         for tokens, warm in parts:
+            # Its own process group: a Ctrl-C to the bench's terminal reaches the bench, which ends its clients
+            # (a client still importing would die of it with a traceback).
             w = subprocess.Popen(lifeline.command("moe_l2.client.replayer"), stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+                                 stdout=subprocess.PIPE, text=True, process_group=0)
             workers.append(w)
             w.stdin.write(json.dumps(dict(job, tokens=tokens, warmup=warm)) + "\n")
             w.stdin.flush()
