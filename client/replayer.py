@@ -5,7 +5,8 @@ where L2 lends its records in place, else `ExpertPool.fetch`),
 then waits the configured compute time, during which background work may run. Stall is the time `fetch` took:
 what compute did not hide (docs/architecture.md, "The bench").
 
-Run as ``python -P -m moe_l2.client.replayer``; it speaks JSON lines. The first line on stdin is the job::
+Run as ``python -P -m moe_l2.client.replayer`` (the bench runs it tied to itself: moe_l2/lifeline.py); it
+speaks JSON lines. The first line on stdin is the job::
 
     {"model": DIR, "capacity": L0 experts per layer, "direct": true|false|null, "socket": ADDRESS or null,
      "policy": L0 policy, "cgroup": DIR or null, "compute_ms": per layer, "warmup": tokens,
@@ -16,7 +17,8 @@ Run as ``python -P -m moe_l2.client.replayer``; it speaks JSON lines. The first 
      "tokens": [[[experts of layer 0], ...], ...]}
 
 It answers ``{"ready": ...}`` once the pool exists, waits for a line, replays the warm-up tokens, answers
-``{"warm": true}``, waits for a line, replays the rest and answers with its counts.
+``{"warm": true}``, waits for a line, replays the rest and answers with its counts; each further line replays
+the rest again (a warm pass) and answers with its counts, until stdin ends.
 """
 
 from __future__ import annotations
@@ -72,15 +74,18 @@ def _wait_for_go() -> None:
         sys.exit(0)  # the bench went away
 
 
-def replay(pool: ExpertPool, tokens: list, compute_s: float, next_layer: NextLayer | None = None) -> tuple[float, int]:
+def replay(pool: ExpertPool, tokens: list, compute_s: float,
+           next_layer: NextLayer | None = None) -> tuple[float, int, float]:
     """Fetch each token's experts layer by layer, computing (waiting) compute_s after each; returns the stall.
     A pool that lends computes on L2's records in place, as the streamed forward does: the misses L2 holds are
     lent instead of copied, and a loan the daemon tore during the compute costs a fetch and the compute again.
     With next_layer, each layer's picks also start the prefetch of the next layer's guesses, as the streamed
     forward does (it has no hidden state here, so only a router-free predictor can guess: logistic).
-    Returns the stall and the lookups of layers computed again (torn loans), which the pool counted twice."""
+    Returns the stall, the lookups of layers computed again (torn loans), which the pool counted twice, and the
+    time to the first token (its stall and compute)."""
     stall = 0.0
     torn = 0
+    first = None
     clock = time.perf_counter
 
     def compute(since: float) -> None:
@@ -106,7 +111,9 @@ def replay(pool: ExpertPool, tokens: list, compute_s: float, next_layer: NextLay
                 pool.fetch(layer, experts)
                 stall += clock() - start + compute_s
                 compute(clock())
-    return stall, torn
+        if first is None:
+            first = stall + compute_s * len(token)
+    return stall, torn, first or 0.0
 
 
 def main() -> int:
@@ -132,15 +139,19 @@ def main() -> int:
     pool.wait_prefetches()
     _say({"warm": True})
     _wait_for_go()
-    before, ahead, disk_before = pool.counts, pool.prefetch_counts, disk_read_bytes()
-    stall, torn = replay(pool, tokens[warmup:], compute_s, next_layer)
-    pool.wait_prefetches()
-    after, disk_after = pool.counts, disk_read_bytes()
-    counts = dataclasses.asdict(after.minus(before))
-    prefetch = dataclasses.asdict(pool.prefetch_counts.minus(ahead))
-    _say({"tokens": len(tokens) - warmup, "stall_s": stall, "torn_lookups": torn, "counts": counts, "prefetch": prefetch,
-          "disk_read_bytes": None if disk_before is None else disk_after - disk_before,
-          "anon_bytes": anon_bytes()})
+    while True:
+        before, ahead, disk_before = pool.counts, pool.prefetch_counts, disk_read_bytes()
+        stall, torn, first = replay(pool, tokens[warmup:], compute_s, next_layer)
+        pool.wait_prefetches()
+        after, disk_after = pool.counts, disk_read_bytes()
+        counts = dataclasses.asdict(after.minus(before))
+        prefetch = dataclasses.asdict(pool.prefetch_counts.minus(ahead))
+        _say({"tokens": len(tokens) - warmup, "stall_s": stall, "first_token_s": first, "torn_lookups": torn,
+              "counts": counts, "prefetch": prefetch,
+              "disk_read_bytes": None if disk_before is None else disk_after - disk_before,
+              "anon_bytes": anon_bytes()})
+        if not sys.stdin.readline():
+            break
     pool.close()
     if client is not None:
         client.close()

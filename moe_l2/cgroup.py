@@ -8,6 +8,7 @@ be made instead of raising.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,11 +17,18 @@ __all__ = ["MemoryCgroup"]
 
 
 class MemoryCgroup:
-    """A fresh child group; processes join it by writing their pid to `procs` (the bench's workers do)."""
+    """A fresh child group; processes join it by writing their pid to `procs` (the bench's workers do).
+
+    Its maker may be killed outright (SIGKILL) before it can remove it, so a keeper process, outside the group,
+    holds a pipe from the maker and removes the group once that pipe ends (the maker exited, or called
+    `remove`) and the members have gone."""
 
     def __init__(self, path: Path, v2: bool):
         self.path = path
         self.v2 = v2
+        # Its own process group: a Ctrl-C to the maker's terminal does not reach it.
+        self.keeper = subprocess.Popen([sys.executable, "-P", "-m", __name__, str(path)], stdin=subprocess.PIPE,
+                                       process_group=0)
 
     @classmethod
     def make(cls, name: str) -> "tuple[MemoryCgroup | None, str]":
@@ -74,18 +82,26 @@ class MemoryCgroup:
         return int(text) if text else self.usage()
 
     def remove(self, timeout: float = 5.0) -> None:
-        """Remove the group once its members have exited; its charges go to the parent."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                os.rmdir(self.path)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        """Remove the group once its members have exited; its charges go to the parent. Ends the keeper."""
+        try:
+            _remove(self.path, timeout)
+        finally:
+            self.keeper.stdin.close()
+            self.keeper.wait()
+
+
+def _remove(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _read(path: Path) -> str:
@@ -93,3 +109,14 @@ def _read(path: Path) -> str:
         return path.read_text().strip()
     except OSError:
         return ""
+
+
+def keep(path: Path) -> None:
+    """The keeper: wait for the maker's pipe to end, then remove the group once its members exit (they were
+    tied to the same maker, moe_l2/lifeline.py, so they are ending too)."""
+    sys.stdin.buffer.read()
+    _remove(path, timeout=60.0)
+
+
+if __name__ == "__main__":
+    keep(Path(sys.argv[1]))

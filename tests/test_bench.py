@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
+import psutil
 import pytest
 
 from moe_l2.cache.trace import read_traces
@@ -14,9 +20,9 @@ from moe_l2.generator import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
 from moe_l2.model.synthetic import GEOMETRIES, build
-from .conftest import synthetic_trace
+from .conftest import segment_exists, synthetic_trace, wait_for
 
-FIELDS = {"name": str, "budget_share": float, "processes": int, "stall_ms_per_token": float,
+FIELDS = {"name": str, "budget_share": float, "processes": int, "stall_s_per_token": float,
           "tok_s_projected": float, "hit_rates": dict, "disk_bytes_per_token": float, "peak_bytes": int}
 
 
@@ -31,7 +37,7 @@ def tiny(tmp_path):
 def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
     model, trace = tiny
     png = tmp_path / "bench.png"
-    status = main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "50%", "--processes", "2",
+    status = main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "2",
                    "--compute-ms", "0.1", "--warmup", "0", "--plot", str(png), "--json"])
     assert status == 0
     result = json.loads(capsys.readouterr().out)
@@ -56,7 +62,11 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
         # L2 hits are computed on in place (lent) by default, copied otherwise.
         assert counts["bytes_copied"] == (counts["l2_hits"] - counts["l2_lent"]) * record
         assert c["hit_rates"]["L0"] == pytest.approx(counts["l0_hits"] / counts["lookups"])
-        assert c["tok_s_projected"] == pytest.approx(1 / (2 * 0.1e-3 + c["stall_ms_per_token"] / 1e3))
+        assert c["tok_s_projected"] == pytest.approx(1 / (2 * 0.1e-3 + c["stall_s_per_token"]))
+        # Each lookup once, by where its bytes came from (TierCounts.by_source): a record the daemon read while the
+        # lookup waited is a disk read, not an L2 hit.
+        assert c["tiers"] == {"l0": counts["l0_hits"], "l2": counts["l2_hits"] - counts["l2_awaited"],
+                              "daemon_disk": counts["l2_awaited"], "own_disk": counts["l3_reads"]}
         assert c["peak_bytes"] > 0
     pread, moe = by_name["pread"], by_name["moe-l2"]
     # pread: the whole budget as L0, direct reads, so the kernel read at least what the pool read from the files.
@@ -87,9 +97,69 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_repeat_takes_turns_and_reports_medians_in_their_range_and_ratios_pair_by_pair(tiny, capsys, monkeypatch):
+    from moe_l2.commands import bench
+
+    model, trace = tiny
+    order = []
+    real = bench.run_config
+
+    def run_config(files, config, *rest):
+        order.append(config)
+        return real(files, config, *rest)
+
+    monkeypatch.setattr(bench, "run_config", run_config)
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "1",
+                 "--compute-ms", "0", "--warmup", "0", "--tokens", "8", "--configs", "pread,moe-l2", "--repeat", "3",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert order == ["pread", "moe-l2"] * 3 and result["repeat"] == 3
+    by_name = {c["name"]: c for c in result["configs"]}
+    for c in result["configs"]:
+        runs = c["runs"]
+        assert len(runs) == 3
+        for figure in ("stall_s_per_token", "tok_s_projected", "disk_bytes_per_token", "peak_bytes"):
+            values = [r[figure] for r in runs]
+            assert c["spread"][figure] == [min(values), max(values)]
+            assert min(values) <= c[figure] <= max(values) and c[figure] == sorted(values)[1]
+        # Counts add up over the runs: each replayed the same 8 tokens.
+        assert c["tokens"] == 3 * 8
+        counts = c["counts"]
+        assert counts["lookups"] == sum(c["tiers"].values()) == counts["l0_hits"] + counts["l2_hits"] + counts["l3_reads"]
+    (ratio,) = result["ratios"]
+    assert (ratio["name"], ratio["against"]) == ("moe-l2", "pread")
+    pairs = [m["tok_s_projected"] / p["tok_s_projected"]
+             for m, p in zip(by_name["moe-l2"]["runs"], by_name["pread"]["runs"])]
+    assert ratio["pairs"] == pytest.approx(pairs) and len(pairs) == 3
+    assert ratio["min"] <= ratio["median"] <= ratio["max"] and ratio["median"] == pytest.approx(sorted(pairs)[1])
+
+
+def test_cold_warm_scenario_a_new_process_finds_what_the_first_left_in_l2(tiny, capsys):
+    model, trace = tiny
+    # The whole budget: L2 holds every record the tokens touch, so what the first process read, the second finds.
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "100%", "--processes",
+                 "1", "--compute-ms", "0", "--tokens", "8", "--configs", "moe-l2", "--scenario", "cold-warm",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    cold, warm, new = result["configs"]
+    assert [c["phase"] for c in (cold, warm, new)] == ["cold", "warm", "new process"]
+    tokens = [t for s in read_traces(trace).sequences for t in s.experts][:8]
+    records = {(layer, e) for t in tokens for layer, picks in enumerate(t) for e in picks}
+    lookups = sum(len(set(picks)) for t in tokens for picks in t)
+    for c in (cold, warm, new):
+        assert c["tokens"] == 8 and c["first_token_s"] > 0
+        assert c["counts"]["lookups"] == lookups + c["torn_lookups"] == sum(c["tiers"].values())
+    # Cold: each record the tokens touch came from the disk once, read by the daemon or the client; then the
+    # same process again, and a new one, find every L0 miss held in L2.
+    assert cold["tiers"]["daemon_disk"] + cold["tiers"]["own_disk"] == len(records)
+    for c in (warm, new):
+        assert c["tiers"]["daemon_disk"] == c["tiers"]["own_disk"] == 0
+        assert c["tiers"]["l2"] == c["counts"]["lookups"] - c["tiers"]["l0"] > 0 and c["hit_rates"]["L2"] == 1.0
+
+
 def test_copied_l2_reads_give_l0_half_the_budget(tiny, capsys):
     model, trace = tiny
-    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "50%", "--processes", "1",
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "1",
                  "--compute-ms", "0", "--warmup", "0", "--configs", "moe-l2", "--l2-reads", "copy", "--json"]) == 0
     moe = json.loads(capsys.readouterr().out)["configs"][0]
     files = ModelFiles.open(model)
@@ -100,13 +170,30 @@ def test_copied_l2_reads_give_l0_half_the_budget(tiny, capsys):
 
 def test_a_budget_under_top_k_and_a_mismatched_trace_say_what_to_do(tiny, tmp_path, capsys):
     model, trace = tiny
+    # --budget, bench's name for --budget-share until this release, still works and says so.
     assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget", "5%", "--processes", "1"]) == 1
     err = capsys.readouterr().err
-    assert "top-2" in err and "raise --budget" in err
+    assert "--budget is deprecated" in err and "use --budget-share" in err
+    assert "top-2" in err and "raise --budget-share" in err
     # The toy trace routes 32 experts, top-2; gpt-oss-20b has 32, top-4: refused before anything is built.
     assert main(["bench", "--geometry", "gpt-oss-20b", "--trace", str(trace), "--cache-dir", str(tmp_path)]) == 1
     assert "pass the geometry of the trace's model" in capsys.readouterr().err
     assert not list(tmp_path.glob("gpt-oss-20b*"))
+
+
+def test_the_old_name_of_first_layers_still_works_and_is_hidden(capsys):
+    from moe_l2.cli import build_parser
+
+    parser = build_parser("bench")
+    args = parser.parse_args(["bench", "--trace", "t.jsonl", "--layers", "6"])
+    assert args.first_layers == 6 and "--layers is deprecated" in capsys.readouterr().err
+    assert parser.parse_args(["bench", "--trace", "t.jsonl", "--first-layers", "6"]).first_layers == 6
+    assert not capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--help"])
+    shown = capsys.readouterr().out
+    assert "--first-layers" in shown and "--budget-share" in shown
+    assert "--layers " not in shown and "--budget " not in shown
 
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
@@ -135,3 +222,90 @@ def test_a_built_geometry_is_a_packed_model_of_its_pieces(tmp_path):
     assert files.read_record(1, 5) == raw and len(set(raw)) > 200
     mtime = (path / "config.json").stat().st_mtime_ns
     assert build(small, 2, tmp_path) == path and (path / "config.json").stat().st_mtime_ns == mtime
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE  # a zombie has exited
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _started(bench: psutil.Process, module: str) -> list[psutil.Process]:
+    found = []
+    for child in bench.children(recursive=True):
+        try:
+            if module in child.cmdline():
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _listed_segments(daemon: psutil.Process) -> list[str]:
+    """The segments the daemon lists in its runtime dir (moe-l2d-*.segments), once it serves."""
+    args = daemon.cmdline()
+    runtime_dir = Path(args[args.index("--runtime-dir") + 1])
+    names = []
+    for state in runtime_dir.glob("moe-l2d-*.segments"):
+        try:
+            names += json.loads(state.read_text())
+        except (OSError, ValueError):
+            continue  # being written
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, how", [("moe-l2", "ctrl-c"), ("moe-l2", "sigterm"), ("moe-l2", "sigkill"),
+                                         ("page-cache", "sigkill")])
+def test_an_interrupted_bench_leaves_nothing_behind(tiny, tmp_path, config, how):
+    model, trace = tiny
+    log = tmp_path / "bench.err"
+    # Compute long enough that the replay is still running when the bench is stopped; its own session, so that
+    # a Ctrl-C can reach its whole process group as a terminal's does, and nothing else.
+    with log.open("wb") as err:
+        bench = subprocess.Popen([sys.executable, "-P", "-m", "moe_l2.cli", "bench", "--model", str(model), "--trace",
+                                  str(trace), "--budget-share", "50%", "--processes", "2", "--compute-ms", "1000",
+                                  "--configs", config, "--json"], stdout=subprocess.DEVNULL, stderr=err,
+                                 start_new_session=True)
+    try:
+        parent = psutil.Process(bench.pid)
+        cgroups = [root / f"moe-l2-bench-{bench.pid}"
+                   for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory"))]
+        # Up: both clients started and, for moe-l2, its daemon serving (it lists its segments once it does).
+        wait_for(lambda: len(_started(parent, "moe_l2.client.replayer")) == 2 or bench.poll() is not None,
+                 60, "the bench's client processes")
+        if bench.poll() is not None:
+            err = log.read_text()
+            assert config == "page-cache" and "cgroup" in err, err
+            pytest.skip(f"no memory cgroup here: {err}")
+        segments = []
+        if config == "moe-l2":
+            (daemon,) = _started(parent, "moe_l2.daemon.main")
+            wait_for(lambda: _listed_segments(daemon), 60, "the daemon's segments")
+            segments = _listed_segments(daemon)
+            assert all(segment_exists(name) for name in segments)
+        else:
+            assert any(c.is_dir() for c in cgroups)
+        started = parent.children(recursive=True)
+        if how == "ctrl-c":
+            os.killpg(bench.pid, signal.SIGINT)
+        else:
+            bench.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        status = bench.wait(60)
+        err = log.read_text()
+        assert status == {"ctrl-c": 130, "sigterm": 143, "sigkill": -signal.SIGKILL}[how], err
+        if how != "sigkill":
+            assert "stopped by" in err and "Traceback" not in err, err
+        # Killed outright, the bench removed nothing: its children saw it die and end (the daemon unlinking its
+        # segments as it does on SIGTERM), and the cgroup's keeper removes the group once they have.
+        wait_for(lambda: not any(_alive(p) for p in started), 60,
+                 f"the end of {[(p.pid, p.cmdline()) for p in started if _alive(p)]}")
+        wait_for(lambda: not any(segment_exists(name) for name in segments), 30, "the segments' unlinking")
+        if sys.platform == "linux":
+            assert not {name.lstrip("/") for name in segments} & {p.name for p in Path("/dev/shm").iterdir()}
+        wait_for(lambda: not any(c.exists() for c in cgroups), 30, "the cgroup's removal")
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()
