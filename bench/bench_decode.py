@@ -29,9 +29,9 @@ from mlx_lm.sample_utils import make_sampler
 
 from moe_l2.client.connection import wait_idle
 from moe_l2.client.generation import encode_prompt
-from moe_l2.client.mlx_lm import StreamedLM
+from moe_l2.client.streamed_lm import StreamedLM
 from moe_l2.daemon.process import DaemonProcess
-from moe_l2.generator import make_model
+from moe_l2.random_models import make_model
 from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
 

@@ -45,7 +45,7 @@ import zmq
 
 from moe_l2 import protocol
 from moe_l2.daemon.process import DaemonProcess
-from moe_l2.generator import make_model
+from moe_l2.random_models import make_model
 from moe_l2.model import ModelFiles
 
 

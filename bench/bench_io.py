@@ -31,7 +31,7 @@ from pathlib import Path
 
 from moe_l2 import _native
 from moe_l2.client.pool import ExpertPool
-from moe_l2.generator import make_model
+from moe_l2.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.packer import pack
 from moe_l2.sizes import format_size

@@ -24,7 +24,7 @@ from moe_l2 import protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.process import DaemonProcess
-from moe_l2.generator import make_model
+from moe_l2.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.sizes import format_size
 

@@ -91,7 +91,7 @@ def worker(args) -> int:
 
     from moe_l2.client.distributed import gather_json
     from moe_l2.client.generation import encode_prompt
-    from moe_l2.client.mlx_lm import StreamedLM, peak_rss_bytes
+    from moe_l2.client.streamed_lm import StreamedLM, peak_rss_bytes
 
     group = mx.distributed.init()
     pipelined = group.size() > 1
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         return worker(args)
 
     from moe_l2.daemon.process import DaemonProcess
-    from moe_l2.generator import make_model
+    from moe_l2.random_models import make_model
     from moe_l2.layout import Geometry
     from moe_l2.model import ModelFiles
 

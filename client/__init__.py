@@ -12,7 +12,8 @@ from moe_l2.exports import lazy_exports
 
 # Name -> the module that defines it.
 _EXPORTS = {
-    "load": "mlx_lm", "close": "mlx_lm", "stats": "mlx_lm", "ExpertStats": "mlx_lm", "StreamedLM": "mlx_lm",
+    "load": "streamed_lm", "close": "streamed_lm", "stats": "streamed_lm", "ExpertStats": "streamed_lm",
+    "StreamedLM": "streamed_lm",
     "StreamOptions": "options", "OptionError": "options",
     "ExpertPool": "pool", "TierCounts": "pool", "PoolTooSmall": "pool",
     "L2Client": "connection",

@@ -104,7 +104,7 @@ class StreamFigures:
 
     @classmethod
     def of(cls, run: Generation, lm) -> StreamFigures:
-        from moe_l2.client.mlx_lm import peak_rss_bytes
+        from moe_l2.client.streamed_lm import peak_rss_bytes
 
         c = run.counts
         tiers = c.by_source()

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from moe_l2.client.connection import L2Client
-from moe_l2.client.mlx_lm import peak_rss_bytes
+from moe_l2.client.streamed_lm import peak_rss_bytes
 from moe_l2.client.nextlayer import NextLayer
 from moe_l2.client.pool import ExpertPool
 from moe_l2.model import ModelFiles

@@ -26,7 +26,7 @@ from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_htt
 from moe_l2.client import messages
 from moe_l2.client.distributed import speaks_for_daemon
 from moe_l2.client.messages import MessagesRoute
-from moe_l2.client.mlx_lm import StreamedLM
+from moe_l2.client.streamed_lm import StreamedLM
 from moe_l2.client.options import StreamOptions
 from moe_l2.client.serving_metrics import CONTENT_TYPE_LATEST, ServingMetrics, endpoint_of
 

@@ -2,7 +2,7 @@
 
 The HTTP handler counts requests by endpoint and status as it answers them; `ObservedGenerator` (client/serving.py)
 counts each request's prompt and generated tokens and the seconds to its first and last token; the expert pool's
-tiers are read at each scrape from the StreamedLM's own counters (client/mlx_lm.py `stats`, what `moe-l2 generate
+tiers are read at each scrape from the StreamedLM's own counters (client/streamed_lm.py `stats`, what `moe-l2 generate
 --json` reports), on this process' rank only. Rates are for the scraper: rate(moe_l2_serve_generated_tokens_total)
 is tokens/s over time, and its ratio to rate(moe_l2_serve_generation_seconds_total) the decode speed a request
 sees (docs/architecture.md, "moe-l2 serve").
@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from moe_l2.client.mlx_lm import stats
+from moe_l2.client.streamed_lm import stats
 
 __all__ = ["ServingMetrics", "ENDPOINTS", "CONTENT_TYPE_LATEST"]
 

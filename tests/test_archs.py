@@ -24,8 +24,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models import switch_layers
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from moe_l2.client.mlx_lm import StreamedLM
-from moe_l2.generator import make_mlx_lm_model
+from moe_l2.client.streamed_lm import StreamedLM
+from moe_l2.random_models import make_mlx_lm_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.packer import PackError, pack
 from .conftest import budget_for

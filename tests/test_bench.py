@@ -16,7 +16,7 @@ import pytest
 
 from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main
-from moe_l2.generator import make_model
+from moe_l2.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
 from moe_l2.model.synthetic import GEOMETRIES, build

@@ -15,7 +15,7 @@ import pytest
 from moe_l2 import protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool, PoolTooSmall
-from moe_l2.generator import make_model
+from moe_l2.random_models import make_model
 from moe_l2.model import ModelFiles
 
 from .conftest import assert_every_tier_exact, assert_resident_exact, budget_for, quarter_budget, stats, wait_for

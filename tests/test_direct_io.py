@@ -11,7 +11,7 @@ import pytest
 
 from moe_l2 import _native
 from moe_l2.client.pool import ExpertPool
-from moe_l2.generator import make_model
+from moe_l2.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.packer import pack
 

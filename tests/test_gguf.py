@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from moe_l2 import _native
 from moe_l2.client.pool import ExpertPool
-from moe_l2.generator import make_gguf_model
+from moe_l2.random_models import make_gguf_model
 from moe_l2.model.gguf import transcode_reference
 from moe_l2.model import ModelFiles
 

@@ -14,7 +14,7 @@ import pytest
 from moe_l2 import _native, protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
-from moe_l2.generator import make_gguf_model
+from moe_l2.random_models import make_gguf_model
 from moe_l2.model import MANIFEST_NAME, CorruptRecord, ModelFiles
 from moe_l2.model.packer import pack
 

@@ -16,7 +16,7 @@ from moe_l2 import protocol
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.generation import encode_prompt
 from moe_l2.client.layerpool import GROWTH
-from moe_l2.client.mlx_lm import StreamedLM
+from moe_l2.client.streamed_lm import StreamedLM
 from moe_l2.client.pool import ExpertPool
 from moe_l2.client.serving_metrics import _l0_rows
 from moe_l2.commands.stats import render

@@ -12,7 +12,7 @@ from mlx_lm import load
 
 from moe_l2 import _native
 from moe_l2.client.l2view import L2View
-from moe_l2.client.mlx_lm import StreamedLM
+from moe_l2.client.streamed_lm import StreamedLM
 from moe_l2.client.pool import ExpertPool
 from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles

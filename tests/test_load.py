@@ -17,7 +17,7 @@ from mlx_lm import batch_generate, generate, load as load_whole, stream_generate
 import moe_l2
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client import ExpertPool, L2Client, OptionError, StreamOptions
-from moe_l2.client.mlx_lm import streamed
+from moe_l2.client.streamed_lm import streamed
 from moe_l2.client.options import DEFAULTS, add_arguments, from_args
 from moe_l2.commands import bench, generate as generate_command, serve
 

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moe_l2.generator import make_model
+from moe_l2.random_models import make_model
 from moe_l2.model import ALIGN, ModelFiles, RecordLayout
 
 DIMS = dict(layers=3, experts=4, top_k=2, hidden_size=64, moe_hidden_size=64)

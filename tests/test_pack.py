@@ -18,7 +18,7 @@ import pytest
 from moe_l2 import _native
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
-from moe_l2.generator import make_model
+from moe_l2.random_models import make_model
 from moe_l2.model import MANIFEST_NAME, PACK_ALIGN, PACK_MARKER, ModelFiles
 from moe_l2.model import packer
 from moe_l2.model.packer import PackError, pack
@@ -132,7 +132,7 @@ def test_every_tensor_is_kept_and_every_shard_is_marked(packed, sources):
 
 
 @pytest.mark.parametrize("name", ["mixtral-4bit", "deepseek_v3-4bit-per-expert", "qwen3_moe-fp16"])
-def test_mlx_lm_loads_the_packed_model_and_gives_the_same_outputs(packed, name):
+def test_streamed_lm_loads_the_packed_model_and_gives_the_same_outputs(packed, name):
     from mlx_lm import load
 
     src, out = packed(name)
@@ -286,7 +286,7 @@ def test_bad_outputs_and_inputs_are_refused(sources, tmp_path, packed):
     _, out = packed("mixtral-4bit")
     with pytest.raises(PackError, match="already packed"):
         pack(out.path, tmp_path / "again", progress=False)
-    from moe_l2.generator import make_gguf_model
+    from moe_l2.random_models import make_gguf_model
 
     with pytest.raises(PackError, match="GGUF models are served as they are"):
         pack(make_gguf_model(tmp_path / "g" / "m.gguf"), tmp_path / "g-out", progress=False)
@@ -365,7 +365,7 @@ def test_pack_and_verify_from_the_command_line(sources, tmp_path):
 def test_a_packed_model_streams_through_the_mlx_lm_integration_bit_identically(packed):
     from mlx_lm import load
 
-    from moe_l2.client.mlx_lm import StreamedLM
+    from moe_l2.client.streamed_lm import StreamedLM
 
     src, out = packed("mixtral-4bit")
     whole, tokenizer = load(str(src.path))

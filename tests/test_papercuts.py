@@ -14,7 +14,7 @@ import pytest
 
 from moe_l2 import __version__, protocol
 from moe_l2.client.connection import request
-from moe_l2.client.mlx_lm import l0_slots_for
+from moe_l2.client.streamed_lm import l0_slots_for
 from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.daemon.process import short_tempdir
 from moe_l2.sizes import format_size

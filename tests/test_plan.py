@@ -21,7 +21,7 @@ from mlx_lm.generate import stream_generate
 from moe_l2 import cli
 from moe_l2.cache.replay import order_sequences
 from moe_l2.cache.trace import read_traces
-from moe_l2.client.mlx_lm import StreamedLM, l0_slots_for
+from moe_l2.client.streamed_lm import StreamedLM, l0_slots_for
 from moe_l2.layout import Geometry
 from moe_l2.plan import (DEFAULT_KV_BYTES, GiB, MEMORY_FILE_ENV, Memory, ModelSizes, default_l0_slots, os_headroom,
                          plan)

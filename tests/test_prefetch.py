@@ -18,7 +18,7 @@ from moe_l2.cache.replay import replay
 from moe_l2.cache.trace import TraceWriter, read_traces
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.connection import L2Client
-from moe_l2.client.mlx_lm import StreamedLM
+from moe_l2.client.streamed_lm import StreamedLM
 from moe_l2.client.nextlayer import NextLayer
 from moe_l2.client.pool import ExpertPool
 

@@ -24,7 +24,7 @@ from moe_l2 import _native, protocol
 from moe_l2.client.connection import L2Client, UntrustedDaemon, check_segment, request, trusted_uids
 from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.server import MAX_CLIENTS
-from moe_l2.generator import make_model
+from moe_l2.random_models import make_model
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.model import ModelFiles
 

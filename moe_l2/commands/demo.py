@@ -55,7 +55,7 @@ def ensure_demo_model(cache_dir: Path | None = None, out=sys.stderr) -> Path:
     """The demo model's directory, made (with a progress bar) if it is not there yet."""
     from tqdm import tqdm
 
-    from moe_l2.generator import make_model
+    from moe_l2.random_models import make_model
 
     cache_dir = cache_dir or default_cache_dir()
     path = cache_dir / DEMO_NAME
@@ -88,7 +88,7 @@ def ensure_demo_model(cache_dir: Path | None = None, out=sys.stderr) -> Path:
 
 def _run_prompts(model: Path, socket: str | None, l0_slots: int | None, max_tokens: int) -> dict:
     """Generate from every prompt with a fresh L0 in this process; what `render_table` shows of one run."""
-    from moe_l2.client.mlx_lm import StreamedLM
+    from moe_l2.client.streamed_lm import StreamedLM
     from moe_l2.client.pool import TierCounts
     from moe_l2.client.generation import encode_prompt, generate_streamed
 
@@ -165,7 +165,7 @@ def _per_token_ms(run: dict, seconds: float) -> float:
 def render_table(*runs: dict) -> str:
     """The runs side by side (RUNS names them); each has `_run_prompts`' figures and `daemon_read`, the bytes
     moe-l2d read from the model files meanwhile."""
-    from moe_l2.client.mlx_lm import hit_rates
+    from moe_l2.client.streamed_lm import hit_rates
     from moe_l2.sizes import format_pct, format_size
 
     def rows(run):

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_l2.client.distributed import gather_json, rank_socket, share_text, speaks_for_daemon
     from moe_l2.client.generation import GenerationSummary, StreamFigures, encode_prompt, generate_streamed
-    from moe_l2.client.mlx_lm import StreamedLM
+    from moe_l2.client.streamed_lm import StreamedLM
     from moe_l2.model import CorruptRecord
     from moe_l2.cache.trace import TraceWriter
 

@@ -1,4 +1,4 @@
-"""`moe-l2 make-model`: write a random-weight mlx-lm MoE checkpoint (moe_l2.generator) for tests and benchmarks."""
+"""`moe-l2 make-model`: write a random-weight mlx-lm MoE checkpoint (moe_l2.random_models) for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from moe_l2.commands.flags import add_renamed
-from moe_l2.generator import _DEFAULT_VOCAB, ARCHS, make_model
+from moe_l2.random_models import _DEFAULT_VOCAB, ARCHS, make_model
 from moe_l2.model.location import path_arg
 
 
