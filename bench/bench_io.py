@@ -10,9 +10,17 @@
    memory it may use, buffered vs direct. Run as root on Linux, the streaming process joins a memory cgroup
    limited to --cgroup-mb (page cache counts against it), so that "larger than memory" holds on any machine;
    elsewhere it reports how much of the model the stream left in the page cache.
+4. Queue depth of a packed model's cold direct misses: the client's reads (ExpertPool.fetch) on 1, 2, 4 and 8
+   threads with each record read in units of 8 MiB down to 256 KiB (so a record's read is split over the
+   threads), against the daemon's loaders (4 threads, one read per record) and a raw sequential direct read of
+   the same number of bytes (8 MiB reads, one stream, at a random place in the file); interleaved round by
+   round (the disk drifts), medians, each as MiB/s and over the raw read of its round; the client's rows: the read
+   alone ("read"), with its default check against the manifest, CRCs computed by the read threads ("checked"),
+   and checked as before this bench's change, each CRC computed after every record was read ("crc after").
 
     python bench/bench_io.py [--model DIR] [--experts 64] [--layers 4] [--hidden 2048] [--moe-hidden 768]
-                             [--samples 40] [--batch 8] [--cgroup-mb 256] [--keep DIR]
+                             [--samples 40] [--batch 8] [--cgroup-mb 256] [--rounds 15] [--keep DIR]
+                             [--only 4]
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moe_l2 import _native
@@ -151,6 +160,115 @@ print(json.dumps({"before": before, "after": after, "model_cached": sum(cached(p
 """
 
 
+UNITS = (8 * MIB, 1 * MIB, 256 << 10)
+THREADS = (1, 2, 4, 8)
+LOADERS = 4  # moe-l2d's default --loader-threads: each reads one record on one thread
+# The read alone; with the default check of each record against the manifest, its CRC computed by the read
+# threads as the bytes land; and checked as before, the CRC of each record computed after all were read.
+MODES = {"read": "off", "checked": "file", "crc after": "off"}
+
+
+def raw_read(files: ModelFiles, nbytes: int, rng: random.Random, buf) -> float:
+    """Seconds to read `nbytes` of the first model file front to back from a random aligned place, direct,
+    8 MiB reads on one stream into `buf` (8 MiB, touched before): what the disk gives a sequential reader."""
+    path = files.files[0]
+    size = os.path.getsize(path)
+    nbytes = -(-nbytes // 4096) * 4096  # direct reads are whole blocks
+    start = rng.randrange(0, max(1, size - nbytes)) // 4096 * 4096
+    drop([path])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _native.set_direct(fd, True)
+        began = time.perf_counter()
+        for off in range(start, start + nbytes, 8 * MIB):
+            _native.pread_records([(fd, off, min(8 * MIB, start + nbytes - off), buf, 0)], threads=1)
+        return time.perf_counter() - began
+    finally:
+        os.close(fd)
+
+
+def loaders_read(files: ModelFiles, fds: list[int], layer: int, experts: list[int], pool: ThreadPoolExecutor,
+                 slots: list) -> float:
+    """Seconds for moe-l2d's loaders to read the experts' records into slot memory (daemon/loader.py)."""
+    span = files.layout.span
+    began = time.perf_counter()
+    list(pool.map(lambda job: files.read_into_slots(fds, layer, [(job[0], job[1], 0, span)], threads=1),
+                  zip(experts, slots)))
+    return time.perf_counter() - began
+
+
+def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: int) -> dict:
+    """Section 4's medians: {batch: {config: (MiB/s, over raw)}}; config (threads, unit) or "loaders"."""
+    rng = random.Random(seed)
+    record = files.layout.nbytes
+    pools = {(t, m): ExpertPool(files, capacity=max(batches), direct=True, read_threads=t, verify=v)
+             for t in THREADS for m, v in MODES.items()}
+    fds = files.open_fds(direct=True)
+    loaders = ThreadPoolExecutor(LOADERS)
+    # Every destination touched once before timing: a first write into fresh pages costs page faults that a
+    # running pool or daemon no longer pays.
+    buf = _native.Buffer(8 * MIB)
+    slots = [_native.Buffer(files.layout.span) for _ in range(max(batches))]
+    raw_read(files, 8 * MIB, rng, buf)
+    loaders_read(files, fds, 0, list(range(len(slots))), loaders, slots)
+    for pool in pools.values():
+        for layer in range(files.n_layers):
+            pool.fetch(layer, range(max(batches)))
+            for e in range(max(batches)):
+                pool.evict(layer, e)
+    configs = [(t, u, m) for t in THREADS for u in UNITS for m in MODES] + ["loaders"]
+    speed: dict = {b: {c: [] for c in configs} for b in batches}
+    over: dict = {b: {c: [] for c in configs} for b in batches}
+    try:
+        for _ in range(rounds):
+            for batch in batches:
+                raw = batch * record / raw_read(files, batch * record, rng, buf)
+                for config in rng.sample(configs, len(configs)):
+                    layer = rng.randrange(files.n_layers)
+                    experts = rng.sample(range(files.n_experts), batch)
+                    drop(files.files)
+                    if config == "loaders":
+                        took = loaders_read(files, fds, layer, experts, loaders, slots)
+                    else:
+                        threads, unit, mode = config
+                        pool = pools[threads, mode]
+                        files.reader.read_unit_bytes = unit
+                        began = time.perf_counter()
+                        pool.fetch(layer, experts)
+                        if mode == "crc after":
+                            lp = pool.layers[layer]
+                            for e, r in zip(experts, lp.rows_for(experts)):
+                                files.check_record(layer, e, lp.checksum(r), "the model file")
+                        took = time.perf_counter() - began
+                        for e in experts:
+                            pool.evict(layer, e)
+                    speed[batch][config].append(batch * record / took)
+                    over[batch][config].append(batch * record / took / raw)
+    finally:
+        loaders.shutdown()
+        for pool in pools.values():
+            pool.close()
+        for fd in fds:
+            os.close(fd)
+    return {b: {c: (statistics.median(speed[b][c]), statistics.median(over[b][c])) for c in configs}
+            for b in batches}
+
+
+def print_queue_depth(files: ModelFiles, result: dict, rounds: int) -> None:
+    print(f"\n4. cold direct misses of the packed model, {format_size(files.layout.nbytes)} records (median of "
+          f"{rounds} interleaved rounds; MiB/s, and over a raw sequential direct read of the same bytes in the "
+          "same round):")
+    for batch, row in result.items():
+        print(f"  {batch} miss{'es' if batch > 1 else ''} at a time:")
+        print(f"    {'':16s}" + "".join(f"{format_size(u) + ' units':>20s}" for u in UNITS))
+        for mode in MODES:
+            for threads in THREADS:
+                print(f"    {mode:9s} {threads} thr  " + "".join(
+                    f"{row[threads, u, mode][0] / MIB:11.0f} {row[threads, u, mode][1]:5.2f}x  " for u in UNITS))
+        print(f"    moe-l2d's {LOADERS} loaders (one read a record): {row['loaders'][0] / MIB:.0f} MiB/s, "
+              f"{row['loaders'][1]:.2f}x")
+
+
 def make_cgroup(limit: int):
     """A memory cgroup limited to `limit` bytes: (the file a process writes its pid to, cleanup), or None."""
     if sys.platform != "linux" or os.geteuid() != 0:
@@ -218,6 +336,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--cgroup-mb", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=15, help="section 4's interleaved rounds")
+    parser.add_argument("--queue-depth-only", action="store_true", help="run section 4 alone")
     parser.add_argument("--keep", type=Path, help="keep the made and packed models in this directory")
     args = parser.parse_args()
     if not hasattr(os, "posix_fadvise"):
@@ -242,35 +362,43 @@ def main() -> None:
               f"{format_size(stacked.layout.nbytes)} ({len(stacked.layout.pieces)} pieces); files in {work} "
               f"({shutil.disk_usage(work).free // MIB} MiB free there)\n")
 
-        seq = {}
-        for name, files in (("stacked", stacked), ("packed", packed)):
-            for direct, streams in ((False, 1), (True, 1), (True, 4)):
-                seq[name, direct, streams] = sequential(files.files, direct, streams)
-        print("1. sequential read of the files, 8 MiB reads, cold:")
-        for (name, direct, streams), speed in seq.items():
-            print(f"  {name:8s} {'direct  ' if direct else 'buffered'} {streams} stream{'s' if streams > 1 else ' '}"
-                  f" {speed / MIB:8.0f} MiB/s")
-        reference = max(seq.values())
-
-        rows = [("stacked", stacked, False), ("stacked", stacked, True), ("packed", packed, False),
-                ("packed", packed, True)]
-        print(f"\n2. miss cost per expert (median of {args.samples} fetches; MiB/s = record bytes / time; "
-              f"x seq = that over the best sequential speed, {reference / MIB:.0f} MiB/s):")
-        print(f"  {'':8s} {'':8s} " + "".join(f"{c:>28s}" for c in
-                                              ("cold 1", f"cold {args.batch}", "warm 1", f"warm {args.batch}")))
-        for name, files, direct in rows:
-            cells = []
-            for cold, batch in ((True, 1), (True, args.batch), (False, 1), (False, args.batch)):
-                t = miss_cost(files, direct, cold, batch, args.samples, seed=batch)
-                bw = files.layout.nbytes / t
-                cells.append(f"{t * 1e6:9.0f} us {bw / MIB:6.0f} MiB/s {bw / reference:4.2f}x")
-            print(f"  {name:8s} {'direct  ' if direct else 'buffered'} " + "".join(f"{c:>28s}" for c in cells))
-
-        print(f"\n3. page cache of an unrelated {args.cgroup_mb // 2} MiB file around streaming every expert:")
-        page_cache_experiment(packed, work, args.cgroup_mb)
+        if not args.queue_depth_only:
+            layouts(stacked, packed, work, args)
+        batches = (1, args.batch)
+        print_queue_depth(packed, queue_depth(packed, batches, args.rounds, seed=4), args.rounds)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def layouts(stacked: ModelFiles, packed: ModelFiles, work: Path, args) -> None:
+    """Sections 1-3."""
+    seq = {}
+    for name, files in (("stacked", stacked), ("packed", packed)):
+        for direct, streams in ((False, 1), (True, 1), (True, 4)):
+            seq[name, direct, streams] = sequential(files.files, direct, streams)
+    print("1. sequential read of the files, 8 MiB reads, cold:")
+    for (name, direct, streams), speed in seq.items():
+        print(f"  {name:8s} {'direct  ' if direct else 'buffered'} {streams} stream{'s' if streams > 1 else ' '}"
+              f" {speed / MIB:8.0f} MiB/s")
+    reference = max(seq.values())
+
+    rows = [("stacked", stacked, False), ("stacked", stacked, True), ("packed", packed, False),
+            ("packed", packed, True)]
+    print(f"\n2. miss cost per expert (median of {args.samples} fetches; MiB/s = record bytes / time; "
+          f"x seq = that over the best sequential speed, {reference / MIB:.0f} MiB/s):")
+    print(f"  {'':8s} {'':8s} " + "".join(f"{c:>28s}" for c in
+                                          ("cold 1", f"cold {args.batch}", "warm 1", f"warm {args.batch}")))
+    for name, files, direct in rows:
+        cells = []
+        for cold, batch in ((True, 1), (True, args.batch), (False, 1), (False, args.batch)):
+            t = miss_cost(files, direct, cold, batch, args.samples, seed=batch)
+            bw = files.layout.nbytes / t
+            cells.append(f"{t * 1e6:9.0f} us {bw / MIB:6.0f} MiB/s {bw / reference:4.2f}x")
+        print(f"  {name:8s} {'direct  ' if direct else 'buffered'} " + "".join(f"{c:>28s}" for c in cells))
+
+    print(f"\n3. page cache of an unrelated {args.cgroup_mb // 2} MiB file around streaming every expert:")
+    page_cache_experiment(packed, work, args.cgroup_mb)
 
 
 if __name__ == "__main__":

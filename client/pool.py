@@ -38,8 +38,10 @@ from moe_l2.client.prefetcher import PrefetchCounts, Prefetcher
 
 log = logging.getLogger("moe-l2.client")
 
-# Threads for the model file's reads and for copies from L2, by default: the cores, up to 8.
-THREADS = min(8, os.cpu_count() or 1)
+# Threads for copies from L2 (memory bound), by default: the cores, up to 8. Reads of the model file wait on
+# the disk, so they get at least 4: 4 beat 2 by 1.1-1.15x on the 2-core VM (bench/bench_io.py, section 4).
+COPY_THREADS = min(8, os.cpu_count() or 1)
+READ_THREADS = max(4, COPY_THREADS)
 # load_through_s: how often L2 is looked at again for a record the daemon is loading.
 LOAD_POLL_S = 0.0005
 
@@ -121,9 +123,9 @@ class ExpertPool:
         self.files = files
         self.capacity = capacity
         self.client = client
-        self.read_threads = read_threads or THREADS
+        self.read_threads = read_threads or READ_THREADS
         # Large records are copied from L2 on several threads: one core does not reach the memory bandwidth.
-        self.copy_threads = THREADS
+        self.copy_threads = COPY_THREADS
         self.load_through_s = load_through_s
         # Lent records are not checked against the manifest: verify="all" copies every one.
         self.lend = lend and L2View.supported() and not self._check_l2
@@ -344,10 +346,10 @@ class ExpertPool:
                 copied = [ok and self._intact_copy(layer, lp, e, r) for e, r, ok in zip(experts, rows, copied)]
             copied_at = time.perf_counter()
             unread = [(e, r) for e, r, ok in zip(experts, rows, copied) if not ok]
-            self._read_from_l3(layer, lp, unread)
+            sums = self._read_from_l3(layer, lp, unread)
             if self._check_file:
-                for expert, row in unread:
-                    self.files.check_record(layer, expert, lp.checksum(row), "the model file")
+                for (expert, row), checksum in zip(unread, sums or [lp.checksum(row) for _, row in unread]):
+                    self.files.check_record(layer, expert, checksum, "the model file")
             counts.copy_s, counts.read_s = copied_at - start, time.perf_counter() - copied_at
         except BaseException:
             lp.release(rows)  # nothing was published: the rows hold no expert
@@ -426,12 +428,15 @@ class ExpertPool:
                     "reading it from the model file", self.files.path, layer, expert, checksum)
         return False
 
-    def _read_from_l3(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> None:
-        # Into the rows of each piece: stacked models piece by piece, packed ones in one read per expert
-        # scattered into the rows, GGUF ones converted to MLX's layout on the way (see ModelFiles.read_into_rows).
-        if todo:
-            targets = [(expert, [(lp.buffers[p.key], row * p.nbytes) for p in lp.pieces]) for expert, row in todo]
-            self.files.read_into_rows(self._fds, layer, targets, threads=self.read_threads)
+    def _read_from_l3(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> list[int] | None:
+        """Read into the rows of each piece: stacked models piece by piece, packed ones in one read per expert
+        scattered into the rows, GGUF ones converted to MLX's layout on the way (see ModelFiles.read_into_rows).
+        Returns the records' checksums where the format computed them as it read (packed), else None."""
+        if not todo:
+            return None
+        targets = [(expert, [(lp.buffers[p.key], row * p.nbytes) for p in lp.pieces]) for expert, row in todo]
+        return self.files.read_into_rows(self._fds, layer, targets, threads=self.read_threads,
+                                         checksums=self._check_file)
 
     def close(self) -> None:
         self._prefetcher.close()

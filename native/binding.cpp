@@ -8,6 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "crc32.h"
 #include "memory.h"
 #include "records.h"
 #include "slot_index.h"
@@ -210,14 +211,18 @@ void init_slot_index(nb::module_& m) {
 }
 
 void init_pread(nb::module_& m) {
-  m.def("pread_records", &pread_records, "jobs"_a, "threads"_a = 4,
-        "Read each job (fd, file_offset, nbytes, dst, dst_offset) into dst, on up to `threads` "
-        "threads, with the GIL released. Direct-I/O fds (see set_direct) read whole aligned "
-        "blocks, through a bounce buffer where the job is unaligned.");
-  m.def("pread_scatter", &pread_scatter, "jobs"_a, "threads"_a = 4,
-        "For each job (fd, file_offset, nbytes, pieces): one read of the extent into aligned "
-        "scratch memory, then each piece (src_offset, nbytes, dst, dst_offset) copied from it; "
-        "on up to `threads` threads, with the GIL released.");
+  m.def("pread_records", &pread_records, "jobs"_a, "threads"_a = 4, "unit_bytes"_a = kReadUnitBytes,
+        "Read each job (fd, file_offset, nbytes, dst, dst_offset) into dst, in reads of at most "
+        "`unit_bytes`, on up to `threads` threads, with the GIL released. Direct-I/O fds (see "
+        "set_direct) read whole aligned blocks, through a bounce buffer where the job is unaligned.");
+  m.def("pread_scatter", &pread_scatter, "jobs"_a, "threads"_a = 4, "unit_bytes"_a = kReadUnitBytes,
+        "checksums"_a = false,
+        "For each job (fd, file_offset, nbytes, pieces): the extent read into aligned scratch memory "
+        "in reads of at most `unit_bytes`, each read's bytes of the pieces (src_offset, nbytes, dst, "
+        "dst_offset) copied as it lands; on up to `threads` threads, with the GIL released. With "
+        "`checksums`, returns each job's CRC-32 over its pieces in order (as zlib.crc32 chained over "
+        "them), computed as the bytes land; else [].");
+  m.attr("READ_UNIT_BYTES") = kReadUnitBytes;
   m.def("set_direct", &set_direct, "fd"_a, "enable"_a = true,
         "Direct I/O for fd: O_DIRECT on Linux, F_NOCACHE on macOS. Returns whether reads now "
         "bypass the page cache (False where the filesystem or platform has none).");
@@ -229,6 +234,33 @@ void init_pread(nb::module_& m) {
         "Bytes of the file's range [offset, offset + nbytes) resident in the page cache (mincore); "
         "nbytes < 0: to the end of the file.");
   m.attr("DIRECT_ALIGN") = 4096;
+}
+
+void init_crc32(nb::module_& m) {
+  m.def(
+      "crc32",
+      [](Memory* memory, int64_t offset, int64_t nbytes, uint32_t crc, bool portable) {
+        const char* fn = "crc32";
+        if (memory == nullptr) {
+          throw_value_error(fn, "no memory given");
+        }
+        size_t off = to_size(fn, "offset", offset), n = to_size(fn, "nbytes", nbytes);
+        memory->check_range(fn, off, n);
+        auto region = memory->region(fn, false);
+        nb::gil_scoped_release unlocked;
+        return (portable ? crc32_update_portable : crc32_update)(crc, region->data + off, n);
+      },
+      "memory"_a, "offset"_a, "nbytes"_a, "crc"_a = 0, "portable"_a = false,
+      "zlib.crc32 of bytes [offset, offset + nbytes) of memory, continuing `crc`, as the reads compute "
+      "it (portable: with the code builds without zlib use); the GIL released.");
+  m.def(
+      "crc32_concat",
+      [](uint32_t crc_a, uint32_t crc_b, uint64_t len_b, bool portable) {
+        return (portable ? crc32_concat_portable : crc32_concat)(crc_a, crc_b, len_b);
+      },
+      "crc_a"_a, "crc_b"_a, "len_b"_a, "portable"_a = false,
+      "The CRC-32 of A followed by B from crc32(A), crc32(B) and B's length (zlib's crc32_combine).");
+  m.attr("CRC32_FROM_ZLIB") = crc32_from_zlib();
 }
 
 void init_transcode(nb::module_& m) {
@@ -256,5 +288,6 @@ NB_MODULE(_native, m) {
   moe_l2::init_memory(m);
   moe_l2::init_slot_index(m);
   moe_l2::init_pread(m);
+  moe_l2::init_crc32(m);
   moe_l2::init_transcode(m);
 }

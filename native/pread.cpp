@@ -23,6 +23,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include "crc32.h"
 #include "records.h"
 
 namespace nb = nanobind;
@@ -31,9 +32,8 @@ namespace moe_l2 {
 
 namespace {
 
-// Jobs are cut into units of at most this many bytes, so that one large record is read by
-// several threads at once (SSDs want a deep queue) and no single pread nears the OS limits.
-constexpr size_t kUnitBytes = size_t(8) << 20;
+// Jobs are cut into units of at most unit_bytes (callers choose it: the queue depth a record's read
+// gets is min(threads, record / unit_bytes)); no single pread nears the OS limits at the default.
 
 // Direct reads use this alignment for file offsets, lengths and memory: the largest logical
 // block size in common use (512 and 4096 both divide it). A filesystem that wants more makes
@@ -308,17 +308,23 @@ std::optional<OsError> run_parallel(size_t n, int threads,
   return failure;
 }
 
-void check_threads(const char* fn, int threads) {
+void check_threads(const char* fn, int threads, int64_t unit_bytes) {
   if (threads < 1) {
     throw_value_error(fn, "threads must be >= 1, got " + std::to_string(threads));
+  }
+  // A multiple of the direct-read alignment, so that every unit of a direct read stays aligned.
+  if (unit_bytes < int64_t(kDirectAlign) || unit_bytes % int64_t(kDirectAlign) != 0 || unit_bytes > (int64_t(1) << 30)) {
+    throw_value_error(fn, "unit_bytes must be a multiple of " + std::to_string(kDirectAlign) + " from " +
+                              std::to_string(kDirectAlign) + " to 1 GiB, got " + std::to_string(unit_bytes));
   }
 }
 
 }  // namespace
 
-void pread_records(const std::vector<ReadJob>& jobs, int threads) {
+void pread_records(const std::vector<ReadJob>& jobs, int threads, int64_t unit_bytes) {
   const char* fn = "pread_records";
-  check_threads(fn, threads);
+  check_threads(fn, threads, unit_bytes);
+  const size_t unit = size_t(unit_bytes);
   std::vector<std::shared_ptr<Region>> regions;  // kept mapped while the GIL is released
   std::vector<Unit> units;
   FdStates fds;
@@ -339,8 +345,8 @@ void pread_records(const std::vector<ReadJob>& jobs, int threads) {
     regions.push_back(dst->region(fn, true));
     std::byte* out = regions.back()->data + dst_offset;
     FdState* state = fds.get(fd);
-    for (size_t done = 0; done < nbytes; done += kUnitBytes) {
-      size_t n = std::min(kUnitBytes, nbytes - done);
+    for (size_t done = 0; done < nbytes; done += unit) {
+      size_t n = std::min(unit, nbytes - done);
       units.push_back({j, state, file_offset + done, n, n, out + done});
     }
   }
@@ -349,18 +355,27 @@ void pread_records(const std::vector<ReadJob>& jobs, int threads) {
   }
 }
 
-void pread_scatter(const std::vector<ScatterJob>& jobs, int threads) {
+std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int threads, int64_t unit_bytes,
+                                    bool checksums) {
   const char* fn = "pread_scatter";
-  check_threads(fn, threads);
+  check_threads(fn, threads, unit_bytes);
+  const size_t unit = size_t(unit_bytes);
   struct Piece {
     size_t src_off;
     size_t nbytes;
     std::byte* dst;
   };
   struct Job {
-    size_t scratch_off;  // where the job's first read block lies in the scratch memory
-    size_t head;         // bytes of that block before the job's file_offset
+    size_t file_offset;  // where the job's extent starts in the file
+    size_t first_unit;   // the job's units are [first_unit, first_unit + n_units) of `units`
+    size_t n_units;
     std::vector<Piece> pieces;
+  };
+  // With checksums: the CRC-32 and length of each (unit, piece) overlap, combined per job in piece order
+  // once every unit has landed: the record's checksum without a second pass over its bytes.
+  struct Part {
+    uint32_t crc = 0;
+    size_t nbytes = 0;
   };
   std::vector<std::shared_ptr<Region>> regions;
   std::vector<Job> plan;
@@ -380,7 +395,7 @@ void pread_scatter(const std::vector<ScatterJob>& jobs, int threads) {
     // Direct fds read whole blocks, so that the reads go straight into the aligned scratch.
     size_t start = state->direct ? align_down(file_offset) : file_offset;
     size_t stop = state->direct ? align_up(end) : end;
-    Job job{total, file_offset - start, {}};
+    Job job{file_offset, units.size(), 0, {}};
     for (size_t p = 0; p < pieces.size(); ++p) {
       auto [src_off_in, n_in, dst, dst_off_in] = pieces[p];
       std::string pw = what + " piece " + std::to_string(p);
@@ -398,40 +413,52 @@ void pread_scatter(const std::vector<ScatterJob>& jobs, int threads) {
       regions.push_back(dst->region(fn, true));
       job.pieces.push_back({src_off, n, regions.back()->data + dst_off});
     }
-    for (size_t done = 0; start + done < stop; done += kUnitBytes) {
-      size_t n = std::min(kUnitBytes, stop - start - done);
+    for (size_t done = 0; start + done < stop; done += unit) {
+      size_t n = std::min(unit, stop - start - done);
       size_t need = std::min(n, end - (start + done));
       units.push_back({j, state, start + done, n, need, reinterpret_cast<std::byte*>(total + done)});
+      ++job.n_units;
     }
     total = checked_add(fn, total, align_up(stop - start));
     plan.push_back(std::move(job));
   }
   if (units.empty()) {
-    return;
+    return std::vector<uint32_t>(checksums ? jobs.size() : 0, 0);
   }
+  std::vector<size_t> part_at(units.size());  // unit -> its first Part: one per piece of its job
+  size_t n_parts = 0;
+  for (size_t i = 0; i < units.size(); ++i) {
+    part_at[i] = n_parts;
+    n_parts += checksums ? plan[units[i].job].pieces.size() : 0;
+  }
+  std::vector<Part> parts(n_parts);
   Scratch scratch(total);
   if (!scratch) {
     throw OsError(ENOMEM, prefixed(fn, "no memory for " + std::to_string(total) + " bytes of read buffer"));
   }
-  std::vector<std::atomic<size_t>> remaining(plan.size());
-  for (auto& r : remaining) {
-    r.store(0);
-  }
   for (Unit& u : units) {
     u.dst = scratch.data() + reinterpret_cast<size_t>(u.dst);
-    remaining[u.job].fetch_add(1);
   }
+  // Each unit's thread checksums and copies the bytes of the pieces that unit read, so that both overlap
+  // the other units' reads. (Reading straight into the pieces with preadv, no copy, was slower for batches
+  // of records on the VM this was measured on: docs/formats.md, "Direct I/O".)
   auto failure = run_parallel(units.size(), threads, [&](size_t i) -> std::optional<OsError> {
     const Unit& u = units[i];
     if (auto err = read_unit(fn, u)) {
       return err;
     }
-    // The thread that completes a job's last read scatters it, while others still read.
-    if (remaining[u.job].fetch_sub(1) == 1) {
-      const Job& job = plan[u.job];
-      const std::byte* src = scratch.data() + job.scratch_off + job.head;
-      for (const Piece& p : job.pieces) {
-        std::memcpy(p.dst, src + p.src_off, p.nbytes);
+    const Job& job = plan[u.job];
+    size_t lo = u.file_offset, hi = u.file_offset + u.nbytes;
+    for (size_t p = 0; p < job.pieces.size(); ++p) {
+      const Piece& piece = job.pieces[p];
+      size_t from = std::max(lo, job.file_offset + piece.src_off);
+      size_t to = std::min(hi, job.file_offset + piece.src_off + piece.nbytes);
+      if (from < to) {
+        const std::byte* src = u.dst + (from - lo);
+        if (checksums) {
+          parts[part_at[i] + p] = {crc32_update(0, src, to - from), to - from};
+        }
+        std::memcpy(piece.dst + (from - job.file_offset - piece.src_off), src, to - from);
       }
     }
     return std::nullopt;
@@ -439,6 +466,22 @@ void pread_scatter(const std::vector<ScatterJob>& jobs, int threads) {
   if (failure) {
     throw *failure;
   }
+  std::vector<uint32_t> sums;
+  if (checksums) {
+    for (const Job& job : plan) {
+      uint32_t crc = 0;
+      for (size_t p = 0; p < job.pieces.size(); ++p) {
+        for (size_t k = job.first_unit; k < job.first_unit + job.n_units; ++k) {
+          const Part& part = parts[part_at[k] + p];
+          if (part.nbytes) {
+            crc = crc32_concat(crc, part.crc, part.nbytes);
+          }
+        }
+      }
+      sums.push_back(crc);
+    }
+  }
+  return sums;
 }
 
 bool set_direct(int fd, bool enable) {

@@ -31,22 +31,30 @@ void run_on_threads(size_t n_threads, Loop&& loop) {
   }
 }
 
+// Reads are cut into units of at most this many bytes by default: one large record is read by
+// several threads at once (SSDs want a deep queue). Callers that know their records pass their own
+// (moe_l2/model/packed.py; docs/formats.md, "Direct I/O", has the measurement).
+constexpr int64_t kReadUnitBytes = int64_t(8) << 20;
+
 // (fd, file_offset, nbytes, dst, dst_offset): read nbytes of a file into dst.
 using ReadJob = std::tuple<int, int64_t, int64_t, Memory*, int64_t>;
 
 // Runs the reads on up to `threads` threads; raises the first failure once all have stopped.
 // Files opened for direct I/O (O_DIRECT) are read in aligned blocks, through an aligned bounce
 // buffer where the job is not aligned; a filesystem that refuses makes the fd buffered again.
-void pread_records(const std::vector<ReadJob>& jobs, int threads);
+void pread_records(const std::vector<ReadJob>& jobs, int threads, int64_t unit_bytes);
 
 // (src_offset, nbytes, dst, dst_offset): bytes [src_offset, +nbytes) of a job's extent go to dst.
 using ScatterPiece = std::tuple<int64_t, int64_t, Memory*, int64_t>;
-// (fd, file_offset, nbytes, pieces): one read of the extent, then its pieces copied out.
+// (fd, file_offset, nbytes, pieces): the extent read, its pieces copied out.
 using ScatterJob = std::tuple<int, int64_t, int64_t, std::vector<ScatterPiece>>;
 
-// One read per job (split into units across threads), into aligned scratch memory, then the
-// pieces are copied to their destinations: a packed record read in one go into pool rows.
-void pread_scatter(const std::vector<ScatterJob>& jobs, int threads);
+// One read per job (split into units across threads), into aligned scratch memory, each unit's
+// bytes of the pieces copied to their destinations as it lands: a packed record into pool rows.
+// With checksums, returns each job's CRC-32 over its pieces in order (record_checksum), computed by
+// the read threads as the bytes land; else an empty list.
+std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int threads, int64_t unit_bytes,
+                                    bool checksums);
 
 // Turns direct I/O on or off for fd (O_DIRECT on Linux, F_NOCACHE on macOS). Returns whether
 // reads now bypass the page cache: false where the filesystem or the platform has no direct I/O.

@@ -14,6 +14,7 @@ from moe_l2.client.pool import ExpertPool
 from moe_l2.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.packer import pack
+from moe_l2.model.records import record_checksum
 
 from .conftest import budget_for, stats, wait_for
 
@@ -111,6 +112,43 @@ def test_pread_scatter_reads_once_and_scatters(data, direct):
     assert bytes(a.view()[1000:1100]) == payload[4196:4296]
     assert bytes(a.view()[2000:2010]) == payload[-10:]
     _native.pread_scatter([], threads=2)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("unit", [4096, 256 << 10, 1 * MIB, 8 * MIB])
+def test_pread_scatter_in_any_unit_scatters_exact_bytes_and_checksums_them(data, direct, unit):
+    """Records read in units of `unit` bytes: every piece lands whole (pieces that share bytes too), and the
+    checksum each job returns is record_checksum of its pieces in order (zlib.crc32 chained), padding between
+    them left out."""
+    _, payload, open_ = data
+    fd = open_(direct)
+    rows = _native.Buffer(16 * MIB)
+    jobs = [  # (file offset, extent bytes, [(piece offset, piece bytes)]): gaps between pieces, a piece across units
+        (4096, 3 * MIB, [(0, 49152), (53248, 786432), (MIB + 5, 2 * MIB - 4096)]),
+        (7, 5000, [(10, 4000)]),
+        (len(payload) - 9000, 9000, [(0, 100), (200, 8800)]),
+        (8 * MIB, 8192, [(0, 4096), (2048, 4096)]),  # pieces that share bytes
+    ]
+    scatter, at = [], 0
+    for offset, nbytes, pieces in jobs:
+        scatter.append((fd, offset, nbytes, [(o, n, rows, at + i * 4 * MIB // 4) for i, (o, n) in enumerate(pieces)]))
+        at += 4 * MIB
+    sums = _native.pread_scatter(scatter, threads=3, unit_bytes=unit, checksums=True)
+    view = rows.view()
+    for (offset, _, pieces), (_, _, _, targets), checksum in zip(jobs, scatter, sums):
+        for (o, n), (_, _, _, dst) in zip(pieces, targets):
+            assert bytes(view[dst:dst + n]) == payload[offset + o:offset + o + n]
+        assert checksum == record_checksum(payload[offset + o:offset + o + n] for o, n in pieces)
+    assert _native.pread_scatter(scatter, threads=2, unit_bytes=unit) == []  # none asked for
+
+
+def test_read_units_are_checked():
+    for unit in (0, 100, 4097, 2 << 30):
+        with pytest.raises(ValueError, match=r"^\[pread_scatter\] unit_bytes must be a multiple of 4096 from 4096 "
+                                             rf"to 1 GiB, got {unit}$"):
+            _native.pread_scatter([], unit_bytes=unit)
+        with pytest.raises(ValueError, match=r"^\[pread_records\] unit_bytes must be a multiple of 4096"):
+            _native.pread_records([], unit_bytes=unit)
 
 
 def test_pread_scatter_checks_its_jobs(data, tmp_path):

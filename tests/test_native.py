@@ -3,10 +3,12 @@
 import errno
 import itertools
 import os
+import random
 import struct
 import subprocess
 import sys
 import time
+import zlib
 
 import _posixshmem
 import mlx.core as mx
@@ -559,6 +561,29 @@ def test_readers_never_take_a_torn_record(shm_name, record, threads, path):
     assert proc.returncode == 0
     assert consistent >= 100
     assert rejected_torn >= 5, "no copy overlapped a write: the test proved nothing"
+
+
+# --- crc32 --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_crc32_and_its_concatenation_are_zlibs(portable):
+    """The reads' checksums (zlib's where the build found it, else the portable code; both tested) equal
+    zlib.crc32, and two parts' CRCs concatenate to the whole's, at every length the slicing treats apart."""
+    rng = random.Random(7)
+    for size in (0, 1, 7, 8, 9, 63, 4096, 100_003, 3 << 20):
+        data = rng.randbytes(size)
+        buf = native.Buffer(max(size, 1) + 16)
+        buf.view()[5:5 + size] = data
+        assert native.crc32(buf, 5, size, portable=portable) == zlib.crc32(data)
+        assert native.crc32(buf, 5 + size // 2, size - size // 2, crc=zlib.crc32(data[:size // 2]),
+                            portable=portable) == zlib.crc32(data)
+        for cut in {0, size // 3, size}:
+            head, tail = data[:cut], data[cut:]
+            assert native.crc32_concat(zlib.crc32(head), zlib.crc32(tail), len(tail),
+                                       portable=portable) == zlib.crc32(data)
+    with pytest.raises(ValueError, match=r"^\[crc32\] bytes \[10, 30\) are outside buffer"):
+        native.crc32(native.Buffer(20), 10, 20)
 
 
 # --- pread_records ----------------------------------------------------------------------

@@ -218,14 +218,16 @@ class ModelFiles:
             self._check(layer, expert)
         self.reader.read_into_slots(fds, layer, targets, threads)
 
-    def read_into_rows(self, fds: list[int], layer: int, targets, *, threads: int = 1) -> None:
+    def read_into_rows(self, fds: list[int], layer: int, targets, *, threads: int = 1,
+                       checksums: bool = False) -> list[int] | None:
         """Read records of one layer into client pool rows, from fds (from open_fds), with the native reads.
 
         targets: [(expert, [(memory, offset), one per layout piece])]. A stacked record is read piece by
-        piece, a packed one in one read scattered into the rows, a GGUF one converted on the way."""
+        piece, a packed one in one read scattered into the rows, a GGUF one converted on the way. With
+        checksums: each record's record_checksum where the format computes it as it reads (packed), else None."""
         for expert, _ in targets:
             self._check(layer, expert)
-        self.reader.read_into_rows(fds, layer, targets, threads)
+        return self.reader.read_into_rows(fds, layer, targets, threads, checksums)
 
     # -- names -------------------------------------------------------------------------------------
 

@@ -415,7 +415,8 @@ class GGUFReader(RecordReader):
         self._transcode(fds, layer, [(expert, [(memory, base + p.offset) for p in self.layout.pieces])
                                      for expert, memory, base, _ in targets], threads)
 
-    def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
+    def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int,
+                       checksums: bool = False) -> None:
         self._transcode(fds, layer, targets, threads)
 
     def _scratch(self, nbytes: int):

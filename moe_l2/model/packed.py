@@ -19,6 +19,11 @@ __all__ = ["PACK_MARKER", "NotPacked", "record_starts", "PackedReader", "checkpo
 PACK_MARKER = "packed-v1"
 # pread_scatter reads each batch into scratch memory first: at most this many bytes of it at a time.
 _SCATTER_BYTES = 128 << 20
+# The largest single read of a record (each piece's bytes are copied to its row, and checksummed, as its read
+# lands). Smaller reads split a miss over the read threads, a deeper queue, but gained nothing on the disk
+# this was measured on and lost from 256 KiB down (bench/bench_io.py, section 4; docs/formats.md, "Direct
+# I/O"); a disk that rewards depth (an Apple SSD, say: not measured) would want a smaller one.
+READ_UNIT_BYTES = 8 << 20
 
 
 class NotPacked(ValueError):
@@ -56,6 +61,7 @@ class PackedReader(SafetensorsReader):
         layout = checkpoint.layout
         super().__init__(checkpoint, RecordLayout(layout.pieces, layout.nbytes, "packed"))
         self._starts = starts
+        self.read_unit_bytes = READ_UNIT_BYTES
 
     @property
     def direct_default(self) -> bool:
@@ -77,9 +83,10 @@ class PackedReader(SafetensorsReader):
             f, start = self._starts[layer][expert]
             # The whole padded extent where the slot has room for it: an aligned read for direct I/O.
             jobs.append((fds[f], start, span if room >= span else self.layout.nbytes, memory, base))
-        _native.pread_records(jobs, threads=threads)
+        _native.pread_records(jobs, threads=threads, unit_bytes=self.read_unit_bytes)
 
-    def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
+    def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int,
+                       checksums: bool = False) -> list[int] | None:
         from moe_l2 import _native
 
         scatter = []
@@ -88,8 +95,11 @@ class PackedReader(SafetensorsReader):
             scatter.append((fds[f], start, self.layout.nbytes,
                             [(p.offset, p.nbytes, mem, off) for p, (mem, off) in zip(self.layout.pieces, rows)]))
         per_call = max(1, _SCATTER_BYTES // self.layout.span)
+        sums = []
         for i in range(0, len(scatter), per_call):
-            _native.pread_scatter(scatter[i:i + per_call], threads=threads)
+            sums += _native.pread_scatter(scatter[i:i + per_call], threads=threads, unit_bytes=self.read_unit_bytes,
+                                          checksums=checksums)
+        return sums if checksums else None
 
 
 def checkpoint_reader(checkpoint: Checkpoint) -> RecordReader:

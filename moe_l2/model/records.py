@@ -160,10 +160,13 @@ class RecordReader(ABC):
         room bytes there (the slot stride); fds from ModelFiles.open_fds."""
 
     @abstractmethod
-    def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
+    def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int,
+                       checksums: bool = False) -> list[int] | None:
         """Read records into client pool rows, in MLX's layout, with the native reads (GIL released).
 
-        targets: [(expert, [(memory, offset), one per layout piece])]; fds from ModelFiles.open_fds."""
+        targets: [(expert, [(memory, offset), one per layout piece])]; fds from ModelFiles.open_fds. With
+        checksums, a reader that computes them as the bytes land (packed) returns each target's
+        record_checksum; None means the caller computes them."""
 
     @abstractmethod
     def expert_tensor_names(self) -> set[str]:

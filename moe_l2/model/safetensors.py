@@ -371,7 +371,8 @@ class SafetensorsReader(RecordReader):
                 for expert, memory, base, _ in targets for f, off, n, rec_off in self.extents(layer, expert)]
         _native.pread_records(jobs, threads=threads)
 
-    def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
+    def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int,
+                       checksums: bool = False) -> None:
         from moe_l2 import _native
 
         jobs = [(fds[f], off, n, mem, dst_off) for expert, rows in targets
