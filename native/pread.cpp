@@ -313,7 +313,8 @@ void check_threads(const char* fn, int threads, int64_t unit_bytes) {
     throw_value_error(fn, "threads must be >= 1, got " + std::to_string(threads));
   }
   // A multiple of the direct-read alignment, so that every unit of a direct read stays aligned.
-  if (unit_bytes < int64_t(kDirectAlign) || unit_bytes % int64_t(kDirectAlign) != 0 || unit_bytes > (int64_t(1) << 30)) {
+  if (unit_bytes < int64_t(kDirectAlign) || unit_bytes % int64_t(kDirectAlign) != 0 ||
+      unit_bytes > (int64_t(1) << 30)) {
     throw_value_error(fn, "unit_bytes must be a multiple of " + std::to_string(kDirectAlign) + " from " +
                               std::to_string(kDirectAlign) + " to 1 GiB, got " + std::to_string(unit_bytes));
   }
