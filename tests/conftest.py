@@ -28,6 +28,14 @@ from moe_l2.layout import Geometry, IndexHeader
 from moe_l2.model import ModelFiles
 
 
+def pytest_configure(config):
+    """A suite started in the background of a script (`pytest &`, nohup) inherits SIGINT ignored, and an ignored
+    signal stays ignored across exec: the tests that press ctrl-c in a child would see it ignored. A handler (not
+    SIG_IGN) resets to the default in every child."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked darwin check what only macOS does: run there (`pytest -m darwin`), skipped elsewhere."""
     if sys.platform == "darwin":
@@ -207,6 +215,11 @@ def stats(daemon) -> dict:
     reply = request(getattr(daemon, "socket", daemon), protocol.Stats(id=1))
     assert reply.ok, reply
     return reply.payload
+
+
+# How long a test polls a socket for a reply that must come: a bound for a loaded machine, never waited out when
+# the reply comes.
+ANSWER_MS = 30_000
 
 
 def wait_for(predicate, timeout=20.0, what="condition", detail=None):

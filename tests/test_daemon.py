@@ -20,7 +20,7 @@ from moe_l2.layout import IndexHeader
 from moe_l2.machine import SharedMemoryRoom
 from moe_l2.sizes import format_size
 
-from .conftest import budget_for, daemon_segments, segment_exists, short_tempdir, stats, wait_for
+from .conftest import ANSWER_MS, budget_for, daemon_segments, segment_exists, short_tempdir, stats, wait_for
 
 
 def test_stats_describe_the_served_model(running_daemon, model_files):
@@ -60,7 +60,7 @@ def test_prefetched_experts_are_served_from_l2_byte_exact(running_daemon, model_
 
 def send_raw(sock, frame: bytes) -> protocol.Reply:
     sock.send(frame)
-    assert sock.poll(5000), "daemon did not answer"
+    assert sock.poll(ANSWER_MS), "daemon did not answer"
     return protocol.decode_reply(sock.recv())
 
 
@@ -92,7 +92,7 @@ def test_bad_requests_get_error_replies_and_the_daemon_serves_on(running_daemon,
             assert reply.evalue
         # A multi-frame message is answered too.
         sock.send_multipart([b"", protocol.Stats(id=5).encode()])
-        assert sock.poll(5000) and protocol.decode_reply(sock.recv()).id == 5
+        assert sock.poll(ANSWER_MS) and protocol.decode_reply(sock.recv()).id == 5
     finally:
         sock.close(0)
     s = stats(running_daemon)

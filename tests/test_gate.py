@@ -25,7 +25,7 @@ from moe_l2.daemon.zmtp import FRAME_LIMIT
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.daemon.refusals import FIRST_LOGGED
 
-from .conftest import NOBODY, nobody_runs_python, quarter_budget, retire, stats, wait_for
+from .conftest import ANSWER_MS, NOBODY, nobody_runs_python, quarter_budget, retire, stats, wait_for
 
 # ZMTP 3.0 (rfc.zeromq.org/spec/23): the greeting of a NULL-mechanism peer, and frame flags.
 GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
@@ -220,7 +220,7 @@ def test_a_flood_of_refused_requests_logs_a_few_lines_and_a_summary(running_daem
     try:
         for i in range(1000):
             sock.send(msgpack.packb({"v": 1, "type": "nope", "id": i}))
-            assert sock.poll(5000)
+            assert sock.poll(ANSWER_MS)
             assert protocol.decode_reply(sock.recv()).ename == "UnknownType"
     finally:
         sock.close(0)

@@ -28,7 +28,7 @@ from moe_l2.random_models import make_model
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.model import ModelFiles
 
-from .conftest import AS_NOBODY, NOBODY, budget_for, nobody_runs_python, retire, stats, wait_for
+from .conftest import ANSWER_MS, AS_NOBODY, NOBODY, budget_for, nobody_runs_python, retire, stats, wait_for
 
 needs_root = pytest.mark.skipif(not nobody_runs_python(),
                                 reason="the hostile side runs as uid 65534: needs root, setpriv, and this "
@@ -332,7 +332,7 @@ def test_the_client_table_is_bounded(running_daemon, model_files):
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(running_daemon.socket)
         sock.send(hello)
-        assert sock.poll(5000)
+        assert sock.poll(ANSWER_MS)
         sock.recv()
         sock.close(0)
     assert stats(running_daemon.socket)["daemon"]["clients"] == MAX_CLIENTS
