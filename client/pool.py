@@ -261,17 +261,19 @@ class ExpertPool:
         return loan
 
     def _await(self, layer: int, look) -> None:
-        """Call look() (True: every awaited record was found in L2) now and again at each of the daemon's Loaded
-        notices for the layer, until it is done, load_through_s has passed or the client detached. The notice
-        only wakes the lookup, which trusts what L2's seqlock says (client/arrivals.py)."""
+        """Call look() (True: every awaited record was found in L2) now, at each of the daemon's Loaded notices
+        for the layer and once more at the deadline, until it is done, load_through_s has passed or the client
+        detached. The notice only wakes the lookup, which trusts what L2's seqlock says (client/arrivals.py)."""
         deadline = time.perf_counter() + self.load_through_s
         arrivals = self.client.arrivals
         while self.client.attached:
             seen = arrivals.generation(layer)  # before looking: a notice from here on ends the wait below
             if look():
                 return
-            if not arrivals.wait(layer, seen, deadline - time.perf_counter()):
+            left = deadline - time.perf_counter()
+            if left <= 0:
                 return
+            arrivals.wait(layer, seen, left)
 
     def _l2_view(self) -> L2View | None:
         """The L2View of the daemon epoch attached now, or None."""
