@@ -134,10 +134,14 @@ def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] 
 
 
 def wait_idle(address: str, timeout_s: float = 10.0) -> None:
-    """Until the daemon has no loads in flight (those that earlier misses and prefetches asked for)."""
+    """Until the daemon has no loads in flight (those that earlier misses and prefetches asked for); RuntimeError
+    when it still has some after timeout_s, since what a caller reads next (the daemon's figures) would not
+    count them."""
     deadline = time.monotonic() + timeout_s
-    while (time.monotonic() < deadline
-           and request(address, protocol.Stats(id=1)).payload["daemon"]["loads_in_flight"]):
+    while loads := request(address, protocol.Stats(id=1)).payload["daemon"]["loads_in_flight"]:
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"moe-l2d on {address} still has {loads} loads in flight after {timeout_s:g} s: its "
+                               "disk may be slow or stuck (moe-l2 stats shows them; its log names failed reads)")
         time.sleep(0.05)
 
 
@@ -201,6 +205,8 @@ class L2Client:
         return attachment is not None and attachment.notices
 
     def wait_attached(self, timeout_s: float) -> bool:
+        """True once attached to a daemon; False when timeout_s passed first (none answered, or it was refused:
+        `last_error` says why)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.attachment is not None:
