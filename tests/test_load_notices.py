@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from moe_l2 import protocol
-from moe_l2.client.connection import L2Client
+from moe_l2.client.connection import L2Client, request
 from moe_l2.client.l2view import L2View
 from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.process import short_tempdir
@@ -70,6 +70,24 @@ def test_misses_loaded_through_are_lent_once_the_daemon_says_they_landed(running
         assert waits.expired == 0 and waits.woken >= 1
     finally:
         pool.close()
+        client.close()
+
+
+def test_a_miss_reported_after_it_landed_is_told_at_once(running_daemon, model_files):
+    """The record may land between a lookup's look at L2 and its report: the daemon, finding it published when it
+    folds the report in, tells the client at once (there is no fill left to wait for)."""
+    request(running_daemon.socket, protocol.Prefetch(id=1, model=model_files.fingerprint, layer=1, experts=[6]))
+    wait_for(lambda: stats(running_daemon)["models"][0]["loads_done"] == 1, what="the prefetch")
+    client = load_through_client(model_files, running_daemon.socket)
+    try:
+        client.report(1, [], [6], [6], now=True)
+        wait_for(lambda: client.arrivals.counts.notices == 1, what="the notice")
+        assert stats(running_daemon)["models"][0]["loads_done"] == 1  # nothing loaded again
+        client.report(1, [], [6], [6])  # a miss no one waits for: no notice
+        client.report(2, [], [9], [9], now=True)  # sent at once, with the report before it
+        wait_for(lambda: client.arrivals.counts.notices == 2, what="the notice of layer 2")
+        assert client.arrivals.generation(1) == 1 and client.arrivals.generation(2) == 1
+    finally:
         client.close()
 
 
