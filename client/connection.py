@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
@@ -33,6 +33,8 @@ from moe_l2.control import (UntrustedDaemon, access_problem, check_socket, curve
 from moe_l2.layout import Geometry, IndexHeader
 from moe_l2.model import ModelFiles
 from moe_l2.runtime import default_socket, no_daemon_message
+
+from moe_l2.client.arrivals import Arrivals
 
 log = logging.getLogger("moe-l2.client")
 
@@ -91,6 +93,7 @@ class Attachment:
     layers: frozenset[int]  # the MoE layers the daemon serves
     slots: tuple[int, ...]  # per MoE layer, its slots in L2 (0 where unserved)
     slot_indexes: tuple  # per MoE layer, its _native.SlotIndex (copy, lend, check); None where unserved
+    notices: bool = False  # the daemon sends Loaded notices (protocol.HelloReply.notices)
 
     def serves(self, layer: int) -> bool:
         return layer in self.layers
@@ -131,10 +134,14 @@ def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] 
 
 
 def wait_idle(address: str, timeout_s: float = 10.0) -> None:
-    """Until the daemon has no loads in flight (those that earlier misses and prefetches asked for)."""
+    """Until the daemon has no loads in flight (those that earlier misses and prefetches asked for); RuntimeError
+    when it still has some after timeout_s, since what a caller reads next (the daemon's figures) would not
+    count them."""
     deadline = time.monotonic() + timeout_s
-    while (time.monotonic() < deadline
-           and request(address, protocol.Stats(id=1)).payload["daemon"]["loads_in_flight"]):
+    while loads := request(address, protocol.Stats(id=1)).payload["daemon"]["loads_in_flight"]:
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"moe-l2d on {address} still has {loads} loads in flight after {timeout_s:g} s: its "
+                               "disk may be slow or stuck (moe-l2 stats shows them; its log names failed reads)")
         time.sleep(0.05)
 
 
@@ -163,7 +170,10 @@ class L2Client:
         self.attaches = 0
         self.last_error = ""
         self.refused = False  # the last daemon met was refused as untrusted (and the refusal logged)
+        self._last_dropped = ""  # why the last notice dropped was
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
+        # The daemon's Loaded notices, per MoE layer, for the lookups that wait for their misses (load-through).
+        self.arrivals = Arrivals(files.n_layers)
         # A byte here wakes the connection thread to send the queued reports now (report(now=True)).
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -188,7 +198,15 @@ class L2Client:
     def attached(self) -> bool:
         return self.attachment is not None
 
+    @property
+    def notifies(self) -> bool:
+        """Attached to a daemon that says when reported misses land in L2 (the only kind load-through waits for)."""
+        attachment = self.attachment
+        return attachment is not None and attachment.notices
+
     def wait_attached(self, timeout_s: float) -> bool:
+        """True once attached to a daemon; False when timeout_s passed first (none answered, or it was refused:
+        `last_error` says why)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.attachment is not None:
@@ -199,13 +217,14 @@ class L2Client:
     def report(self, layer: int, hits: list[int], misses: list[int], routed: list[int], now: bool = False) -> None:
         """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
         loads the misses and counts the picks). Nothing for a layer the daemon does not serve. now: send it
-        without waiting for the next flush (a caller waits for the misses: load-through)."""
+        without waiting for the next flush, and have the daemon say when the misses are in L2 (a caller waits
+        for them: load-through, woken through `arrivals`)."""
         attachment = self.attachment
         if attachment is not None and not attachment.serves(layer):
             return
-        self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS]))
+        self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS], now))
         for start in range(MAX_REPORT_IDS, len(routed), MAX_REPORT_IDS):  # a long prefill, pick by pick
-            self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS]))
+            self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS], False))
         if now:
             self._wake()
 
@@ -289,13 +308,18 @@ class L2Client:
                 if sock in events:
                     for _ in range(RECEIVE_BATCH):
                         try:
-                            reply = protocol.decode_reply(sock.recv(zmq.NOBLOCK))
+                            reply = protocol.decode_daemon_frame(sock.recv(zmq.NOBLOCK))
                         except zmq.Again:
                             break
+                        except protocol.BadNotice as exc:
+                            self._drop_notice(f"{exc.ename}: {exc.evalue}")
+                            continue
                         except protocol.ProtocolError as exc:
                             self._detach(exc.evalue)
                             continue
-                        if pending is not None and reply.id == pending[0]:
+                        if isinstance(reply, protocol.Loaded):
+                            self._on_loaded(reply)
+                        elif pending is not None and reply.id == pending[0]:
                             pending = None
                             self._on_hello(reply)
                         elif not reply.ok:
@@ -340,15 +364,18 @@ class L2Client:
         while True:
             layers: dict[int, list[list[int]]] = collections.defaultdict(lambda: [[], []])
             routed: dict[int, list[int]] = collections.defaultdict(list)
+            notify: dict[int, list[int]] = collections.defaultdict(list)
             ids = 0
             try:
                 while ids < MAX_REPORT_IDS:
-                    layer, hits, misses, picks = self._reports.get_nowait()
+                    layer, hits, misses, picks, now = self._reports.get_nowait()
                     if hits or misses:
                         layers[layer][0].extend(hits)
                         layers[layer][1].extend(misses)
+                    if now and misses:
+                        notify[layer].extend(misses)
                     routed[layer].extend(picks)
-                    ids += len(hits) + len(misses) + len(picks)
+                    ids += len(hits) + len(misses) * (2 if now else 1) + len(picks)
             except queue.Empty:
                 pass
             if self.attachment is not None:
@@ -357,7 +384,7 @@ class L2Client:
                 if routed or prefetch or tiers:
                     self._send(sock, protocol.Report(id=next(self._ids), model=self.files.fingerprint,
                                                      layers=dict(layers), routed=dict(routed), prefetch=prefetch,
-                                                     tiers=tiers))
+                                                     tiers=tiers, notify=dict(notify)))
             if ids < MAX_REPORT_IDS:
                 return
 
@@ -385,7 +412,8 @@ class L2Client:
             return
         try:
             check_socket(self.address, self.trusted)
-            self.attachment = attach_segments(self.files, hello.index_segment, self.trusted, hello.layers)
+            self.attachment = replace(attach_segments(self.files, hello.index_segment, self.trusted, hello.layers),
+                                      notices=hello.notices)
         except UntrustedDaemon as exc:
             self._refuse_daemon(f"refusing moe-l2d on {self.address}: {exc}; reading experts from "
                                 f"{self.files.path}")
@@ -397,6 +425,26 @@ class L2Client:
         self.last_error = ""
         self.refused = False
         log.info("attached to moe-l2d epoch %d on %s", self.attachment.epoch, self.address)
+
+    def _on_loaded(self, notice: protocol.Loaded) -> None:
+        """Wake the lookups waiting in the notice's layer, once it is one this client could have asked for: the
+        daemon may be hostile, and the waiters look at L2 themselves anyway."""
+        files = self.files
+        if notice.model != files.fingerprint:
+            self._drop_notice(f"a loaded notice for model {protocol.quote(notice.model)}, not {files.fingerprint}")
+        elif not (0 <= notice.layer < files.n_layers and all(0 <= e < files.n_experts for e in notice.experts)):
+            self._drop_notice(f"a loaded notice names MoE layer {notice.layer} experts "
+                              f"{protocol.quote(notice.experts)}, outside {files.n_layers} layers x "
+                              f"{files.n_experts} experts")
+        else:
+            self.arrivals.loaded(notice.layer)
+
+    def _drop_notice(self, why: str) -> None:
+        """Log a notice dropped, once per reason in a row (a flood of one bad notice is one line)."""
+        if why != self._last_dropped:
+            log.warning("dropped a notice from moe-l2d on %s: %s", self.address, why)
+            self._last_dropped = why
+        self.arrivals.drop()
 
     def _refuse_daemon(self, why: str) -> None:
         """Log an untrusted daemon once per reason (the heartbeat meets it every second), then detach."""
@@ -411,11 +459,13 @@ class L2Client:
         # Segments are unmapped when the last copy using them drops its reference, never under it.
         self.attachment = None
         self.last_error = why
+        self.arrivals.wake_all()  # nothing more lands in this attachment's L2: its waiters stop
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self.attachment = None
+        self.arrivals.wake_all()
         if not self._thread.is_alive():
             os.close(self._wake_r)
             os.close(self._wake_w)

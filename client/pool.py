@@ -42,8 +42,6 @@ log = logging.getLogger("moe-l2.client")
 # the disk, so they get at least 4: 4 beat 2 by 1.1-1.15x on the 2-core VM (bench/bench_io.py, section 4).
 COPY_THREADS = min(8, os.cpu_count() or 1)
 READ_THREADS = max(4, COPY_THREADS)
-# load_through_s: how often L2 is looked at again for a record the daemon is loading.
-LOAD_POLL_S = 0.0005
 
 
 class PoolTooSmall(ValueError):
@@ -94,8 +92,9 @@ class ExpertPool:
         the model's default (ModelFiles.direct_default: on for packed models).
         verify: which records to check against the model's checksum manifest, one of VERIFY.
         load_through_s: on an L2 miss, report it at once and wait up to this long for the daemon to load the
-        record, then use it in L2 (lent by `borrow`, copied by `fetch`) instead of reading the file as well (0:
-        read the file at once; docs/architecture.md, "Client pool (L0)").
+        record, woken by the daemon's notice that it landed, then use it in L2 (lent by `borrow`, copied by
+        `fetch`) instead of reading the file as well (0, or a daemon that sends no notices: read the file at
+        once; docs/architecture.md, "Client pool (L0)").
         layers: the MoE layers this process runs (a pipeline stage's: docs/distributed.md); L0 rows are
         allocated for those only. None: every layer.
         lend: `borrow` may lend L2's records in place (where MLX can compute on shared memory: L2View.supported);
@@ -238,7 +237,7 @@ class ExpertPool:
         # Load-through: one read per miss, the daemon's, into L2, where the layer then computes on it; only where
         # L2 has room for the misses beside the batch's lent experts, which the daemon does not evict for them.
         room = view.attachment.slots[layer] - len(loan.experts)
-        reported = bool(absent and self.load_through_s and self.client.attached and len(absent) <= room)
+        reported = bool(absent and self.load_through_s and self.client.notifies and len(absent) <= room)
         awaited = 0
         if reported:
             self.client.report(layer, list(loan.experts), absent, picks, now=True)
@@ -252,14 +251,31 @@ class ExpertPool:
 
     def _await_loan(self, view: L2View, loan: Loan, absent: list[int]) -> Loan:
         """The loan, with what of `absent` the daemon loads into L2 within load_through_s."""
-        deadline = time.perf_counter() + self.load_through_s
-        while absent and self.client.attached and time.perf_counter() < deadline:
-            time.sleep(LOAD_POLL_S)
+        def lend_more() -> bool:
+            nonlocal loan, absent
             more = view.lend(loan.layer, absent)
             if more:
                 loan = loan.plus(more)
                 absent = sorted(set(absent) - set(more.experts))
+            return not absent
+
+        self._await(loan.layer, lend_more)
         return loan
+
+    def _await(self, layer: int, look) -> None:
+        """Call look() (True: every awaited record was found in L2) now, at each of the daemon's Loaded notices
+        for the layer and once more at the deadline, until it is done, load_through_s has passed or the client
+        detached. The notice only wakes the lookup, which trusts what L2's seqlock says (client/arrivals.py)."""
+        deadline = time.perf_counter() + self.load_through_s
+        arrivals = self.client.arrivals
+        while self.client.attached:
+            seen = arrivals.generation(layer)  # before looking: a notice from here on ends the wait below
+            if look():
+                return
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            arrivals.wait(layer, seen, left)
 
     def _l2_view(self) -> L2View | None:
         """The L2View of the daemon epoch attached now, or None."""
@@ -311,7 +327,7 @@ class ExpertPool:
             told.append(self.report_lookups(layer, missing, copied, picks, lent, now=True))
             return self._await_l2(layer, lp, missing, rows, copied)
 
-        through = self.load_through_s and self.client is not None and self.client.attached and not reported
+        through = self.load_through_s and self.client is not None and self.client.notifies and not reported
         copied, loaded = self.load_rows(layer, missing, rows, load_through if through else None)
         lp.publish(missing, rows)
         loaded.l0_hits = counts.l0_hits
@@ -405,12 +421,14 @@ class ExpertPool:
                   copied: list[bool]) -> list[bool]:
         """Copy the misses from L2 as the daemon loads them, until load_through_s has passed."""
         copied = list(copied)
-        deadline = time.perf_counter() + self.load_through_s
-        while not all(copied) and self.client.attached and time.perf_counter() < deadline:
-            time.sleep(LOAD_POLL_S)
+
+        def copy_more() -> bool:
             todo = [i for i, ok in enumerate(copied) if not ok]
             for i, ok in zip(todo, self._copy_from_l2(layer, lp, [missing[i] for i in todo], [rows[i] for i in todo])):
                 copied[i] = ok
+            return all(copied)
+
+        self._await(layer, copy_more)
         return copied
 
     def _copy_from_l2(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int]) -> list[bool]:

@@ -82,7 +82,7 @@ class StreamedModelProvider(ModelProvider):
                 self.speaks = speaks_for_daemon(self._group, self.lm.client.address if self.lm.client else None)
         tokenizer = self.lm.tokenizer
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
-            tokenizer.chat_template = tokenizer.default_chat_template
+            self._use_default_chat_template(tokenizer)
         self.model_key = (model_path, None, None)
         self.model = self.lm.model
         self.tokenizer = tokenizer
@@ -90,6 +90,21 @@ class StreamedModelProvider(ModelProvider):
         self.draft_model = None
         # The same test as mlx_lm.server: batched generation needs caches that can merge.
         self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(self.lm.model))
+
+    def _use_default_chat_template(self, tokenizer) -> None:
+        """mlx_lm.server's --use-default-chat-template: the tokenizer's default template where it has none of its
+        own. transformers dropped `default_chat_template` (4.43), where mlx_lm.server's load then fails with an
+        AttributeError; here the model's chats then go as they would without the flag, in mlx_lm.server's plain
+        role format (convert_chat), and the log says so."""
+        default = getattr(tokenizer, "default_chat_template", None)  # TokenizerWrapper delegates to transformers'
+        if default is not None:
+            tokenizer.chat_template = default
+            return
+        import transformers
+
+        log.warning("--use-default-chat-template: %s has no chat template and transformers %s has no default one; "
+                    "chats are sent in mlx_lm.server's plain role format: give a template with --chat-template",
+                    self.model_id, transformers.__version__)
 
     def load_default(self):
         """Called first thing by the generation thread: the load's error goes to serve(), which says it and

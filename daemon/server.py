@@ -9,6 +9,7 @@ in slices between the other requests, so that no flood of reports delays a heart
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import time
@@ -24,6 +25,7 @@ from .config import CurveKeys
 from .gate import Gate, bind_socket_file
 from .zmtp import FRAME_LIMIT
 from .loader import Loader
+from .notices import LoadNotices
 from .refusals import RefusalLog
 from .served import ServedModel
 from .stats import shm_lock_figures
@@ -86,6 +88,9 @@ class Server:
         self._queued_calls = 0
         self._waiting: dict[bytes, int] = {}
         self.model_paths = {m.files.fingerprint: os.path.realpath(m.files.path) for m in models}
+        self.notices = LoadNotices()
+        for m in models:
+            m.on_fill_ended = functools.partial(self.notices.fill_ended, m.files.fingerprint)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -121,15 +126,18 @@ class Server:
     def serve(self, should_stop) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self.notices.fileno(), zmq.POLLIN)  # fills ended: Loaded notices to send
         while not should_stop():
             if self._work or poller.poll(100):
+                self.notices.send_due(self._send)
                 for _ in range(RECEIVE_BATCH):
                     message = self._receive()
-                    if message is None and not (self._work and poller.poll(REFILL_MS)):
+                    if message is None and not (self._work and self._socket.poll(REFILL_MS)):
                         break
                     if message is not None:
                         self._handle(*message)
                 self._run_work(WORK_SLICE_S)
+            self.notices.send_due(self._send)
             self._expire_clients()
             self._refusals.flush()
 
@@ -191,6 +199,7 @@ class Server:
             self._send(identity, reply)
 
     def _send(self, identity: bytes, reply: bytes) -> None:
+        """Never blocks: a reply or notice to a peer whose pipe is full (PIPE_MESSAGES) or gone is dropped."""
         try:
             self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer is gone or not reading; it was its request
@@ -202,7 +211,8 @@ class Server:
 
     def _run_work(self, budget_s: float) -> None:
         """Fold queued report pieces in, and answer the requests queued behind them, for about budget_s (at
-        least one item). An item is (model, identity, (layers, routed, cost, keep)) or (None, identity, request)."""
+        least one item). An item is (model, identity, (layers, routed, cost, keep, notify)) or (None, identity,
+        request); a folded piece with `notify` registers its sender for Loaded notices of those misses."""
         deadline = time.monotonic() + budget_s
         while self._work:
             model, identity, work = self._work.popleft()
@@ -213,10 +223,12 @@ class Server:
                 self._queued_calls -= 1
                 self._answer(identity, work)
             else:
-                layers, routed, cost, keep = work
+                layers, routed, cost, keep, notify = work
                 self._pending_ids -= cost
                 try:
                     model.report(layers, routed, self.loader, keep)
+                    if notify:
+                        self.notices.want(identity, model, notify, self._send)
                 except Exception:  # validated when queued: only a bug gets here
                     self.errors += 1
                     log.exception("report work failed")
@@ -265,7 +277,7 @@ class Server:
             epoch=self.epoch, fingerprint=model.files.fingerprint, index_segment=model.index_name,
             data_segments=list(model.data_names.values()), n_layers=g.n_layers, n_experts=g.n_experts,
             n_slots=g.n_slots, record_bytes=g.record_bytes, slot_stride=g.slot_stride,
-            layers=list(model.layers)).encode(req.id)
+            layers=list(model.layers), notices=True).encode(req.id)
 
     def _expire_clients(self) -> None:
         cutoff = time.monotonic() - CLIENT_TIMEOUT_S
@@ -335,13 +347,14 @@ class Server:
         layers, routed = model.served_part(req.layers), model.served_part(req.routed)
         model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in layers.items()})
         model.check_ids(routed)
+        notify = model.served_part(req.notify)
         model.counters.add_prefetch(req.prefetch)  # a few integers: counted at once
         model.counters.add_tiers(req.tiers)
         client = self.clients.get(identity)
         if client is not None and client[2] is model:
             for name, n in req.tiers.items():
                 client[4][name] += n
-        pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS)
+        pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS, notify)
         cost = sum(piece[2] for piece in pieces)
         if self._pending_ids + cost > MAX_PENDING_IDS:
             raise ProtocolError("Busy", f"moe-l2d is {self._pending_ids} looked-up expert ids behind; this "
@@ -376,31 +389,36 @@ class Server:
 
     def close(self) -> None:
         self._refusals.flush(final=True)
+        self.notices.close()
         self._socket.close(0)
         if self._auth is not None:
             self._auth.stop()
         self._context.term()
 
 
-def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int]],
-                  size: int) -> list[tuple[dict, dict, int, dict]]:
-    """Split a report into (layers, routed, cost, keep) pieces of at most `size` looked-up ids (routed picks
-    count 1/ROUTED_PER_LOOKUP each) that ServedModel.report counts as it counts the whole: per layer its hits,
-    then its misses, in order; when the report names its routed picks, the lookup pieces carry an empty pick
-    list (so their lookups are not counted as picks). A misses piece keeps (never evicts for its loads) every
-    expert the report names in its layer, as the whole report would."""
+def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int]], size: int,
+                  notify: dict[int, list[int]] | None = None) -> list[tuple[dict, dict, int, dict, dict]]:
+    """Split a report into (layers, routed, cost, keep, notify) pieces of at most `size` looked-up ids (routed
+    picks count 1/ROUTED_PER_LOOKUP each) that ServedModel.report counts as it counts the whole: per layer its
+    hits, then its misses, in order; when the report names its routed picks, the lookup pieces carry an empty
+    pick list (so their lookups are not counted as picks). A misses piece keeps (never evicts for its loads) every
+    expert the report names in its layer, as the whole report would, and carries the misses of its own that the
+    report's `notify` names (the client waits for them: Loaded notices)."""
     pieces = []
     for layer, (hits, misses) in layers.items():
         no_picks = {layer: []} if routed else {}
         keep = {layer: frozenset([*hits, *misses, *routed.get(layer, ())])}
+        awaited = set((notify or {}).get(layer, ()))
         for start in range(0, len(hits), size):
-            pieces.append(({layer: [hits[start:start + size], []]}, no_picks, len(hits[start:start + size]), {}))
+            pieces.append(({layer: [hits[start:start + size], []]}, no_picks, len(hits[start:start + size]), {},
+                           {}))
         for start in range(0, len(misses), size):
-            pieces.append(({layer: [[], misses[start:start + size]]}, no_picks, len(misses[start:start + size]),
-                           keep))
+            chunk = misses[start:start + size]
+            told = [e for e in chunk if e in awaited]
+            pieces.append(({layer: [[], chunk]}, no_picks, len(chunk), keep, {layer: told} if told else {}))
     step = size * ROUTED_PER_LOOKUP
     for layer, picks in routed.items():
         for start in range(0, len(picks), step):
             chunk = picks[start:start + step]
-            pieces.append(({}, {layer: chunk}, -(-len(chunk) // ROUTED_PER_LOOKUP), {}))
+            pieces.append(({}, {layer: chunk}, -(-len(chunk) // ROUTED_PER_LOOKUP), {}, {}))
     return pieces

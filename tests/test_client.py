@@ -324,3 +324,59 @@ def test_load_through_copies_a_miss_from_l2_once_the_daemon_loaded_it(running_da
     finally:
         pool.close()
         client.close()
+
+
+class StuckDaemon:
+    """A daemon whose loads never finish (a stuck disk, which cannot be made on purpose here): answers every
+    request with stats that name loads in flight."""
+
+    def __init__(self):
+        import threading
+
+        import msgpack
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.stopping = threading.Event()
+        self.unpack = msgpack.unpackb
+        self.thread = threading.Thread(target=self._serve)  # the socket is this thread's from here on
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            if self.sock.poll(20):
+                identity, payload = self.sock.recv_multipart()
+                req_id = self.unpack(payload)["id"]
+                self.sock.send_multipart([identity, protocol.encode_reply(req_id, daemon={"loads_in_flight": 2})])
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+        self.sock.close(0)
+
+
+def test_wait_idle_says_when_the_daemon_is_still_loading_at_its_timeout(running_daemon, model_files):
+    from moe_l2.client.connection import wait_idle
+
+    request(running_daemon.socket, protocol.Prefetch(id=1, model=model_files.fingerprint, layer=0, experts=[1, 2, 3]))
+    wait_idle(running_daemon.socket)
+    assert stats(running_daemon)["models"][0]["loads_done"] == 3  # returned once the loads were done
+    stuck = StuckDaemon()
+    try:
+        with pytest.raises(RuntimeError, match="still has 2 loads in flight after 0.2 s"):
+            wait_idle(stuck.address, timeout_s=0.2)
+    finally:
+        stuck.close()
+
+
+def test_wait_attached_says_false_when_no_daemon_answers_in_time(model_files):
+    from .conftest import short_tempdir
+
+    client = L2Client(model_files, f"ipc://{short_tempdir() / 'moe-l2d.sock'}", wait_s=0)
+    try:
+        assert client.wait_attached(0.2) is False and not client.attached
+        assert client.last_error  # why, for the caller to say
+    finally:
+        client.close()

@@ -387,3 +387,34 @@ def test_the_provider_loads_the_streamed_model_and_batches_exactly(model_dir, mo
         assert provider.lm.stats.chunked_calls > 0  # several sequences' experts did not fit L0 at once
     finally:
         provider.close()
+
+
+def test_use_default_chat_template_on_a_model_without_one_loads_and_says_there_is_none(model_dir, tmp_path, caplog):
+    """transformers has no `default_chat_template` any more (mlx_lm.server's load fails on one there): the model
+    loads, the log says so, and chats go in mlx_lm.server's plain role format, as without the flag."""
+    import shutil
+
+    from mlx_lm.server import convert_chat
+
+    from moe_l2.cli import build_parser
+    from moe_l2.client.options import StreamOptions
+    from moe_l2.client.serving import StreamedModelProvider
+    from moe_l2.commands.serve import mlx_lm_args
+
+    bare = tmp_path / "no-template"
+    shutil.copytree(model_dir, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    args = build_parser("serve").parse_args(["serve", "--model", str(bare), "--no-daemon",
+                                             "--use-default-chat-template"])
+    provider = StreamedModelProvider(mlx_lm_args(args), bare, str(bare), StreamOptions(l0_slots=4, daemon=False))
+    try:
+        with caplog.at_level("WARNING", logger="moe-l2.serve"):
+            _, tokenizer = provider.load("default_model")
+        assert tokenizer.chat_template is None and not tokenizer.has_chat_template
+        assert any("has no default one" in r.getMessage() and "--chat-template" in r.getMessage()
+                   for r in caplog.records)
+        assert convert_chat([{"role": "user", "content": "hi"}], {}).strip()  # what mlx_lm.server sends then
+    finally:
+        provider.close()

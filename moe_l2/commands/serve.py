@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="logging level (default: INFO)")
     mlx.add_argument("--chat-template", default="", help="a chat template to use instead of the tokenizer's")
     mlx.add_argument("--use-default-chat-template", action="store_true",
-                     help="use the tokenizer's default chat template when the model has none")
+                     help="use the tokenizer's default chat template when the model has none, as mlx_lm.server does "
+                          "(transformers 4.43 and later have none: a warning, and chats go without a template)")
     mlx.add_argument("--chat-template-args", type=json_object, default={},
                      help="JSON arguments for the tokenizer's apply_chat_template, e.g. '{\"enable_thinking\":false}'")
     add_sampling(mlx, "default ")

@@ -1,0 +1,215 @@
+"""Issue 21.11: load-through waits end at the daemon's Loaded notice (protocol.Loaded, client/arrivals.py), against
+a real moe-l2d over real sockets; a daemon in the middle (Relay) rewrites what the daemon says or adds hostile
+notices."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from moe_l2 import protocol
+from moe_l2.client.connection import L2Client, request
+from moe_l2.client.l2view import L2View
+from moe_l2.client.pool import ExpertPool
+from moe_l2.daemon.process import short_tempdir
+
+from .conftest import assert_resident_exact, stats, wait_for
+
+# Far longer than the daemon takes to load a record of the test model (milliseconds): a wait that reached it
+# would show as `expired`.
+LOAD_THROUGH_S = 5.0
+
+
+def load_through_client(files, address: str) -> L2Client:
+    # Reports queue for a minute: the misses reach the daemon only because load-through sends them at once.
+    return L2Client(files, address, wait_s=5, flush_s=60)
+
+
+def test_misses_loaded_through_are_copied_once_the_daemon_says_they_landed(running_daemon, model_files):
+    client = load_through_client(model_files, running_daemon.socket)
+    pool = ExpertPool(model_files, capacity=4, client=client, load_through_s=LOAD_THROUGH_S, lend=False)
+    try:
+        assert client.notifies
+        for layer, experts in ((0, [2, 9]), (1, [3, 7, 3]), (2, [11])):
+            counts = pool.fetch(layer, experts)
+            # Cold: the daemon read the records into L2 and the client copied them; it read nothing itself.
+            assert (counts.l2_hits, counts.l2_awaited, counts.l3_reads) == (len(set(experts)),) * 2 + (0,)
+            assert_resident_exact(pool, model_files, layer, experts)
+        waits = client.arrivals.counts
+        # Every wait ended at a notice, none at the 5 s deadline; one per layer at least (the records of a layer
+        # may land in one notice or in several).
+        assert waits.expired == 0 and waits.woken >= 1 and waits.dropped == 0
+        wait_for(lambda: client.arrivals.counts.notices >= 3, what="a notice per layer")
+        assert stats(running_daemon)["models"][0]["loads_done"] == 5
+    finally:
+        pool.close()
+        client.close()
+
+
+@pytest.mark.skipif(not L2View.supported(), reason="this MLX build cannot compute on mapped memory")
+def test_misses_loaded_through_are_lent_once_the_daemon_says_they_landed(running_daemon, model_files):
+    client = load_through_client(model_files, running_daemon.socket)
+    pool = ExpertPool(model_files, capacity=4, client=client, load_through_s=LOAD_THROUGH_S)
+    try:
+        for layer, experts in ((0, [1, 6]), (1, [4]), (2, [8, 12])):
+            counts, loan = pool.borrow(layer, experts)
+            assert sorted(loan.experts) == experts and (counts.l2_awaited, counts.l3_reads) == (len(experts), 0)
+            arrays, slot_of = loan.arrays(), loan.slot_of()
+            for expert in experts:
+                record = model_files.read_record(layer, expert)
+                for p in model_files.layout.pieces:
+                    assert np.array(arrays[p.key][slot_of[expert]]).tobytes() == record[p.offset:p.offset + p.nbytes]
+            assert loan.torn() == []
+        waits = client.arrivals.counts
+        assert waits.expired == 0 and waits.woken >= 1
+    finally:
+        pool.close()
+        client.close()
+
+
+def test_a_miss_reported_after_it_landed_is_told_at_once(running_daemon, model_files):
+    """The record may land between a lookup's look at L2 and its report: the daemon, finding it published when it
+    folds the report in, tells the client at once (there is no fill left to wait for)."""
+    request(running_daemon.socket, protocol.Prefetch(id=1, model=model_files.fingerprint, layer=1, experts=[6]))
+    wait_for(lambda: stats(running_daemon)["models"][0]["loads_done"] == 1, what="the prefetch")
+    client = load_through_client(model_files, running_daemon.socket)
+    try:
+        client.report(1, [], [6], [6], now=True)
+        wait_for(lambda: client.arrivals.counts.notices == 1, what="the notice")
+        assert stats(running_daemon)["models"][0]["loads_done"] == 1  # nothing loaded again
+        client.report(1, [], [6], [6])  # a miss no one waits for: no notice
+        client.report(2, [], [9], [9], now=True)  # sent at once, with the report before it
+        wait_for(lambda: client.arrivals.counts.notices == 2, what="the notice of layer 2")
+        assert client.arrivals.generation(1) == 1 and client.arrivals.generation(2) == 1
+    finally:
+        client.close()
+
+
+class Relay:
+    """A daemon in the middle, as any local user could run one in front of the real moe-l2d: relays each client's
+    frames to the daemon and the daemon's frames back through `rewrite` (bytes -> bytes), and sends every
+    client the frames given to `inject`."""
+
+    def __init__(self, daemon_address: str, rewrite=lambda frame: frame):
+        self.daemon_address = daemon_address
+        self.rewrite = rewrite
+        self.directory = short_tempdir()
+        self.address = f"ipc://{self.directory / 'relay.sock'}"
+        self._injected: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run)  # owns every socket of the relay
+        self._thread.start()
+        self._ready.wait(5)
+
+    def inject(self, frame: bytes) -> None:
+        self._injected.put(frame)
+
+    def _run(self) -> None:
+        context = zmq.Context.instance()
+        front = context.socket(zmq.ROUTER)
+        front.setsockopt(zmq.LINGER, 0)
+        front.bind(self.address)
+        self._ready.set()
+        backs: dict[bytes, zmq.Socket] = {}
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(5))
+                if front in events:
+                    identity, payload = front.recv_multipart()
+                    if identity not in backs:
+                        backs[identity] = context.socket(zmq.DEALER)
+                        backs[identity].setsockopt(zmq.LINGER, 0)
+                        backs[identity].connect(self.daemon_address)
+                        poller.register(backs[identity], zmq.POLLIN)
+                    backs[identity].send(payload)
+                for identity, back in backs.items():
+                    if back in events:
+                        front.send_multipart([identity, self.rewrite(back.recv())])
+                while not self._injected.empty():
+                    frame = self._injected.get()
+                    for identity in backs:
+                        front.send_multipart([identity, frame])
+        finally:
+            for back in backs.values():
+                back.close(0)
+            front.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def without_notices(frame: bytes) -> bytes:
+    """A daemon from before Loaded notices: its hello replies have no `notices`."""
+    body = msgpack.unpackb(frame, strict_map_key=False)
+    body.pop("notices", None)
+    return msgpack.packb(body)
+
+
+def test_a_client_of_a_daemon_without_notices_reads_its_misses_at_once(running_daemon, model_files):
+    relay = Relay(running_daemon.socket, without_notices)
+    client = load_through_client(model_files, relay.address)
+    pool = ExpertPool(model_files, capacity=4, client=client, load_through_s=LOAD_THROUGH_S, lend=False)
+    try:
+        assert client.attached and not client.notifies
+        counts = pool.fetch(1, [3, 7])
+        # Waiting would cost the whole load_through_s per miss: the pool reads the file, as with load_through 0.
+        assert (counts.l2_awaited, counts.l3_reads) == (0, 2)
+        assert_resident_exact(pool, model_files, 1, [3, 7])
+        assert (client.arrivals.counts.woken, client.arrivals.counts.expired) == (0, 0)
+    finally:
+        pool.close()
+        client.close()
+        relay.close()
+
+
+def _notice(**fields) -> bytes:
+    return msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "loaded", **fields})
+
+
+def test_malformed_notices_from_a_hostile_daemon_are_dropped_and_the_client_keeps_working(running_daemon,
+                                                                                           model_files, caplog):
+    fp, n_layers, n_experts = model_files.fingerprint, model_files.n_layers, model_files.n_experts
+    hostile = [
+        _notice(model=fp, layer="0", experts=[1]),
+        _notice(model=fp, layer=0, experts=[1, None]),
+        _notice(model=fp, layer=0, experts=[0] * (protocol.MAX_IDS + 1)),  # over the bound, within the socket's
+        _notice(model="x" * 10_000, layer=0, experts=[1]),
+        _notice(model="0" * 32, layer=0, experts=[1]),  # another model's
+        _notice(model=fp, layer=n_layers, experts=[1]),
+        _notice(model=fp, layer=0, experts=[n_experts]),
+        msgpack.packb({"v": 99, "type": "loaded", "model": fp, "layer": 0, "experts": [1]}),
+        msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "evicted", "model": fp}),
+        msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": {"x": 1}}),
+    ]
+    relay = Relay(running_daemon.socket)
+    client = load_through_client(model_files, relay.address)
+    pool = ExpertPool(model_files, capacity=4, client=client, load_through_s=LOAD_THROUGH_S, lend=False)
+    try:
+        assert client.notifies
+        with caplog.at_level(logging.WARNING, logger="moe-l2.client"):
+            for frame in hostile:
+                relay.inject(frame)
+            wait_for(lambda: client.arrivals.counts.dropped == len(hostile), what="every hostile notice dropped")
+        assert client.arrivals.counts.notices == 0  # none woke a lookup
+        dropped = [r.getMessage() for r in caplog.records if "dropped a notice" in r.getMessage()]
+        assert len(dropped) == len(hostile) and all(len(line) < 600 for line in dropped)
+        # Never detached for them, and the real daemon's notices still end the waits of load-through.
+        assert client.attaches == 1 and client.attached
+        counts = pool.fetch(2, [5, 14])
+        assert (counts.l2_awaited, counts.l3_reads) == (2, 0)
+        assert_resident_exact(pool, model_files, 2, [5, 14])
+        assert client.arrivals.counts.expired == 0 and client.attaches == 1
+    finally:
+        pool.close()
+        client.close()
+        relay.close()
