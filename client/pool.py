@@ -204,7 +204,7 @@ class ExpertPool:
     def evict(self, layer: int, expert: int) -> None:
         """Drop an expert from L0; waits for queued computations first, as `fetch` does."""
         self.settle(layer)
-        self._synchronize(self.layers[layer])
+        self._synchronize()
         self.layers[layer].evict(expert)
 
     def fetch(self, layer: int, experts) -> TierCounts:
@@ -311,7 +311,7 @@ class ExpertPool:
         # Work queued with mx.async_eval (on Metal, kernels in flight) may still read the rows and the slot
         # table about to change: wait for it, so that any caller may refill rows between async steps.
         # The streamed forward has already synced on the router's choice, so the wait is free there.
-        self._synchronize(lp)
+        self._synchronize()
         taken = dict(zip(missing, lp.take_rows(missing, batch)))
         lp.promote(guessed, [taken.pop(e) for e in guessed])
         lp.drop_guesses()
@@ -341,10 +341,12 @@ class ExpertPool:
             self.report_lookups(layer, missing, copied, picks, lent)
         return loaded
 
-    def _synchronize(self, lp: LayerPool) -> None:
-        """Wait for every queued computation; the rows that left demand before it may take guesses now."""
+    def _synchronize(self) -> None:
+        """Wait for every queued computation; the rows that left demand before it, in any layer's rows, may take
+        guesses now (mx.synchronize waits for all work, not one layer's)."""
         mx.synchronize()
-        lp.rows.synchronized()
+        for rows in {id(lp.rows): lp.rows for lp in self.layers.values()}.values():
+            rows.synchronized()
 
     def _add_counts(self, counts: TierCounts) -> None:
         with self._counts_lock:
