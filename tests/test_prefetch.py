@@ -10,8 +10,6 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import load
-from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from moe_l2.cache.prefetch import CooccurrencePredictor, RepeatPredictor, Score, score_predictor
@@ -23,35 +21,8 @@ from moe_l2.client.streamed_lm import StreamedLM
 from moe_l2.client.nextlayer import NextLayer
 from moe_l2.client.pool import ExpertPool
 
-from .conftest import assert_every_tier_exact, assert_resident_exact, budget_for, stats, wait_for
-
-TEXT = "The router picks a few experts per token, and the next layer's picks follow from this layer's. " * 3
-
-
-@pytest.fixture(scope="module")
-def whole(model_dir):
-    return load(str(model_dir))
-
-
-@pytest.fixture
-def landing(monkeypatch):
-    """Every prefetch lands before the forward goes on (a tiny model computes faster than a thread wakes):
-    the worker's writes then happen at every layer, which is what the tests are about."""
-    original = ExpertPool.prefetch
-
-    def prefetch_and_wait(pool, layer, guesses):
-        original(pool, layer, guesses)
-        pool.wait_prefetches(layer)
-
-    monkeypatch.setattr(ExpertPool, "prefetch", prefetch_and_wait)
-
-
-def greedy(model, tokenizer, n_prompt=40, max_tokens=12) -> list[int]:
-    ids = tokenizer.encode(TEXT)[:n_prompt]
-    # Prefill in steps of 8: mlx-lm drops each step's last-layer output unevaluated (the tail).
-    return [r.token for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
-                                             prefill_step_size=8)]
-
+from .conftest import (assert_every_tier_exact, assert_resident_exact, budget_for, greedy,
+                       PREFETCH_TEXT as TEXT, stats, wait_for)
 
 def assert_counts_add_up(pool: ExpertPool) -> None:
     c = pool.prefetch_counts

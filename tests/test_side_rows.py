@@ -14,8 +14,7 @@ from moe_l2.client.pool import ExpertPool, TierCounts
 from moe_l2.client.prefetcher import side_rows
 from moe_l2.client.streamed_lm import StreamedLM
 
-from .conftest import assert_resident_exact, budget_for, stats, wait_for
-from .test_prefetch import greedy, landing, whole  # noqa: F401 (fixtures)
+from .conftest import assert_resident_exact, budget_for, greedy, stats, wait_for
 
 
 def tally(counts: TierCounts) -> tuple[int, ...]:
