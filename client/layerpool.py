@@ -13,8 +13,17 @@ one array per record piece (mx.gather_qmm takes one weight array), so growing re
 rows, the old rows copied in, the new arrays published under the lock. The old buffers are never written again,
 and stay alive while anything still references them (every array is a view that keeps its allocation:
 native/memory.cpp), so queued MLX work and the unevaluated tail of a forward read what they were given; a
-layer's rows are written by one thread at a time (a fetch settles the layer's prefetch first), after it took
-them, so no write lands in a buffer that a growth left behind.
+layer's rows are written by one thread at a time (a fetch settles the layer's prefetch first; with shared rows,
+a fetch that grows them settles every layer's), after it took them, so no write lands in a buffer that a growth
+left behind.
+
+Side rows (`side`, for next-layer prefetch: docs/architecture.md, "Next-layer prefetch") are rows past the
+demand ceiling, in the same buffers, that hold guesses only: take_rows never hands one out and no demand miss
+evicts one, so a wrong guess costs no demand hit. A right guess is promoted by swapping rows: the expert's
+side row becomes a demand row in the slot table, and the demand row take_rows gave it becomes a side row; no
+byte moves. A row that leaves demand so is written by no guess until the pool's next synchronize (`demote`,
+`synchronized`): the side rows are two generations, the one queued work may still read and the one guesses are
+written into.
 """
 
 from __future__ import annotations
@@ -36,17 +45,21 @@ GROWTH = 1.5
 
 
 class Rows:
-    """Rows per record piece, `start` at first and at most `ceiling`: C++-owned buffers, MLX arrays over them,
-    the free rows and the lock of everything that uses them."""
+    """Rows per record piece, `start` demand rows at first and at most `ceiling`, and `side` rows beside them for
+    guesses: C++-owned buffers, MLX arrays over them, the free rows and the lock of everything that uses them."""
 
-    def __init__(self, files: ModelFiles, ceiling: int, start: int):
+    def __init__(self, files: ModelFiles, ceiling: int, start: int, side: int = 0):
         self.ceiling = ceiling
+        self.side = side
         self.pieces = files.layout.pieces
         self.held = 0
         self.buffers: dict = {}
         self.arrays: dict = {}
         self.copy_pieces: list = []
         self.free: list[int] = []
+        self.side_free: list[int] = []  # side rows no guess holds and nothing queued reads
+        self._cooling: list[tuple[int, int]] = []  # (side row, the epoch it left demand in)
+        self._epoch = 0  # the pool's synchronizes so far
         self.lock = threading.RLock()
         self._resize(min(start, ceiling))
 
@@ -60,14 +73,20 @@ class Rows:
 
     def _resize(self, rows: int) -> None:
         old = self.held
-        buffers = {p.key: _native.Buffer(rows * p.nbytes) for p in self.pieces}
+        # Every row is copied, side rows too (a guess held in one stays valid); the new rows are demand rows.
+        old_total, total = (old + self.side if old else 0), rows + self.side
+        buffers = {p.key: _native.Buffer(total * p.nbytes) for p in self.pieces}
         for p in self.pieces:
             if old:
-                buffers[p.key].view()[:old * p.nbytes] = self.buffers[p.key].view()[:old * p.nbytes]
-        self.arrays = {p.key: buffers[p.key].array(0, [rows, *p.shape], getattr(mx, p.dtype)) for p in self.pieces}
+                buffers[p.key].view()[:old_total * p.nbytes] = self.buffers[p.key].view()[:old_total * p.nbytes]
+        self.arrays = {p.key: buffers[p.key].array(0, [total, *p.shape], getattr(mx, p.dtype)) for p in self.pieces}
         self.buffers = buffers
         self.copy_pieces = [(p.offset, p.nbytes, buffers[p.key]) for p in self.pieces]
-        self.free[:0] = range(rows - 1, old - 1, -1)  # taken from the end: the free rows before the new ones
+        if old:
+            self.free[:0] = range(total - 1, old_total - 1, -1)  # taken from the end: the free rows before the new
+        else:
+            self.free[:] = range(rows - 1, -1, -1)
+            self.side_free[:] = range(total - 1, rows - 1, -1)
         self.held = rows
         if old:
             # MLX keeps freed buffers in its cache (the old rows' smaller pieces), which would hold memory past
@@ -79,12 +98,41 @@ class Rows:
         """Rows it may still grow by."""
         return self.ceiling - self.held
 
+    @property
+    def total(self) -> int:
+        """Rows held now, demand and side."""
+        return self.held + self.side
+
+    def would_grow(self, need: int) -> bool:
+        """Taking `need` rows now grows the rows (the caller holds the lock)."""
+        return len(self.free) < need and self.held < self.ceiling
+
+    def synchronized(self) -> None:
+        """The pool waited for every queued computation: the rows that left demand before are read by nothing."""
+        with self.lock:
+            self._epoch += 1
+
+    def demote(self, row: int) -> None:
+        """A demand row becomes a side row; no guess is written into it before the next synchronize."""
+        self._cooling.append((row, self._epoch))
+
+    def take_side(self, n: int) -> list[int]:
+        """Up to n side rows that no guess holds and no queued computation reads (the caller holds the lock)."""
+        cooled = [row for row, epoch in self._cooling if epoch < self._epoch]
+        if cooled:
+            self._cooling = [(row, epoch) for row, epoch in self._cooling if epoch >= self._epoch]
+            self.side_free.extend(cooled)
+        n = min(n, len(self.side_free))
+        taken = self.side_free[len(self.side_free) - n:]
+        del self.side_free[len(self.side_free) - n:]
+        return taken
+
 
 class SharedRows(Rows):
     """Rows for every layer of a pool, and the experts holding them from the least to the most recently used."""
 
-    def __init__(self, files: ModelFiles, ceiling: int, start: int):
-        super().__init__(files, ceiling, start)
+    def __init__(self, files: ModelFiles, ceiling: int, start: int, side: int = 0):
+        super().__init__(files, ceiling, start, side)
         self.order: OrderedDict[tuple[LayerPool, int], None] = OrderedDict()
         self.layers: list[LayerPool] = []
 
@@ -104,14 +152,15 @@ class SharedRows(Rows):
 
 
 class LayerPool:
-    """One layer of L0: up to `capacity` rows per record piece (its own Rows, `start` of them at first, or
-    SharedRows' for every layer), which expert holds which row, the pins and the eviction policy. Callers go
-    through the methods; only the pool changes its bookkeeping. The bookkeeping is behind a lock: the prefetch
-    worker changes one layer while the forward reads another."""
+    """One layer of L0: up to `capacity` rows per record piece (its own Rows, `start` of them at first and `side`
+    side rows, or SharedRows' for every layer), which expert holds which row, the guesses held in side rows, the
+    pins and the eviction policy. Callers go through the methods; only the pool changes its bookkeeping. The
+    bookkeeping is behind a lock: the prefetch worker changes one layer while the forward reads another."""
 
     def __init__(self, files: ModelFiles, capacity: int, policy: str, shared: SharedRows | None = None,
-                 start: int | None = None):
-        self._rows = Rows(files, capacity, capacity if start is None else start) if shared is None else shared
+                 start: int | None = None, side: int = 0):
+        self._rows = (Rows(files, capacity, capacity if start is None else start, side) if shared is None
+                      else shared)
         self.capacity = self._rows.ceiling
         self.n_experts = files.n_experts
         self.record_bytes = files.layout.nbytes
@@ -127,7 +176,7 @@ class LayerPool:
         self._row_of: dict[int, int] = {}
         self._pinned: set[int] = set()
         self._policy = make_policy(policy)
-        self._prefetched: set[int] = set()  # loaded ahead and not demanded since
+        self._guess_row: dict[int, int] = {}  # guessed expert -> the side row holding it, whole
         self.prefetch_useful = self.prefetch_wasted = 0
 
     @property
@@ -203,15 +252,12 @@ class LayerPool:
             self._pinned.update(experts)
 
     def access(self, experts) -> None:
-        """The forward demands these experts: tell the policy, and count prefetched ones as useful."""
+        """The forward demands these experts: tell the policy."""
         with self._lock:
             for expert in experts:
                 self._policy.access(expert)
                 if self._shared is not None and expert in self._row_of:
                     self._shared.touch(self, expert)
-                if expert in self._prefetched:
-                    self._prefetched.discard(expert)
-                    self.prefetch_useful += 1
 
     def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
         """Rows for experts not in L0: free ones, new ones while below the ceiling (the rows grow), then the rows
@@ -230,18 +276,6 @@ class LayerPool:
                 rows.append(self._drop(self._policy.victim(candidates)))
             return rows
 
-    def spare_rows(self, experts: list[int], keep: set[int]) -> tuple[list[int], list[int]]:
-        """Rows for as many of the experts (best first) as free rows, growth and evictable residents allow, never
-        evicting a pinned expert or one in `keep`; returns (experts given rows, rows). Not for shared rows,
-        where a row of the layer being computed could be taken."""
-        with self._lock:
-            wanted = [e for e in experts if e not in self._row_of]
-            free = len(self._free) + self._rows.growable
-            candidates = [e for e in self._row_of if e not in keep and e not in self._pinned]
-            n = min(len(wanted), free + len(candidates))
-            wanted = wanted[:n]
-            return wanted, self.take_rows(wanted, keep)
-
     def release(self, rows: list[int]) -> None:
         """Give back rows from `take_rows` that were never published (they hold no expert)."""
         with self._lock:
@@ -255,16 +289,13 @@ class LayerPool:
             self._shared.order.pop((self, expert), None)
         self._policy.evict(expert)
         self._pinned.discard(expert)
-        if expert in self._prefetched:
-            self._prefetched.discard(expert)
-            self.prefetch_wasted += 1
         return row
 
     def evict(self, expert: int) -> None:
         with self._lock:
             self._free.append(self._drop(expert))
 
-    def publish(self, experts: list[int], rows: list[int], prefetched: bool = False) -> None:
+    def publish(self, experts: list[int], rows: list[int]) -> None:
         with self._lock:
             for expert, row in zip(experts, rows):
                 self._row_of[expert] = row
@@ -272,21 +303,66 @@ class LayerPool:
                 self._policy.insert(expert)
                 if self._shared is not None:
                     self._shared.touch(self, expert)
-            if prefetched:
-                self._prefetched.update(experts)
+
+    def has_guess(self, expert: int) -> bool:
+        """A side row holds the expert, loaded ahead and not demanded since."""
+        with self._lock:
+            return expert in self._guess_row
+
+    def take_side_rows(self, guesses: list[int]) -> tuple[list[int], list[int]]:
+        """Side rows for as many of the guesses (best first) as are neither resident nor held already and as
+        side rows are writable; returns (experts given rows, rows). Evicts nothing."""
+        with self._lock:
+            wanted = [e for e in guesses if e not in self._row_of and e not in self._guess_row]
+            rows = self._rows.take_side(len(wanted))
+            return wanted[:len(rows)], rows
+
+    def release_side(self, rows: list[int]) -> None:
+        """Give back side rows from `take_side_rows` that hold no guess (a load that failed)."""
+        with self._lock:
+            self._rows.side_free.extend(rows)
+
+    def hold_guesses(self, experts: list[int], rows: list[int]) -> None:
+        """The guesses are whole in their side rows: a fetch of the layer may promote them."""
+        with self._lock:
+            self._guess_row.update(zip(experts, rows))
+
+    def promote(self, experts: list[int], rows: list[int]) -> None:
+        """Guessed experts that a fetch demands join demand without a copy: each one's side row takes the place
+        of the demand row `take_rows` gave it, which becomes a side row (written by no guess before the next
+        synchronize). The caller synchronized: nothing queued reads the slot table."""
+        with self._lock:
+            for expert, row in zip(experts, rows):
+                self._rows.demote(row)
+                self.publish([expert], [self._guess_row.pop(expert)])
+                self.prefetch_useful += 1
+
+    def drop_guesses(self) -> None:
+        """The layer's fetch came: the guesses it did not demand were wrong; their side rows are free again (no
+        slot table ever named them)."""
+        with self._lock:
+            self._rows.side_free.extend(self._guess_row.values())
+            self.prefetch_wasted += len(self._guess_row)
+            self._guess_row.clear()
 
     def prefetched(self) -> frozenset[int]:
-        """Experts loaded ahead and not demanded since (still resident)."""
+        """Experts loaded ahead into side rows and not demanded since."""
         with self._lock:
-            return frozenset(self._prefetched)
+            return frozenset(self._guess_row)
 
     def checksum(self, row: int) -> int:
         """record_checksum of the record in a row (docs/formats.md, "Checksums")."""
         return record_checksum(self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes] for p in self.pieces)
 
+    def row_of(self, expert: int) -> int:
+        """The row holding the expert: its demand row, else the side row of its guess."""
+        with self._lock:
+            return self._row_of[expert] if expert in self._row_of else self._guess_row[expert]
+
     def record(self, expert: int) -> bytes:
-        """The expert's record as L0 holds it, laid out like ModelFiles.read_record (for verification)."""
-        row = self._row_of[expert]
+        """The expert's record as L0 holds it, in demand or in a side row, laid out like ModelFiles.read_record
+        (for verification)."""
+        row = self.row_of(expert)
         out = bytearray(self.record_bytes)
         for p in self.pieces:
             out[p.offset:p.offset + p.nbytes] = self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes]

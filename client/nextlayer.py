@@ -14,9 +14,9 @@ ones not in L0 in the background while layer l computes. Three predictors:
 - `cooccurrence`: `moe_l2.cache.prefetch.CooccurrencePredictor`, learned online from this model's routing.
 
 How many guesses: top_k per layer (what the router picks per token; more guesses lose precision fast on the
-shared traces, docs/policy-report.md), loaded only into rows that free up without evicting what queued work
-reads (the pool's rule), so an L0 of exactly top_k rows prefetches only over the previous token's experts.
-No wrap-around: the last layer prefetches nothing for the next token's layer 0.
+shared traces, docs/policy-report.md), loaded into the pool's side rows (client/prefetcher.py), which neither
+demand nor queued work reads, so a wrong guess evicts nothing. No wrap-around: the last layer prefetches nothing
+for the next token's layer 0.
 """
 
 from __future__ import annotations
@@ -98,15 +98,14 @@ class NextLayer:
         seeded = f"seeded from {self.seeded_tokens} tokens, " if self.seeded_tokens else ""
         return f"{self.predictor} ({seeded}learned online)"
 
-    def after(self, layer: int, x: mx.array, chosen: np.ndarray, keep=()) -> None:
+    def after(self, layer: int, x: mx.array, chosen: np.ndarray) -> None:
         """Layer `layer` fetched its experts for tokens routed to `chosen` ((tokens, top_k)) and queued its
-        computation on `x`; learn, then prefetch layer+1's guesses. `keep`: experts of layer+1 that queued
-        work may still read (the last layer's unevaluated tail)."""
+        computation on `x`; learn, then prefetch layer+1's guesses."""
         if self.cooccurrence is not None or self.logistic is not None:
             self._learn(layer, chosen)
         if layer + 1 not in self.pool.layers:  # the last layer, or a pipeline stage's last one
             return
-        self.pool.prefetch(layer + 1, self.guess(layer, x, chosen), keep)
+        self.pool.prefetch(layer + 1, self.guess(layer, x, chosen))
 
     def guess(self, layer: int, x: mx.array, chosen: np.ndarray) -> list[int]:
         if self.routers is not None:

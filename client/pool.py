@@ -15,8 +15,9 @@ checked by the daemon before it published them, and are checked again only with 
 (docs/architecture.md, "Integrity", has the measured cost).
 
 `prefetch(layer, guesses)` hands guesses for a layer to a background worker (client/prefetcher.py) that loads
-the ones not in L0 into rows no queued computation reads, and publishes them only when whole; `fetch` of that
-layer first waits for it (docs/architecture.md, "Next-layer prefetch").
+the ones not in L0 into the pool's side rows (rows past the demand ceiling, for guesses only, that no queued
+computation reads); `fetch` of that layer first waits for it, then promotes the guesses it demands by swapping
+rows in the slot table (no copy) and drops the rest (docs/architecture.md, "Next-layer prefetch").
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from moe_l2.model import ModelFiles
 from moe_l2.client.l2view import L2View, Loan
 from moe_l2.client.layerpool import LayerPool, SharedRows
 from moe_l2.client.options import DEFAULTS, VERIFY
-from moe_l2.client.prefetcher import PrefetchCounts, Prefetcher
+from moe_l2.client.prefetcher import PrefetchCounts, Prefetcher, side_rows
 
 log = logging.getLogger("moe-l2.client")
 
@@ -82,7 +83,8 @@ class ExpertPool:
     def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = DEFAULTS.policy,
                  read_threads: int | None = None, direct: bool | None = DEFAULTS.direct,
                  verify: str = DEFAULTS.verify, load_through_s: float = 0.0, layers=None,
-                 lend: bool = DEFAULTS.lend, shared_l0: bool = False, grow: bool = DEFAULTS.l0_grow):
+                 lend: bool = DEFAULTS.lend, shared_l0: bool = False, grow: bool = DEFAULTS.l0_grow,
+                 prefetch: bool = False):
         """The mechanism under moe_l2.load and StreamedLM, which pass every argument from StreamOptions
         (client/options.py, the owner of the defaults); used alone, the pool waits for no load-through and
         keeps rows in every layer unless told to, so that a lookup's tier depends on the call alone.
@@ -100,10 +102,13 @@ class ExpertPool:
         lend: `borrow` may lend L2's records in place (where MLX can compute on shared memory: L2View.supported);
         False: it never does, and every lookup copies (`fetch` always copies).
         shared_l0: `capacity` rows in all, which every layer takes from, evicting the least recently used expert
-        of any layer (client/layerpool.py), instead of `capacity` rows in each layer; LRU only, no prefetch.
+        of any layer (client/layerpool.py), instead of `capacity` rows in each layer; LRU only.
         grow: hold the model's top-k rows at first (per layer, or in all when shared) and grow them while the
         experts in use outgrow them, evicting only once `capacity` rows are held (client/layerpool.py); False:
-        `capacity` rows from the start."""
+        `capacity` rows from the start.
+        prefetch: hold side rows for next-layer guesses beside the `capacity` demand rows (client/prefetcher.py's
+        `side_rows`: per layer, or in all when shared), counted in `ceiling`; without them `prefetch` loads
+        nothing."""
         layers = range(files.n_layers) if layers is None else sorted(set(layers))
         if not layers or not all(0 <= layer < files.n_layers for layer in layers):
             raise ValueError(f"layers must be a non-empty subset of the MoE layers 0..{files.n_layers - 1}")
@@ -131,8 +136,9 @@ class ExpertPool:
         self._view: L2View | None = None
         self.shared_l0 = shared_l0
         start = min(capacity, files.top_k) if grow else capacity
-        shared = SharedRows(files, capacity, start) if shared_l0 else None
-        self.layers = {layer: LayerPool(files, capacity, policy, shared, start) for layer in layers}
+        self.side_rows = side_rows(files.top_k) if prefetch else 0
+        shared = SharedRows(files, capacity, start, self.side_rows) if shared_l0 else None
+        self.layers = {layer: LayerPool(files, capacity, policy, shared, start, self.side_rows) for layer in layers}
         self._counts = TierCounts()
         self._counts_lock = threading.Lock()
         self._fds = files.open_fds(direct)
@@ -159,18 +165,18 @@ class ExpertPool:
             self._counts.l0_hits += n
 
     def rows_held(self) -> dict[int, int]:
-        """MoE layer -> the rows its pool holds now (with a shared L0, every layer names the same rows)."""
+        """MoE layer -> the demand rows its pool holds now (with a shared L0, every layer names the same rows)."""
         return {layer: lp.rows.held for layer, lp in self.layers.items()}
 
     @property
     def rows(self) -> int:
-        """L0 rows held now, in all layers."""
-        return sum({id(lp.rows): lp.rows.held for lp in self.layers.values()}.values())
+        """L0 rows held now, in all layers, side rows included."""
+        return sum({id(lp.rows): lp.rows.total for lp in self.layers.values()}.values())
 
     @property
     def ceiling(self) -> int:
-        """The most L0 rows it may hold, in all layers: what the budget gave."""
-        return self.capacity * (1 if self.shared_l0 else len(self.layers))
+        """The most L0 rows it may hold, in all layers, side rows included: what the budget gave."""
+        return (self.capacity + self.side_rows) * (1 if self.shared_l0 else len(self.layers))
 
     @property
     def nbytes(self) -> int:
@@ -199,7 +205,7 @@ class ExpertPool:
     def evict(self, layer: int, expert: int) -> None:
         """Drop an expert from L0; waits for queued computations first, as `fetch` does."""
         self.settle(layer)
-        mx.synchronize()
+        self._synchronize()
         self.layers[layer].evict(expert)
 
     def fetch(self, layer: int, experts) -> TierCounts:
@@ -302,10 +308,13 @@ class ExpertPool:
         self._prefetcher.before_fetch(layer, batch)
         counts = TierCounts()
         missing = sorted(e for e in batch if not lp.holds(e))
-        counts.l0_hits = len(batch) - len(missing)
+        # Guesses the prefetch holds in side rows are L0 hits: promoted below, without a read or a copy.
+        guessed = [e for e in missing if lp.has_guess(e)]
+        counts.l0_hits = len(batch) - len(missing) + len(guessed)
         lp.access(batch)
         counts.l2_lent, counts.l2_awaited = len(lent), awaited
         if not missing:
+            lp.drop_guesses()
             counts.l2_hits = len(lent)
             self._add_counts(counts)
             if self.client is not None and not reported:
@@ -315,11 +324,22 @@ class ExpertPool:
             raise PoolTooSmall(f"layer {layer}: a batch of {len(batch)} experts does not fit an L0 pool of "
                                f"{self.capacity} experts ({len(lp.pins() - batch)} pinned); fetch fewer tokens "
                                "at once or raise the L0 capacity")
+        if self.shared_l0 and lp.rows.would_grow(len(missing)):
+            self._prefetcher.settle_all()  # growing copies every row: no guess may be landing in the old ones
         # Work queued with mx.async_eval (on Metal, kernels in flight) may still read the rows and the slot
         # table about to change: wait for it, so that any caller may refill rows between async steps.
         # The streamed forward has already synced on the router's choice, so the wait is free there.
-        mx.synchronize()
-        rows = lp.take_rows(missing, batch)
+        self._synchronize()
+        taken = dict(zip(missing, lp.take_rows(missing, batch)))
+        lp.promote(guessed, [taken.pop(e) for e in guessed])
+        lp.drop_guesses()
+        missing, rows = list(taken), list(taken.values())
+        if not missing:
+            counts.l2_hits = len(lent)
+            self._add_counts(counts)
+            if self.client is not None and not reported:
+                self.client.report(layer, lent, [], picks)
+            return counts
         told = []
 
         def load_through(copied: list[bool]) -> list[bool]:
@@ -339,16 +359,23 @@ class ExpertPool:
             self.report_lookups(layer, missing, copied, picks, lent)
         return loaded
 
+    def _synchronize(self) -> None:
+        """Wait for every queued computation; the rows that left demand before it, in any layer's rows, may take
+        guesses now (mx.synchronize waits for all work, not one layer's)."""
+        mx.synchronize()
+        for rows in {id(lp.rows): lp.rows for lp in self.layers.values()}.values():
+            rows.synchronized()
+
     def _add_counts(self, counts: TierCounts) -> None:
         with self._counts_lock:
             self._counts.add(counts)
 
     def load_rows(self, layer: int, experts: list[int], rows: list[int],
-                  on_l2_miss=None) -> tuple[list[bool], TierCounts]:
+                  on_l2_miss=None, side: bool = False) -> tuple[list[bool], TierCounts]:
         """Fill rows taken for the experts with their records: L2 copies, the file for the rest, checked as
         configured; nothing is published. Returns which came from L2 and the counts; on failure the rows go
-        back. For `fetch` and the prefetch worker. on_l2_miss(copied) -> copied: called when L2 lacked some
-        (load-through), before the file is read."""
+        back (side: side rows, the prefetch worker's). For `fetch` and the prefetch worker. on_l2_miss(copied)
+        -> copied: called when L2 lacked some (load-through), before the file is read."""
         lp = self.layers[layer]
         counts = TierCounts()
         try:
@@ -368,7 +395,7 @@ class ExpertPool:
                     self.files.check_record(layer, expert, checksum, "the model file")
             counts.copy_s, counts.read_s = copied_at - start, time.perf_counter() - copied_at
         except BaseException:
-            lp.release(rows)  # nothing was published: the rows hold no expert
+            (lp.release_side if side else lp.release)(rows)  # nothing was published: the rows hold no expert
             raise
         record = self.files.layout.nbytes
         counts.l2_hits = sum(copied)
@@ -377,24 +404,25 @@ class ExpertPool:
         counts.bytes_read = counts.l3_reads * record
         return copied, counts
 
-    def prefetch(self, layer: int, guesses, keep=()) -> None:
-        """Load the guessed experts of `layer` that are not in L0, in the background (with a shared L0: have the
-        daemon load those L2 lacks); returns at once (client.prefetcher.Prefetcher.prefetch has the rules). The
-        next `fetch` of the layer waits for it."""
-        self._prefetcher.prefetch(layer, guesses, keep)
+    def prefetch(self, layer: int, guesses) -> None:
+        """Load the guessed experts of `layer` that are not in L0 into its side rows, in the background; returns
+        at once (client.prefetcher.Prefetcher.prefetch has the rules). The next `fetch` of the layer waits for
+        it. Without side rows (ExpertPool(prefetch=False)) nothing is loaded."""
+        self._prefetcher.prefetch(layer, guesses)
 
-    def absent_from_l2(self, layer: int, experts: list[int]) -> list[int]:
-        """The experts neither L0 nor L2 holds, where a daemon L2 lends from serves the layer (else none: a
-        shared L0's prefetch has nowhere to load them)."""
+    def not_in_l2(self, layer: int, experts: list[int]) -> list[int]:
+        """The experts, in order, but those a daemon L2 that lends from holds now."""
         view = self._l2_view()
         if view is None or not view.attachment.serves(layer):
-            return []
-        return self._l2_split(view, layer, experts)[1]
+            return list(experts)
+        held = set(view.lend(layer, experts).experts)
+        return [e for e in experts if e not in held]
 
     def _l2_split(self, view: L2View, layer: int, experts) -> tuple[Loan, list[int]]:
-        """Of the experts L0 lacks: a loan of those L2 holds now, and the rest, sorted."""
+        """Of the experts L0 lacks (held as a guess counts as held: the fetch promotes it): a loan of those L2
+        holds now, and the rest, sorted."""
         lp = self.layers[layer]
-        missing = sorted(e for e in experts if not lp.holds(e))
+        missing = sorted(e for e in experts if not lp.holds(e) and not lp.has_guess(e))
         loan = view.lend(layer, missing)
         return loan, sorted(set(missing) - set(loan.experts))
 

@@ -1,17 +1,18 @@
 """Prefetcher: the background worker behind ExpertPool.prefetch (docs/architecture.md, "Next-layer prefetch").
 
-One thread per pool, started by the first prefetch. A job loads a layer's guessed experts that are not in L0
-into rows that free up without evicting a pinned expert, another guess or one in `keep` (what queued work
-may still read), through the pool's own load path (L2 copy, else the model file, checked as configured),
-and publishes them only when every byte is in place. The pool's fetch of that layer first calls `settle`: a
-job not started yet is cancelled, a running one waited for (stall). No MLX computation runs on the worker (rows
-it grows are new buffers and views: client/layerpool.py); the copies and reads release the GIL. Counts what it
-did in PrefetchCounts.
+One thread per pool, started by the first prefetch. A job loads a layer's guessed experts that L0 lacks (and,
+where the pool computes on L2's records in place, that L2 lacks too: those cost nothing already) into the side
+rows of the layer (client/layerpool.py: rows past the demand ceiling, for guesses only, that no queued work
+reads), through the pool's own load path (L2 copy, else the model file, checked as configured), and holds them
+there as guesses once every byte is in place. It evicts nothing and tells the daemon nothing: a wrong guess
+costs bandwidth, never a demand hit in L0 or L2. The pool's fetch of that layer first calls `settle`: a job
+not started yet is cancelled, a running one waited for (stall); then it promotes the guesses it demands (a swap
+of rows, no copy) and drops the rest. No MLX computation runs on the worker; the copies and reads release the
+GIL. Counts what it did in PrefetchCounts.
 
-A shared L0 has no rows of the next layer to load into (the layer being computed may own any row): there the
-guesses that neither L0 nor L2 holds are asked of the daemon instead (`L2Client.prefetch`), which loads them
-into L2 while the layer computes, and the layer's fetch lends them. No worker, no wait: such a guess counts
-as useful when the layer's next fetch demands it, wasted otherwise.
+How many side rows: SIDE_GENERATIONS x top_k (`side_rows`), per layer, or in all with a shared L0, where one
+layer at a time has guesses (the next one): top_k guesses (what the router picks per token) and room for the
+top_k rows that the last promotion took out of demand, which queued work may still read.
 """
 
 from __future__ import annotations
@@ -27,14 +28,22 @@ from moe_l2.protocol import PREFETCH_COUNTERS
 
 log = logging.getLogger("moe-l2.client")
 
+# Side rows per top_k: the guesses being written, and the rows the last promotion took out of demand.
+SIDE_GENERATIONS = 2
+
+
+def side_rows(top_k: int) -> int:
+    """The side rows next-layer prefetch needs: per layer, or in all with a shared L0."""
+    return SIDE_GENERATIONS * top_k
+
 # PrefetchCounts' byte counts as JSON names them, by their unit (the fields keep the names the bench reads).
 _JSON_NAMES = {"bytes_copied": "copied_bytes", "bytes_read": "read_bytes"}
 
 
 @dataclass
 class PrefetchCounts:
-    """What next-layer prefetch did: experts loaded ahead (`issued`), of which demanded before eviction
-    (`useful`) or evicted undemanded (`wasted`); the rest are still resident. Guesses are scored against the
+    """What next-layer prefetch did: experts loaded ahead into side rows (`issued`), of which promoted by the
+    layer's fetch (`useful`) or dropped undemanded (`wasted`); the rest are still held. Guesses are scored against the
     next fetch of their layer (`guessed`, `picked`, `right`: precision and recall of the predictor)."""
 
     requests: int = 0    # prefetch() calls
@@ -74,7 +83,6 @@ class PrefetchCounts:
 class _Job:
     layer: int
     guesses: list[int]
-    keep: frozenset[int]
     state: str = "queued"  # queued -> running -> done, or queued -> cancelled
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -91,7 +99,6 @@ class Prefetcher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._guesses: dict[int, list[int]] = {}
-        self._asked: dict[int, set[int]] = {}  # shared L0: guesses asked of the daemon, per layer
 
     def counts(self) -> PrefetchCounts:
         """What prefetch did so far (a copy; useful and wasted of L0 prefetches are the layers' own counts)."""
@@ -101,52 +108,40 @@ class Prefetcher:
         out.wasted += sum(lp.prefetch_wasted for lp in self.pool.layers.values())
         return out
 
-    def prefetch(self, layer: int, guesses, keep=()) -> None:
+    def prefetch(self, layer: int, guesses) -> None:
         """Queue a job for the guessed experts of `layer`; returns at once. At most as many guesses are
-        loaded as rows allow that may be evicted (neither pinned, nor guessed, nor in `keep`)."""
+        loaded as the side rows allow."""
         n_experts = self.pool.files.n_experts
         guesses = [int(e) for e in dict.fromkeys(guesses)]
         for expert in guesses:
             if not 0 <= expert < n_experts:
                 raise IndexError(f"expert {expert} out of range 0..{n_experts - 1}")
-        if self.pool.shared_l0:
-            self._ask_daemon(layer, guesses)
+        with self._counts_lock:
+            self._counts.requests += 1
+        with self._jobs_lock:
+            self._guesses[layer] = guesses
+        if self.pool.lend:  # what L2 holds is computed on in place, at no cost
+            guesses = self.pool.not_in_l2(layer, guesses)
+        if not guesses:
             return
-        job = _Job(layer, guesses, frozenset(int(e) for e in keep))
+        job = _Job(layer, guesses)
         with self._jobs_lock:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="moe-l2-prefetch", daemon=True)
                 self._worker.start()
             self._jobs.setdefault(layer, []).append(job)
-            self._guesses[layer] = guesses
-        with self._counts_lock:
-            self._counts.requests += 1
         self._queue.put(job)
-
-    def _ask_daemon(self, layer: int, guesses: list[int]) -> None:
-        absent = self.pool.absent_from_l2(layer, guesses)
-        if absent:
-            self.pool.client.prefetch(layer, absent)
-        with self._jobs_lock:
-            self._guesses[layer] = guesses
-            self._asked[layer] = set(absent)
-        with self._counts_lock:
-            self._counts.requests += 1
-            self._counts.issued += len(absent)
 
     def before_fetch(self, layer: int, batch: set[int]) -> None:
         """Settle the layer, then score its latest guesses against the batch the forward demands."""
         self.settle(layer)
         with self._jobs_lock:
             guesses = self._guesses.pop(layer, None)
-            asked = self._asked.pop(layer, set())
         if guesses is not None:
             with self._counts_lock:
                 self._counts.guessed += len(guesses)
                 self._counts.picked += len(batch)
                 self._counts.right += len(batch.intersection(guesses))
-                self._counts.useful += len(asked & batch)
-                self._counts.wasted += len(asked - batch)
 
     def settle(self, layer: int) -> None:
         """Cancel the layer's jobs that have not started and wait for the one running, if any (the time
@@ -167,6 +162,11 @@ class Prefetcher:
         with self._counts_lock:
             self._counts.cancelled += cancelled
             self._counts.wait_s += time.perf_counter() - start
+
+    def settle_all(self) -> None:
+        """settle every layer (before shared rows grow: the worker may be writing any layer's side rows)."""
+        for layer in self.pool.layers:
+            self.settle(layer)
 
     def wait(self, layer: int | None = None) -> None:
         """Wait until the jobs queued so far for the layer (None: every layer) are done, cancelling none."""
@@ -198,25 +198,22 @@ class Prefetcher:
         pool = self.pool
         lp = pool.layers[job.layer]
         start = time.perf_counter()
-        experts, rows = lp.spare_rows(job.guesses, set(job.guesses) | job.keep)
+        experts, rows = lp.take_side_rows(job.guesses)
         if not experts:
             return
-        copied, counts = pool.load_rows(job.layer, experts, rows)
-        lp.publish(experts, rows, prefetched=True)
+        _, counts = pool.load_rows(job.layer, experts, rows, side=True)
+        lp.hold_guesses(experts, rows)
         with self._counts_lock:
             self._counts.issued += len(experts)
             self._counts.bytes_copied += counts.bytes_copied
             self._counts.bytes_read += counts.bytes_read
             self._counts.worker_s += time.perf_counter() - start
-        # The daemon learns of the L2 lookups (and loads what it lacked); no routed picks: nothing was routed.
-        pool.report_lookups(job.layer, experts, copied, [])
 
     def close(self) -> None:
         """Cancel what has not started, wait for the rest, stop the thread."""
         if self._worker is None:
             return
-        for layer in self.pool.layers:
-            self.settle(layer)
+        self.settle_all()
         self._queue.put(None)
         self._worker.join()
         self._worker = None

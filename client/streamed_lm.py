@@ -30,6 +30,7 @@ from moe_l2.client.connection import L2Client
 from moe_l2.client.nextlayer import NextLayer, find_router
 from moe_l2.client.options import StreamOptions
 from moe_l2.client.pool import ExpertPool
+from moe_l2.client.prefetcher import side_rows
 from moe_l2.client.switch import ForwardState, RoutingRecorder, StreamedSwitch, StreamStats
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import decoder_layer, set_module
@@ -176,23 +177,28 @@ def pipeline_stage(model: nn.Module, files: ModelFiles, group: mx.distributed.Gr
 
 
 def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str | None = None,
-                 n_layers: int | None = None, shared: bool = False) -> int:
+                 n_layers: int | None = None, shared: bool = False, side: int = 0) -> int:
     """L0 experts per layer (shared: in all, rows any of the process' `n_layers` MoE layers takes): `slots`, or
-    as many as `budget` bytes buy, or the plan's for this machine's memory (moe_l2.plan: a quarter of the
-    experts, at least twice the experts per token, fewer when memory is short; in all, that many per layer).
-    At least top_k: a token needs them all."""
+    as many as `budget` bytes buy beside `side` side rows (next-layer prefetch's, laid out as the slots: the
+    budget is a hard ceiling on both), or the plan's for this machine's memory (moe_l2.plan: a quarter of the
+    experts, at least twice the experts per token, fewer when memory is short; in all, that many per layer),
+    less the side rows. At least top_k: a token needs them all. Given as `slots`, the side rows come on top
+    (ExpertPool.ceiling_bytes counts both)."""
     n_layers = n_layers or files.n_layers
     where = "in all" if shared else "per layer"
     if slots is not None and budget is not None:
         raise ValueError("give the L0 size as slots or as a budget, not both")
     if budget is not None:
         per_slot = files.layout.nbytes * (1 if shared else n_layers)
-        slots = parse_size(budget) // per_slot
+        slots = parse_size(budget) // per_slot - side
         if slots < files.top_k:
-            raise ValueError(f"an L0 budget of {format_size(parse_size(budget))} buys {slots} experts {where}; "
-                             f"a token needs {files.top_k}: give at least {format_size(files.top_k * per_slot)}")
+            beside = f" beside {side} side rows {where} for prefetch" if side else ""
+            raise ValueError(f"an L0 budget of {format_size(parse_size(budget))} buys {slots} experts {where}"
+                             f"{beside}; a token needs {files.top_k}: give at least "
+                             f"{format_size((files.top_k + side) * per_slot)}")
     elif slots is None:
-        slots = plan(read_memory(), ModelSizes.of(files)).l0_slots * (n_layers if shared else 1)
+        slots = max(files.top_k, plan(read_memory(), ModelSizes.of(files)).l0_slots * (n_layers if shared else 1)
+                    - side)
     elif slots < files.top_k:
         raise ValueError(f"L0 needs at least {files.top_k} slots {where} (the experts of one token), got {slots}")
     return min(slots, files.n_experts * (n_layers if shared else 1))
@@ -247,12 +253,15 @@ class StreamedLM:
         self.client = (L2Client(self.files, options.socket, wait_s=options.client_wait_s, layers=stage)
                        if options.daemon else None)
         shared = options.l0_shared
+        prefetch = options.prefetch != "off"
+        side = side_rows(self.files.top_k) if prefetch else 0
         try:
             self.pool = ExpertPool(self.files,
-                                   l0_slots_for(self.files, options.l0_slots, options.l0_budget, len(layers), shared),
+                                   l0_slots_for(self.files, options.l0_slots, options.l0_budget, len(layers), shared,
+                                                side),
                                    self.client, policy=options.policy, direct=options.direct,
                                    verify=options.verify, layers=layers, lend=options.lend, shared_l0=shared,
-                                   load_through_s=options.load_through_s, grow=options.l0_grow)
+                                   load_through_s=options.load_through_s, grow=options.l0_grow, prefetch=prefetch)
             try:
                 self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, options.prefetch,
                                                seed)

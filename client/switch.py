@@ -95,9 +95,8 @@ class ForwardState:
         self.next_layer = next_layer  # a client.nextlayer.NextLayer, or None: no prefetch
         # The last MoE layer's output may never be evaluated (mlx-lm's prefill drops the last layer's
         # output); it must be, before that layer's rows are refilled. Every other layer's output is
-        # evaluated by the next layer's routing sync. tail_experts: the experts it reads.
+        # evaluated by the next layer's routing sync.
         self.tail: mx.array | None = None
-        self.tail_experts: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -213,12 +212,10 @@ class StreamedSwitch(nn.Module):
             stats.chunked_calls += 1
             out = self._chunked(x, indices, chosen.reshape(-1, top_k), pool)
         if self._is_last():
-            fw.tail, fw.tail_experts = out, frozenset(experts)
+            fw.tail = out
         if fw.next_layer is not None:
-            # Layer l+1's rows are read by nothing queued (docs/architecture.md, "Next-layer prefetch"), but
-            # for the last layer's unevaluated tail, whose experts the prefetch must keep.
-            keep = fw.tail_experts if fw.tail is not None and self.layer + 2 == pool.files.n_layers else ()
-            fw.next_layer.after(self.layer, x, chosen.reshape(-1, top_k), keep)
+            # Guesses land in side rows, which nothing queued reads (docs/architecture.md, "Next-layer prefetch").
+            fw.next_layer.after(self.layer, x, chosen.reshape(-1, top_k))
         return out
 
     @property

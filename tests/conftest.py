@@ -16,7 +16,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+from mlx_lm import load
+from mlx_lm.generate import stream_generate
 
 from moe_l2 import _native, protocol
 from moe_l2.cache.trace import TraceWriter
@@ -357,3 +360,32 @@ class ServeProcess:
         import openai  # the test extra
 
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# Next-layer prefetch's fixtures (tests/test_prefetch.py, tests/test_side_rows.py).
+PREFETCH_TEXT = "The router picks a few experts per token, and the next layer's picks follow from this layer's. " * 3
+
+
+@pytest.fixture(scope="module")
+def whole(model_dir):
+    return load(str(model_dir))
+
+
+@pytest.fixture
+def landing(monkeypatch):
+    """Every prefetch lands before the forward goes on (a tiny model computes faster than a thread wakes):
+    the worker's writes then happen at every layer, which is what the tests are about."""
+    original = ExpertPool.prefetch
+
+    def prefetch_and_wait(pool, layer, guesses):
+        original(pool, layer, guesses)
+        pool.wait_prefetches(layer)
+
+    monkeypatch.setattr(ExpertPool, "prefetch", prefetch_and_wait)
+
+
+def greedy(model, tokenizer, n_prompt=40, max_tokens=12) -> list[int]:
+    ids = tokenizer.encode(PREFETCH_TEXT)[:n_prompt]
+    # Prefill in steps of 8: mlx-lm drops each step's last-layer output unevaluated (the tail).
+    return [r.token for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
+                                             prefill_step_size=8)]

@@ -153,7 +153,7 @@ def test_a_shared_l0_gives_rows_to_any_layer_and_evicts_the_least_recently_used(
         pool.fetch(0, [0, 2, 3])  # no free row: the oldest unpinned experts go (layer 0's 1, layer 1's 6 and 7)
         assert l1.holds(5) and not l1.holds(6) and not l1.holds(7) and not l0.holds(1)
         assert_resident_exact(pool, model_files, 0, [0, 2, 3])
-        pool.prefetch(1, [4])  # no daemon: a shared L0 has nowhere to load a guess
+        pool.prefetch(1, [4])  # no side rows (ExpertPool(prefetch=False)): nowhere to load a guess
         c = pool.prefetch_counts
         assert c.requests == 1 and c.issued == 0 and not l1.holds(4)
     finally:

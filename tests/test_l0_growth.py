@@ -96,7 +96,8 @@ def rows_while_generating(lm, ids) -> tuple[list[int], list[int]]:
 SETUPS = {"files": (False, False, "copy", "off"), "files+prefetch": (False, False, "copy", "router"),
           "daemon-shared-copy": (True, True, "copy", "off"),
           "daemon-per-layer-copy+prefetch": (True, False, "copy", "router"),
-          "daemon-shared-in-place": (True, True, "in-place", "off")}
+          "daemon-shared-in-place": (True, True, "in-place", "off"),
+          "daemon-shared-copy+prefetch": (True, True, "copy", "router")}
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
@@ -109,7 +110,8 @@ def test_tokens_stay_the_whole_models_while_l0_grows_to_its_ceiling(setup, daemo
     with StreamedLM(model_dir, l0_slots=24 if shared else 9, l0_grow=True, daemon=with_daemon, socket=socket,
                     client_wait_s=5, shared_l0=shared, l2_reads=l2_reads, prefetch=prefetch,
                     load_through_ms=5.0) as lm:
-        assert lm.pool.rows == model_files.top_k * (1 if shared else model_files.n_layers)
+        # Side rows (prefetch's) are held from the start and never grow.
+        assert lm.pool.rows == (model_files.top_k + lm.pool.side_rows) * (1 if shared else model_files.n_layers)
         ids = encode_prompt(lm.tokenizer, PROMPT)[:1]
         tokens, rows = rows_while_generating(lm, ids)
         assert tokens == expected

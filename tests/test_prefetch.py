@@ -1,5 +1,6 @@
 """Next-layer prefetch: tokens stay the model loaded whole's, no row that queued work reads is ever written,
-the predictors find a known answer, replay scores them, and the counters add up."""
+the predictors find a known answer, replay scores them, and the counters add up (the side rows' own rules:
+tests/test_side_rows.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import load
-from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from moe_l2.cache.prefetch import CooccurrencePredictor, RepeatPredictor, Score, score_predictor
@@ -22,35 +21,8 @@ from moe_l2.client.streamed_lm import StreamedLM
 from moe_l2.client.nextlayer import NextLayer
 from moe_l2.client.pool import ExpertPool
 
-from .conftest import assert_every_tier_exact, assert_resident_exact, budget_for, stats, wait_for
-
-TEXT = "The router picks a few experts per token, and the next layer's picks follow from this layer's. " * 3
-
-
-@pytest.fixture(scope="module")
-def whole(model_dir):
-    return load(str(model_dir))
-
-
-@pytest.fixture
-def landing(monkeypatch):
-    """Every prefetch lands before the forward goes on (a tiny model computes faster than a thread wakes):
-    the worker's writes then happen at every layer, which is what the tests are about."""
-    original = ExpertPool.prefetch
-
-    def prefetch_and_wait(pool, layer, guesses, keep=()):
-        original(pool, layer, guesses, keep)
-        pool.wait_prefetches(layer)
-
-    monkeypatch.setattr(ExpertPool, "prefetch", prefetch_and_wait)
-
-
-def greedy(model, tokenizer, n_prompt=40, max_tokens=12) -> list[int]:
-    ids = tokenizer.encode(TEXT)[:n_prompt]
-    # Prefill in steps of 8: mlx-lm drops each step's last-layer output unevaluated (the tail).
-    return [r.token for r in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
-                                             prefill_step_size=8)]
-
+from .conftest import (assert_every_tier_exact, assert_resident_exact, budget_for, greedy,
+                       PREFETCH_TEXT as TEXT, stats, wait_for)
 
 def assert_counts_add_up(pool: ExpertPool) -> None:
     c = pool.prefetch_counts
@@ -91,9 +63,10 @@ def test_with_a_daemon_prefetch_copies_from_l2_and_stats_show_it(daemon_factory,
     assert_every_tier_exact(model_files, running_daemon)  # also leaves every expert loaded in L2
     model, tokenizer = whole
     expected = greedy(model, tokenizer)
-    # Per-layer rows: the guesses are copied from L2 into them (a shared L0 has the daemon load them instead).
+    # Copied from L2, not computed there in place: the guesses are copied from L2 into the side rows (in place,
+    # those L2 holds are left there: tests/test_side_rows.py).
     with StreamedLM(model_dir, l0_slots=model_files.top_k + 1, socket=running_daemon.socket, client_wait_s=5,
-                    prefetch="cooccurrence", shared_l0=False) as lm:
+                    prefetch="cooccurrence", shared_l0=False, l2_reads="copy") as lm:
         assert lm.client.attached
         assert greedy(lm.model, lm.tokenizer) == expected
         c = lm.pool.prefetch_counts
@@ -104,44 +77,30 @@ def test_with_a_daemon_prefetch_copies_from_l2_and_stats_show_it(daemon_factory,
 
 def test_a_wrong_guess_never_overwrites_rows_that_queued_work_reads(model_files):
     """The adversarial case at an L0 of exactly top_k rows: every row of the last layer is read by a lazy,
-    unevaluated computation (the tail); a prefetch of other experts with `keep` loads nothing, and the
-    computation later reads the file's bytes. Without `keep`, the same prefetch overwrites those rows: the
-    check would catch it. A lazy computation on layer l is never touched by a prefetch of layer l+1."""
+    unevaluated computation (the tail) when a prefetch of other experts into that layer lands. The guesses go to
+    side rows: the computation later reads the file's bytes, and the demand rows keep their experts."""
     k, last = model_files.top_k, model_files.n_layers - 1
-    pool = ExpertPool(model_files, capacity=k)
+    pool = ExpertPool(model_files, capacity=k, prefetch=True)
     try:
         tail = list(range(k))
         wrong = list(range(k, 2 * k))
         piece = model_files.layout.pieces[0]
-
-        def lazy_read(layer, experts):
-            return pool.arrays(layer)[piece.key][pool.table(layer)[mx.array(experts)]]
 
         def truth(layer, experts):
             rows = [np.frombuffer(model_files.read_record(layer, e)[piece.offset:piece.offset + piece.nbytes],
                                   dtype=np.uint8) for e in experts]
             return np.stack(rows)
 
-        def as_bytes(a):
-            return np.asarray(a).reshape(len(tail), -1).view(np.uint8)
-
         pool.fetch(last, tail)
-        pool.fetch(last - 1, tail)
-        out_last, out_before = lazy_read(last, tail), lazy_read(last - 1, tail)
-        rows = mx.array(pool.layers[last].rows_for(tail))
-        control = pool.arrays(last)[piece.key][rows]  # queued like out_last, but its rows will not be kept
-        pool.prefetch(last, wrong, keep=tail)
-        pool.wait_prefetches()
-        assert pool.prefetch_counts.issued == 0
-        assert (as_bytes(out_last) == truth(last, tail)).all()
-        pool.prefetch(last, wrong)  # layer last-1's lazy read is pending: a prefetch of `last` may go ahead
+        out_last = pool.arrays(last)[piece.key][pool.table(last)[mx.array(tail)]]
+        pool.prefetch(last, wrong)
         pool.wait_prefetches()
         assert pool.prefetch_counts.issued == k
-        assert (as_bytes(out_before) == truth(last - 1, tail)).all()
-        assert not (as_bytes(control) == truth(last, tail)).all()  # what `keep` prevented
-        assert not any(pool.layers[last].holds(e) for e in tail)
-        assert_resident_exact(pool, model_files, last, wrong)
-        pool.fetch(last, tail)  # demanded after all: the prefetched ones were wasted
+        assert (np.asarray(out_last).reshape(k, -1).view(np.uint8) == truth(last, tail)).all()
+        assert all(pool.layers[last].holds(e) for e in tail)
+        assert_resident_exact(pool, model_files, last, tail)
+        assert_resident_exact(pool, model_files, last, wrong)  # whole in their side rows
+        assert pool.fetch(last, tail).l0_hits == k  # demanded after all: the guesses were wasted
         assert pool.prefetch_counts.wasted == k and pool.prefetch_counts.useful == 0
         assert_counts_add_up(pool)
     finally:
@@ -159,13 +118,11 @@ def test_the_streamed_tail_survives_a_wrong_prefetch(model_dir, model_files, lan
         mx.eval(want)
     with StreamedLM(model_dir, l0_slots=model_files.top_k, daemon=False, prefetch="cooccurrence") as lm:
         forward = lm.switches[-1]._forward
-        tails = []
 
         def wrong(self, layer, x, chosen):
-            # Guess the experts the unevaluated tail does not read (all of them, for the last layer).
-            guesses = [e for e in range(model_files.n_experts) if e not in forward.tail_experts]
-            tails.append(set(forward.tail_experts))
-            return guesses[:model_files.top_k]
+            # Guess experts the layer does not hold: for the last layer, the ones the unevaluated tail does not read.
+            lp = lm.pool.layers[layer + 1]
+            return [e for e in range(model_files.n_experts) if not lp.holds(e)][:model_files.top_k]
 
         monkeypatch.setattr(NextLayer, "guess", wrong)
         cache = make_prompt_cache(lm.model)
@@ -173,7 +130,7 @@ def test_the_streamed_tail_survives_a_wrong_prefetch(model_dir, model_files, lan
         tail = forward.tail
         lm.model(ids[1], cache=cache)
         assert mx.array_equal(tail, want).item()
-        assert lm.pool.prefetch_counts.requests > 0
+        assert lm.pool.prefetch_counts.issued > 0
 
 
 def known_answer_trace(path, *, n_layers=4, n_experts=16, top_k=2, seqs=6, tokens=60, seed=0):
@@ -249,7 +206,7 @@ def guess_precision(model_files, mode: str, tokens: list, *, seed=None, scored_f
     """A real pool fetches each token's layers as one-token forwards, NextLayer(mode) guessing each next layer;
     returns the precision of the guesses from token `scored_from` on, scored by the fetches, and how many tokens
     seeded the predictor."""
-    pool = ExpertPool(model_files, model_files.top_k + 2)
+    pool = ExpertPool(model_files, model_files.top_k + 2, prefetch=True)
     try:
         next_layer = NextLayer(mode, pool, seed=seed)
         for step, token in enumerate(tokens):
@@ -400,7 +357,7 @@ def test_a_pipeline_stage_prefetches_only_its_own_layers(model_files):
     """A stage's pool holds some layers (docs/distributed.md): its last layer asks for no prefetch of the next
     layer, which another rank runs; a layer before it does."""
     assert model_files.n_layers >= 3
-    pool = ExpertPool(model_files, model_files.top_k, layers=[0, 1])
+    pool = ExpertPool(model_files, model_files.top_k, layers=[0, 1], prefetch=True)
     try:
         next_layer = NextLayer("cooccurrence", pool)
         chosen = np.array([list(range(model_files.top_k))])

@@ -32,6 +32,7 @@ from moe_l2.cgroup import MemoryCgroup
 from moe_l2.client import options
 from moe_l2.client.connection import request
 from moe_l2.client.pool import TierCounts
+from moe_l2.client.prefetcher import side_rows
 from moe_l2.client.replayer import anon_bytes, disk_read_bytes
 from moe_l2.commands.flags import add_renamed
 from moe_l2.daemon.process import DaemonProcess
@@ -176,11 +177,13 @@ def _parts(traces, n_layers: int, processes: int, tokens: int | None, warmup: fl
 def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share: float,
           shared_l0: bool = False) -> dict:
     """L0 rows per layer (or in all, shared_l0) and process, and L2's budget and slots (in all layers): the same
-    memory for experts in every config."""
+    memory for experts in every config. moe-l2+prefetch's side rows (client/prefetcher.py) come out of it too:
+    out of L0's share where L0 has one, else out of L2's."""
     record, layers = files.layout.nbytes, files.n_layers
     budget = int(share * layers * files.n_experts * record)
     row = record if shared_l0 else layers * record  # one L0 row: in all, or in every layer
     top_k = files.top_k
+    side = side_rows(top_k) if config == "moe-l2+prefetch" else 0
     l2_budget = slots = 0
     if config == "page-cache":
         capacity = top_k
@@ -188,21 +191,23 @@ def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share
         capacity = min(files.n_experts, budget // processes // row)
     else:
         most = files.n_experts * (layers if shared_l0 else 1)
-        capacity = max(top_k, min(most, int(l0_share * budget / processes) // row))
+        capacity = max(top_k, min(most, int(l0_share * budget / processes) // row - side))
         # The daemon spends all of it: a remainder short of a slot in every layer buys slots in some layers.
-        l2_budget = budget - processes * capacity * row
+        l2_budget = budget - processes * (capacity + side) * row
         try:
             slots = Geometry.for_budget(layers, files.n_experts, record, l2_budget).total_slots
         except BudgetError:
             raise BudgetTooSmall(f"{config} at {format_pct(share)} with {processes} processes: the L0s take the "
                                  f"whole budget ({format_size(budget)}), leaving no L2 slot in every layer: lower "
                                  "--l0-share or raise --budget-share") from None
-    if capacity < top_k or processes * capacity * row > budget:
+    if capacity < top_k or processes * (capacity + side) * row > budget:
+        beside = f" and {side} side rows for prefetch" if side else ""
         raise BudgetTooSmall(f"{config} at {format_pct(share)} ({format_size(budget)}) with {processes} processes: "
-                             f"each process needs L0 rows for top-{top_k} experts "
-                             f"{'in all' if shared_l0 else 'in every layer'} ({format_size(top_k * row)}): "
+                             f"each process needs L0 rows for top-{top_k} experts{beside} "
+                             f"{'in all' if shared_l0 else 'in every layer'} ({format_size((top_k + side) * row)}): "
                              "raise --budget-share or run fewer --processes")
-    return {"budget": budget, "capacity": capacity, "l2_budget": l2_budget, "slots": slots, "shared_l0": shared_l0}
+    return {"budget": budget, "capacity": capacity, "side_rows": side, "l2_budget": l2_budget, "slots": slots,
+            "shared_l0": shared_l0}
 
 
 def _drop_page_cache(files: ModelFiles) -> None:
@@ -244,10 +249,10 @@ def _daemon_loaded(daemon: DaemonProcess, record: int) -> int:
     return request(daemon.socket, protocol.Stats(id=1)).payload["models"][0]["loads_done"] * record
 
 
-def _by_whom(pf: dict, tokens: int) -> str:
-    """Who loaded the prefetches: the clients into L0 (bytes per token), or the daemon into L2 (shared L0)."""
-    loaded = pf["bytes_read"] + pf["bytes_copied"]
-    return f"into L0 ({format_size(loaded / tokens)} per token)" if loaded else "into L2, by the daemon"
+def _loaded(pf: dict, tokens: int) -> str:
+    """What the prefetches loaded into the side rows, per token, and from where."""
+    return (f"into side rows ({format_size(pf['bytes_read'] / tokens)} read, "
+            f"{format_size(pf['bytes_copied'] / tokens)} copied from L2 per token)")
 
 
 def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[list, int]],
@@ -259,8 +264,8 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
     stream = options.from_args(args)
     in_place = stream.lend
     l0_share = args.l0_share if args.l0_share is not None else 0.0 if in_place else 0.5
-    # moe-l2+prefetch is moe-l2 with next-layer prefetch: into per-layer L0 rows, or with a shared L0 into L2.
-    # Its L0 is laid out as a process of generate's with a daemon would lay it out.
+    # moe-l2+prefetch is moe-l2 with next-layer prefetch into side rows, out of the same budget (_plan). Its L0
+    # is laid out as a process of generate's with a daemon would lay it out.
     shared_l0 = config.startswith("moe-l2") and stream.l0_shared
     plan = _plan(files, config, share, len(rounds[0][0]), l0_share, shared_l0)
     _drop_page_cache(files)
@@ -545,8 +550,8 @@ def render(result: BenchResult) -> str:
                          + (f", {c.phase}" if c.phase else "") + ": guesses "
                          f"{format_pct(score.precision)} right (precision), "
                          f"{format_pct(score.recall)} of picks guessed "
-                         f"(recall); {pf['issued']} loaded ahead {_by_whom(pf, tokens)}, {pf['useful']} used, "
-                         f"{pf['wasted']} unused")
+                         f"(recall); {pf['issued']} loaded ahead {_loaded(pf, tokens)}, {pf['useful']} promoted, "
+                         f"{pf['wasted']} dropped")
     if result.repeat > 1:
         lines += ["", f"Over {result.repeat} runs of each, taking turns: the figures above are medians; min-max, and "
                       "the ratios of the runs side by side:"]
