@@ -228,15 +228,6 @@ class L2Client:
         if now:
             self._wake()
 
-    def prefetch(self, layer: int, experts: list[int]) -> None:
-        """Ask the daemon to load these experts of a layer into L2 (next-layer prefetch with a shared L0);
-        sent at once, returns at once. Nothing for a layer the daemon does not serve."""
-        attachment = self.attachment
-        if attachment is None or not attachment.serves(layer):
-            return
-        self._requests.put((protocol.Prefetch, {"layer": layer, "experts": experts}))
-        self._wake()
-
     def _wake(self) -> None:
         """Have the connection thread send what is queued now rather than at its next flush."""
         try:
