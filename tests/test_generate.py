@@ -173,19 +173,20 @@ def test_a_shared_l0_gives_the_same_tokens(capsys, running_daemon, model_dir, mo
     assert s["l0_ceiling_bytes"] == (model_files.top_k + 1) * model_files.layout.nbytes >= s["l0_bytes"]
 
 
-def test_with_a_shared_l0_prefetch_has_the_daemon_load_the_guesses(capsys, daemon_factory, model_dir, model_files,
-                                                                    expected):
+def test_with_a_shared_l0_prefetch_loads_guesses_into_side_rows_not_l2(capsys, daemon_factory, model_dir, model_files,
+                                                                        expected):
     daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)))
     s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
                  "--l0-slots", str(model_files.top_k), "--l0-shared", "--prefetch", "logistic",
                  "--load-through-ms", "5000")
     assert s["tokens"] == expected
     p = s["prefetch"]
-    assert p["issued"] > 0 and p["useful"] + p["wasted"] == p["issued"]
-    # L2 has room for every expert and every miss waits for the daemon, so the loads no fetch waited for are
-    # the guesses the daemon was asked for.
-    loaded = stats(daemon)["models"][0]["loads_done"]
-    assert s["daemon_reads"] < loaded <= s["daemon_reads"] + p["issued"]
+    # The guesses L2 lacked were loaded into side rows by this process; the last layer's may still be held.
+    assert p["issued"] > 0 and 0 < p["useful"] + p["wasted"] <= p["issued"]
+    assert p["read_bytes"] + p["copied_bytes"] > 0
+    # L2 has room for every expert and every demand miss waits for the daemon: the daemon loaded those and no
+    # guess (a wrong guess costs L2 nothing: docs/architecture.md, "Next-layer prefetch").
+    assert stats(daemon)["models"][0]["loads_done"] == s["daemon_reads"]
     assert s["read_bytes"] == 0 and s["copied_bytes"] == 0
 
 
