@@ -22,7 +22,7 @@ demand ceiling, in the same buffers, that hold guesses only: take_rows never han
 evicts one, so a wrong guess costs no demand hit. A right guess is promoted by swapping rows: the expert's
 side row becomes a demand row in the slot table, and the demand row take_rows gave it becomes a side row; no
 byte moves. A row that leaves demand so is written by no guess until the pool's next synchronize (`demote`,
-`synchronized`): the side rows are two generations, the one queued work may still read and the one guesses are
+`Synchronizes`): the side rows are two generations, the one queued work may still read and the one guesses are
 written into.
 """
 
@@ -44,11 +44,25 @@ from moe_l2.model.records import record_checksum
 GROWTH = 1.5
 
 
+class Synchronizes:
+    """How many times a pool waited for every queued computation. mx.synchronize covers the work of every layer,
+    so one count serves all of a pool's Rows: a row that left demand before the latest wait is read by nothing."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def waited(self) -> None:
+        with self._lock:
+            self.count += 1
+
+
 class Rows:
     """Rows per record piece, `start` demand rows at first and at most `ceiling`, and `side` rows beside them for
     guesses: C++-owned buffers, MLX arrays over them, the free rows and the lock of everything that uses them."""
 
-    def __init__(self, files: ModelFiles, ceiling: int, start: int, side: int = 0):
+    def __init__(self, files: ModelFiles, ceiling: int, start: int, side: int = 0,
+                 syncs: Synchronizes | None = None):
         self.ceiling = ceiling
         self.side = side
         self.pieces = files.layout.pieces
@@ -58,8 +72,8 @@ class Rows:
         self.copy_pieces: list = []
         self.free: list[int] = []
         self.side_free: list[int] = []  # side rows no guess holds and nothing queued reads
-        self._cooling: list[tuple[int, int]] = []  # (side row, the epoch it left demand in)
-        self._epoch = 0  # the pool's synchronizes so far
+        self._cooling: list[tuple[int, int]] = []  # (side row, the pool's synchronizes when it left demand)
+        self._syncs = syncs or Synchronizes()
         self.lock = threading.RLock()
         self._resize(min(start, ceiling))
 
@@ -107,20 +121,16 @@ class Rows:
         """Taking `need` rows now grows the rows (the caller holds the lock)."""
         return len(self.free) < need and self.held < self.ceiling
 
-    def synchronized(self) -> None:
-        """The pool waited for every queued computation: the rows that left demand before are read by nothing."""
-        with self.lock:
-            self._epoch += 1
-
     def demote(self, row: int) -> None:
         """A demand row becomes a side row; no guess is written into it before the next synchronize."""
-        self._cooling.append((row, self._epoch))
+        self._cooling.append((row, self._syncs.count))
 
     def take_side(self, n: int) -> list[int]:
         """Up to n side rows that no guess holds and no queued computation reads (the caller holds the lock)."""
-        cooled = [row for row, epoch in self._cooling if epoch < self._epoch]
+        now = self._syncs.count
+        cooled = [row for row, syncs in self._cooling if syncs < now]
         if cooled:
-            self._cooling = [(row, epoch) for row, epoch in self._cooling if epoch >= self._epoch]
+            self._cooling = [(row, syncs) for row, syncs in self._cooling if syncs >= now]
             self.side_free.extend(cooled)
         n = min(n, len(self.side_free))
         taken = self.side_free[len(self.side_free) - n:]
@@ -131,8 +141,9 @@ class Rows:
 class SharedRows(Rows):
     """Rows for every layer of a pool, and the experts holding them from the least to the most recently used."""
 
-    def __init__(self, files: ModelFiles, ceiling: int, start: int, side: int = 0):
-        super().__init__(files, ceiling, start, side)
+    def __init__(self, files: ModelFiles, ceiling: int, start: int, side: int = 0,
+                 syncs: Synchronizes | None = None):
+        super().__init__(files, ceiling, start, side, syncs)
         self.order: OrderedDict[tuple[LayerPool, int], None] = OrderedDict()
         self.layers: list[LayerPool] = []
 
@@ -158,8 +169,8 @@ class LayerPool:
     bookkeeping is behind a lock: the prefetch worker changes one layer while the forward reads another."""
 
     def __init__(self, files: ModelFiles, capacity: int, policy: str, shared: SharedRows | None = None,
-                 start: int | None = None, side: int = 0):
-        self._rows = (Rows(files, capacity, capacity if start is None else start, side) if shared is None
+                 start: int | None = None, side: int = 0, syncs: Synchronizes | None = None):
+        self._rows = (Rows(files, capacity, capacity if start is None else start, side, syncs) if shared is None
                       else shared)
         self.capacity = self._rows.ceiling
         self.n_experts = files.n_experts

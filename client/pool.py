@@ -33,7 +33,7 @@ import mlx.core as mx
 from moe_l2.model import ModelFiles
 
 from moe_l2.client.l2view import L2View, Loan
-from moe_l2.client.layerpool import LayerPool, SharedRows
+from moe_l2.client.layerpool import LayerPool, SharedRows, Synchronizes
 from moe_l2.client.options import DEFAULTS, VERIFY
 from moe_l2.client.prefetcher import PrefetchCounts, Prefetcher, side_rows
 
@@ -137,8 +137,10 @@ class ExpertPool:
         self.shared_l0 = shared_l0
         start = min(capacity, files.top_k) if grow else capacity
         self.side_rows = side_rows(files.top_k) if prefetch else 0
-        shared = SharedRows(files, capacity, start, self.side_rows) if shared_l0 else None
-        self.layers = {layer: LayerPool(files, capacity, policy, shared, start, self.side_rows) for layer in layers}
+        self._syncs = Synchronizes()
+        shared = SharedRows(files, capacity, start, self.side_rows, self._syncs) if shared_l0 else None
+        self.layers = {layer: LayerPool(files, capacity, policy, shared, start, self.side_rows, self._syncs)
+                       for layer in layers}
         self._counts = TierCounts()
         self._counts_lock = threading.Lock()
         self._fds = files.open_fds(direct)
@@ -360,11 +362,10 @@ class ExpertPool:
         return loaded
 
     def _synchronize(self) -> None:
-        """Wait for every queued computation; the rows that left demand before it, in any layer's rows, may take
-        guesses now (mx.synchronize waits for all work, not one layer's)."""
+        """Wait for every queued computation; the rows that left demand before it, in any layer, may take guesses
+        now (client/layerpool.py, Synchronizes)."""
         mx.synchronize()
-        for rows in {id(lp.rows): lp.rows for lp in self.layers.values()}.values():
-            rows.synchronized()
+        self._syncs.waited()
 
     def _add_counts(self, counts: TierCounts) -> None:
         with self._counts_lock:
