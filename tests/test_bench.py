@@ -109,11 +109,12 @@ def test_repeat_takes_turns_and_reports_medians_in_their_range_and_ratios_pair_b
         return real(files, config, *rest)
 
     monkeypatch.setattr(bench, "run_config", run_config)
+    configs = ["pread", "moe-l2", "moe-l2+prefetch"]
     assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "1",
-                 "--compute-ms", "0", "--warmup", "0", "--tokens", "8", "--configs", "pread,moe-l2", "--repeat", "3",
-                 "--json"]) == 0
+                 "--compute-ms", "0", "--warmup", "0", "--tokens", "8", "--configs", ",".join(configs),
+                 "--repeat", "3", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert order == ["pread", "moe-l2"] * 3 and result["repeat"] == 3
+    assert order == configs * 3 and result["repeat"] == 3
     by_name = {c["name"]: c for c in result["configs"]}
     for c in result["configs"]:
         runs = c["runs"]
@@ -126,12 +127,14 @@ def test_repeat_takes_turns_and_reports_medians_in_their_range_and_ratios_pair_b
         assert c["tokens"] == 3 * 8
         counts = c["counts"]
         assert counts["lookups"] == sum(c["tiers"].values()) == counts["l0_hits"] + counts["l2_hits"] + counts["l3_reads"]
-    (ratio,) = result["ratios"]
-    assert (ratio["name"], ratio["against"]) == ("moe-l2", "pread")
-    pairs = [m["tok_s_projected"] / p["tok_s_projected"]
-             for m, p in zip(by_name["moe-l2"]["runs"], by_name["pread"]["runs"])]
-    assert ratio["pairs"] == pytest.approx(pairs) and len(pairs) == 3
-    assert ratio["min"] <= ratio["median"] <= ratio["max"] and ratio["median"] == pytest.approx(sorted(pairs)[1])
+    # Each against pread, and the variant against what it varies, moe-l2: run i with run i.
+    ratios = {(r["name"], r["against"]): r for r in result["ratios"]}
+    assert set(ratios) == {("moe-l2", "pread"), ("moe-l2+prefetch", "pread"), ("moe-l2+prefetch", "moe-l2")}
+    for (name, against), ratio in ratios.items():
+        pairs = [m["tok_s_projected"] / p["tok_s_projected"]
+                 for m, p in zip(by_name[name]["runs"], by_name[against]["runs"])]
+        assert ratio["pairs"] == pytest.approx(pairs) and len(pairs) == 3
+        assert ratio["min"] <= ratio["median"] <= ratio["max"] and ratio["median"] == pytest.approx(sorted(pairs)[1])
 
 
 def test_cold_warm_scenario_a_new_process_finds_what_the_first_left_in_l2(tiny, capsys):

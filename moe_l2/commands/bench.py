@@ -349,6 +349,12 @@ def _round(files, config, plan, job, parts, passes, daemon, cgroup, limit: bool)
 FIGURES = ("stall_s_per_token", "first_token_s", "tok_s_projected", "disk_bytes_per_token", "peak_bytes")
 HIT_RATES = ("L0", "L2", "page_cache")
 BASES = ("page-cache", "pread")  # what each configuration's tok/s is compared with
+VARIED = "moe-l2"  # what a variant (moe-l2+X) is compared with too: X alone decides that ratio
+
+
+def bases(name: str) -> tuple[str, ...]:
+    """The configurations that `name`'s tok/s is compared with, pair by pair."""
+    return BASES + (VARIED,) if name.startswith(VARIED + "+") else BASES
 PHASES = ("cold", "warm", "new process")  # --scenario cold-warm: run_config's passes, in order
 
 
@@ -479,7 +485,7 @@ class BenchResult:
         return Ratio(config.name, against, config.budget_share, config.processes, config.phase, pairs)
 
     def ratios(self) -> list[Ratio]:
-        return [r for c in self.done() for base in BASES if c.name != base and (r := self.ratio(c, base))]
+        return [r for c in self.done() for base in bases(c.name) if c.name != base and (r := self.ratio(c, base))]
 
     def to_json(self) -> dict:
         head = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "configs"}
@@ -522,7 +528,7 @@ def render(result: BenchResult) -> str:
     phases = any(c.phase for c in result.configs)
     lines.append(f"{'config':<16}{'budget':>7}{'procs':>6}" + (f"  {'phase':<12}" if phases else "")
                  + f"{'stall ms/tok':>13}{'1st tok ms':>11}{'tok/s':>8}{'vs page-cache':>14}"
-                 f"{'vs pread':>9}{'L0 hit':>8}{'L2 hit':>8}{'pc hit':>8}{'files':>6}{'disk MB/tok':>12}{'peak':>11}")
+                 f"{'vs pread':>9}{'vs moe-l2':>10}{'L0 hit':>8}{'L2 hit':>8}{'pc hit':>8}{'files':>6}{'disk MB/tok':>12}{'peak':>11}")
     for c in result.configs:
         head = (f"{c.name:<16}{format_pct(c.budget_share, 0, sign=False):>7}{c.processes:>6}"
                 + (f"  {c.phase:<12}" if phases else ""))
@@ -530,14 +536,14 @@ def render(result: BenchResult) -> str:
             lines.append(f"{head}  skipped: {c.skipped}")
             continue
         ratios = []
-        for base in BASES:
-            ratio = result.ratio(c, base)
+        for base in BASES + (VARIED,):
+            ratio = result.ratio(c, base) if base in bases(c.name) else None
             ratios.append(f"{ratio.median:.2f}x" if ratio else "-")
         tiers = c.counts().by_source()
         files = (tiers["daemon_disk"] + tiers["own_disk"]) / max(1, sum(tiers.values()))
         lines.append(f"{head}{c.median('stall_s_per_token') * 1e3:>13.2f}{c.median('first_token_s') * 1e3:>11.1f}"
                      f"{c.median('tok_s_projected'):>8.1f}"
-                     f"{ratios[0]:>14}{ratios[1]:>9}"
+                     f"{ratios[0]:>14}{ratios[1]:>9}{ratios[2]:>10}"
                      + "".join(f"{format_pct(c.hit_rate(t), 0, sign=False):>8}" for t in HIT_RATES)
                      + f"{format_pct(files, 0, sign=False):>6}{c.median('disk_bytes_per_token') / 1e6:>12.1f}"
                      f"{format_size(c.median('peak_bytes')):>11}")
@@ -558,7 +564,7 @@ def render(result: BenchResult) -> str:
         for c in result.done():
             (lo, hi), (tlo, thi) = c.spread("stall_s_per_token"), c.spread("tok_s_projected")
             against = [f"vs {r.against} {r.median:.2f}x ({min(r.pairs):.2f}-{max(r.pairs):.2f}, {len(r.pairs)} pairs)"
-                       for base in BASES if c.name != base and (r := result.ratio(c, base))]
+                       for base in bases(c.name) if c.name != base and (r := result.ratio(c, base))]
             lines.append(f"  {c.name} at {format_pct(c.budget_share, 0)}, {c.processes} processes"
                          + (f", {c.phase}" if c.phase else "") + ": stall "
                          f"{lo * 1e3:.2f}-{hi * 1e3:.2f} ms/tok, tok/s {tlo:.1f}-{thi:.1f}"
@@ -568,7 +574,7 @@ def render(result: BenchResult) -> str:
                       "dropped, a fresh daemon); warm, the same clients again; new process, fresh clients once the "
                       "first have exited, against what they left warm (the daemon's L2, the page cache)"]
     lines += ["", "tok/s = 1 / (compute + stall) for the layers replayed; stall: fetch time compute did not hide; "
-              "1st tok: the first token's stall and compute; "
+              "1st tok: the first token's stall and compute; vs moe-l2: a variant's (moe-l2+X) tok/s over moe-l2's; "
               "L2 hit: held in L2 when looked up, over L0 misses; pc hit: page-cache hits (from the kernel's "
               "disk-read count); files: lookups read from the model files, by the client or by the daemon while it "
               "waited; "
