@@ -348,6 +348,7 @@ def _round(files, config, plan, job, parts, passes, daemon, cgroup, limit: bool)
 # What each run measures; a configuration's figure at a point is the median over its runs (--repeat), with min-max.
 FIGURES = ("stall_s_per_token", "first_token_s", "tok_s_projected", "disk_bytes_per_token", "peak_bytes")
 HIT_RATES = ("L0", "L2", "page_cache")
+PHASES = ("cold", "warm", "new process")  # --scenario cold-warm: run_config's passes, in order
 BASES = ("page-cache", "pread")  # what each configuration's tok/s is compared with
 VARIED = "moe-l2"  # what a variant (moe-l2+X) is compared with too: X alone decides that ratio
 
@@ -355,7 +356,6 @@ VARIED = "moe-l2"  # what a variant (moe-l2+X) is compared with too: X alone dec
 def bases(name: str) -> tuple[str, ...]:
     """The configurations that `name`'s tok/s is compared with, pair by pair."""
     return BASES + (VARIED,) if name.startswith(VARIED + "+") else BASES
-PHASES = ("cold", "warm", "new process")  # --scenario cold-warm: run_config's passes, in order
 
 
 def _median(values: list):
