@@ -126,7 +126,9 @@ class Server:
     def serve(self, should_stop) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        poller.register(self.notices.fileno(), zmq.POLLIN)  # fills ended: Loaded notices to send
+        # Fills ended: Loaded notices to send. Every fill that ends wakes the poller, so the notices go out at the
+        # top of the loop, before the next batch of requests.
+        poller.register(self.notices.fileno(), zmq.POLLIN)
         while not should_stop():
             if self._work or poller.poll(100):
                 self.notices.send_due(self._send)
@@ -137,7 +139,6 @@ class Server:
                     if message is not None:
                         self._handle(*message)
                 self._run_work(WORK_SLICE_S)
-            self.notices.send_due(self._send)
             self._expire_clients()
             self._refusals.flush()
 
