@@ -222,7 +222,6 @@ void init_pread(nb::module_& m) {
         "dst_offset) copied as it lands; on up to `threads` threads, with the GIL released. With "
         "`checksums`, returns each job's CRC-32 over its pieces in order (as zlib.crc32 chained over "
         "them), computed as the bytes land; else [].");
-  m.attr("READ_UNIT_BYTES") = kReadUnitBytes;
   m.def("set_direct", &set_direct, "fd"_a, "enable"_a = true,
         "Direct I/O for fd: O_DIRECT on Linux, F_NOCACHE on macOS. Returns whether reads now "
         "bypass the page cache (False where the filesystem or platform has none).");
