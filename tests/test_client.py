@@ -281,7 +281,8 @@ def test_a_flood_of_reports_is_split_into_frames_the_daemon_accepts(running_daem
     def counted() -> int:
         reply = request(running_daemon.socket, protocol.Stats(id=1, routing=True))
         assert reply.payload["daemon"]["errors"] == 0  # nothing refused as too large
-        return sum(reply.payload["models"][0]["routing"][""][0])
+        routing = reply.payload["models"][0]["routing"]
+        return sum(routing[""][0]) if "" in routing else 0  # none counted before the first report is folded
 
     wait_for(lambda: counted() == len(picks), timeout=60, what="every pick counted")
 
