@@ -53,6 +53,14 @@ class Generation:
     finish_reason: str | None
 
 
+def describe_l0(slots: int, layer_slots: list[int] | None) -> str:
+    """An L0's ceiling in words: `slots` in all (a shared L0: no `layer_slots`), or per layer."""
+    if layer_slots is None:
+        return f"{slots} experts in all"
+    low, high = min(layer_slots), max(layer_slots)
+    return f"{slots} experts per layer" if low == high else f"{low}-{high} experts per layer (per-layer ceilings)"
+
+
 def generate_streamed(lm, prompt_ids: list[int], max_tokens: int, *, on_text=None, **generation) -> Generation:
     """Generate with mlx-lm's own loop on a StreamedLM, `generation` being stream_generate's keyword arguments
     (sampler, max_kv_size, kv_bits...; by default greedy); returns the tokens, text and per-run numbers."""
@@ -87,7 +95,8 @@ class StreamFigures:
     l2_lent: int             # computed on in place in L2, not copied
     read_bytes: int          # from the model files
     copied_bytes: int        # from L2
-    l0_slots: int            # the ceiling, per layer or in all
+    l0_slots: int            # the ceiling, per layer (the largest layer's) or in all
+    l0_layer_slots: list[int] | None  # each of `layers`' ceiling (per-layer L0s); None: a shared L0
     l0_rows: int             # held now, in all layers (fewer than the ceiling while L0 grows on demand)
     l0_bytes: int            # what l0_rows hold
     l0_ceiling_bytes: int
@@ -111,7 +120,10 @@ class StreamFigures:
         client = lm.client
         return cls(l0_hits=tiers["l0"], l2_hits=tiers["l2"], daemon_reads=tiers["daemon_disk"],
                    l3_reads=tiers["own_disk"], l2_lent=c.l2_lent, read_bytes=c.bytes_read,
-                   copied_bytes=c.bytes_copied, l0_slots=lm.pool.capacity, l0_rows=lm.pool.rows,
+                   copied_bytes=c.bytes_copied, l0_slots=lm.pool.capacity,
+                   l0_layer_slots=None if lm.pool.shared_l0 else [lm.pool.capacities[layer]
+                                                                  for layer in sorted(lm.pool.layers)],
+                   l0_rows=lm.pool.rows,
                    l0_bytes=lm.pool.nbytes, l0_ceiling_bytes=lm.pool.ceiling_bytes,
                    layers=sorted(lm.pool.layers),
                    daemon=None if client is None else {"address": client.address, "attached": client.attached,
@@ -128,6 +140,10 @@ class StreamFigures:
         """Two ranks' figures as one pipeline's: this one's, with the counts summed."""
         return replace(self, **{name: getattr(self, name) + getattr(other, name) for name in self.SUMMED},
                        layers=sorted([*self.layers, *other.layers]),
+                       l0_slots=max(self.l0_slots, other.l0_slots),
+                       l0_layer_slots=None if self.l0_layer_slots is None or other.l0_layer_slots is None else
+                       [rows for _, rows in sorted([*zip(self.layers, self.l0_layer_slots),
+                                                    *zip(other.layers, other.l0_layer_slots)])],
                        peak_rss_bytes=max(self.peak_rss_bytes, other.peak_rss_bytes),
                        peak_mlx_bytes=max(self.peak_mlx_bytes, other.peak_mlx_bytes))
 

@@ -24,6 +24,10 @@ side row becomes a demand row in the slot table, and the demand row take_rows ga
 byte moves. A row that leaves demand so is written by no guess until the pool's next synchronize (`demote`,
 `Synchronizes`): the side rows are two generations, the one queued work may still read and the one guesses are
 written into.
+
+Autopin (`autopin=True`, per-layer rows only: moe_l2/cache/heat.py) pins each layer's hottest experts where they
+are resident, chosen again as their heat decays; those pins yield to a batch that needs their rows, so they never
+make a batch too big for the pool, where the caller's pins (`pin`) do.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections import OrderedDict
 import mlx.core as mx
 
 from moe_l2 import _native
+from moe_l2.cache.heat import Heat, pin_limit
 from moe_l2.cache.policy import make_policy
 from moe_l2.model import ModelFiles
 from moe_l2.model.records import record_checksum
@@ -169,7 +174,8 @@ class LayerPool:
     bookkeeping is behind a lock: the prefetch worker changes one layer while the forward reads another."""
 
     def __init__(self, files: ModelFiles, capacity: int, policy: str, shared: SharedRows | None = None,
-                 start: int | None = None, side: int = 0, syncs: Synchronizes | None = None):
+                 start: int | None = None, side: int = 0, syncs: Synchronizes | None = None,
+                 autopin: bool = False):
         self._rows = (Rows(files, capacity, capacity if start is None else start, side, syncs) if shared is None
                       else shared)
         self.capacity = self._rows.ceiling
@@ -185,7 +191,10 @@ class LayerPool:
         self._table = self._table_buffer.view().cast("i")
         self.table = self._table_buffer.array(0, [files.n_experts], mx.int32)
         self._row_of: dict[int, int] = {}
-        self._pinned: set[int] = set()
+        self._pinned: set[int] = set()  # the caller's pins and autopin's
+        self._held_pins: set[int] = set()  # the caller's (`pin`): autopin's yield to a batch, these never do
+        # Autopin (moe_l2/cache/heat.py): the hot set is pinned where resident, at each choice and as it loads.
+        self._heat = Heat(files.n_experts, pin_limit(self.capacity, files.top_k)) if autopin else None
         self._policy = make_policy(policy)
         self._guess_row: dict[int, int] = {}  # guessed expert -> the side row holding it, whole
         self.prefetch_useful = self.prefetch_wasted = 0
@@ -221,9 +230,10 @@ class LayerPool:
             return self._shared is None and len(self._row_of) == self.n_experts
 
     def fits(self, experts) -> bool:
-        """The batch can be resident at once, beside the pinned experts outside it."""
+        """The batch can be resident at once, beside the caller's pinned experts outside it (autopinned ones give
+        way: `take_rows`)."""
         with self._lock:
-            return len(self._pinned | set(experts)) <= self.unpinned_rows + len(self._pinned)
+            return len(self._held_pins | set(experts)) <= self.unpinned_rows + len(self._pinned)
 
     def has_room_for(self, experts) -> bool:
         """Making the batch resident evicts nothing."""
@@ -257,10 +267,17 @@ class LayerPool:
         with self._lock:
             return self.capacity - (len(self._pinned) if self._shared is None else self._shared.pinned())
 
+    @property
+    def autopinned(self) -> frozenset[int]:
+        """The experts autopin holds pinned now."""
+        with self._lock:
+            return frozenset(self._pinned - self._held_pins)
+
     def pin(self, experts) -> None:
         """Keep resident experts in L0 until they are evicted by name (`evict`)."""
         with self._lock:
             self._pinned.update(experts)
+            self._held_pins.update(experts)
 
     def access(self, experts) -> None:
         """The forward demands these experts: tell the policy."""
@@ -269,6 +286,8 @@ class LayerPool:
                 self._policy.access(expert)
                 if self._shared is not None and expert in self._row_of:
                     self._shared.touch(self, expert)
+            if self._heat is not None and self._heat.add(experts):
+                self._pinned = self._held_pins | {e for e in self._heat.hot if e in self._row_of}
 
     def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
         """Rows for experts not in L0: free ones, new ones while below the ceiling (the rows grow), then the rows
@@ -283,7 +302,8 @@ class LayerPool:
                     owner, victim = self._shared.victim(self, batch)
                     rows.append(owner._drop(victim))
                     continue
-                candidates = [e for e in self._row_of if e not in batch and e not in self._pinned]
+                candidates = ([e for e in self._row_of if e not in batch and e not in self._pinned]
+                              or [e for e in self._row_of if e not in batch and e not in self._held_pins])
                 rows.append(self._drop(self._policy.victim(candidates)))
             return rows
 
@@ -300,6 +320,7 @@ class LayerPool:
             self._shared.order.pop((self, expert), None)
         self._policy.evict(expert)
         self._pinned.discard(expert)
+        self._held_pins.discard(expert)
         return row
 
     def evict(self, expert: int) -> None:
@@ -314,6 +335,8 @@ class LayerPool:
                 self._policy.insert(expert)
                 if self._shared is not None:
                     self._shared.touch(self, expert)
+                if self._heat is not None and expert in self._heat.hot:
+                    self._pinned.add(expert)
 
     def has_guess(self, expert: int) -> bool:
         """A side row holds the expert, loaded ahead and not demanded since."""

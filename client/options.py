@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_l2.cache.policy import POLICIES
 from moe_l2.cache.prefetch import PREFETCH
+from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.model import DIRECT_IO
 from moe_l2.model.location import path_arg, socket_arg
 from moe_l2.sizes import parse_size
@@ -54,6 +56,17 @@ class OptionError(ValueError):
     def on_command_line(self) -> str:
         """The message with the options named by their flags."""
         return _with_flags(self.template)
+
+
+def ceilings_arg(text: str) -> Path | tuple[int, ...]:
+    """An argparse type: experts per MoE layer as N,N,..., or a profile's path."""
+    if re.fullmatch(r"[\d,\s]+", text):
+        try:
+            return tuple(int(n) for n in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes a number of experts for every MoE layer, such as 8,8,12, "
+                                             f"or a profile, not {text!r}") from None
+    return path_arg(text)
 
 
 def milliseconds(text: str) -> float:
@@ -98,6 +111,18 @@ class StreamOptions:
                "there: a short prompt holds less memory than a long one; off by default, since on the machine "
                "measured growing cost the first tokens time (docs/benchmarks.md, \"L0 grown on demand\")",
         "--l0-grow", action=argparse.BooleanOptionalAction)
+    l0_ceilings: str | Path | tuple[int, ...] | None = _option(
+        None, "each layer its own L0 ceiling instead of {l0_slots} in every one: a profile from moe-l2 profile "
+              "--traces (P.json), whose LRU hit curves split the rows the budget gives among the layers where "
+              "they gain most, or every layer's ceiling (on the command line N,N,...); L0 is per layer then; off "
+              "by default, since it needs a profile (docs/policy-report.md, \"Per-layer ceilings\")",
+        "--l0-ceilings", type=ceilings_arg, metavar="P.json|N,N,...")
+    l0_autopin: bool = _option(
+        False, "pin each layer's hottest experts in L0 (counted from the router's picks, no extra sync), up to a "
+               "quarter of its rows, chosen again as their heat decays, so that a burst of cold experts cannot "
+               "flush them; L0 is per layer then; off by default: in replay it gained under a point on one trace and "
+               "lost on the other, and the bench tied (docs/policy-report.md, \"Autopin\")",
+        "--l0-autopin", action=argparse.BooleanOptionalAction)
     policy: str = _option(
         "lru", "how L0 evicts (per-layer rows; a shared L0 evicts the least recently used expert)",
         choices=tuple(POLICIES))
@@ -153,6 +178,24 @@ class StreamOptions:
         if self.l0_slots is not None and (not isinstance(self.l0_slots, int) or isinstance(self.l0_slots, bool)
                                           or self.l0_slots < 1):
             raise OptionError(f"{{l0_slots}} takes a number of experts, 1 or more, not {self.l0_slots!r}")
+        if isinstance(self.l0_ceilings, (list, tuple)):
+            if not self.l0_ceilings or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                               for n in self.l0_ceilings):
+                raise OptionError(f"{{l0_ceilings}} takes a profile or a number of experts, 1 or more, for every "
+                                  f"MoE layer, not {self.l0_ceilings!r}")
+            if self.l0_slots is not None or self.l0_budget is not None:
+                raise OptionError("{l0_ceilings} as numbers gives every layer's ceiling: give it without "
+                                  "{l0_slots} or {l0_budget}, or give a profile to split those among the layers")
+            object.__setattr__(self, "l0_ceilings", tuple(self.l0_ceilings))  # frozen: hashable and unchangeable
+        elif self.l0_ceilings is not None and not isinstance(self.l0_ceilings, (str, Path)):
+            raise OptionError(f"{{l0_ceilings}} takes a profile's path or a list of experts per layer, not "
+                              f"{self.l0_ceilings!r}")
+        if self.l0_autopin and self.shared_l0:
+            raise OptionError("a shared L0 ({shared_l0}) has no rows of a layer's own: {l0_autopin} needs per-layer "
+                              "rows")
+        if self.l0_ceilings is not None and self.shared_l0:
+            raise OptionError("a shared L0 ({shared_l0}) has one ceiling for all layers: {l0_ceilings} needs "
+                              "per-layer rows")
         if self.l0_budget is not None:
             try:
                 parse_size(self.l0_budget)
@@ -185,6 +228,8 @@ class StreamOptions:
         "The bench")."""
         if self.shared_l0 is not None:
             return self.shared_l0
+        if self.l0_ceilings is not None or self.l0_autopin:
+            return False
         return self.daemon and self.l2_reads == "in-place" and self.policy == "lru"
 
     @property
@@ -200,6 +245,29 @@ class StreamOptions:
     @property
     def load_through_s(self) -> float:
         return self.load_through_ms / 1e3
+
+    def l0_capacity(self, files, layers: list[int], slots: int) -> int | dict[int, int]:
+        """ExpertPool's capacity for `files`' `layers`: `slots` in every layer, or with `l0_ceilings` each layer
+        its own: the number given for each MoE layer of the model, or the `slots` per layer split by the
+        profile's hit curves (moe_l2/cache/ceilings.py)."""
+        ceilings = self.l0_ceilings
+        if ceilings is None:
+            return slots
+        if isinstance(ceilings, tuple):
+            if len(ceilings) != files.n_layers:
+                raise OptionError(f"{{l0_ceilings}} gives {len(ceilings)} ceilings; {files.path} has "
+                                  f"{files.n_layers} MoE layers: give one for each")
+            for layer, rows in enumerate(ceilings):
+                if not files.top_k <= rows <= files.n_experts:
+                    raise OptionError(f"{{l0_ceilings}}: MoE layer {layer} gets {rows} experts; a layer needs "
+                                      f"{files.top_k} (one token's) to {files.n_experts} (all of them)")
+            return {layer: ceilings[layer] for layer in layers}
+        try:
+            profile = Profile.load(ceilings)
+            profile.check_model(files.n_layers, files.n_experts, f"model {files.path}")
+            return profile.l0_ceilings(layers, slots)
+        except ProfileError as exc:
+            raise OptionError(f"{{l0_ceilings}}: {str(exc).replace('{', '{{').replace('}', '}}')}") from None
 
 
 DEFAULTS = StreamOptions()

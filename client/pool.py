@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 import mlx.core as mx
@@ -80,15 +81,18 @@ class TierCounts:
 
 
 class ExpertPool:
-    def __init__(self, files: ModelFiles, capacity: int, client=None, *, policy: str = DEFAULTS.policy,
-                 read_threads: int | None = None, direct: bool | None = DEFAULTS.direct,
+    def __init__(self, files: ModelFiles, capacity: int | Mapping[int, int], client=None, *,
+                 policy: str = DEFAULTS.policy, read_threads: int | None = None, direct: bool | None = DEFAULTS.direct,
                  verify: str = DEFAULTS.verify, load_through_s: float = 0.0, layers=None,
                  lend: bool = DEFAULTS.lend, shared_l0: bool = False, grow: bool = DEFAULTS.l0_grow,
-                 prefetch: bool = False):
+                 prefetch: bool = False, autopin: bool = DEFAULTS.l0_autopin):
         """The mechanism under moe_l2.load and StreamedLM, which pass every argument from StreamOptions
         (client/options.py, the owner of the defaults); used alone, the pool waits for no load-through and
         keeps rows in every layer unless told to, so that a lookup's tier depends on the call alone.
         A context manager that closes it.
+
+        capacity: the most demand rows of each layer (in all, with a shared L0), or a mapping of every layer in
+        `layers` to its own (per-layer ceilings: moe_l2/cache/ceilings.py).
 
         direct: read the model files with direct I/O (O_DIRECT / F_NOCACHE): True, False, or None for
         the model's default (ModelFiles.direct_default: on for packed models).
@@ -108,14 +112,26 @@ class ExpertPool:
         `capacity` rows from the start.
         prefetch: hold side rows for next-layer guesses beside the `capacity` demand rows (client/prefetcher.py's
         `side_rows`: per layer, or in all when shared), counted in `ceiling`; without them `prefetch` loads
-        nothing."""
-        layers = range(files.n_layers) if layers is None else sorted(set(layers))
+        nothing.
+        autopin: pin each layer's hottest experts, up to a share of its ceiling, chosen again as their heat
+        decays (moe_l2/cache/heat.py); per-layer rows only."""
+        layers = list(range(files.n_layers)) if layers is None else sorted(set(layers))
         if not layers or not all(0 <= layer < files.n_layers for layer in layers):
             raise ValueError(f"layers must be a non-empty subset of the MoE layers 0..{files.n_layers - 1}")
+        if isinstance(capacity, Mapping):
+            if shared_l0:
+                raise ValueError("a shared L0 has one capacity for all layers; per-layer ceilings need per-layer "
+                                 "rows")
+            if sorted(capacity) != layers:
+                raise ValueError(f"per-layer L0 ceilings must name every layer of {layers}, got {sorted(capacity)}")
+        capacities = dict(capacity) if isinstance(capacity, Mapping) else dict.fromkeys(layers, capacity)
         most = files.n_experts * (len(layers) if shared_l0 else 1)
-        if not 1 <= capacity <= most:
-            raise ValueError(f"L0 capacity must be 1..{most} experts {'in all' if shared_l0 else 'per layer'}, "
-                             f"got {capacity}")
+        for rows in capacities.values():
+            if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= most:
+                raise ValueError(f"L0 capacity must be 1..{most} experts {'in all' if shared_l0 else 'per layer'}, "
+                                 f"got {rows}")
+        if shared_l0 and autopin:
+            raise ValueError("autopin pins each layer's hottest experts in its own rows; a shared L0 has none")
         if shared_l0 and policy != "lru":
             raise ValueError(f"a shared L0 evicts the least recently used expert of any layer; policy {policy!r} "
                              "needs per-layer rows")
@@ -125,7 +141,7 @@ class ExpertPool:
         self._check_file = verify != "off" and files.checksums is not None
         self._check_l2 = verify == "all" and files.checksums is not None
         self.files = files
-        self.capacity = capacity
+        self.capacities = capacities  # MoE layer -> its demand ceiling (shared: every layer names the one)
         self.client = client
         self.read_threads = read_threads or READ_THREADS
         # Large records are copied from L2 on several threads: one core does not reach the memory bandwidth.
@@ -135,12 +151,17 @@ class ExpertPool:
         self.lend = lend and L2View.supported() and not self._check_l2
         self._view: L2View | None = None
         self.shared_l0 = shared_l0
-        start = min(capacity, files.top_k) if grow else capacity
         self.side_rows = side_rows(files.top_k) if prefetch else 0
         self._syncs = Synchronizes()
-        shared = SharedRows(files, capacity, start, self.side_rows, self._syncs) if shared_l0 else None
-        self.layers = {layer: LayerPool(files, capacity, policy, shared, start, self.side_rows, self._syncs)
-                       for layer in layers}
+
+        def start(rows: int) -> int:
+            return min(rows, files.top_k) if grow else rows
+
+        shared = (SharedRows(files, capacity, start(capacity), self.side_rows, self._syncs) if shared_l0
+                  else None)
+        self.layers = {layer: LayerPool(files, rows, policy, shared, start(rows), self.side_rows, self._syncs,
+                                        autopin)
+                       for layer, rows in capacities.items()}
         self._counts = TierCounts()
         self._counts_lock = threading.Lock()
         self._fds = files.open_fds(direct)
@@ -176,9 +197,17 @@ class ExpertPool:
         return sum({id(lp.rows): lp.rows.total for lp in self.layers.values()}.values())
 
     @property
+    def capacity(self) -> int:
+        """The most demand rows a layer may hold (in all, with a shared L0): with per-layer ceilings, the
+        largest layer's."""
+        return max(self.capacities.values())
+
+    @property
     def ceiling(self) -> int:
         """The most L0 rows it may hold, in all layers, side rows included: what the budget gave."""
-        return (self.capacity + self.side_rows) * (1 if self.shared_l0 else len(self.layers))
+        if self.shared_l0:
+            return self.capacity + self.side_rows
+        return sum(self.capacities.values()) + self.side_rows * len(self.layers)
 
     @property
     def nbytes(self) -> int:
@@ -324,7 +353,7 @@ class ExpertPool:
             return counts
         if not lp.fits(batch):
             raise PoolTooSmall(f"layer {layer}: a batch of {len(batch)} experts does not fit an L0 pool of "
-                               f"{self.capacity} experts ({len(lp.pins() - batch)} pinned); fetch fewer tokens "
+                               f"{lp.capacity} experts ({len(lp.pins() - batch)} pinned); fetch fewer tokens "
                                "at once or raise the L0 capacity")
         if self.shared_l0 and lp.rows.would_grow(len(missing)):
             self._prefetcher.settle_all()  # growing copies every row: no guess may be landing in the old ones

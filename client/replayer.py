@@ -130,7 +130,8 @@ def main() -> int:
         return 1
     pool = ExpertPool(files, job["capacity"], client, policy=job["policy"], direct=job["direct"], verify="off",
                       load_through_s=load_through_s, lend=job.get("lend", True), shared_l0=job.get("shared_l0", False),
-                      grow=job.get("grow", False), prefetch=bool(job.get("prefetch")))
+                      grow=job.get("grow", False), prefetch=bool(job.get("prefetch")),
+                      autopin=job.get("autopin", False))
     next_layer = NextLayer("logistic", pool) if job.get("prefetch") else None
     tokens, warmup, compute_s = job["tokens"], job["warmup"], job["compute_ms"] / 1e3
     _say({"ready": True, "anon_bytes": anon_bytes()})

@@ -58,7 +58,8 @@ class _PoolCollector:
         yield CounterMetricFamily("moe_l2_serve_expert_l2_copied_bytes", "bytes copied out of moe-l2d's L2",
                                   value=s.bytes_copied)
         yield GaugeMetricFamily("moe_l2_serve_l0_slots", "the most expert rows this process' L0 may hold, per MoE "
-                                "layer, or in all with a shared L0", value=lm.pool.capacity)
+                                "layer (the largest layer's, with per-layer ceilings), or in all with a shared L0",
+                                value=lm.pool.capacity)
         yield from _l0_rows(lm.pool)
         yield GaugeMetricFamily("moe_l2_serve_daemon_attached", "1 while attached to a moe-l2d, else 0",
                                 value=int(s.daemon is not None))
@@ -70,10 +71,14 @@ def _l0_rows(pool):
                              "moe_l2_serve_l0_ceiling_rows)", labels=["layer"])
     ceiling = GaugeMetricFamily("moe_l2_serve_l0_ceiling_rows", "the most expert rows an L0 pool may hold",
                                 labels=["layer"])
-    pools = {"all": pool.rows} if pool.shared_l0 else {str(layer): rows for layer, rows in pool.rows_held().items()}
-    for layer, rows in pools.items():
+    if pool.shared_l0:
+        pools = {"all": (pool.rows, pool.ceiling)}
+    else:
+        held_now = pool.rows_held()
+        pools = {str(layer): (held_now[layer], rows) for layer, rows in pool.capacities.items()}
+    for layer, (rows, most) in pools.items():
         held.add_metric([layer], rows)
-        ceiling.add_metric([layer], pool.capacity)
+        ceiling.add_metric([layer], most)
     yield held
     yield ceiling
 

@@ -256,12 +256,12 @@ class StreamedLM:
         prefetch = options.prefetch != "off"
         side = side_rows(self.files.top_k) if prefetch else 0
         try:
-            self.pool = ExpertPool(self.files,
-                                   l0_slots_for(self.files, options.l0_slots, options.l0_budget, len(layers), shared,
-                                                side),
+            slots = l0_slots_for(self.files, options.l0_slots, options.l0_budget, len(layers), shared, side)
+            self.pool = ExpertPool(self.files, options.l0_capacity(self.files, layers, slots),
                                    self.client, policy=options.policy, direct=options.direct,
                                    verify=options.verify, layers=layers, lend=options.lend, shared_l0=shared,
-                                   load_through_s=options.load_through_s, grow=options.l0_grow, prefetch=prefetch)
+                                   load_through_s=options.load_through_s, grow=options.l0_grow, prefetch=prefetch,
+                                   autopin=options.l0_autopin)
             try:
                 self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, options.prefetch,
                                                seed)

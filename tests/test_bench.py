@@ -171,6 +171,21 @@ def test_copied_l2_reads_give_l0_half_the_budget(tiny, capsys):
     assert moe["counts"]["bytes_copied"] == moe["counts"]["l2_hits"] * files.layout.nbytes
 
 
+def test_autopin_runs_beside_moe_l2_with_the_same_per_layer_l0_or_says_how(tiny, capsys):
+    model, trace = tiny
+    run = ["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "1",
+           "--compute-ms", "0", "--warmup", "0", "--configs", "moe-l2,moe-l2+autopin", "--json"]
+    assert main(run) == 0
+    shared = {c["name"]: c for c in json.loads(capsys.readouterr().out)["configs"]}
+    assert "--l2-reads copy" in shared["moe-l2+autopin"]["skipped"] and "skipped" not in shared["moe-l2"]
+    assert main([*run, "--l2-reads", "copy"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    moe, autopin = result["configs"]
+    assert not moe["l0_shared"] and not autopin["l0_shared"] and moe["l0_experts"] == autopin["l0_experts"]
+    assert autopin["counts"]["lookups"] == moe["counts"]["lookups"]
+    assert {(r["name"], r["against"]) for r in result["ratios"]} >= {("moe-l2+autopin", "moe-l2")}
+
+
 def test_a_budget_under_top_k_and_a_mismatched_trace_say_what_to_do(tiny, tmp_path, capsys):
     model, trace = tiny
     # --budget, bench's name for --budget-share until this release, still works and says so.

@@ -191,14 +191,14 @@ def test_cooccurrence_precision_on_a_known_answer(tmp_path):
 
 def test_logistic_learns_what_the_token_before_tells_and_cooccurrence_cannot(tmp_path):
     traces = read_traces([previous_token_trace(tmp_path / "p.jsonl", tokens=300)])
-    r = replay(traces, slots=[4], compare=(), prefetch=("logistic", "cooccurrence"), prefetch_train=0.5)
+    r = replay(traces, slots=[4], compare=(), prefetch=("logistic", "cooccurrence"), train=0.5)
     scores, entry = r.prefetch_scores, r.capacities[0]
     assert scores["logistic"].precision > 0.9
     assert scores["cooccurrence"].precision < 0.3  # chance is 2 of 16
     assert entry.prefetch["logistic"].hit_rate > entry.policies["min"].hit_rate
     # And a layer's function of the layer before, which co-occurrence finds exactly.
     r = replay(read_traces([known_answer_trace(tmp_path / "f.jsonl", tokens=300)]), slots=[4], compare=(),
-               prefetch=("logistic",), prefetch_train=0.5)
+               prefetch=("logistic",), train=0.5)
     assert r.prefetch_scores["logistic"].precision > 0.9
 
 
@@ -281,8 +281,8 @@ def test_score_counts_precision_and_recall():
 def test_replay_prefetch_beats_demand_caching_on_a_known_answer(tmp_path, capsys):
     path = known_answer_trace(tmp_path / "f.jsonl")
     traces = read_traces([path])
-    r = replay(traces, slots=[4], compare=("lru",), prefetch=("cooccurrence", "repeat"), prefetch_train=0.5)
-    assert r.prefetch_trained_on["sequences"] == 3
+    r = replay(traces, slots=[4], compare=("lru",), prefetch=("cooccurrence", "repeat"), train=0.5)
+    assert r.trained_on["sequences"] == 3
     scored = sum(s.n_tokens for s in traces.sequences[3:])  # interleave, seed 0: the same split as `replay`'s
     assert r.tokens == scored
     assert r.prefetch_scores["cooccurrence"].precision == 1.0
@@ -304,7 +304,7 @@ def test_replay_prefetch_beats_demand_caching_on_a_known_answer(tmp_path, capsys
 
 @pytest.mark.parametrize("args, words", [
     (["--prefetch", "oracle"], "unknown prefetch predictor"),
-    (["--prefetch", "cooccurrence", "--prefetch-train", "1"], "prefetch-train"),
+    (["--prefetch", "cooccurrence", "--train", "1"], "--train"),
     (["--prefetch", "cooccurrence", "--prefetch-k", "0"], "prefetch-k"),
 ])
 def test_replay_prefetch_errors(tmp_path, capsys, args, words):

@@ -15,8 +15,13 @@ version 1::
       "unlabelled": {"sequences": 0, "tokens": 0, "counts": [[...]]},          # traffic without a domain
       "backbone": [[3, 17], ...],       # per layer: experts hot in every domain (derived, informative)
       "specificity": [0.08, ...],       # per layer: I(domain; expert) / H(expert), 0..1 (derived)
-      "predictor": {"kind": "naive-bayes", "alpha": 0.1, "docs": {...}, "counts": {...}} or null
+      "predictor": {"kind": "naive-bayes", "alpha": 0.1, "docs": {...}, "counts": {...}} or null,
+      "l0_curves": [[...n_experts ints...], ...one list per layer] or absent   # LRU hits at 1..n_experts rows
     }
+
+``l0_curves`` (from traces only: a daemon's counts have no order) are each layer's LRU hit curve over the traces'
+lookups, from which a process splits its L0 rows among its layers (moe_l2/cache/ceilings.py; the option
+``l0_ceilings``); older profiles without them load as before.
 
 The predictor may instead be ``{"kind": "embedding", "encoder": "all-MiniLM-L6-v2", "temperature": 0.05,
 "docs": {...}, "centroids": {domain: [384 floats]}}`` (``moe-l2 profile --predictor embedding``; predicting
@@ -50,6 +55,7 @@ from pathlib import Path
 
 from moe_l2.atomic_file import AtomicFile
 
+from .ceilings import check_curves, hit_curves, split_rows
 from .embedding import EmbeddingCentroid
 from .prediction import NaiveBayes, Prediction, PredictorError
 
@@ -112,6 +118,7 @@ class Profile:
     predictor: NaiveBayes | EmbeddingCentroid | None = None
     sources: list[str] = field(default_factory=list)
     path: str = ""
+    l0_curves: list[list[int]] | None = None  # per layer: LRU hits at 1..n_experts rows (ceilings.hit_curves)
 
     def __post_init__(self) -> None:
         if self.unlabelled is None:
@@ -163,6 +170,8 @@ class Profile:
                       sources=[os.path.basename(p) for p in getattr(traces, "paths", [])])
         for s in sequences:
             profile.add_sequence(s.experts, s.domain)
+        profile.l0_curves = hit_curves([[token[layer] for s in sequences for token in s.experts]
+                                        for layer in range(first.n_layers)], first.n_experts)
         if predictor:
             examples = [(s.prompt, s.domain) for s in sequences if s.prompt and s.domain]
             if len({d for _, d in examples}) >= 2:
@@ -227,6 +236,16 @@ class Profile:
         ranked = sorted(range(self.n_experts), key=lambda e: (-shares[e], e))
         return [e for e in ranked[:max(0, n)] if shares[e] > 0]
 
+    def l0_ceilings(self, layers: list[int], slots: int) -> dict[int, int]:
+        """MoE layer -> its L0 rows: the `slots` per layer that a process' budget gives each of `layers`, split
+        among them where the hit curves gain most (each at least top_k, at most n_experts)."""
+        if self.l0_curves is None:
+            raise ProfileError(f"profile {self.path or self.model} has no L0 hit curves (it was built from a "
+                               "daemon's counts, or by an older moe-l2): rebuild it with moe-l2 profile --traces")
+        rows = split_rows([self.l0_curves[layer] for layer in layers], slots * len(layers), self.top_k,
+                          self.n_experts)
+        return dict(zip(layers, rows))
+
     def predict(self, text: str) -> Prediction:
         if self.predictor is None:
             raise PredictorError(f"profile {self.path or self.model} has no predictor (its traces had no "
@@ -249,6 +268,7 @@ class Profile:
             "backbone": self.backbone,
             "specificity": [round(x, 6) for x in self.specificity],
             "predictor": self.predictor.to_json() if self.predictor else None,
+            **({"l0_curves": self.l0_curves} if self.l0_curves is not None else {}),
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -304,9 +324,12 @@ class Profile:
                 predictor = predictor_from_json(data["predictor"])
             except PredictorError as exc:
                 fail(str(exc))
+        curves = data.get("l0_curves")
+        if curves is not None and (why := check_curves(curves, L, E)):
+            fail(f"l0_curves {why}")
         sources = data.get("sources", [])
         return cls(model, L, E, dims["top_k"], parsed, unlabelled, predictor,
-                   [str(s) for s in sources] if isinstance(sources, list) else [], where)
+                   [str(s) for s in sources] if isinstance(sources, list) else [], where, curves)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Profile":

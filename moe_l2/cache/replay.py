@@ -15,10 +15,14 @@ Sequence order: `blocked` groups the sequences by domain (domains in name order,
 `interleave` shuffles them with `--seed`. Results are deterministic for a given seed.
 
 `--prefetch` scores next-layer predictors (moe_l2.cache.prefetch) with the chosen policy: the sequences are
-split, the predictor learns from the first `prefetch_train` share and every policy is scored on the rest only.
+split, the predictor learns from the first `train` share and every policy is scored on the rest only.
 At each token, layer l+1's guesses (made at layer l, from layer l's experts) are loaded before layer l+1's
 lookup, never evicting another guess: every prefetch is taken to land in time, since it has layer l's whole
 compute to do so. The predictor keeps learning online, a block of tokens after guessing it.
+
+`--ceilings` runs the policy under test and LRU (L0's policy) also with per-layer ceilings: the slots of a
+capacity in all layers, split by the hit curves of the first `train` share (moe_l2/cache/ceilings.py, what
+`moe-l2 profile` learns and `l0_ceilings` uses), scored on the rest only: the held-out figure of the split.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from multiprocessing import get_context
 
 import numpy as np
 
+from .ceilings import hit_curves, split_rows
+from .heat import Heat, pin_limit
 from .policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
 from .prediction import PredictorError
 from .prefetch import REPLAY_PREDICTORS, guess_streams
@@ -180,12 +186,15 @@ class ReplayResult:
     capacities: list[CapacityResult]
     prefetch: list[str]              # the predictors scored
     prefetch_k: int | None           # their guesses per token and layer
-    prefetch_trained_on: dict        # sequences and tokens the predictors learned from
+    trained_on: dict                 # sequences and tokens the predictors and ceilings learned from
+    ceilings: dict[int, list[int]]   # --ceilings: per capacity (slots), each replayed layer's slots
+    autopin: bool                    # --autopin: "<policy>+autopin" and "lru+autopin" were run
     prefetch_scores: dict[str, Score]
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["capacities"] = [c.to_json() for c in self.capacities]
+        out["ceilings"] = {str(slots): rows for slots, rows in self.ceilings.items()}
         out["prefetch_scores"] = {name: score.as_dict() for name, score in self.prefetch_scores.items()}
         return out
 
@@ -205,7 +214,9 @@ class Task:
     record_tokens: bool = False
     hint_lift: float = HINT_MIN_LIFT
     guesses: list | None = None  # per token, experts to load before its lookup (next-layer prefetch)
-    label: str = ""  # the result's name when it is not the policy's (a prefetch predictor)
+    label: str = ""  # the result's name when it is not the policy's (a prefetch predictor, ceilings)
+    point: int = 0   # the capacity it is reported under, where that is not `slots` (ceilings); 0: slots
+    autopin_top_k: int = 0  # autopin: pin the layer's hottest experts (moe_l2/cache/heat.py), leaving this many
 
 
 def replay_layer(task: Task) -> dict:
@@ -224,6 +235,7 @@ def replay_layer(task: Task) -> dict:
     at = getattr(policy, "at", None)
     load_order = getattr(policy, "load_order", None)
     slot, access, reserve, commit = store.slot, store.access, store.reserve, store.commit
+    heat = Heat(task.n_experts, pin_limit(task.slots, task.autopin_top_k)) if task.autopin_top_k else None
     hits = lookups = loads = preloads = 0
     prefetch_loads = useful = wasted = 0
     prefetched: set[int] = set()
@@ -263,6 +275,10 @@ def replay_layer(task: Task) -> dict:
             demanded = prefetched.intersection(batch)
             useful += len(demanded)
             prefetched -= demanded
+        if heat is not None and heat.add(batch):
+            # As L0 does (client/layerpool.py): the new hot set is pinned where resident, the rest unpinned.
+            store.unpin(store.pins("auto"), "auto")
+            store.pin([e for e in heat.hot if slot(e) >= 0], "auto")
         if load_order is not None:
             misses = load_order(misses)
         for e in misses:
@@ -273,6 +289,8 @@ def replay_layer(task: Task) -> dict:
                     prefetched.discard(r.evicted)
                 commit(r)
                 loads += 1
+                if heat is not None and e in heat.hot:
+                    store.pin([e], "auto")
     return {"layer": task.layer, "slots": task.slots, "policy": task.label or task.policy, "hits": hits,
             "lookups": lookups, "loads": loads, "preloads": preloads, "prefetch_loads": prefetch_loads,
             "useful": useful, "wasted": wasted,
@@ -307,15 +325,19 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
            prior: float = 0.0, hint_share: float = HINT_PIN_SHARE, hint_prior: float = HINT_PRIOR,
            hint_lift: float = HINT_MIN_LIFT,
            layers: list[int] | None = None, jobs: int = 1, switch_window: int = SWITCH_WINDOW,
-           belady: bool = True, prefetch: tuple[str, ...] = (), prefetch_train: float = 0.5,
-           prefetch_k: int | None = None) -> ReplayResult:
+           belady: bool = True, prefetch: tuple[str, ...] = (), train: float = 0.5,
+           prefetch_k: int | None = None, ceilings: bool = False, autopin: bool = False) -> ReplayResult:
     """Run the trace and return what it measured (`moe-l2 replay` renders it as a table or JSON).
 
     hints: None, "prompt" (predict each sequence's domain from its prompt) or "oracle" (use the trace's
     domain label: what a perfect predictor would give).
     prefetch: next-layer predictors to score (REPLAY_PREDICTORS) with `policy`, each making prefetch_k
-    guesses per token and layer (default top_k), trained on the first prefetch_train share of the sequences;
-    with any, every policy is scored on the other sequences only."""
+    guesses per token and layer (default top_k), trained on the first `train` share of the sequences;
+    with any, every policy is scored on the other sequences only.
+    ceilings: also run `policy` and LRU with per-layer slots split by the hit curves of that share, each capacity
+    `slots` times the layers in all (named "<policy>+ceilings").
+    autopin: also run `policy` and LRU pinning each layer's hottest experts as L0's autopin does
+    (moe_l2/cache/heat.py; named "<policy>+autopin"), on the same sequences."""
     if policy not in POLICIES:
         raise ReplayError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     for name in compare:
@@ -327,19 +349,17 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         raise ReplayError("--hints needs --profile: the predictor and the domains' experts come from a profile")
     sequences = order_sequences(traces.sequences, order, seed)
     trained_on = []
-    if prefetch:
-        for name in prefetch:
-            if name not in REPLAY_PREDICTORS:
-                raise ReplayError(f"unknown prefetch predictor {name!r}; "
-                                  f"choose from {', '.join(REPLAY_PREDICTORS)}")
-        if traces.n_layers < 2:
-            raise ReplayError("--prefetch needs a trace of at least two MoE layers")
-        if not 0 <= prefetch_train < 1:
-            raise ReplayError(f"--prefetch-train is the share of sequences to learn from, in [0, 1); "
-                              f"got {prefetch_train}")
-        split = round(prefetch_train * len(sequences))
+    for name in prefetch:
+        if name not in REPLAY_PREDICTORS:
+            raise ReplayError(f"unknown prefetch predictor {name!r}; choose from {', '.join(REPLAY_PREDICTORS)}")
+    if prefetch and traces.n_layers < 2:
+        raise ReplayError("--prefetch needs a trace of at least two MoE layers")
+    if prefetch or ceilings:
+        if not 0 <= train < 1:
+            raise ReplayError(f"--train is the share of sequences to learn from, in [0, 1); got {train}")
+        split = round(train * len(sequences))
         if split >= len(sequences):
-            raise ReplayError("--prefetch-train leaves no sequence to score on: lower it or give more sequences")
+            raise ReplayError("--train leaves no sequence to score on: lower it or give more sequences")
         trained_on, sequences = sequences[:split], sequences[split:]
     layers = list(range(traces.n_layers)) if layers is None else layers
     for layer in layers:
@@ -363,6 +383,23 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
                                   prior=prior if chosen else 0.0, hint_share=hint_share,
                                   hint_prior=hint_prior, record_tokens=name in (policy, "lru"),
                                   hint_lift=hint_lift))
+    split_slots = {}
+    if ceilings:
+        curves = hit_curves([[token[layer] for s in trained_on for token in s.experts] for layer in layers],
+                            traces.n_experts)
+        for n_slots in slots:
+            split_slots[n_slots] = split_rows(curves, n_slots * len(layers), min(traces.top_k, n_slots),
+                                              traces.n_experts)
+            for name in dict.fromkeys((policy, "lru")):
+                for layer, rows in zip(layers, split_slots[n_slots]):
+                    tasks.append(Task(layer, rows, name, streams[layer], traces.n_experts, point=n_slots,
+                                      label=f"{name}+ceilings"))
+    if autopin:
+        for n_slots in slots:
+            for name in dict.fromkeys((policy, "lru")):
+                for layer in layers:
+                    tasks.append(Task(layer, n_slots, name, streams[layer], traces.n_experts,
+                                      autopin_top_k=traces.top_k, label=f"{name}+autopin"))
     k = traces.top_k if prefetch_k is None else prefetch_k
     if prefetch:
         if k < 1:
@@ -393,7 +430,9 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
             starts.append(t)
         previous = s.domain
         t += s.n_tokens
-    by_key = {(r["slots"], r["policy"], r["layer"]): r for r in results}
+    by_key = {(t.point or t.slots, r["policy"], r["layer"]): r for t, r in zip(tasks, results)}
+    for extra, asked in (("ceilings", ceilings), ("autopin", autopin)):
+        names += [f"{name}+{extra}" for name in dict.fromkeys((policy, "lru"))] if asked else []
     capacities = []
     for n_slots in slots:
         policies = {}
@@ -442,5 +481,5 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         hints=hints, hint_stats=hint_stats, prior=prior, hint_share=hint_share, hint_prior=hint_prior,
         hint_lift=hint_lift, layers=layers, switch_window=switch_window, domain_switches=len(starts),
         capacities=capacities, prefetch=list(prefetch), prefetch_k=k if prefetch else None,
-        prefetch_trained_on={"sequences": len(trained_on), "tokens": sum(s.n_tokens for s in trained_on)},
-        prefetch_scores=scores)
+        trained_on={"sequences": len(trained_on), "tokens": sum(s.n_tokens for s in trained_on)},
+        ceilings=split_slots, autopin=autopin, prefetch_scores=scores)

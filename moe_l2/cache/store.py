@@ -45,7 +45,7 @@ class LayerStore:
         self._expert_in = [-1] * n_slots
         self._state = [FREE] * n_slots
         self._free = list(range(n_slots - 1, -1, -1))
-        self._pins: dict[str, set[int]] = {"permanent": set(), "domain": set()}
+        self._pins: dict[str, set[int]] = {"permanent": set(), "domain": set(), "auto": set()}
         self._pinned: set[int] = set()  # the union of the pin groups, kept up to date
         self._off: list[int] = []  # slots taken away by shrink(), given back by grow()
         if hasattr(policy, "set_capacity"):
@@ -123,7 +123,7 @@ class LayerStore:
                 self._pinned.discard(expert)
 
     def pins(self, kind: str) -> list[int]:
-        """The experts pinned as `kind` ("permanent" or "domain"), sorted."""
+        """The experts pinned as `kind` ("permanent", "domain", or "auto": replay's autopin), sorted."""
         return sorted(self._pins[kind])
 
     def _pin_room(self, staying: set[int]) -> int:

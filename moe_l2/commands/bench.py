@@ -42,7 +42,9 @@ from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.model.synthetic import GEOMETRIES, SyntheticError, build
 from moe_l2.sizes import format_pct, format_size
 
-CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch")
+CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch", "moe-l2+autopin")
+# moe-l2+autopin is asked for by name: autopin is off by default (docs/policy-report.md, "Autopin").
+DEFAULT_CONFIGS = CONFIGS[:4]
 # The streaming options the moe-l2 configurations take, as `generate` and `serve` do (client/options.py).
 STREAMING = ("shared_l0", "l2_reads", "load_through_ms", "l0_grow")
 # Decode on Apple Silicon, per MoE layer: gpt-oss-20b (24 layers), MLX 4-bit, 91.5 tok/s on an M2 Max
@@ -91,8 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 help="memory for experts, as shares of all experts' bytes (default 25%%,50%%)")
     parser.add_argument("--processes", default="1,3", metavar="N[,N...]",
                         help="concurrent client processes, each replaying its share of the sequences (default 1,3)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), metavar="NAME[,NAME...]",
-                        help=f"configurations to run (default {','.join(CONFIGS)})")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="NAME[,NAME...]",
+                        help=f"configurations to run, of {', '.join(CONFIGS)} (moe-l2+autopin: moe-l2 with "
+                             f"--l0-autopin, per-layer L0) (default {','.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--scenario", choices=("cold-warm",),
                         help="cold-warm: the demo's scenario, each configuration's clients replaying their tokens "
                              "cold (nothing cached, a fresh daemon), again warm, then as new processes against what "
@@ -267,6 +270,10 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
     # moe-l2+prefetch is moe-l2 with next-layer prefetch into side rows, out of the same budget (_plan). Its L0
     # is laid out as a process of generate's with a daemon would lay it out.
     shared_l0 = config.startswith("moe-l2") and stream.l0_shared
+    if config == "moe-l2+autopin" and shared_l0:
+        # Against moe-l2 with the same L0 layout, autopin alone decides the ratio.
+        raise Skipped("moe-l2+autopin pins in per-layer L0 rows, and moe-l2's L0 is shared here: run it with "
+                      "--no-l0-shared and --l0-share above 0, or with --l2-reads copy")
     plan = _plan(files, config, share, len(rounds[0][0]), l0_share, shared_l0)
     _drop_page_cache(files)
     daemon = cgroup = None
@@ -285,7 +292,8 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
                "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
                "load_through_ms": stream.load_through_ms, "prefetch": config == "moe-l2+prefetch",
-               "lend": in_place, "shared_l0": shared_l0, "grow": stream.l0_grow}
+               "lend": in_place, "shared_l0": shared_l0, "grow": stream.l0_grow,
+               "autopin": config == "moe-l2+autopin"}
         for parts, passes in rounds:
             runs += _round(files, config, plan, job, parts, passes, daemon, cgroup, limit=not runs)
     finally:

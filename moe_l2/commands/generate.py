@@ -145,8 +145,10 @@ def _daemon_text(daemon: dict | None) -> str:
 
 def render(s: dict) -> str:
     """The text summary of a run, from its JSON object (GenerationSummary.to_json)."""
+    from moe_l2.client.generation import describe_l0
+
     ranks = [f"rank {r['rank']}: MoE layers {r['layers'][0]}-{r['layers'][-1]}, {r['expert_lookups']} lookups, "
-             f"L3 {r['l3_reads']}, L0 {r['l0_slots']} experts per layer; {_daemon_text(r['daemon'])}; "
+             f"L3 {r['l3_reads']}, L0 {describe_l0(r['l0_slots'], r['l0_layer_slots'])}; {_daemon_text(r['daemon'])}; "
              f"peak RSS {format_size(r['peak_rss_bytes'])}" for r in s.get("ranks", [])]
     return "\n".join([
         f"prompt {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tok/s; "
@@ -155,7 +157,7 @@ def render(s: dict) -> str:
         f"disk {format_pct(s['disk_rate'])} (read by moe-l2d while waiting {format_pct(s['daemon_read_rate'])}, by "
         f"this process {format_pct(s['l3_rate'])}); this process read {format_size(s['read_bytes'])} from disk, "
         f"copied {format_size(s['copied_bytes'])} from L2 and computed {s['l2_lent']} experts in place there",
-        f"L0 {s['l0_slots']} experts {'in all' if s['l0_shared'] else 'per layer'} at most, {s['l0_rows']} rows held "
+        f"L0 {describe_l0(s['l0_slots'], s['l0_layer_slots'])} at most, {s['l0_rows']} rows held "
         f"({format_size(s['l0_bytes'])} of {format_size(s['l0_ceiling_bytes'])}); "
         f"{_daemon_text(s['daemon'])}",
         *([] if s["prefetch"] is None else [_render_prefetch(s["prefetch"])]),

@@ -10,6 +10,7 @@ import sys
 from moe_l2.cache.policy import DEFAULT_POLICY
 from moe_l2.cache.replay import ReplayError, replay
 from moe_l2.cache.trace import TraceError, read_traces
+from moe_l2.client import options
 from moe_l2.client.options import DEFAULTS
 from moe_l2.layout import align, page_size, slot_range
 from moe_l2.model import ModelFiles
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", default=None, metavar="A-B[,C-D...]",
                         help="plan L2 for a daemon that serves only these decoder layers (moe-l2d --layers): the "
                              "same memory buys more slots per layer; a trace is replayed over those layers")
+    options.add_arguments(parser, ["l0_ceilings"])
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -57,7 +59,8 @@ def tier_hit_rates(traces, p: Plan, layers: list[int] | None = None) -> dict:
     return {"tokens": result.tokens, "l0": l0, "l2": max(0.0, l2_alone - l0), "l3": 1.0 - max(l0, l2_alone)}
 
 
-def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, layers: str | None = None) -> str:
+def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, layers: str | None = None,
+           ceilings: list[int] | None = None) -> str:
     lines = [
         f"plan for {files.path}: {sizes.n_layers} layers x {sizes.n_experts} experts, top-{sizes.top_k}; experts "
         f"{format_size(sizes.expert_bytes)}, other weights {format_size(sizes.non_expert_bytes)}",
@@ -66,6 +69,8 @@ def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, la
         f"  each of {p.processes} process(es): weights {format_size(p.non_expert_per_process)}, KV "
         f"{format_size(p.kv_per_process)}, L0 {p.l0_slots} experts per layer ({format_size(p.l0_per_process)})",
     ]
+    if ceilings is not None:
+        lines.append(f"    L0 ceilings per MoE layer (--l0-ceilings): {' '.join(map(str, ceilings))}")
     if p.l2_slots:
         served = "" if layers is None else f" of the {sizes.l2_layers} MoE layers in decoder layers {layers}"
         lines.append(f"  L2, one shared copy     {format_size(p.l2_budget)}: {slot_range(p.l2_slots, p.l2_short)} "
@@ -94,11 +99,19 @@ def run(args: argparse.Namespace) -> int:
                                 f"experts, {args.model} has {sizes.n_layers} x {sizes.n_experts}: give a trace "
                                 "of this model")
             rates = tier_hit_rates(traces, p, served)
+        ceilings = None
+        if args.l0_ceilings is not None:
+            layers = list(range(files.n_layers))
+            chosen = options.from_args(args, shared_l0=False).l0_capacity(files, layers, p.l0_slots)
+            ceilings = [chosen[layer] for layer in layers]
+    except options.OptionError as exc:
+        print(f"moe-l2 plan: {exc.on_command_line()}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, TraceError, ReplayError) as exc:
         print(f"moe-l2 plan: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"plan": p.to_dict(), "hit_rates": rates}, indent=1))
+        print(json.dumps({"plan": p.to_dict(), "hit_rates": rates, "l0_ceilings": ceilings}, indent=1))
     else:
-        print(render(files, sizes, p, rates, args.layers))
+        print(render(files, sizes, p, rates, args.layers, ceilings))
     return 0

@@ -34,6 +34,13 @@ def summarize(profile: Profile) -> str:
                      f"{sum(profile.predictor.docs.values())} prompts")
     else:
         lines.append("predictor: none (no prompts with domain labels); hints must name a domain")
+    if profile.l0_curves is not None:
+        rows = profile.l0_ceilings(list(range(profile.n_layers)), max(profile.top_k, profile.n_experts // 4))
+        lines.append(f"L0 ceilings per layer at a quarter of the experts (l0_ceilings, from the LRU hit curves): "
+                     f"{' '.join(map(str, rows.values()))}")
+    else:
+        lines.append("L0 hit curves: none (built from a daemon's counts or by an older moe-l2); L0 ceilings need "
+                     "a profile from traces")
     return "\n".join(lines)
 
 
@@ -123,6 +130,7 @@ def run(args) -> int:
         for d in data["domains"].values():
             d.pop("counts")
         data["unlabelled"].pop("counts")
+        data["l0_curves"] = data.pop("l0_curves", None) is not None
         print(json.dumps(data, indent=1))
     else:
         print(summarize(profile))

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from moe_l2.cache.heat import AUTOPIN_SHARE
 from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
 from moe_l2.cache.prefetch import REPLAY_PREDICTORS
 from moe_l2.cache.profile import Profile, ProfileError
@@ -48,13 +49,14 @@ def render(result: ReplayResult, per_layer: bool = True) -> str:
         lines.append(f"profile {result.profile} (prior strength {result.prior:g})")
     lines.append("")
     lines.append("hit rate (%) per capacity" + " " * 4 + "slots = expert slots per layer")
-    cols = "".join(f"{n:>10}" for n in names)
+    width = {n: max(10, len(n) + 2) for n in names}
+    cols = "".join(f"{n:>{width[n]}}" for n in names)
     lines.append(f"{'slots':>5} {'share':>6}{cols}{'gap closed':>12}{'switch ' + result.policy:>18}"
                  f"{'switch lru':>12}")
     for entry in result.capacities:
         ps = entry.policies
         gap = entry.gap_closed_vs_lru
-        row = "".join(f"{_pct(ps[n].hit_rate):>10}" for n in names)
+        row = "".join(f"{_pct(ps[n].hit_rate):>{width[n]}}" for n in names)
         sw = ps[result.policy].switch_hit_rate
         swl = ps["lru"].switch_hit_rate if "lru" in ps else None
         lines.append(f"{entry.slots:>5} {100 * entry.share:5.1f}%{row}"
@@ -63,6 +65,15 @@ def render(result: ReplayResult, per_layer: bool = True) -> str:
     lines.append(f"gap closed: share of the distance from LRU to MIN that {result.policy} covers; "
                  f"switch: hit rate over the first {result.switch_window} tokens after each of the "
                  f"{result.domain_switches} domain switches")
+    if result.ceilings:
+        trained = result.trained_on
+        lines.append(f"+ceilings: the slots of all layers split by the LRU hit curves of the first "
+                     f"{trained['sequences']} sequences ({trained['tokens']} tokens), every column scored on the "
+                     "others only; slots per layer:")
+        lines.extend(f"{slots:>5}: {' '.join(map(str, rows))}" for slots, rows in result.ceilings.items())
+    if result.autopin:
+        lines.append(f"+autopin: each layer's hottest experts pinned, up to {100 * AUTOPIN_SHARE:g}% of its "
+                     f"slots, as L0's --l0-autopin does")
     if result.prefetch:
         lines.append("")
         lines.extend(_render_prefetch(result))
@@ -81,7 +92,7 @@ def render(result: ReplayResult, per_layer: bool = True) -> str:
 
 
 def _render_prefetch(result: ReplayResult) -> list[str]:
-    trained = result.prefetch_trained_on
+    trained = result.trained_on
     lines = [f"next-layer prefetch with {result.policy}, {result.prefetch_k} guesses per token and layer; "
              f"learned from the first {trained['sequences']} sequences ({trained['tokens']} tokens), every "
              "column above and below scored on the others only",
@@ -138,9 +149,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score next-layer prefetch predictors with the policy under test: "
                              f"{', '.join(REPLAY_PREDICTORS)} (the trace holds no hidden states, so the router "
                              "predictor cannot be replayed)")
-    parser.add_argument("--prefetch-train", type=float, default=0.5, metavar="F",
-                        help="share of the sequences the predictors learn from before scoring begins; with "
-                             "--prefetch every policy is scored on the rest only (default 0.5)")
+    add_renamed(parser, "--train", "--prefetch-train", type=float, default=0.5, metavar="F",
+                help="share of the sequences the predictors and --ceilings learn from before scoring begins; "
+                     "with either, every policy is scored on the rest only (default 0.5)")
+    parser.add_argument("--ceilings", action="store_true",
+                        help="also run the policy under test and LRU with per-layer slots: each capacity's "
+                             "slots in all layers split by the LRU hit curves of the --train share (what "
+                             "moe-l2 profile learns for the client's --l0-ceilings)")
+    parser.add_argument("--autopin", action="store_true",
+                        help="also run the policy under test and LRU pinning each layer's hottest experts, as "
+                             "the client's --l0-autopin does")
     parser.add_argument("--prefetch-k", type=int, metavar="K",
                         help="guesses per token and layer (default: the trace's top-k)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -161,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
         result = replay(traces, slots=slots, policy=args.policy, compare=compare, order=args.order,
                         seed=args.seed, profile=profile, hints=hints, prior=args.prior, layers=args.moe_layers,
                         jobs=max(1, args.jobs), hint_share=args.hint_share, hint_prior=args.hint_prior,
-                        hint_lift=args.hint_lift, prefetch=prefetch, prefetch_train=args.prefetch_train,
-                        prefetch_k=args.prefetch_k)
+                        hint_lift=args.hint_lift, prefetch=prefetch, train=args.train,
+                        prefetch_k=args.prefetch_k, ceilings=args.ceilings, autopin=args.autopin)
     except ReplayError as exc:  # flags out of range or that do not go together
         print(f"moe-l2 replay: {exc}", file=sys.stderr)
         return 2

@@ -98,6 +98,8 @@ def mlx_lm_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def _announce(host: str, port: int):
     def ready(provider) -> None:
+        from moe_l2.client.generation import describe_l0
+
         lm = provider.lm
         client = lm.client
         if client is None:
@@ -111,8 +113,8 @@ def _announce(host: str, port: int):
         where = (f"on http://{host}:{port}/v1" if provider.rank == 0 else "rank 0's requests")
         stage = (f"rank {provider.rank}, MoE layers {layers[0]}-{layers[-1]}; "
                  if len(layers) < lm.files.n_layers else "")
-        rows = "in all" if lm.pool.shared_l0 else "per layer"
-        print(f"moe-l2 serve: {provider.model_id} {where} ({stage}L0 {lm.pool.capacity} experts {rows}; "
+        l0 = describe_l0(lm.pool.capacity, None if lm.pool.shared_l0 else list(lm.pool.capacities.values()))
+        print(f"moe-l2 serve: {provider.model_id} {where} ({stage}L0 {l0}; "
               f"{daemon})", file=sys.stderr, flush=True)
     return ready
 
