@@ -15,8 +15,9 @@
    threads), against the daemon's loaders (4 threads, one read per record) and a raw sequential direct read of
    the same number of bytes (8 MiB reads, one stream, at a random place in the file); interleaved round by
    round (the disk drifts), medians, each as MiB/s and over the raw read of its round; the client's rows: the read
-   alone ("read"), with its default check against the manifest, CRCs computed by the read threads ("checked"),
-   and checked as before this bench's change, each CRC computed after every record was read ("crc after").
+   alone ("read"), with its default check against the manifest, CRCs computed by the read threads ("checked",
+   the CPU's CRC where it has one), the same with zlib's CRC ("zlib crc"), and zlib's CRC of each record
+   computed after every record was read ("crc after").
 
     python bench/bench_io.py [--model DIR] [--experts 64] [--layers 4] [--hidden 2048] [--moe-hidden 768]
                              [--samples 40] [--batch 8] [--cgroup-mb 256] [--rounds 15] [--keep DIR]
@@ -164,8 +165,9 @@ UNITS = (8 * MIB, 1 * MIB, 256 << 10)
 THREADS = (1, 2, 4, 8)
 LOADERS = 4  # moe-l2d's default --loader-threads: each reads one record on one thread
 # The read alone; with the default check of each record against the manifest, its CRC computed by the read
-# threads as the bytes land; and checked as before, the CRC of each record computed after all were read.
-MODES = {"read": "off", "checked": "file", "crc after": "off"}
+# threads as the bytes land (the CPU's CRC where it has one: native/crc32.cpp); the same with zlib's CRC, as
+# before the CPU's was used; and checked as before that, the CRC of each record computed after all were read.
+MODES = {"read": "off", "checked": "file", "zlib crc": "file", "crc after": "off"}
 
 
 def raw_read(files: ModelFiles, nbytes: int, rng: random.Random, buf) -> float:
@@ -233,6 +235,7 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                         threads, unit, mode = config
                         pool = pools[threads, mode]
                         files.reader.read_unit_bytes = unit
+                        _native._crc32_use_library(mode != "checked")
                         began = time.perf_counter()
                         pool.fetch(layer, experts)
                         if mode == "crc after":
@@ -245,6 +248,7 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                     speed[batch][config].append(batch * record / took)
                     over[batch][config].append(batch * record / took / raw)
     finally:
+        _native._crc32_use_library(False)
         loaders.shutdown()
         for pool in pools.values():
             pool.close()

@@ -253,6 +253,26 @@ void init_crc32(nb::module_& m) {
       "zlib.crc32 of bytes [offset, offset + nbytes) of memory, continuing `crc`, as the reads compute "
       "it (portable: with the code builds without zlib use); the GIL released.");
   m.def(
+      "crc32_of",
+      [](nb::handle data, uint32_t crc) {
+        const char* fn = "crc32_of";
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
+          PyErr_Clear();
+          throw_value_error(fn, "takes a contiguous bytes-like object (bytes, a memoryview of a Buffer, ...)");
+        }
+        uint32_t out;
+        {
+          nb::gil_scoped_release unlocked;
+          out = crc32_update(crc, static_cast<const std::byte*>(view.buf), size_t(view.len));
+        }
+        PyBuffer_Release(&view);
+        return out;
+      },
+      "data"_a, "crc"_a = 0,
+      "zlib.crc32(data, crc) of any contiguous bytes-like object, as the reads compute it (the CPU's CRC where "
+      "it has one); the GIL released.");
+  m.def(
       "crc32_concat",
       [](uint32_t crc_a, uint32_t crc_b, uint64_t len_b, bool portable) {
         return (portable ? crc32_concat_portable : crc32_concat)(crc_a, crc_b, len_b);
@@ -260,6 +280,10 @@ void init_crc32(nb::module_& m) {
       "crc_a"_a, "crc_b"_a, "len_b"_a, "portable"_a = false,
       "The CRC-32 of A followed by B from crc32(A), crc32(B) and B's length (zlib's crc32_combine).");
   m.attr("CRC32_FROM_ZLIB") = crc32_from_zlib();
+  m.attr("CRC32_KIND") = crc32_kind();
+  m.def("_crc32_use_library", &crc32_use_library, "only"_a,
+        "Bench hook: the reads' CRC runs zlib's (or the portable) code even where the CPU has its own (True), or "
+        "the CPU's again (False).");
 }
 
 void init_transcode(nb::module_& m) {

@@ -1,6 +1,9 @@
 // CRC-32: portable code (slicing, eight table lookups per 8 bytes; two CRCs combined by multiplication
-// modulo the polynomial, which lets each read thread checksum its own part of a record), and zlib's own
-// where the build found it (CMakeLists.txt), which the reads then use.
+// modulo the polynomial, which lets each read thread checksum its own part of a record), zlib's own where the
+// build found it (CMakeLists.txt), and the CPU's where it has one, which the reads then use: carry-less
+// multiplication on x86-64 (PCLMULQDQ, detected at run time), the CRC32 instructions on arm64. A record's CRC
+// at zlib's speed here was most of what a checked miss cost beyond its read (docs/benchmarks.md, "Cold
+// misses").
 
 #include "crc32.h"
 
@@ -10,8 +13,17 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <limits>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MOE_L2_CRC32_CLMUL 1
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
+#define MOE_L2_CRC32_ARM 1
+#include <arm_acle.h>
+#endif
 
 namespace moe_l2 {
 
@@ -94,7 +106,72 @@ uint32_t crc32_concat_portable(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
   return Tables::multiply(shift, crc_a) ^ crc_b;
 }
 
-uint32_t crc32_update(uint32_t crc, const std::byte* data, size_t n) {
+namespace {
+
+#if MOE_L2_CRC32_CLMUL
+// Folding (Gopal et al., "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", Intel, 2009): four
+// 128-bit lanes, each multiplied forward by 512 bits and added to the next 64 bytes, then folded into one lane,
+// 128 bits at a time. The lane left is congruent to everything read so far, so its 16 bytes run through the
+// table code from the register that absorbed the incoming CRC: no Barrett reduction. The constants are
+// x^k mod P for the gzip polynomial, bit-reflected: k1, k2 = x^(512+32), x^(512-32); k3, k4 = x^(128+32),
+// x^(128-32). n >= 64, a multiple of 16.
+#define MOE_L2_CLMUL_TARGET __attribute__((target("pclmul,sse2")))
+
+MOE_L2_CLMUL_TARGET inline __m128i load(const std::byte* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// x's low half times k's low half, plus x's high half times k's high half, plus next.
+MOE_L2_CLMUL_TARGET inline __m128i fold(__m128i x, __m128i k, __m128i next) {
+  return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11)), next);
+}
+
+MOE_L2_CLMUL_TARGET uint32_t crc32_clmul(uint32_t crc, const std::byte* data, size_t n) {
+  const __m128i k1k2 = _mm_set_epi64x(0x1c6e41596, 0x154442bd4);
+  const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);
+  __m128i x0 = _mm_xor_si128(load(data), _mm_cvtsi32_si128(int(~crc)));
+  __m128i x1 = load(data + 16), x2 = load(data + 32), x3 = load(data + 48);
+  data += 64;
+  n -= 64;
+  for (; n >= 64; n -= 64, data += 64) {
+    x0 = fold(x0, k1k2, load(data));
+    x1 = fold(x1, k1k2, load(data + 16));
+    x2 = fold(x2, k1k2, load(data + 32));
+    x3 = fold(x3, k1k2, load(data + 48));
+  }
+  x0 = fold(fold(fold(x0, k3k4, x1), k3k4, x2), k3k4, x3);
+  for (; n >= 16; n -= 16, data += 16) {
+    x0 = fold(x0, k3k4, load(data));
+  }
+  alignas(16) std::byte lane[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lane), x0);
+  return crc32_update_portable(0xFFFFFFFFu, lane, sizeof lane);  // the register from 0 (no inversions)
+}
+
+bool cpu_has_clmul() {
+  static const bool has = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse2");
+  return has;
+}
+#endif
+
+#if MOE_L2_CRC32_ARM
+uint32_t crc32_arm(uint32_t crc, const std::byte* data, size_t n) {
+  crc = ~crc;
+  for (; n >= 8; n -= 8, data += 8) {
+    uint64_t w;
+    std::memcpy(&w, data, 8);
+    crc = __crc32d(crc, w);
+  }
+  for (; n > 0; --n, ++data) {
+    crc = __crc32b(crc, uint8_t(*data));
+  }
+  return ~crc;
+}
+#endif
+
+std::atomic<bool> library_only{false};  // bench_io's comparison of the CPU's CRC with the library's
+
+uint32_t crc32_library(uint32_t crc, const std::byte* data, size_t n) {
 #ifdef MOE_L2_HAVE_ZLIB
   uLong c = crc;
   for (size_t step; n > 0; n -= step, data += step) {  // zlib takes uInt lengths
@@ -107,12 +184,46 @@ uint32_t crc32_update(uint32_t crc, const std::byte* data, size_t n) {
 #endif
 }
 
+}  // namespace
+
+void crc32_use_library(bool only) {
+  library_only.store(only, std::memory_order_relaxed);
+}
+
+uint32_t crc32_update(uint32_t crc, const std::byte* data, size_t n) {
+  if (library_only.load(std::memory_order_relaxed)) {
+    return crc32_library(crc, data, n);
+  }
+#if MOE_L2_CRC32_CLMUL
+  if (n >= 64 && cpu_has_clmul()) {
+    size_t folded = n & ~size_t(15);
+    crc = crc32_clmul(crc, data, folded);
+    data += folded;
+    n -= folded;
+  }
+#elif MOE_L2_CRC32_ARM
+  return crc32_arm(crc, data, n);
+#endif
+  return crc32_library(crc, data, n);
+}
+
 uint32_t crc32_concat(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
 #ifdef MOE_L2_HAVE_ZLIB
   return uint32_t(::crc32_combine64(crc_a, crc_b, z_off64_t(len_b)));
 #else
   return crc32_concat_portable(crc_a, crc_b, len_b);
 #endif
+}
+
+const char* crc32_kind() {
+#if MOE_L2_CRC32_CLMUL
+  if (cpu_has_clmul()) {
+    return "pclmul";
+  }
+#elif MOE_L2_CRC32_ARM
+  return "arm-crc32";
+#endif
+  return crc32_from_zlib() ? "zlib" : "portable";
 }
 
 bool crc32_from_zlib() {

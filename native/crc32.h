@@ -20,4 +20,10 @@ uint32_t crc32_concat_portable(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 // Whether the two above are zlib's.
 bool crc32_from_zlib();
 
+// What crc32_update runs on here: "pclmul", "arm-crc32", "zlib" or "portable".
+const char* crc32_kind();
+
+// Bench hook: crc32_update runs zlib's (or the portable) code even where the CPU has its own.
+void crc32_use_library(bool only);
+
 }  // namespace moe_l2

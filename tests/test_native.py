@@ -3,6 +3,7 @@
 import errno
 import itertools
 import os
+import platform
 import random
 import struct
 import subprocess
@@ -568,10 +569,12 @@ def test_readers_never_take_a_torn_record(shm_name, record, threads, path):
 
 @pytest.mark.parametrize("portable", [False, True])
 def test_crc32_and_its_concatenation_are_zlibs(portable):
-    """The reads' checksums (zlib's where the build found it, else the portable code; both tested) equal
-    zlib.crc32, and two parts' CRCs concatenate to the whole's, at every length the slicing treats apart."""
+    """The reads' checksums (the CPU's where it has one, else zlib's where the build found it, else the portable
+    code; the portable code tested too) equal zlib.crc32, and two parts' CRCs concatenate to the whole's, at
+    every length the slicing and the folding treat apart (under 64 bytes, 64, 16-byte steps and tails after
+    them, whole 64-byte blocks)."""
     rng = random.Random(7)
-    for size in (0, 1, 7, 8, 9, 63, 4096, 100_003, 3 << 20):
+    for size in (0, 1, 7, 8, 9, 63, 64, 65, 79, 80, 127, 128, 143, 4096, 100_003, 3 << 20):
         data = rng.randbytes(size)
         buf = native.Buffer(max(size, 1) + 16)
         buf.view()[5:5 + size] = data
@@ -584,6 +587,24 @@ def test_crc32_and_its_concatenation_are_zlibs(portable):
                                        portable=portable) == zlib.crc32(data)
     with pytest.raises(ValueError, match=r"^\[crc32\] bytes \[10, 30\) are outside buffer"):
         native.crc32(native.Buffer(20), 10, 20)
+
+
+def test_crc32_of_takes_any_contiguous_bytes_like_object():
+    rng = random.Random(8)
+    data = rng.randbytes(100_003)
+    buf = native.Buffer(len(data))
+    buf.view()[:] = data
+    assert native.crc32_of(data) == native.crc32_of(memoryview(buf)) == zlib.crc32(data)
+    assert native.crc32_of(memoryview(buf)[7:], 99) == zlib.crc32(data[7:], 99)
+    assert native.crc32_of(bytearray(data[:70])) == zlib.crc32(data[:70]) and native.crc32_of(b"", 5) == 5
+    with pytest.raises(ValueError, match=r"^\[crc32_of\] takes a contiguous bytes-like object"):
+        native.crc32_of(memoryview(data)[::2])
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="carry-less multiplication is x86-64's")
+def test_crc32_runs_on_carry_less_multiplication_on_x86_64():
+    # Every x86-64 CPU since 2010 has PCLMULQDQ: the reads must not fall back to zlib's slower code there.
+    assert native.CRC32_KIND == "pclmul"
 
 
 # --- pread_records ----------------------------------------------------------------------
