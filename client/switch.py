@@ -15,6 +15,7 @@ methods. With a NextLayer
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -107,11 +108,30 @@ class _Proj:
     has_global_scale: bool
 
 
+@functools.cache
+def _gather_mm_fails(dtype: mx.Dtype, device: mx.Device) -> str | None:
+    """Why mx.gather_mm cannot run in `dtype` on `device`, or None (MLX's CPU kernels compute float32 only)."""
+    try:
+        mx.eval(mx.gather_mm(mx.zeros((1, 1, 2), dtype), mx.zeros((1, 2, 2), dtype),
+                             rhs_indices=mx.array([0], dtype=mx.uint32)))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def _projection(name: str, module: nn.Module) -> _Proj:
     if isinstance(module, QuantizedSwitchLinear):
         return _Proj(name, (module.group_size, module.bits, module.mode), "bias" in module,
                      module.get("global_scale") is not None)
     if isinstance(module, SwitchLinear):
+        dtype, device = module.weight.dtype, mx.default_device()
+        why = _gather_mm_fails(dtype, device)
+        if why is not None:
+            # mlx-lm fails the same way with the model loaded whole, only later: in the first forward.
+            kind, where = str(dtype).rsplit(".", 1)[-1], "CPU" if device.type == mx.cpu else "GPU"
+            raise ValueError(f"MLX cannot compute this model's unquantized {kind} experts on the {where} ({why}): "
+                             f"quantize it (mlx_lm.convert -q) or run it where MLX computes {kind} (Metal, "
+                             "CUDA)")
         return _Proj(name, None, "bias" in module, False)
     raise TypeError(f"{name} is a {type(module).__name__}, not a switch linear layer")
 

@@ -355,3 +355,25 @@ def test_the_pool_asks_for_the_quantized_kernel_the_whole_model_gets():
                 assert pool == whole, (n_experts, capacity, pairs)
     # mlx-lm's own flag on the pool's smaller array would pick another kernel: the reason for quantized_sorted.
     assert _metal_gather_qmm_kernel(64, 8, True) != _metal_gather_qmm_kernel(64, 32, True)
+
+
+def _fp16_gather_mm_error() -> str | None:
+    try:
+        mx.eval(mx.gather_mm(mx.zeros((1, 1, 2), mx.float16), mx.zeros((1, 2, 2), mx.float16),
+                             rhs_indices=mx.array([0], dtype=mx.uint32)))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(_fp16_gather_mm_error() is None, reason="MLX computes float16 experts on this device")
+def test_experts_mlx_cannot_compute_here_are_refused_at_load_saying_what_to_do(tmp_path):
+    """Where MLX's gather_mm has no kernel for the experts' dtype (its CPU kernels: float32 only), mlx-lm fails in
+    the first forward; StreamedLM refuses at load, saying why and what to do."""
+    model = make_model(tmp_path / "fp16", arch="qwen3_moe", **{**DIMS, "layers": 2}, bits=16)
+    whole, tokenizer = load(str(model))
+    with pytest.raises(RuntimeError, match="float32"):
+        greedy(whole, tokenizer, [1, 2, 3], 1)
+    with pytest.raises(ValueError, match=r"unquantized float16 experts on the [CG]PU .*quantize it \(mlx_lm.convert "
+                                         r"-q\) or run it where MLX computes float16"):
+        StreamedLM(model, daemon=False)
