@@ -174,11 +174,11 @@ def test_copied_l2_reads_give_l0_half_the_budget(tiny, capsys):
 def test_autopin_runs_beside_moe_l2_with_the_same_per_layer_l0_or_says_how(tiny, capsys):
     model, trace = tiny
     run = ["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "1",
-           "--compute-ms", "0", "--warmup", "0", "--configs", "moe-l2,moe-l2+autopin", "--json"]
-    assert main(run) == 0
-    shared = {c["name"]: c for c in json.loads(capsys.readouterr().out)["configs"]}
-    assert "--l2-reads copy" in shared["moe-l2+autopin"]["skipped"] and "skipped" not in shared["moe-l2"]
-    assert main([*run, "--l2-reads", "copy"]) == 0
+           "--compute-ms", "0", "--warmup", "0", "--tokens", "8", "--json"]
+    # moe-l2's L0 is shared by default here: nothing runs, and the command says how to run it.
+    assert main([*run, "--configs", "moe-l2+autopin"]) == 1
+    assert "--l2-reads copy" in capsys.readouterr().err
+    assert main([*run, "--configs", "moe-l2,moe-l2+autopin", "--l2-reads", "copy"]) == 0
     result = json.loads(capsys.readouterr().out)
     moe, autopin = result["configs"]
     assert not moe["l0_shared"] and not autopin["l0_shared"] and moe["l0_experts"] == autopin["l0_experts"]
