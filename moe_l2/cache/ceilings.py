@@ -29,6 +29,12 @@ def hit_curves(streams: Sequence[Sequence[Sequence[int]]], n_experts: int) -> li
     return [_curve(stream, n_experts) for stream in streams]
 
 
+def sequence_curves(sequences, layers: Sequence[int], n_experts: int) -> list[list[int]]:
+    """hit_curves of traced sequences (cache.trace's: each token's experts per layer) at each of `layers`, the
+    sequences' lookups in their order."""
+    return hit_curves([[token[layer] for s in sequences for token in s.experts] for layer in layers], n_experts)
+
+
 def _curve(stream: Sequence[Sequence[int]], n_experts: int) -> list[int]:
     order: list[int] = []  # the experts used so far, the least recently used first
     at_distance = [0] * (n_experts + 1)  # lookups per stack distance; n_experts: never used before

@@ -55,7 +55,7 @@ from pathlib import Path
 
 from moe_l2.atomic_file import AtomicFile
 
-from .ceilings import check_curves, hit_curves, split_rows
+from .ceilings import check_curves, sequence_curves, split_rows
 from .embedding import EmbeddingCentroid
 from .prediction import NaiveBayes, Prediction, PredictorError
 
@@ -118,7 +118,7 @@ class Profile:
     predictor: NaiveBayes | EmbeddingCentroid | None = None
     sources: list[str] = field(default_factory=list)
     path: str = ""
-    l0_curves: list[list[int]] | None = None  # per layer: LRU hits at 1..n_experts rows (ceilings.hit_curves)
+    l0_curves: list[list[int]] | None = None  # per layer: LRU hits at 1..n_experts rows (ceilings.sequence_curves)
 
     def __post_init__(self) -> None:
         if self.unlabelled is None:
@@ -170,8 +170,7 @@ class Profile:
                       sources=[os.path.basename(p) for p in getattr(traces, "paths", [])])
         for s in sequences:
             profile.add_sequence(s.experts, s.domain)
-        profile.l0_curves = hit_curves([[token[layer] for s in sequences for token in s.experts]
-                                        for layer in range(first.n_layers)], first.n_experts)
+        profile.l0_curves = sequence_curves(sequences, range(first.n_layers), first.n_experts)
         if predictor:
             examples = [(s.prompt, s.domain) for s in sequences if s.prompt and s.domain]
             if len({d for _, d in examples}) >= 2:

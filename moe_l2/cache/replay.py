@@ -35,7 +35,7 @@ from multiprocessing import get_context
 
 import numpy as np
 
-from .ceilings import hit_curves, split_rows
+from .ceilings import sequence_curves, split_rows
 from .heat import Heat, pin_limit
 from .policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
 from .prediction import PredictorError
@@ -383,20 +383,21 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
                                   prior=prior if chosen else 0.0, hint_share=hint_share,
                                   hint_prior=hint_prior, record_tokens=name in (policy, "lru"),
                                   hint_lift=hint_lift))
+    # The variants (ceilings, autopin) run the policy under test and L0's LRU.
+    variants = list(dict.fromkeys((policy, "lru")))
     split_slots = {}
     if ceilings:
-        curves = hit_curves([[token[layer] for s in trained_on for token in s.experts] for layer in layers],
-                            traces.n_experts)
+        curves = sequence_curves(trained_on, layers, traces.n_experts)
         for n_slots in slots:
             split_slots[n_slots] = split_rows(curves, n_slots * len(layers), min(traces.top_k, n_slots),
                                               traces.n_experts)
-            for name in dict.fromkeys((policy, "lru")):
+            for name in variants:
                 for layer, rows in zip(layers, split_slots[n_slots]):
                     tasks.append(Task(layer, rows, name, streams[layer], traces.n_experts, point=n_slots,
                                       label=f"{name}+ceilings"))
     if autopin:
         for n_slots in slots:
-            for name in dict.fromkeys((policy, "lru")):
+            for name in variants:
                 for layer in layers:
                     tasks.append(Task(layer, n_slots, name, streams[layer], traces.n_experts,
                                       autopin_top_k=traces.top_k, label=f"{name}+autopin"))
@@ -432,7 +433,7 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         t += s.n_tokens
     by_key = {(t.point or t.slots, r["policy"], r["layer"]): r for t, r in zip(tasks, results)}
     for extra, asked in (("ceilings", ceilings), ("autopin", autopin)):
-        names += [f"{name}+{extra}" for name in dict.fromkeys((policy, "lru"))] if asked else []
+        names += [f"{name}+{extra}" for name in variants] if asked else []
     capacities = []
     for n_slots in slots:
         policies = {}
