@@ -225,6 +225,18 @@ def stats(daemon) -> dict:
 ANSWER_MS = 30_000
 
 
+def run_daemon(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """moe-l2d run to its end (a start that is refused), in a private runtime dir unless args name one; the dir
+    is removed after."""
+    directory = short_tempdir()
+    try:
+        return subprocess.run([sys.executable, "-P", "-m", "moe_l2.daemon.main",
+                               *(() if "--runtime-dir" in args else ("--runtime-dir", str(directory))), *args],
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def wait_for(predicate, timeout=20.0, what="condition", detail=None):
     """Poll `predicate` until it holds; fail naming `what`, with `detail()` (a log, the last figures) if given.
     The timeout is a bound for a loaded machine, never waited out on the path that succeeds."""

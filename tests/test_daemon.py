@@ -20,7 +20,7 @@ from moe_l2.layout import IndexHeader
 from moe_l2.machine import SharedMemoryRoom
 from moe_l2.sizes import format_size
 
-from .conftest import ANSWER_MS, budget_for, daemon_segments, segment_exists, short_tempdir, stats, wait_for
+from .conftest import ANSWER_MS, budget_for, daemon_segments, run_daemon, segment_exists, stats, wait_for
 
 
 def test_stats_describe_the_served_model(running_daemon, model_files):
@@ -158,12 +158,6 @@ def test_second_daemon_on_the_same_socket_is_refused(running_daemon, model_dir, 
     assert result.returncode == 1
     assert "already serving" in result.stderr
     assert stats(running_daemon)["daemon"]["pid"] == running_daemon.proc.pid  # untouched
-
-
-def run_daemon(*args, timeout=60):
-    directory = short_tempdir()
-    return subprocess.run([sys.executable, "-P", "-m", "moe_l2.daemon.main", "--runtime-dir", str(directory), *args],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("args, code, words", [
@@ -363,3 +357,4 @@ def test_console_script_is_installed():
     assert exe, "pip install . installs the moe-l2d console script"
     result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "--budget" in result.stdout
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import shutil
 import threading
 
 import msgpack
@@ -149,6 +150,7 @@ class Relay:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def without_notices(frame: bytes) -> bytes:

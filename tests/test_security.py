@@ -28,7 +28,7 @@ from moe_l2.random_models import make_model
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.model import ModelFiles
 
-from .conftest import ANSWER_MS, AS_NOBODY, NOBODY, budget_for, nobody_runs_python, retire, stats, wait_for
+from .conftest import ANSWER_MS, AS_NOBODY, NOBODY, budget_for, nobody_runs_python, retire, run_daemon, stats, wait_for
 
 needs_root = pytest.mark.skipif(not nobody_runs_python(),
                                 reason="the hostile side runs as uid 65534: needs root, setpriv, and this "
@@ -203,15 +203,9 @@ def test_socket_mode_660_lets_the_configured_group_in(daemon_factory, model_dir,
     assert friend.stdout.strip() == "True", friend.stderr
 
 
-def run_daemon(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", "-m", "moe_l2.daemon.main", *args], capture_output=True, text=True,
-                          timeout=60)
-
-
 @pytest.mark.parametrize("host", ["0.0.0.0", "*", "192.0.2.1", "[::]", "eth0"])
 def test_tcp_beyond_loopback_is_refused_at_start(host, model_dir):
-    result = run_daemon("--model", str(model_dir), "--budget", "1MiB", "--runtime-dir", str(short_tempdir()),
-                        "--socket", f"tcp://{host}:5557")
+    result = run_daemon("--model", str(model_dir), "--budget", "1MiB", "--socket", f"tcp://{host}:5557")
     assert result.returncode == 2
     assert "tcp://127.0.0.1:PORT" in result.stderr and "no authentication" in result.stderr
 

@@ -317,17 +317,22 @@ def test_a_fifo_planted_at_a_listed_name_does_not_hold_up_the_next_start(daemon_
 def test_one_socket_spelled_two_ways_has_one_lock(daemon_factory, tmp_path, model_dir, model_files):
     first = daemon_factory([model_dir], str(budget_for(model_files, 2)))
     directory = first.runtime_dir
-    (tmp_path / "link").symlink_to(directory.parent)
-    spellings = {  # the second daemon's --socket, and the directory it runs in
-        "ipc://moe-l2d.sock": directory,
-        f"ipc://{tmp_path / 'link' / directory.name / 'moe-l2d.sock'}": tmp_path,
-    }
-    for socket, cwd in spellings.items():
-        second = subprocess.run([sys.executable, "-P", "-m", "moe_l2.daemon.main", "--model", str(model_dir),
-                                 "--budget", str(budget_for(model_files, 2)), "--socket", socket, "--runtime-dir",
-                                 str(tmp_path / "elsewhere")], cwd=cwd, capture_output=True, text=True, timeout=60)
-        assert second.returncode == 1, second.stderr
-        assert f"another moe-l2d (pid {first.proc.pid}) is already serving {socket}" in second.stderr
+    links = short_tempdir()  # the spelling through the link must still fit an ipc:// path
+    try:
+        (links / "l").symlink_to(directory.parent)
+        spellings = {  # the second daemon's --socket, and the directory it runs in
+            "ipc://moe-l2d.sock": directory,
+            f"ipc://{links / 'l' / directory.name / 'moe-l2d.sock'}": tmp_path,
+        }
+        for socket, cwd in spellings.items():
+            second = subprocess.run([sys.executable, "-P", "-m", "moe_l2.daemon.main", "--model", str(model_dir),
+                                     "--budget", str(budget_for(model_files, 2)), "--socket", socket,
+                                     "--runtime-dir", str(tmp_path / "elsewhere")],
+                                    cwd=cwd, capture_output=True, text=True, timeout=60)
+            assert second.returncode == 1, second.stderr
+            assert f"another moe-l2d (pid {first.proc.pid}) is already serving {socket}" in second.stderr
+    finally:
+        shutil.rmtree(links)
     assert (directory / "moe-l2d.sock").exists()
     reply = request(first.socket, protocol.Stats(id=1))
     assert reply.ok and reply.payload["daemon"]["pid"] == first.proc.pid
