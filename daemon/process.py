@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_l2 import _native
+from moe_l2 import _native, lifeline
 from moe_l2.runtime import default_socket
 
 
@@ -40,9 +40,11 @@ class DaemonProcess:
         self.socket = args[args.index("--socket") + 1] if "--socket" in args else default_socket(daemon_dir)
         self.env_runtime_dir = str(daemon_dir)
         self.wrapper = tuple(wrapper)  # a command that runs the daemon, e.g. with other limits or another uid
-        # -P: a source checkout in the working directory must not shadow the installed package. A benchmark
-        # may run another revision's daemon instead (bench/bench_flood.py).
-        self.command = tuple(command or (sys.executable, "-P", "-m", "moe_l2.daemon.main"))
+        # Tied to this process (moe_l2/lifeline.py), so that a demo, bench or test run killed outright leaves no
+        # daemon behind holding its segments; lifeline.command runs python -P, so that a source checkout in the
+        # working directory does not shadow the installed package. A benchmark may run another revision's
+        # daemon instead (bench/bench_flood.py).
+        self.command = tuple(command or lifeline.command("moe_l2.daemon.main"))
         self.log_path = log_path or self.runtime_dir / "daemon.log"
         self.proc: subprocess.Popen | None = None
         self.segments: list[str] = []

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import msgpack
+import psutil
 import pytest
 import zmq
 
@@ -358,3 +360,38 @@ def test_console_script_is_installed():
     result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "--budget" in result.stdout
 
+
+STARTER = """
+import json, sys, time
+from moe_l2.daemon.process import DaemonProcess
+daemon = DaemonProcess.serving([sys.argv[1]], sys.argv[2]).start()
+print(json.dumps({"pid": daemon.proc.pid, "segments": daemon.segments, "dir": str(daemon.runtime_dir)}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_daemon_process_ends_with_its_starter_killed_outright(model_dir, model_files):
+    """A demo, bench or test run killed with SIGKILL cleans nothing itself: its DaemonProcess ends on its own
+    (moe_l2/lifeline.py), unlinking its segments, instead of serving on as an orphan."""
+    starter = subprocess.Popen([sys.executable, "-P", "-c", STARTER, str(model_dir), str(budget_for(model_files, 2))],
+                               stdout=subprocess.PIPE, text=True)
+    started = {}
+    try:
+        started = json.loads(starter.stdout.readline())
+        assert started["segments"] and all(segment_exists(name) for name in started["segments"])
+        starter.kill()
+        starter.wait()
+
+        def ended(pid: int) -> bool:
+            try:  # a zombie not yet reaped by its new parent has ended too
+                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_for(lambda: ended(started["pid"]), what="the orphaned daemon to end")
+        assert not any(segment_exists(name) for name in started["segments"])
+    finally:
+        starter.kill()
+        starter.stdout.close()
+        if "dir" in started:  # the daemon's private runtime dir (its log) is what a killed starter leaves
+            shutil.rmtree(started["dir"], ignore_errors=True)

@@ -283,11 +283,10 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
             cgroup, why = MemoryCgroup.make(f"moe-l2-bench-{os.getpid()}")
             if cgroup is None:
                 raise Skipped(why)
-        # The daemon and the clients are tied to this process (moe_l2/lifeline.py): killed outright, it leaves
-        # no orphan holding segments; the cgroup has its own keeper.
+        # The daemon (as every DaemonProcess) and the clients are tied to this process (moe_l2/lifeline.py):
+        # killed outright, it leaves no orphan holding segments; the cgroup has its own keeper.
         if plan["slots"]:
-            daemon = DaemonProcess.serving([files.path], plan["l2_budget"], "--log-level", "warning",
-                                           command=lifeline.command("moe_l2.daemon.main")).start()
+            daemon = DaemonProcess.serving([files.path], plan["l2_budget"], "--log-level", "warning").start()
         job = {"model": str(files.path), "capacity": plan["capacity"], "policy": stream.policy,
                "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
