@@ -16,12 +16,18 @@
    the same number of bytes (8 MiB reads, one stream, at a random place in the file); interleaved round by
    round (the disk drifts), medians, each as MiB/s and over the raw read of its round; the client's rows: the read
    alone ("read"), with its default check against the manifest, CRCs computed by the read threads ("checked",
-   the CPU's CRC where it has one), the same with zlib's CRC ("zlib crc"), and zlib's CRC of each record
-   computed after every record was read ("crc after").
+   the CPU's CRC where it has one), the same read through the scratch and copied into the rows ("copied", as
+   before aligned pieces were read straight into them; same pool, so same rows, as "checked"), with zlib's
+   CRC ("zlib crc"), and zlib's CRC of each record computed after every record was read ("crc after").
+5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
+   the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
+6. Where a direct read lands: one record read cold into each of several buffers, round by round, with how
+   many physically contiguous runs each buffer's pages form (/proc/self/pagemap: Linux, as root). On a VM whose
+   disk emulation handles each run apart, this and not the read path sets a direct read's speed.
 
     python bench/bench_io.py [--model DIR] [--experts 64] [--layers 4] [--hidden 2048] [--moe-hidden 768]
                              [--samples 40] [--batch 8] [--cgroup-mb 256] [--rounds 15] [--keep DIR]
-                             [--only 4]
+                             [--queue-depth-only]
 """
 
 from __future__ import annotations
@@ -165,9 +171,11 @@ UNITS = (8 * MIB, 1 * MIB, 256 << 10)
 THREADS = (1, 2, 4, 8)
 LOADERS = 4  # moe-l2d's default --loader-threads: each reads one record on one thread
 # The read alone; with the default check of each record against the manifest, its CRC computed by the read
-# threads as the bytes land (the CPU's CRC where it has one: native/crc32.cpp); the same with zlib's CRC, as
-# before the CPU's was used; and checked as before that, the CRC of each record computed after all were read.
-MODES = {"read": "off", "checked": "file", "zlib crc": "file", "crc after": "off"}
+# threads as the bytes land (the CPU's CRC where it has one: native/crc32.cpp); checked and read through the
+# scratch, every piece copied out of it into the rows, as before aligned pieces were read straight into them;
+# checked with zlib's CRC, as before the CPU's was used; and checked as before that, the CRC of each record
+# computed after all were read.
+MODES = {"read": "off", "checked": "file", "copied": "file", "zlib crc": "file", "crc after": "off"}
 
 
 def raw_read(files: ModelFiles, nbytes: int, rng: random.Random, buf) -> float:
@@ -203,8 +211,10 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
     """Section 4's medians: {batch: {config: (MiB/s, over raw)}}; config (threads, unit) or "loaders"."""
     rng = random.Random(seed)
     record = files.layout.nbytes
-    pools = {(t, m): ExpertPool(files, capacity=max(batches), direct=True, read_threads=t, verify=v)
-             for t in THREADS for m, v in MODES.items()}
+    # One pool per thread count and check: the modes that differ only in how they read share one, so that they
+    # read into the same rows (on a VM, where a read lands can change its speed).
+    pools = {(t, v): ExpertPool(files, capacity=max(batches), direct=True, read_threads=t, verify=v)
+             for t in THREADS for v in set(MODES.values())}
     fds = files.open_fds(direct=True)
     loaders = ThreadPoolExecutor(LOADERS)
     # Every destination touched once before timing: a first write into fresh pages costs page faults that a
@@ -233,9 +243,10 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                         took = loaders_read(files, fds, layer, experts, loaders, slots)
                     else:
                         threads, unit, mode = config
-                        pool = pools[threads, mode]
+                        pool = pools[threads, MODES[mode]]
                         files.reader.read_unit_bytes = unit
-                        _native._crc32_use_library(mode != "checked")
+                        _native._crc32_use_library(mode in ("zlib crc", "crc after"))
+                        _native._scatter_straight(mode != "copied")
                         began = time.perf_counter()
                         pool.fetch(layer, experts)
                         if mode == "crc after":
@@ -249,6 +260,7 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                     over[batch][config].append(batch * record / took / raw)
     finally:
         _native._crc32_use_library(False)
+        _native._scatter_straight(True)
         loaders.shutdown()
         for pool in pools.values():
             pool.close()
@@ -256,6 +268,90 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
             os.close(fd)
     return {b: {c: (statistics.median(speed[b][c]), statistics.median(over[b][c])) for c in configs}
             for b in batches}
+
+
+def straight_vs_copied(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: int) -> None:
+    """Section 5: warm buffered misses of the packed model, straight into the rows vs copied via the scratch."""
+    rng = random.Random(seed)
+    warm(files.files)
+    print(f"\n5. warm buffered misses of the packed model (the file in the page cache; median of {rounds * 3} "
+          "interleaved fetches): read straight into the rows against read into the scratch and copied")
+    for threads in (1, 4):
+        with ExpertPool(files, capacity=max(batches), direct=False, read_threads=threads, verify="file") as pool:
+            for layer in range(files.n_layers):  # every row touched once before timing, as in section 4
+                pool.fetch(layer, range(max(batches)))
+                for e in range(max(batches)):
+                    pool.evict(layer, e)
+            for batch in batches:
+                speed: dict = {True: [], False: []}
+                try:
+                    for _ in range(rounds * 3):
+                        for straight in rng.sample([True, False], 2):
+                            layer = rng.randrange(files.n_layers)
+                            experts = rng.sample(range(files.n_experts), batch)
+                            _native._scatter_straight(straight)
+                            began = time.perf_counter()
+                            pool.fetch(layer, experts)
+                            speed[straight].append(batch * files.layout.nbytes / (time.perf_counter() - began))
+                            for e in experts:
+                                pool.evict(layer, e)
+                finally:
+                    _native._scatter_straight(True)
+                into, via = statistics.median(speed[True]), statistics.median(speed[False])
+                print(f"  {batch} miss{'es' if batch > 1 else ''}, {threads} thr: straight {into / MIB:.0f} MiB/s, "
+                      f"copied {via / MIB:.0f} MiB/s: {into / via:.2f}x")
+
+
+def physical_runs(buffer, nbytes: int) -> int | None:
+    """How many physically contiguous runs the first nbytes of buffer's pages form; None without pagemap."""
+    import ctypes
+    import struct
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer.view()))
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            frames = []
+            for page in range(0, nbytes, 4096):
+                f.seek((address + page) // 4096 * 8)
+                frames.append(struct.unpack("Q", f.read(8))[0] & ((1 << 55) - 1))
+    except OSError:
+        return None
+    if not any(frames):  # not root: the frame numbers read as zero
+        return None
+    return 1 + sum(1 for a, b in zip(frames, frames[1:]) if b != a + 1)
+
+
+def destinations(files: ModelFiles, rounds: int, seed: int, n: int = 8) -> None:
+    """Section 6: one record read cold into each of n buffers, by their physical contiguity."""
+    rng = random.Random(seed)
+    record = files.layout.span
+    # Large buffers, half of them made after others were made and freed (as a pool's rows are, growing), each
+    # touched as rows are; the record lands at the start of each.
+    early = [_native.Buffer(8 * record) for _ in range(n // 2)]
+    freed = [_native.Buffer(8 * record) for _ in range(4 * n)]
+    del freed
+    buffers = early + [_native.Buffer(8 * record) for _ in range(n - n // 2)]
+    for buffer in buffers:
+        buffer.view()[:] = bytes(8 * record)
+    fds = files.open_fds(direct=True)
+    speed: list[list[float]] = [[] for _ in buffers]
+    try:
+        for _ in range(rounds):
+            for i in rng.sample(range(n), n):
+                layer, expert = rng.randrange(files.n_layers), rng.randrange(files.n_experts)
+                drop(files.files)
+                began = time.perf_counter()
+                files.read_into_slots(fds, layer, [(expert, buffers[i], 0, record)], threads=1)
+                speed[i].append(record / (time.perf_counter() - began))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    print(f"\n6. one {format_size(record)} record read cold, direct, into each of {n} buffers (median of "
+          f"{rounds}): MiB/s by the physically contiguous runs of the buffer's pages")
+    for buffer, seen in sorted(zip(buffers, speed), key=lambda b: statistics.median(b[1])):
+        runs = physical_runs(buffer, record)
+        print(f"  {statistics.median(seen) / MIB:6.0f} MiB/s  "
+              + (f"{runs} runs of {record // 4096} pages" if runs else "(runs: needs /proc/self/pagemap as root)"))
 
 
 def print_queue_depth(files: ModelFiles, result: dict, rounds: int) -> None:
@@ -341,7 +437,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--cgroup-mb", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15, help="section 4's interleaved rounds")
-    parser.add_argument("--queue-depth-only", action="store_true", help="run section 4 alone")
+    parser.add_argument("--queue-depth-only", action="store_true",
+                        help="run sections 4 to 6 alone (the packed model's read path)")
     parser.add_argument("--keep", type=Path, help="keep the made and packed models in this directory")
     args = parser.parse_args()
     if not hasattr(os, "posix_fadvise"):
@@ -370,6 +467,8 @@ def main() -> None:
             layouts(stacked, packed, work, args)
         batches = (1, args.batch)
         print_queue_depth(packed, queue_depth(packed, batches, args.rounds, seed=4), args.rounds)
+        straight_vs_copied(packed, batches, args.rounds, seed=5)
+        destinations(packed, args.rounds, seed=6)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -217,9 +217,10 @@ void init_pread(nb::module_& m) {
         "set_direct) read whole aligned blocks, through a bounce buffer where the job is unaligned.");
   m.def("pread_scatter", &pread_scatter, "jobs"_a, "threads"_a = 4, "unit_bytes"_a = kReadUnitBytes,
         "checksums"_a = false,
-        "For each job (fd, file_offset, nbytes, pieces): the extent read into aligned scratch memory "
-        "in reads of at most `unit_bytes`, each read's bytes of the pieces (src_offset, nbytes, dst, "
-        "dst_offset) copied as it lands; on up to `threads` threads, with the GIL released. With "
+        "For each job (fd, file_offset, nbytes, pieces): the extent read in reads of at most "
+        "`unit_bytes`, one preadv each, straight into the pieces (src_offset, nbytes, dst, dst_offset) "
+        "that a direct read can fill whole (any, on a buffered fd), the rest into aligned scratch memory "
+        "and copied out as it lands; on up to `threads` threads, with the GIL released. With "
         "`checksums`, returns each job's CRC-32 over its pieces in order (as zlib.crc32 chained over "
         "them), computed as the bytes land; else [].");
   m.def("set_direct", &set_direct, "fd"_a, "enable"_a = true,
@@ -229,6 +230,9 @@ void init_pread(nb::module_& m) {
         "How many fds went back to buffered reads because the filesystem refused a direct read.");
   m.def("_fail_direct_reads", &fail_direct_reads, "n"_a,
         "Test hook: the next n direct preads fail with EINVAL.");
+  m.def("_scatter_straight", &scatter_straight, "enable"_a,
+        "Bench hook: False makes pread_scatter copy every piece out of its scratch (the path before "
+        "aligned pieces were read straight into their rows); True, the default, again.");
   m.def("page_cache_bytes", &page_cache_bytes, "fd"_a, "offset"_a = 0, "nbytes"_a = -1,
         "Bytes of the file's range [offset, offset + nbytes) resident in the page cache (mincore); "
         "nbytes < 0: to the end of the file.");

@@ -1,8 +1,10 @@
 // L3 reads: parallel pread of record pieces (pread_records), one read per record scattered into
-// its pieces (pread_scatter), direct I/O (O_DIRECT on Linux, F_NOCACHE on macOS) with aligned
-// bounce buffers and a buffered fallback, and a page-cache probe (mincore) for benchmarks.
+// its pieces (pread_scatter: one preadv a unit, straight into the pieces where alignment allows),
+// direct I/O (O_DIRECT on Linux, F_NOCACHE on macOS) with aligned bounce buffers and a buffered
+// fallback, and a page-cache probe (mincore) for benchmarks.
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +18,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #ifdef __APPLE__
 #include <sys/param.h>
@@ -42,6 +45,7 @@ constexpr size_t kDirectAlign = 4096;
 
 std::atomic<int64_t> g_direct_fallbacks{0};
 std::atomic<int64_t> g_fail_direct{0};  // test hook: direct preads that fail with EINVAL
+std::atomic<bool> g_scatter_straight{true};  // bench hook: false reads every piece through the scratch
 
 size_t align_down(size_t v) { return v & ~(kDirectAlign - 1); }
 size_t align_up(size_t v) { return (v + kDirectAlign - 1) & ~(kDirectAlign - 1); }
@@ -227,6 +231,44 @@ ssize_t pread_full(int fd, std::byte* buf, size_t n, size_t off, bool direct) {
   return static_cast<ssize_t>(done);
 }
 
+// pread_full over several buffers: reads up to the iovecs' total at off. iov is consumed (advanced
+// past what was read).
+ssize_t preadv_full(int fd, std::vector<iovec>& iov, size_t off, bool direct) {
+  size_t done = 0;
+  size_t first = 0;
+  while (first < iov.size()) {
+    if (direct && take_injected_failure()) {
+      return -EINVAL;
+    }
+    int count = int(std::min<size_t>(iov.size() - first, IOV_MAX));
+    ssize_t r = preadv(fd, iov.data() + first, count, static_cast<off_t>(off + done));
+    if (r > 0) {
+      done += size_t(r);
+      for (size_t left = size_t(r); left > 0;) {
+        size_t step = std::min(left, iov[first].iov_len);
+        iov[first].iov_base = static_cast<std::byte*>(iov[first].iov_base) + step;
+        iov[first].iov_len -= step;
+        left -= step;
+        if (iov[first].iov_len == 0) {
+          ++first;
+        }
+      }
+      if (direct && !is_aligned(size_t(r))) {
+        break;  // as in pread_full: the end of the file
+      }
+      continue;
+    }
+    if (r == 0) {
+      break;
+    }
+    if (errno == EINTR) {
+      continue;
+    }
+    return -errno;
+  }
+  return static_cast<ssize_t>(done);
+}
+
 // Read [file_offset, file_offset + nbytes) into dst; at least `need` bytes must exist in the file.
 struct Unit {
   size_t job;
@@ -236,6 +278,24 @@ struct Unit {
   size_t need;
   std::byte* dst;
 };
+
+// A unit's read that returned `got` (bytes, or -errno): nothing if it has its `need` bytes.
+std::optional<OsError> unit_result(const char* fn, const Unit& u, ssize_t got) {
+  if (got >= 0 && size_t(got) >= u.need) {
+    return std::nullopt;
+  }
+  size_t at = got >= 0 ? size_t(got) : 0;
+  std::string where = "job " + std::to_string(u.job) + ": bytes [" + std::to_string(u.file_offset + at) +
+                      ", " + std::to_string(u.file_offset + u.need) + ") of " + fd_name(u.fd->fd);
+  if (got >= 0) {
+    struct stat st;
+    std::string size =
+        fstat(u.fd->fd, &st) == 0 ? " (it has " + std::to_string(st.st_size) + " bytes)" : "";
+    return OsError(0, prefixed(fn, "unexpected end of file in " + where + size + ": truncated model file?"));
+  }
+  int err = int(-got);
+  return OsError(err, prefixed(fn, "reading " + where + " failed: " + std::strerror(err)));
+}
 
 std::optional<OsError> read_unit(const char* fn, const Unit& u) {
   for (;;) {
@@ -267,20 +327,7 @@ std::optional<OsError> read_unit(const char* fn, const Unit& u) {
       fall_back_to_buffered(*u.fd);
       continue;
     }
-    if (got >= 0 && size_t(got) >= u.need) {
-      return std::nullopt;
-    }
-    size_t at = got >= 0 ? size_t(got) : 0;
-    std::string where = "job " + std::to_string(u.job) + ": bytes [" + std::to_string(u.file_offset + at) +
-                        ", " + std::to_string(u.file_offset + u.need) + ") of " + fd_name(u.fd->fd);
-    if (got >= 0) {
-      struct stat st;
-      std::string size =
-          fstat(u.fd->fd, &st) == 0 ? " (it has " + std::to_string(st.st_size) + " bytes)" : "";
-      return OsError(0, prefixed(fn, "unexpected end of file in " + where + size + ": truncated model file?"));
-    }
-    int err = int(-got);
-    return OsError(err, prefixed(fn, "reading " + where + " failed: " + std::strerror(err)));
+    return unit_result(fn, u, got);
   }
 }
 
@@ -356,21 +403,55 @@ void pread_records(const std::vector<ReadJob>& jobs, int threads, int64_t unit_b
   }
 }
 
+namespace {
+
+struct ScatterPlanPiece {
+  size_t src_off;
+  size_t nbytes;
+  std::byte* dst;
+  bool straight = false;  // read into dst by its unit's preadv; else copied there out of the scratch
+};
+
+// Which pieces can be read straight into their destination: any on a buffered fd, on a direct one
+// those whose file bytes and destination start and end on block boundaries (so the read stays a
+// direct one). A piece that shares bytes with another is copied, so that every piece copied out of
+// the scratch finds its bytes there. Returns the straight pieces in file order.
+std::vector<size_t> mark_straight(std::vector<ScatterPlanPiece>& pieces, size_t file_offset, bool direct) {
+  std::vector<size_t> order(pieces.size());
+  for (size_t p = 0; p < order.size(); ++p) {
+    order[p] = p;
+  }
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return pieces[a].src_off < pieces[b].src_off; });
+  std::vector<size_t> straight;
+  size_t reach = 0;  // the furthest end of the pieces before this one, in file order
+  for (size_t k = 0; k < order.size(); ++k) {
+    ScatterPlanPiece& piece = pieces[order[k]];
+    size_t end = piece.src_off + piece.nbytes;
+    bool shares = (k > 0 && reach > piece.src_off) || (k + 1 < order.size() && pieces[order[k + 1]].src_off < end);
+    reach = std::max(reach, end);
+    bool aligned = is_aligned(file_offset + piece.src_off) && is_aligned(piece.nbytes) &&
+                   is_aligned(reinterpret_cast<uintptr_t>(piece.dst));
+    if (piece.nbytes > 0 && !shares && (aligned || !direct) && g_scatter_straight.load()) {
+      piece.straight = true;
+      straight.push_back(order[k]);
+    }
+  }
+  return straight;
+}
+
+}  // namespace
+
 std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int threads, int64_t unit_bytes,
                                     bool checksums) {
   const char* fn = "pread_scatter";
   check_threads(fn, threads, unit_bytes);
   const size_t unit = size_t(unit_bytes);
-  struct Piece {
-    size_t src_off;
-    size_t nbytes;
-    std::byte* dst;
-  };
   struct Job {
     size_t file_offset;  // where the job's extent starts in the file
     size_t first_unit;   // the job's units are [first_unit, first_unit + n_units) of `units`
     size_t n_units;
-    std::vector<Piece> pieces;
+    std::vector<ScatterPlanPiece> pieces;
+    std::vector<size_t> straight;  // mark_straight's
   };
   // With checksums: the CRC-32 and length of each (unit, piece) overlap, combined per job in piece order
   // once every unit has landed: the record's checksum without a second pass over its bytes.
@@ -393,10 +474,12 @@ std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int thr
     size_t nbytes = to_size(fn, (what + " nbytes").c_str(), nbytes_in);
     size_t end = checked_add(fn, file_offset, nbytes);
     FdState* state = fds.get(fd);
-    // Direct fds read whole blocks, so that the reads go straight into the aligned scratch.
-    size_t start = state->direct ? align_down(file_offset) : file_offset;
-    size_t stop = state->direct ? align_up(end) : end;
-    Job job{file_offset, units.size(), 0, {}};
+    // Direct fds read whole blocks: into the pieces that start and end on one, the rest into the
+    // aligned scratch.
+    bool direct = state->direct.load();
+    size_t start = direct ? align_down(file_offset) : file_offset;
+    size_t stop = direct ? align_up(end) : end;
+    Job job{file_offset, units.size(), 0, {}, {}};
     for (size_t p = 0; p < pieces.size(); ++p) {
       auto [src_off_in, n_in, dst, dst_off_in] = pieces[p];
       std::string pw = what + " piece " + std::to_string(p);
@@ -414,6 +497,7 @@ std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int thr
       regions.push_back(dst->region(fn, true));
       job.pieces.push_back({src_off, n, regions.back()->data + dst_off});
     }
+    job.straight = mark_straight(job.pieces, file_offset, direct);
     for (size_t done = 0; start + done < stop; done += unit) {
       size_t n = std::min(unit, stop - start - done);
       size_t need = std::min(n, end - (start + done));
@@ -440,26 +524,62 @@ std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int thr
   for (Unit& u : units) {
     u.dst = scratch.data() + reinterpret_cast<size_t>(u.dst);
   }
-  // Each unit's thread checksums and copies the bytes of the pieces that unit read, so that both overlap
-  // the other units' reads. (Reading straight into the pieces with preadv, no copy, was slower for batches
-  // of records on the VM this was measured on: docs/formats.md, "Direct I/O".)
+  // A unit is one preadv: its bytes of the straight pieces into them, the rest (pieces that are not
+  // aligned, padding) into the scratch, from where its thread copies them out. A record whose pieces are
+  // all aligned is read as moe-l2d's loaders read one, with no copy (docs/benchmarks.md, "Cold misses").
+  auto read_scatter_unit = [&](const Unit& u) -> std::optional<OsError> {
+    const Job& job = plan[u.job];
+    const size_t lo = u.file_offset, hi = u.file_offset + u.nbytes;
+    for (;;) {
+      bool direct = u.fd->direct.load(std::memory_order_relaxed);
+      std::vector<iovec> iov;
+      size_t at = lo;
+      for (size_t p : job.straight) {
+        const ScatterPlanPiece& piece = job.pieces[p];
+        size_t from = std::max(lo, job.file_offset + piece.src_off);
+        size_t to = std::min(hi, job.file_offset + piece.src_off + piece.nbytes);
+        if (from >= to) {
+          continue;
+        }
+        if (from > at) {
+          iov.push_back({u.dst + (at - lo), from - at});
+        }
+        iov.push_back({piece.dst + (from - job.file_offset - piece.src_off), to - from});
+        at = to;
+      }
+      if (at < hi) {
+        iov.push_back({u.dst + (at - lo), hi - at});
+      }
+      ssize_t got = preadv_full(u.fd->fd, iov, u.file_offset, direct);
+      if (got == -EINVAL && direct) {
+        fall_back_to_buffered(*u.fd);  // the iovecs suit a buffered read as well
+        continue;
+      }
+      return unit_result(fn, u, got);
+    }
+  };
+  // Each unit's thread checksums the bytes of the pieces that unit read and copies out those that are
+  // not straight, so that both overlap the other units' reads.
   auto failure = run_parallel(units.size(), threads, [&](size_t i) -> std::optional<OsError> {
     const Unit& u = units[i];
-    if (auto err = read_unit(fn, u)) {
+    if (auto err = read_scatter_unit(u)) {
       return err;
     }
     const Job& job = plan[u.job];
     size_t lo = u.file_offset, hi = u.file_offset + u.nbytes;
     for (size_t p = 0; p < job.pieces.size(); ++p) {
-      const Piece& piece = job.pieces[p];
+      const ScatterPlanPiece& piece = job.pieces[p];
       size_t from = std::max(lo, job.file_offset + piece.src_off);
       size_t to = std::min(hi, job.file_offset + piece.src_off + piece.nbytes);
       if (from < to) {
-        const std::byte* src = u.dst + (from - lo);
+        std::byte* dst = piece.dst + (from - job.file_offset - piece.src_off);
+        const std::byte* src = piece.straight ? dst : u.dst + (from - lo);
         if (checksums) {
           parts[part_at[i] + p] = {crc32_update(0, src, to - from), to - from};
         }
-        std::memcpy(piece.dst + (from - job.file_offset - piece.src_off), src, to - from);
+        if (!piece.straight) {
+          std::memcpy(dst, src, to - from);
+        }
       }
     }
     return std::nullopt;
@@ -520,6 +640,8 @@ bool set_direct(int fd, bool enable) {
 int64_t direct_fallbacks() { return g_direct_fallbacks.load(); }
 
 void fail_direct_reads(int64_t n) { g_fail_direct.store(std::max<int64_t>(n, 0)); }
+
+void scatter_straight(bool enable) { g_scatter_straight.store(enable); }
 
 int64_t page_cache_bytes(int fd, int64_t offset_in, int64_t nbytes_in) {
   const char* fn = "page_cache_bytes";

@@ -49,8 +49,9 @@ using ScatterPiece = std::tuple<int64_t, int64_t, Memory*, int64_t>;
 // (fd, file_offset, nbytes, pieces): the extent read, its pieces copied out.
 using ScatterJob = std::tuple<int, int64_t, int64_t, std::vector<ScatterPiece>>;
 
-// One read per job (split into units across threads), into aligned scratch memory, each unit's
-// bytes of the pieces copied to their destinations as it lands: a packed record into pool rows.
+// One read per job (split into units across threads, one preadv a unit): straight into the pieces
+// where the alignment of direct I/O allows (every piece on a buffered fd), the rest into aligned
+// scratch memory and copied to its pieces as it lands: a packed record into pool rows.
 // With checksums, returns each job's CRC-32 over its pieces in order (record_checksum), computed by
 // the read threads as the bytes land; else an empty list.
 std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int threads, int64_t unit_bytes,
@@ -63,6 +64,9 @@ bool set_direct(int fd, bool enable);
 int64_t direct_fallbacks();
 // Test hook: the next n direct preads fail with EINVAL, as on a filesystem that refuses them.
 void fail_direct_reads(int64_t n);
+// Bench hook: false makes pread_scatter read every piece through its scratch and copy it (as it did
+// before it read aligned pieces straight into their rows), to time both paths side by side.
+void scatter_straight(bool enable);
 // Bytes of [offset, offset + nbytes) of fd's file that are in the page cache (mincore); nbytes < 0: to the end.
 int64_t page_cache_bytes(int fd, int64_t offset, int64_t nbytes);
 

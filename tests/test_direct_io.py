@@ -114,12 +114,21 @@ def test_pread_scatter_reads_once_and_scatters(data, direct):
     _native.pread_scatter([], threads=2)
 
 
+@pytest.fixture(params=[True, False], ids=["straight", "copied"])
+def straight(request):
+    """pread_scatter as it reads (aligned pieces straight into their rows), and with every piece copied out of
+    its scratch (the bench hook that times the two apart)."""
+    _native._scatter_straight(request.param)
+    yield request.param
+    _native._scatter_straight(True)
+
+
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("unit", [4096, 256 << 10, 1 * MIB, 8 * MIB])
-def test_pread_scatter_in_any_unit_scatters_exact_bytes_and_checksums_them(data, direct, unit):
-    """Records read in units of `unit` bytes: every piece lands whole (pieces that share bytes too), and the
-    checksum each job returns is record_checksum of its pieces in order (zlib.crc32 chained), padding between
-    them left out."""
+def test_pread_scatter_in_any_unit_scatters_exact_bytes_and_checksums_them(data, direct, unit, straight):
+    """Records read in units of `unit` bytes: every piece lands whole (aligned and not, pieces that share bytes
+    too), and the checksum each job returns is record_checksum of its pieces in order (zlib.crc32 chained),
+    padding between them left out."""
     _, payload, open_ = data
     fd = open_(direct)
     rows = _native.Buffer(16 * MIB)
@@ -196,6 +205,32 @@ def test_a_refused_direct_read_falls_back_to_buffered(data):
     assert bytes(dst.view()) == payload[4096:4096 + MIB]
     assert _native.direct_fallbacks() == before + 1
     assert not _is_direct(fd)  # buffered from now on
+
+
+@linux
+def test_a_refused_direct_read_into_the_rows_falls_back_and_lands_whole(data):
+    """pread_scatter reads aligned pieces straight into their rows and the rest through its scratch, in one
+    preadv a unit; refused mid-call, the same reads go buffered and every piece still lands exact."""
+    _, payload, open_ = data
+    fd = open_(True)
+    rows = _native.Buffer(4 * MIB)
+    # A record at a block: an aligned piece, an unaligned one, an aligned one after the padding, a tail piece.
+    pieces = [(0, 65536, rows, 0), (65536, 1000, rows, MIB + 3), (69632, 8192, rows, 131072),
+              (77824, 77, rows, 2 * MIB)]
+    before = _native.direct_fallbacks()
+    _native._fail_direct_reads(2)
+    try:
+        sums = _native.pread_scatter([(fd, 8192, 77901, pieces), (fd, 3 * MIB, 4096, [(0, 4096, rows, 3 * MIB)])],
+                                     threads=2, unit_bytes=4096 * 4, checksums=True)
+    finally:
+        _native._fail_direct_reads(0)
+    view = rows.view()
+    for src, n, _, dst in pieces:
+        assert bytes(view[dst:dst + n]) == payload[8192 + src:8192 + src + n]
+    assert bytes(view[3 * MIB:3 * MIB + 4096]) == payload[3 * MIB:3 * MIB + 4096]
+    assert sums[0] == record_checksum(payload[8192 + src:8192 + src + n] for src, n, _, _ in pieces)
+    assert bytes(view[65536:131072]) == bytes(65536)  # nothing written between the pieces' rows
+    assert _native.direct_fallbacks() == before + 1 and not _is_direct(fd)
 
 
 @pytest.fixture(scope="module")
