@@ -204,35 +204,9 @@ bool take_injected_failure() {
   return false;
 }
 
-// Reads up to n bytes at off; stops early only at the end of the file. Short reads continue
-// where they stopped, EINTR retries. Returns the bytes read, or -errno.
-ssize_t pread_full(int fd, std::byte* buf, size_t n, size_t off, bool direct) {
-  size_t done = 0;
-  while (done < n) {
-    if (direct && take_injected_failure()) {
-      return -EINVAL;
-    }
-    ssize_t r = pread(fd, buf + done, n - done, static_cast<off_t>(off + done));
-    if (r > 0) {
-      done += size_t(r);
-      if (direct && !is_aligned(size_t(r))) {
-        break;  // a direct read stops short of a block only at the end of the file
-      }
-      continue;
-    }
-    if (r == 0) {
-      break;
-    }
-    if (errno == EINTR) {
-      continue;
-    }
-    return -errno;
-  }
-  return static_cast<ssize_t>(done);
-}
-
-// pread_full over several buffers: reads up to the iovecs' total at off. iov is consumed (advanced
-// past what was read).
+// Reads up to the iovecs' total at off into them, in order; stops early only at the end of the
+// file. Short reads continue where they stopped (iov is advanced past what was read), EINTR
+// retries. Returns the bytes read, or -errno.
 ssize_t preadv_full(int fd, std::vector<iovec>& iov, size_t off, bool direct) {
   size_t done = 0;
   size_t first = 0;
@@ -254,7 +228,7 @@ ssize_t preadv_full(int fd, std::vector<iovec>& iov, size_t off, bool direct) {
         }
       }
       if (direct && !is_aligned(size_t(r))) {
-        break;  // as in pread_full: the end of the file
+        break;  // a direct read stops short of a block only at the end of the file
       }
       continue;
     }
@@ -267,6 +241,11 @@ ssize_t preadv_full(int fd, std::vector<iovec>& iov, size_t off, bool direct) {
     return -errno;
   }
   return static_cast<ssize_t>(done);
+}
+
+ssize_t pread_full(int fd, std::byte* buf, size_t n, size_t off, bool direct) {
+  std::vector<iovec> iov{{buf, n}};
+  return preadv_full(fd, iov, off, direct);
 }
 
 // Read [file_offset, file_offset + nbytes) into dst; at least `need` bytes must exist in the file.
