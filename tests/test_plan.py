@@ -153,6 +153,26 @@ def test_plan_command_prints_the_split_and_each_tiers_hit_rate(capsys, fake_memo
     assert (bought.n_slots, bought.n_short) == (expected.l2_slots, expected.l2_short)
 
 
+def test_plan_command_replays_l0_at_its_per_layer_ceilings(capsys, fake_memory, model_dir, model_files, tmp_path):
+    fake_memory(32 * GiB, 20 * GiB)
+    trace = synthetic_trace(tmp_path / "t.jsonl", n_layers=model_files.n_layers, n_experts=model_files.n_experts,
+                            top_k=model_files.top_k)
+    ceilings = (model_files.top_k, 9, model_files.top_k + 1)
+    out = plan_json(capsys, "--model", str(model_dir), "--trace", str(trace),
+                    "--l0-ceilings", ",".join(map(str, ceilings)))
+    assert out["l0_ceilings"] == list(ceilings)
+    # Ground truth: each layer's L0 an LRU of its own ceiling, not of the planned uniform size.
+    sequences = order_sequences(read_traces([trace]).sequences, "interleave", 0)
+    lookups = hits = 0
+    for layer, rows in enumerate(ceilings):
+        stream = [tuple(token[layer]) for s in sequences for token in s.experts]
+        lookups += sum(len(t) for t in stream)
+        hits += lru_hits(stream, rows)
+    assert out["hit_rates"]["l0"] == pytest.approx(hits / lookups)
+    uniform = plan_json(capsys, "--model", str(model_dir), "--trace", str(trace))["hit_rates"]["l0"]
+    assert uniform != pytest.approx(hits / lookups)  # the ceilings changed what L0 is expected to hit
+
+
 def test_plan_command_refuses_a_trace_of_another_model(capsys, model_dir, tmp_path):
     trace = synthetic_trace(tmp_path / "t.jsonl", n_layers=2, n_experts=8)
     assert cli.main(["plan", "--model", str(model_dir), "--trace", str(trace)]) == 1

@@ -326,7 +326,8 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
            hint_lift: float = HINT_MIN_LIFT,
            layers: list[int] | None = None, jobs: int = 1, switch_window: int = SWITCH_WINDOW,
            belady: bool = True, prefetch: tuple[str, ...] = (), train: float = 0.5,
-           prefetch_k: int | None = None, ceilings: bool = False, autopin: bool = False) -> ReplayResult:
+           prefetch_k: int | None = None, ceilings: bool = False, autopin: bool = False,
+           layer_rows: list[int] | None = None) -> ReplayResult:
     """Run the trace and return what it measured (`moe-l2 replay` renders it as a table or JSON).
 
     hints: None, "prompt" (predict each sequence's domain from its prompt) or "oracle" (use the trace's
@@ -337,7 +338,9 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
     ceilings: also run `policy` and LRU with per-layer slots split by the hit curves of that share, each capacity
     `slots` times the layers in all (named "<policy>+ceilings").
     autopin: also run `policy` and LRU pinning each layer's hottest experts as L0's autopin does
-    (moe_l2/cache/heat.py; named "<policy>+autopin"), on the same sequences."""
+    (moe_l2/cache/heat.py; named "<policy>+autopin"), on the same sequences.
+    layer_rows: ceilings given instead of learned (one per replayed layer, as `--l0-ceilings` sets them), run as
+    the ceilings variants are, on every sequence and reported under each capacity alike."""
     if policy not in POLICIES:
         raise ReplayError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     for name in compare:
@@ -386,11 +389,13 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
     # The variants (ceilings, autopin) run the policy under test and L0's LRU.
     variants = list(dict.fromkeys((policy, "lru")))
     split_slots = {}
-    if ceilings:
-        curves = sequence_curves(trained_on, layers, traces.n_experts)
+    if layer_rows is not None and len(layer_rows) != len(layers):
+        raise ReplayError(f"{len(layer_rows)} layer ceilings for {len(layers)} replayed layers: give one per layer")
+    if ceilings or layer_rows is not None:
+        curves = sequence_curves(trained_on, layers, traces.n_experts) if layer_rows is None else None
         for n_slots in slots:
-            split_slots[n_slots] = split_rows(curves, n_slots * len(layers), min(traces.top_k, n_slots),
-                                              traces.n_experts)
+            split_slots[n_slots] = list(layer_rows) if curves is None else \
+                split_rows(curves, n_slots * len(layers), min(traces.top_k, n_slots), traces.n_experts)
             for name in variants:
                 for layer, rows in zip(layers, split_slots[n_slots]):
                     tasks.append(Task(layer, rows, name, streams[layer], traces.n_experts, point=n_slots,
@@ -432,7 +437,7 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         previous = s.domain
         t += s.n_tokens
     by_key = {(t.point or t.slots, r["policy"], r["layer"]): r for t, r in zip(tasks, results)}
-    for extra, asked in (("ceilings", ceilings), ("autopin", autopin)):
+    for extra, asked in (("ceilings", ceilings or layer_rows is not None), ("autopin", autopin)):
         names += [f"{name}+{extra}" for name in variants] if asked else []
     capacities = []
     for n_slots in slots:

@@ -39,16 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def tier_hit_rates(traces, p: Plan, layers: list[int] | None = None) -> dict:
-    """Replay the trace (over `layers`, None: all) at L0's capacity with the pool's policy and at L2's with the
-    daemon's. The tiers are inclusive (L2 is at least as large as L0 and sees the same experts), so what L0
-    misses and L2 holds is L2's share and the rest is read from disk; every process is assumed to route like
-    the trace."""
+def tier_hit_rates(traces, p: Plan, layers: list[int] | None = None, l0_rows: list[int] | None = None) -> dict:
+    """Replay the trace (over `layers`, None: all) at L0's capacity with the pool's policy, or at `l0_rows` (one
+    ceiling per replayed layer: --l0-ceilings), and at L2's with the daemon's. The tiers are inclusive (L2 is at
+    least as large as L0 and sees the same experts), so what L0 misses and L2 holds is L2's share and the rest is
+    read from disk; every process is assumed to route like the trace."""
     l2 = [p.l2_slots, p.l2_slots - 1] if p.l2_short else [p.l2_slots] if p.l2_slots else []
     result = replay(traces, slots=sorted({p.l0_slots, *l2}), policy=DEFAULT_POLICY, compare=(L0_POLICY,),
-                    belady=False, layers=layers)
+                    belady=False, layers=layers, layer_rows=l0_rows)
     rate = {(c.slots, name): r.hit_rate or 0.0 for c in result.capacities for name, r in c.policies.items()}
-    l0 = rate[(p.l0_slots, L0_POLICY)]
+    l0 = rate[(p.l0_slots, L0_POLICY if l0_rows is None else f"{L0_POLICY}+ceilings")]
     l2_alone = 0.0
     if p.l2_slots:
         # The last l2_short served layers hold a slot fewer: weigh the two capacities by their layers.
@@ -91,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         sizes = ModelSizes.of(files, None if served is None else len(served))
         kv = DEFAULT_KV_BYTES if args.kv is None else parse_size(args.kv)
         p = plan(read_memory(), sizes, args.processes, kv_bytes=kv)
+        ceilings = None
+        if args.l0_ceilings is not None:
+            layers = list(range(files.n_layers))
+            chosen = options.from_args(args, shared_l0=False).l0_capacity(files, layers, p.l0_slots)
+            ceilings = [chosen[layer] for layer in layers]
         rates = None
         if args.trace:
             traces = read_traces(args.trace)
@@ -98,12 +103,9 @@ def run(args: argparse.Namespace) -> int:
                 raise PlanError(f"the trace is of a model with {traces.n_layers} layers x {traces.n_experts} "
                                 f"experts, {args.model} has {sizes.n_layers} x {sizes.n_experts}: give a trace "
                                 "of this model")
-            rates = tier_hit_rates(traces, p, served)
-        ceilings = None
-        if args.l0_ceilings is not None:
-            layers = list(range(files.n_layers))
-            chosen = options.from_args(args, shared_l0=False).l0_capacity(files, layers, p.l0_slots)
-            ceilings = [chosen[layer] for layer in layers]
+            replayed = range(files.n_layers) if served is None else served
+            l0_rows = None if ceilings is None else [ceilings[layer] for layer in replayed]
+            rates = tier_hit_rates(traces, p, served, l0_rows)
     except options.OptionError as exc:
         print(f"moe-l2 plan: {exc.on_command_line()}", file=sys.stderr)
         return 2
