@@ -242,24 +242,8 @@ void init_pread(nb::module_& m) {
 void init_crc32(nb::module_& m) {
   m.def(
       "crc32",
-      [](Memory* memory, int64_t offset, int64_t nbytes, uint32_t crc, bool portable) {
+      [](nb::handle data, uint32_t crc, bool portable) {
         const char* fn = "crc32";
-        if (memory == nullptr) {
-          throw_value_error(fn, "no memory given");
-        }
-        size_t off = to_size(fn, "offset", offset), n = to_size(fn, "nbytes", nbytes);
-        memory->check_range(fn, off, n);
-        auto region = memory->region(fn, false);
-        nb::gil_scoped_release unlocked;
-        return (portable ? crc32_update_portable : crc32_update)(crc, region->data + off, n);
-      },
-      "memory"_a, "offset"_a, "nbytes"_a, "crc"_a = 0, "portable"_a = false,
-      "zlib.crc32 of bytes [offset, offset + nbytes) of memory, continuing `crc`, as the reads compute "
-      "it (portable: with the code builds without zlib use); the GIL released.");
-  m.def(
-      "crc32_of",
-      [](nb::handle data, uint32_t crc) {
-        const char* fn = "crc32_of";
         Py_buffer view;
         if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
           PyErr_Clear();
@@ -268,14 +252,15 @@ void init_crc32(nb::module_& m) {
         uint32_t out;
         {
           nb::gil_scoped_release unlocked;
-          out = crc32_update(crc, static_cast<const std::byte*>(view.buf), size_t(view.len));
+          out = (portable ? crc32_update_portable : crc32_update)(crc, static_cast<const std::byte*>(view.buf),
+                                                                  size_t(view.len));
         }
         PyBuffer_Release(&view);
         return out;
       },
-      "data"_a, "crc"_a = 0,
+      "data"_a, "crc"_a = 0, "portable"_a = false,
       "zlib.crc32(data, crc) of any contiguous bytes-like object, as the reads compute it (the CPU's CRC where "
-      "it has one); the GIL released.");
+      "it has one; portable: the code builds without zlib use); the GIL released.");
   m.def(
       "crc32_concat",
       [](uint32_t crc_a, uint32_t crc_b, uint64_t len_b, bool portable) {

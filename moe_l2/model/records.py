@@ -94,7 +94,7 @@ def record_checksum(pieces: Iterable) -> int:
     same whether the pieces lie in one slot or in a pool's per-piece rows; docs/formats.md, "Checksums")."""
     checksum = 0
     for piece in pieces:
-        checksum = _native.crc32_of(piece, checksum)  # zlib.crc32's value, at the CPU's speed where it has one
+        checksum = _native.crc32(piece, checksum)  # zlib.crc32's value, at the CPU's speed where it has one
     return checksum
 
 
