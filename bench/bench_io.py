@@ -23,7 +23,8 @@
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
 6. Where a direct read lands: one record read cold into each of several buffers, round by round, with how
    many physically contiguous runs each buffer's pages form (/proc/self/pagemap: Linux, as root). On a VM whose
-   disk emulation handles each run apart, this and not the read path sets a direct read's speed.
+   disk emulation handles each run apart, this and not the read path sets a direct read's speed; buffers on
+   huge pages (what _native.Buffer asks Linux for) form one or two runs.
 
     python bench/bench_io.py [--model DIR] [--experts 64] [--layers 4] [--hidden 2048] [--moe-hidden 768]
                              [--samples 40] [--batch 8] [--cgroup-mb 256] [--rounds 15] [--keep DIR]
@@ -179,9 +180,10 @@ MODES = {"read": "off", "checked": "file", "copied": "file", "zlib crc": "file",
 
 
 def raw_read(files: ModelFiles, nbytes: int, rng: random.Random, buf) -> float:
-    """Seconds to read `nbytes` of the first model file front to back from a random aligned place, direct,
-    8 MiB reads on one stream into `buf` (8 MiB, touched before): what the disk gives a sequential reader."""
-    path = files.files[0]
+    """Seconds to read `nbytes` of the largest model file (the experts') front to back from a random aligned
+    place, direct, 8 MiB reads on one stream into `buf` (8 MiB, touched before): what the disk gives a
+    sequential reader of the same file the misses read."""
+    path = max(files.files, key=os.path.getsize)
     size = os.path.getsize(path)
     nbytes = -(-nbytes // 4096) * 4096  # direct reads are whole blocks
     start = rng.randrange(0, max(1, size - nbytes)) // 4096 * 4096

@@ -27,6 +27,28 @@ void throw_value_error(const char* fn, const std::string& msg) {
   throw std::invalid_argument(prefixed(fn, msg));
 }
 
+size_t huge_page_bytes() {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  return size_t(2) << 20;
+#else
+  return 0;
+#endif
+}
+
+void advise_huge_pages(void* data, size_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const uintptr_t huge = huge_page_bytes();
+  uintptr_t lo = (reinterpret_cast<uintptr_t>(data) + huge - 1) & ~(huge - 1);
+  uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + nbytes) & ~(huge - 1);
+  if (hi > lo) {
+    madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // a hint: refused, the pages stay small
+  }
+#else
+  (void)data;
+  (void)nbytes;
+#endif
+}
+
 size_t checked_add(const char* fn, size_t a, size_t b) {
   size_t r;
   if (__builtin_add_overflow(a, b, &r)) {
@@ -140,15 +162,22 @@ std::shared_ptr<Region> allocate(int64_t nbytes_in) {
   if (nbytes == 0) {
     throw_value_error(fn, "nbytes must be > 0");
   }
-  // Over-allocate by a page so the usable range can start on a page boundary (O_DIRECT reads,
-  // page-granular Metal wrapping); the CPU allocator's own pointers are only 8-byte aligned.
+  // Over-allocate so the usable range can start on a page boundary (O_DIRECT reads, page-granular
+  // Metal wrapping; the CPU allocator's own pointers are only 8-byte aligned), and where huge pages
+  // serve it (advise_huge_pages), a buffer of one or more on a huge-page boundary, so that all of it
+  // gets them: the padding before it is never touched, so never resident.
   size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  mx::allocator::Data data = mx::allocator::malloc(checked_add(fn, nbytes, page - 1));
+  bool huge = huge_page_bytes() != 0 && nbytes >= huge_page_bytes() && !mx::cu::is_available();
+  size_t align = huge ? huge_page_bytes() : page;  // CUDA's allocator hands out managed memory: left alone
+  mx::allocator::Data data = mx::allocator::malloc(checked_add(fn, nbytes, align - 1));
   auto* raw = static_cast<std::byte*>(data.buffer().raw_ptr());
   if (raw == nullptr) {
     throw std::bad_alloc();
   }
-  size_t pad = (page - reinterpret_cast<uintptr_t>(raw) % page) % page;
+  size_t pad = (align - reinterpret_cast<uintptr_t>(raw) % align) % align;
+  if (huge) {
+    advise_huge_pages(raw + pad, nbytes);
+  }
   std::memset(raw + pad, 0, nbytes);
 
   mx::array base(std::move(data), mx::Shape{1}, mx::uint8);
@@ -605,6 +634,7 @@ std::shared_ptr<Region> map_host(int64_t nbytes_in) {
     throw OsError(err, prefixed(fn, "cannot map " + std::to_string(nbytes) +
                                         " bytes of memory: " + errno_text(err)));
   }
+  advise_huge_pages(addr, nbytes);
   return std::make_shared<Mapping>(addr, nbytes);
 }
 

@@ -83,9 +83,11 @@ Block take_block(size_t nbytes) {
     }
   }
   void* p = nullptr;
-  if (posix_memalign(&p, kDirectAlign, want) != 0) {
+  size_t align = huge_page_bytes() != 0 && want >= huge_page_bytes() ? huge_page_bytes() : kDirectAlign;
+  if (posix_memalign(&p, align, want) != 0) {
     return {};
   }
+  advise_huge_pages(p, want);  // first touched by the reads themselves
   return {static_cast<std::byte*>(p), want};
 }
 
