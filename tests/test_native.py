@@ -52,6 +52,41 @@ def test_buffer_is_zeroed_page_aligned_memory():
         native.Buffer(0)
 
 
+HUGE = 2 << 20
+
+
+def huge_page_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping that holds address (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(sys.platform != "linux" or mx.cuda.is_available(),
+                    reason="transparent huge pages are Linux's, and CUDA's managed memory is left as it comes")
+def test_large_buffers_start_on_a_huge_page_and_get_huge_pages_where_the_kernel_gives_them():
+    """Buffers the reads land in (pool rows, the scratch) ask for huge pages before their first touch: a direct
+    read into them is one physically contiguous run per 2 MiB (docs/architecture.md, "Native module")."""
+    small, large, host = native.Buffer(HUGE - PAGE), native.Buffer(3 * HUGE + 5), native.HostBuffer(4 * HUGE)
+    assert large.address % HUGE == 0 and bytes(large.view()) == bytes(large.nbytes)
+    assert small.address % PAGE == 0  # below a huge page: a page boundary, as ever
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        mode = f.read().split("[")[1].split("]")[0]
+    if mode == "never":
+        pytest.skip("transparent huge pages are off on this machine (always/madvise/never: never)")
+    host.view()[:] = b"\1" * host.nbytes
+    # The kernel gives huge pages while it has free 2 MiB blocks; a test machine has them.
+    assert huge_page_bytes_at(large.address) >= 2 * HUGE
+    assert huge_page_bytes_at(host.address) >= 2 * HUGE
+
+
 @pytest.mark.parametrize("dtype", [mx.uint8, mx.int32, mx.float32, mx.bfloat16, mx.float16])
 def test_buffer_array_is_an_mlx_array_of_the_asked_shape(dtype):
     buf = native.Buffer(4096)
