@@ -35,12 +35,15 @@ size_t huge_page_bytes() {
 #endif
 }
 
-void advise_huge_pages(void* data, size_t nbytes) {
+void fresh_huge_pages(void* data, size_t nbytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   const uintptr_t huge = huge_page_bytes();
   uintptr_t lo = (reinterpret_cast<uintptr_t>(data) + huge - 1) & ~(huge - 1);
   uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + nbytes) & ~(huge - 1);
   if (hi > lo) {
+    // Memory the allocator hands out again may already have small pages, which the hint alone leaves
+    // as they are: drop them first (the caller owns these bytes and has no use for what they held).
+    madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
     madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // a hint: refused, the pages stay small
   }
 #else
@@ -164,8 +167,8 @@ std::shared_ptr<Region> allocate(int64_t nbytes_in) {
   }
   // Over-allocate so the usable range can start on a page boundary (O_DIRECT reads, page-granular
   // Metal wrapping; the CPU allocator's own pointers are only 8-byte aligned), and where huge pages
-  // serve it (advise_huge_pages), a buffer of one or more on a huge-page boundary, so that all of it
-  // gets them: the padding before it is never touched, so never resident.
+  // serve it (fresh_huge_pages), a buffer of one or more on a huge-page boundary, so that all of it
+  // gets them: the padding before it is not touched here.
   size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   bool huge = huge_page_bytes() != 0 && nbytes >= huge_page_bytes() && !mx::cu::is_available();
   size_t align = huge ? huge_page_bytes() : page;  // CUDA's allocator hands out managed memory: left alone
@@ -176,7 +179,7 @@ std::shared_ptr<Region> allocate(int64_t nbytes_in) {
   }
   size_t pad = (align - reinterpret_cast<uintptr_t>(raw) % align) % align;
   if (huge) {
-    advise_huge_pages(raw + pad, nbytes);
+    fresh_huge_pages(raw + pad, nbytes);
   }
   std::memset(raw + pad, 0, nbytes);
 
@@ -634,7 +637,7 @@ std::shared_ptr<Region> map_host(int64_t nbytes_in) {
     throw OsError(err, prefixed(fn, "cannot map " + std::to_string(nbytes) +
                                         " bytes of memory: " + errno_text(err)));
   }
-  advise_huge_pages(addr, nbytes);
+  fresh_huge_pages(addr, nbytes);
   return std::make_shared<Mapping>(addr, nbytes);
 }
 

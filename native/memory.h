@@ -75,12 +75,13 @@ class Memory {
   bool readonly_;
 };
 
-// Asks Linux for transparent huge pages over the 2 MiB-aligned part of [data, data + nbytes), before
-// its first touch; elsewhere (macOS), and where the kernel says no, it does nothing. A direct read
+// Gives the 2 MiB-aligned part of [data, data + nbytes) fresh pages (what it held is dropped: zero on
+// the next touch), transparent huge pages where Linux has them; elsewhere (macOS), and where the
+// kernel says no, the pages stay small. Only for private memory the caller owns. A direct read
 // into huge pages is one physically contiguous run per 2 MiB: on a VM whose disk emulation handles
 // each run apart that reads up to 3.8x faster (docs/benchmarks.md, "Straight into the rows").
-void advise_huge_pages(void* data, size_t nbytes);
-// The size of the pages advise_huge_pages asks for (2 MiB on Linux), 0 where it does nothing.
+void fresh_huge_pages(void* data, size_t nbytes);
+// The size of the pages fresh_huge_pages asks for (2 MiB on Linux), 0 where it does nothing.
 size_t huge_page_bytes();
 
 // C++-owned memory allocated by MLX's own allocator, so that arrays made from it are views

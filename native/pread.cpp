@@ -87,7 +87,7 @@ Block take_block(size_t nbytes) {
   if (posix_memalign(&p, align, want) != 0) {
     return {};
   }
-  advise_huge_pages(p, want);  // first touched by the reads themselves
+  fresh_huge_pages(p, want);  // first touched by the reads themselves
   return {static_cast<std::byte*>(p), want};
 }
 
