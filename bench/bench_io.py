@@ -306,10 +306,9 @@ def straight_vs_copied(files: ModelFiles, batches: tuple[int, ...], rounds: int,
 
 def physical_runs(buffer, nbytes: int) -> int | None:
     """How many physically contiguous runs the first nbytes of buffer's pages form; None without pagemap."""
-    import ctypes
     import struct
 
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer.view()))
+    address = buffer.address
     try:
         with open("/proc/self/pagemap", "rb") as f:
             frames = []
