@@ -172,6 +172,26 @@ def unlocked_pages_may_leave() -> bool:
     return sys.platform == "darwin" or swap_total() > 0
 
 
+def shm_huge_pages(mounts: str | os.PathLike = "/proc/mounts") -> str | None:
+    """The `huge=` option of the tmpfs at /dev/shm (Linux; "never" when it has none): "within_size" or "always"
+    give L2's segments transparent huge pages (moe-l2d reserves them before it maps them, so it cannot ask for
+    them itself). None where there is no /dev/shm mount to read (macOS)."""
+    if sys.platform != "linux":
+        return None
+    try:
+        with open(mounts) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:  # the last mount at /dev/shm is the one in effect
+        fields = line.split()
+        if len(fields) >= 4 and fields[1] == "/dev/shm":
+            options = dict(option.partition("=")[::2] for option in fields[3].split(","))
+            found = options.get("huge") or "never"
+    return found
+
+
 def open_files_limits() -> tuple[int | None, int | None]:
     """RLIMIT_NOFILE (soft, hard); None for unlimited."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -129,6 +129,29 @@ def test_a_low_soft_limit_is_no_failure_the_daemon_raises_it_to_the_hard_one():
     assert check(data, "open files")["status"] == "ok"
 
 
+@on_linux
+def test_l2_pages_are_what_dev_shm_is_mounted_with(tmp_path):
+    """/dev/shm's huge= option, as /proc/mounts has it, decides whether L2's segments get huge pages: the
+    machine's own is reported, and each option is read as the kernel applies it (the last mount wins)."""
+    from moe_l2.commands.doctor import check_l2_pages
+
+    with open("/proc/mounts") as f:
+        shm = [line.split()[3] for line in f if line.split()[1:2] == ["/dev/shm"]]
+    want = next((o.split("=", 1)[1] for o in shm[-1].split(",") if o.startswith("huge=")), "never") if shm else None
+    data, _ = report()
+    assert data["l2_pages"]["shm_huge"] == want
+    for options, huge, status in [("rw,nosuid,nodev", "never", "note"), ("rw,huge=within_size", "within_size", "ok"),
+                                  ("rw,huge=always,size=1g", "always", "ok"), ("rw,huge=advise", "advise", "note")]:
+        mounts = tmp_path / "mounts"
+        mounts.write_text(f"proc /proc proc rw 0 0\ntmpfs /dev/shm tmpfs rw,huge=always 0 0\n"
+                          f"tmpfs /dev/shm tmpfs {options} 0 0\n")
+        facts, (found,) = check_l2_pages(str(mounts))
+        assert facts == {"shm_huge": huge} and found.status == status, (options, found)
+        assert (status == "ok") == ("huge=within_size /dev/shm" not in found.detail)
+    (tmp_path / "none").write_text("proc /proc proc rw 0 0\n")
+    assert check_l2_pages(str(tmp_path / "none")) == ({"shm_huge": None}, [])
+
+
 def test_a_budget_the_daemon_would_refuse_fails_with_its_fix():
     data, _ = report()
     too_much = data["memory"]["total_bytes"] * 2

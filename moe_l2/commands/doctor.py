@@ -187,6 +187,21 @@ def check_open_files() -> tuple[dict, list[Check]]:
     return facts, [Check("open files", "ok", detail)]
 
 
+def check_l2_pages(mounts: str = "/proc/mounts") -> tuple[dict, list[Check]]:
+    """Whether L2's segments get huge pages (Linux: /dev/shm's mount option)."""
+    huge = machine.shm_huge_pages(mounts)
+    facts = {"shm_huge": huge}
+    if huge is None:
+        return facts, []
+    if huge in ("always", "within_size"):
+        return facts, [Check("L2 pages", "ok", f"/dev/shm gives huge pages (huge={huge}): L2's records lie on 2 MiB "
+                                               "pages")]
+    return facts, [Check("L2 pages", "note", f"/dev/shm is mounted huge={huge}: L2's records lie on small pages, "
+                         "which made moe-l2d's loads 2.4x slower on a VM (docs/benchmarks.md, \"Huge pages for L2\"); "
+                         "for huge pages (every user of /dev/shm gets them): mount -o remount,huge=within_size "
+                         "/dev/shm")]
+
+
 def check_model(text: str, budget: int | None) -> tuple[dict, list[Check], int | None]:
     """Direct I/O on the model's filesystem, a short read of its largest file, and the plan's split; returns the
     shared memory moe-l2d would take for this model at `budget` (None: the plan's), as its budget check counts it
@@ -323,6 +338,8 @@ def diagnose(args: argparse.Namespace) -> tuple[dict, list[Check]]:
     report.update(found_facts)
     checks += found
     report["open_files"], found = check_open_files()
+    checks += found
+    report["l2_pages"], found = check_l2_pages()
     checks += found
     report["runtime"], found = check_daemon(args.socket, args.timeout, report["locking"]["unlocked_pages_may_leave"])
     checks += found
