@@ -172,14 +172,14 @@ def unlocked_pages_may_leave() -> bool:
     return sys.platform == "darwin" or swap_total() > 0
 
 
-def shm_huge_pages(mounts: str | os.PathLike = "/proc/mounts") -> str | None:
+def shm_huge_pages(mounts: str | os.PathLike | None = None) -> str | None:
     """The `huge=` option of the tmpfs at /dev/shm (Linux; "never" when it has none): "within_size" or "always"
     give L2's segments transparent huge pages (moe-l2d reserves them before it maps them, so it cannot ask for
     them itself). None where there is no /dev/shm mount to read (macOS)."""
     if sys.platform != "linux":
         return None
     try:
-        with open(mounts) as f:
+        with open("/proc/mounts" if mounts is None else mounts) as f:
             lines = f.read().splitlines()
     except OSError:
         return None

@@ -187,16 +187,15 @@ def check_open_files() -> tuple[dict, list[Check]]:
     return facts, [Check("open files", "ok", detail)]
 
 
-def check_l2_pages(mounts: str = "/proc/mounts") -> tuple[dict, list[Check]]:
+def check_l2_pages(mounts: str | None = None) -> tuple[dict, list[Check]]:
     """Whether L2's segments get huge pages (Linux: /dev/shm's mount option)."""
     huge = machine.shm_huge_pages(mounts)
     facts = {"shm_huge": huge}
     if huge is None:
         return facts, []
     if huge in ("always", "within_size"):
-        return facts, [Check("L2 pages", "ok", f"/dev/shm gives huge pages (huge={huge}): L2's records lie on 2 MiB "
-                                               "pages")]
-    return facts, [Check("L2 pages", "note", f"/dev/shm is mounted huge={huge}: L2's records lie on small pages, "
+        return facts, [Check("L2 pages", "ok", f"L2's records lie on 2 MiB pages (/dev/shm is mounted huge={huge})")]
+    return facts, [Check("L2 pages", "note", f"L2's records lie on small pages (/dev/shm is mounted huge={huge}), "
                          "which made moe-l2d's loads 2.4x slower on a VM (docs/benchmarks.md, \"Huge pages for L2\"); "
                          "for huge pages (every user of /dev/shm gets them): mount -o remount,huge=within_size "
                          "/dev/shm")]
