@@ -100,6 +100,9 @@ class Server:
         self._socket.setsockopt(zmq.RCVHWM, PIPE_MESSAGES)
         self._socket.setsockopt(zmq.SNDHWM, PIPE_MESSAGES)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A send to a full pipe fails (EAGAIN) instead of vanishing, so that _send can tell a pipe that is full
+        # from one that only looks full.
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._auth = None
         if curve is not None:
             # CurveZMQ: encrypted, and only the clients whose public certificates are in curve.clients get in.
@@ -200,11 +203,23 @@ class Server:
             self._send(identity, reply)
 
     def _send(self, identity: bytes, reply: bytes) -> None:
-        """Never blocks: a reply or notice to a peer whose pipe is full (PIPE_MESSAGES) or gone is dropped."""
-        try:
-            self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the peer is gone or not reading; it was its request
-            log.debug("reply dropped: %s", exc)
+        """Never blocks: a reply or notice to a peer whose pipe is full (PIPE_MESSAGES) or gone is dropped.
+
+        libzmq learns that the peer has read its messages from commands that a send takes in at most once a
+        millisecond or so: a pipe the peer has drained can still look full, and a reply to a client that reads
+        every one was lost under load. So a full pipe is looked at again after the pending commands are taken in
+        (reading ZMQ_EVENTS does that at once), and the reply is dropped only if it is full still."""
+        for attempt in range(2):
+            try:
+                self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if attempt == 0:
+                    self._socket.getsockopt(zmq.EVENTS)
+            except zmq.ZMQError as exc:  # the peer is gone (EHOSTUNREACH)
+                log.debug("reply dropped: %s", exc)
+                return
+        log.debug("reply dropped: the peer does not read its replies")
 
     def _enqueue(self, identity: bytes, item: tuple) -> None:
         self._work.append(item)

@@ -24,6 +24,7 @@ from moe_l2.daemon.gate import HANDSHAKE_S, UNFINISHED_S
 from moe_l2.daemon.zmtp import FRAME_LIMIT
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.daemon.refusals import FIRST_LOGGED
+from moe_l2.daemon.server import PIPE_MESSAGES
 
 from .conftest import ANSWER_MS, NOBODY, nobody_runs_python, quarter_budget, retire, stats, wait_for
 
@@ -220,7 +221,7 @@ def test_a_flood_of_refused_requests_logs_a_few_lines_and_a_summary(running_daem
     try:
         for i in range(1000):
             sock.send(msgpack.packb({"v": 1, "type": "nope", "id": i}))
-            assert sock.poll(ANSWER_MS)
+            assert sock.poll(ANSWER_MS), f"request {i} got no answer; moe-l2d's log:\n{running_daemon.log()}"
             assert protocol.decode_reply(sock.recv()).ename == "UnknownType"
     finally:
         sock.close(0)
@@ -229,6 +230,27 @@ def test_a_flood_of_refused_requests_logs_a_few_lines_and_a_summary(running_daem
     assert sum("refused request: UnknownType" in line for line in lines) == FIRST_LOGGED
     assert [line for line in lines if "1000 refused requests of type UnknownType in the last" in line]
     assert len(lines) < 40
+
+
+def test_a_client_with_a_few_requests_in_flight_gets_every_reply(running_daemon):
+    """Fewer requests in flight than a pipe holds (PIPE_MESSAGES), sent as fast as replies come: libzmq's view of
+    what the client has read lags, and the ROUTER dropped replies to a pipe that only looked full."""
+    in_flight, total = PIPE_MESSAGES // 2, 3000
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(running_daemon.socket)
+    answered = []
+    try:
+        for i in range(in_flight):
+            sock.send(msgpack.packb({"v": 1, "type": "nope", "id": i}))
+        while len(answered) < total:
+            assert sock.poll(ANSWER_MS), f"{len(answered)} of {total} answered, then none"
+            answered.append(protocol.decode_reply(sock.recv()).id)
+            if len(answered) + in_flight <= total:
+                sock.send(msgpack.packb({"v": 1, "type": "nope", "id": len(answered) + in_flight - 1}))
+    finally:
+        sock.close(0)
+    assert answered == list(range(total))
 
 
 # ---- 1: descriptors and connection caps ----------------------------------------------------------------------
