@@ -17,8 +17,9 @@
    round (the disk drifts), medians, each as MiB/s and over the raw read of its round; the client's rows: the read
    alone ("read"), with its default check against the manifest, CRCs computed by the read threads ("checked",
    the CPU's CRC where it has one), the same read through the scratch and copied into the rows ("copied", as
-   before aligned pieces were read straight into them; same pool, so same rows, as "checked"), with zlib's
-   CRC ("zlib crc"), and zlib's CRC of each record computed after every record was read ("crc after").
+   before aligned pieces were read straight into them; same pool, so same rows, as "checked"), with the CPU's
+   CRC folding 128 bits at a time where it can fold 512 ("crc 128b"), with zlib's CRC ("zlib crc"), and zlib's
+   CRC of each record computed after every record was read ("crc after").
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
 6. Where a direct read lands: one record read cold into each of several buffers, round by round, with how
@@ -174,9 +175,11 @@ LOADERS = 4  # moe-l2d's default --loader-threads: each reads one record on one 
 # The read alone; with the default check of each record against the manifest, its CRC computed by the read
 # threads as the bytes land (the CPU's CRC where it has one: native/crc32.cpp); checked and read through the
 # scratch, every piece copied out of it into the rows, as before aligned pieces were read straight into them;
-# checked with zlib's CRC, as before the CPU's was used; and checked as before that, the CRC of each record
-# computed after all were read.
-MODES = {"read": "off", "checked": "file", "copied": "file", "zlib crc": "file", "crc after": "off"}
+# checked with the CPU's CRC folding 128 bits at a time, as before it folded 512 where the CPU can; checked with
+# zlib's CRC, as before the CPU's was used; and checked as before that, the CRC of each record computed after
+# all were read.
+MODES = {"read": "off", "checked": "file", "copied": "file", "crc 128b": "file", "zlib crc": "file",
+         "crc after": "off"}
 
 
 def raw_read(files: ModelFiles, nbytes: int, rng: random.Random, buf) -> float:
@@ -249,6 +252,7 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                         files.reader.read_unit_bytes = unit
                         _native._crc32_use_library(mode in ("zlib crc", "crc after"))
                         _native._scatter_straight(mode != "copied")
+                        _native._crc32_use_narrow(mode == "crc 128b")
                         began = time.perf_counter()
                         pool.fetch(layer, experts)
                         if mode == "crc after":
@@ -263,6 +267,7 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
     finally:
         _native._crc32_use_library(False)
         _native._scatter_straight(True)
+        _native._crc32_use_narrow(False)
         loaders.shutdown()
         for pool in pools.values():
             pool.close()

@@ -273,6 +273,9 @@ void init_crc32(nb::module_& m) {
   m.def("_crc32_use_library", &crc32_use_library, "only"_a,
         "Bench hook: the reads' CRC runs zlib's (or the portable) code even where the CPU has its own (True), or "
         "the CPU's again (False).");
+  m.def("_crc32_use_narrow", &crc32_use_narrow, "only"_a,
+        "Test and bench hook: the CPU's CRC folds 128 bits at a time even where it can fold 512 (True), or "
+        "as wide as it can again (False).");
 }
 
 void init_transcode(nb::module_& m) {

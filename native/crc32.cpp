@@ -1,7 +1,8 @@
 // CRC-32: portable code (slicing, eight table lookups per 8 bytes; two CRCs combined by multiplication
 // modulo the polynomial, which lets each read thread checksum its own part of a record), zlib's own where the
 // build found it (CMakeLists.txt), and the CPU's where it has one, which the reads then use: carry-less
-// multiplication on x86-64 (PCLMULQDQ, detected at run time), the CRC32 instructions on arm64. A record's CRC
+// multiplication on x86-64 (PCLMULQDQ, or VPCLMULQDQ with AVX-512, detected at run time), the CRC32 instructions
+// on arm64. A record's CRC
 // at zlib's speed here was most of what a checked miss cost beyond its read (docs/benchmarks.md, "Cold
 // misses").
 
@@ -126,13 +127,12 @@ MOE_L2_CLMUL_TARGET inline __m128i fold(__m128i x, __m128i k, __m128i next) {
   return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11)), next);
 }
 
-MOE_L2_CLMUL_TARGET uint32_t crc32_clmul(uint32_t crc, const std::byte* data, size_t n) {
+// The lanes x0..x3 hold every byte before data, folded (x0 the earliest 16 of the last 64); folds in the
+// 64-byte blocks from data on, then the 16-byte ones, and reduces. n is a multiple of 16.
+MOE_L2_CLMUL_TARGET uint32_t clmul_finish(__m128i x0, __m128i x1, __m128i x2, __m128i x3, const std::byte* data,
+                                          size_t n) {
   const __m128i k1k2 = _mm_set_epi64x(0x1c6e41596, 0x154442bd4);
   const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);
-  __m128i x0 = _mm_xor_si128(load(data), _mm_cvtsi32_si128(int(~crc)));
-  __m128i x1 = load(data + 16), x2 = load(data + 32), x3 = load(data + 48);
-  data += 64;
-  n -= 64;
   for (; n >= 64; n -= 64, data += 64) {
     x0 = fold(x0, k1k2, load(data));
     x1 = fold(x1, k1k2, load(data + 16));
@@ -148,8 +148,53 @@ MOE_L2_CLMUL_TARGET uint32_t crc32_clmul(uint32_t crc, const std::byte* data, si
   return crc32_update_portable(0xFFFFFFFFu, lane, sizeof lane);  // the register from 0 (no inversions)
 }
 
+MOE_L2_CLMUL_TARGET uint32_t crc32_clmul(uint32_t crc, const std::byte* data, size_t n) {
+  __m128i x0 = _mm_xor_si128(load(data), _mm_cvtsi32_si128(int(~crc)));
+  return clmul_finish(x0, load(data + 16), load(data + 32), load(data + 48), data + 64, n - 64);
+}
+
 bool cpu_has_clmul() {
   static const bool has = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse2");
+  return has;
+}
+
+// The same folding on 512-bit registers (VPCLMULQDQ, with AVX-512: Intel since Ice Lake, AMD since Zen 4):
+// four of them, each four lanes, so 256 bytes a step, each lane carried forward 2048 bits (k = x^(2048+32),
+// x^(2048-32)); then folded into one register 512 bits at a time (k1, k2), whose four lanes the 128-bit code
+// takes on from there. n >= 256, a multiple of 16.
+#define MOE_L2_VCLMUL_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul,sse2")))
+
+MOE_L2_VCLMUL_TARGET inline __m512i load512(const std::byte* p) {
+  return _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+MOE_L2_VCLMUL_TARGET inline __m512i fold512(__m512i x, __m512i k, __m512i next) {
+  return _mm512_xor_si512(_mm512_xor_si512(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11)),
+                          next);
+}
+
+MOE_L2_VCLMUL_TARGET uint32_t crc32_vclmul(uint32_t crc, const std::byte* data, size_t n) {
+  const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1322d1430, 0x11542778a));
+  const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1c6e41596, 0x154442bd4));
+  __m512i x0 = _mm512_xor_si512(load512(data), _mm512_inserti32x4(_mm512_setzero_si512(),
+                                                                   _mm_cvtsi32_si128(int(~crc)), 0));
+  __m512i x1 = load512(data + 64), x2 = load512(data + 128), x3 = load512(data + 192);
+  data += 256;
+  n -= 256;
+  for (; n >= 256; n -= 256, data += 256) {
+    x0 = fold512(x0, k2048, load512(data));
+    x1 = fold512(x1, k2048, load512(data + 64));
+    x2 = fold512(x2, k2048, load512(data + 128));
+    x3 = fold512(x3, k2048, load512(data + 192));
+  }
+  x3 = fold512(fold512(fold512(x0, k512, x1), k512, x2), k512, x3);
+  return clmul_finish(_mm512_extracti32x4_epi32(x3, 0), _mm512_extracti32x4_epi32(x3, 1),
+                      _mm512_extracti32x4_epi32(x3, 2), _mm512_extracti32x4_epi32(x3, 3), data, n);
+}
+
+bool cpu_has_vclmul() {
+  static const bool has = cpu_has_clmul() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("vpclmulqdq");
   return has;
 }
 #endif
@@ -170,6 +215,7 @@ uint32_t crc32_arm(uint32_t crc, const std::byte* data, size_t n) {
 #endif
 
 std::atomic<bool> library_only{false};  // bench_io's comparison of the CPU's CRC with the library's
+std::atomic<bool> narrow_only{false};  // the 128-bit folding even where the CPU has 512-bit (tests, benches)
 
 uint32_t crc32_library(uint32_t crc, const std::byte* data, size_t n) {
 #ifdef MOE_L2_HAVE_ZLIB
@@ -190,12 +236,21 @@ void crc32_use_library(bool only) {
   library_only.store(only, std::memory_order_relaxed);
 }
 
+void crc32_use_narrow(bool only) {
+  narrow_only.store(only, std::memory_order_relaxed);
+}
+
 uint32_t crc32_update(uint32_t crc, const std::byte* data, size_t n) {
   if (library_only.load(std::memory_order_relaxed)) {
     return crc32_library(crc, data, n);
   }
 #if MOE_L2_CRC32_CLMUL
-  if (n >= 64 && cpu_has_clmul()) {
+  if (n >= 256 && cpu_has_vclmul() && !narrow_only.load(std::memory_order_relaxed)) {
+    size_t folded = n & ~size_t(15);
+    crc = crc32_vclmul(crc, data, folded);
+    data += folded;
+    n -= folded;
+  } else if (n >= 64 && cpu_has_clmul()) {
     size_t folded = n & ~size_t(15);
     crc = crc32_clmul(crc, data, folded);
     data += folded;
@@ -217,6 +272,9 @@ uint32_t crc32_concat(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
 
 const char* crc32_kind() {
 #if MOE_L2_CRC32_CLMUL
+  if (cpu_has_vclmul()) {
+    return "vpclmulqdq";
+  }
   if (cpu_has_clmul()) {
     return "pclmul";
   }

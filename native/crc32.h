@@ -20,10 +20,14 @@ uint32_t crc32_concat_portable(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 // Whether the two above are zlib's.
 bool crc32_from_zlib();
 
-// What crc32_update runs on here: "pclmul", "arm-crc32", "zlib" or "portable".
+// What crc32_update runs on here: "vpclmulqdq" (512-bit, for 256 bytes and more; "pclmul" below that),
+// "pclmul", "arm-crc32", "zlib" or "portable".
 const char* crc32_kind();
 
 // Bench hook: crc32_update runs zlib's (or the portable) code even where the CPU has its own.
 void crc32_use_library(bool only);
+
+// Test and bench hook: crc32_update folds 128 bits at a time even where the CPU folds 512 ("vpclmulqdq").
+void crc32_use_narrow(bool only);
 
 }  // namespace moe_l2
