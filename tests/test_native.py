@@ -5,11 +5,13 @@ import itertools
 import os
 import platform
 import random
+import shutil
 import struct
 import subprocess
 import sys
 import time
 import zlib
+from pathlib import Path
 
 import _posixshmem
 import mlx.core as mx
@@ -642,6 +644,53 @@ def test_crc32_takes_any_contiguous_bytes_like_object():
     assert native.crc32(bytearray(data[:70])) == zlib.crc32(data[:70]) and native.crc32(b"", 5) == 5
     with pytest.raises(ValueError, match=r"^\[crc32\] takes a contiguous bytes-like object"):
         native.crc32(memoryview(data)[::2])
+
+
+ARM_CRC_HARNESS = r"""
+#include <cstdio>
+#include <vector>
+#include "crc32.h"
+// argv[1]: a file of bytes; stdin: offset, length and CRC to start from, three numbers a line; stdout: the kind of
+// CRC, then crc32_update of each range.
+int main(int argc, char** argv) {
+  std::FILE* f = std::fopen(argv[1], "rb");
+  std::vector<std::byte> data(size_t(1) << 22);
+  data.resize(std::fread(data.data(), 1, data.size(), f));
+  std::printf("%s\n", moe_l2::crc32_kind());
+  size_t offset, n;
+  unsigned crc;
+  while (std::scanf("%zu %zu %u", &offset, &n, &crc) == 3) {
+    std::printf("%u\n", moe_l2::crc32_update(crc, data.data() + offset, n));
+  }
+}
+"""
+
+
+@pytest.mark.skipif(platform.machine() in ("arm64", "aarch64"), reason="the other tests run it here")
+@pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64")),
+                    reason="needs an arm64 cross compiler and qemu-user (apt-get install g++-aarch64-linux-gnu "
+                           "qemu-user), as .ci/run installs them")
+def test_crc32_on_arm64_is_zlibs_under_qemu(tmp_path):
+    """The CRC32 instructions' code that Macs run (native/crc32.cpp, three chains joined), built for arm64 and run
+    under qemu: zlib.crc32's value at every length its rounds and tails treat apart, from any CRC."""
+    native_dir = Path(__file__).resolve().parents[1] / "native"
+    (tmp_path / "main.cpp").write_text(ARM_CRC_HARNESS)
+    binary = tmp_path / "crc_arm"
+    subprocess.run(["aarch64-linux-gnu-g++", "-O2", "-std=c++20", "-march=armv8-a+crc", "-static", f"-I{native_dir}",
+                    str(tmp_path / "main.cpp"), str(native_dir / "crc32.cpp"), "-o", str(binary)], check=True)
+    rng = random.Random(9)
+    data = rng.randbytes(4 << 20)
+    (tmp_path / "data.bin").write_bytes(data)
+    block = 16 << 10  # kArmBlock: a round is three of them
+    lengths = [0, 1, 7, 8, 9, 63, 64, 4095, 3 * block - 1, 3 * block, 3 * block + 1, 3 * block + 8, 6 * block + 13,
+               2621440, (4 << 20) - 3]
+    cases = [(offset, n, rng.choice([0, 123, 0xFFFFFFFF])) for n in lengths for offset in (0, 3)
+             if offset + n <= len(data)]
+    run = subprocess.run(["qemu-aarch64", str(binary), str(tmp_path / "data.bin")], check=True, capture_output=True,
+                         text=True, input="\n".join(f"{o} {n} {c}" for o, n, c in cases))
+    kind, *values = run.stdout.split()
+    assert kind == "arm-crc32"
+    assert [int(v) for v in values] == [zlib.crc32(data[o:o + n], c) for o, n, c in cases]
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="carry-less multiplication is x86-64's")
