@@ -21,9 +21,15 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define MOE_L2_CRC32_CLMUL 1
 #include <immintrin.h>
-#elif defined(__aarch64__) && defined(__ARM_FEATURE_CRC32)
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    (defined(__ARM_FEATURE_CRC32) || defined(__linux__))
+// Every arm64 Mac builds with the CRC32 instructions on; a Linux build for plain armv8-a asks the kernel whether
+// the CPU has them (all Arm server and desktop cores do).
 #define MOE_L2_CRC32_ARM 1
-#include <arm_acle.h>
+#if !defined(__ARM_FEATURE_CRC32)
+#define MOE_L2_CRC32_ARM_AT_RUN_TIME 1
+#include <sys/auxv.h>
+#endif
 #endif
 
 namespace moe_l2 {
@@ -209,10 +215,21 @@ bool cpu_has_vclmul() {
 #endif
 
 #if MOE_L2_CRC32_ARM
-// One __crc32d waits for the one before it (3 cycles on Apple's and Arm's cores, which start one a cycle), so
+// One CRC32X waits for the one before it (3 cycles on Apple's and Arm's cores, which start one a cycle), so
 // three chains run side by side over three blocks of kArmBlock bytes, joined by moving the first two past the
 // blocks after them (two multiplications a round, a few percent of it). Not run on a Mac here: tests check its
-// values under qemu (tests/test_native.py).
+// values under qemu (tests/test_native.py). The compilers' builtins, in a function built for the instructions,
+// so that a build without them (plain armv8-a) still has the code for CPUs that have them.
+#if defined(__clang__)
+#define MOE_L2_ARM_CRC_TARGET __attribute__((target("crc")))
+#define MOE_L2_CRC32X __builtin_arm_crc32d
+#define MOE_L2_CRC32B __builtin_arm_crc32b
+#else
+#define MOE_L2_ARM_CRC_TARGET __attribute__((target("+crc")))
+#define MOE_L2_CRC32X __builtin_aarch64_crc32x
+#define MOE_L2_CRC32B __builtin_aarch64_crc32b
+#endif
+
 constexpr size_t kArmBlock = size_t(16) << 10;
 
 inline uint64_t word(const std::byte* p) {
@@ -221,25 +238,34 @@ inline uint64_t word(const std::byte* p) {
   return w;
 }
 
-uint32_t crc32_arm(uint32_t crc, const std::byte* data, size_t n) {
+MOE_L2_ARM_CRC_TARGET uint32_t crc32_arm(uint32_t crc, const std::byte* data, size_t n) {
   static const uint32_t past_block = shift_by_bytes(kArmBlock);
   for (; n >= 3 * kArmBlock; n -= 3 * kArmBlock, data += 3 * kArmBlock) {
     uint32_t a = ~crc, b = ~0u, c = ~0u;  // registers: each chain's CRC, inverted
     for (size_t i = 0; i < kArmBlock; i += 8) {
-      a = __crc32d(a, word(data + i));
-      b = __crc32d(b, word(data + kArmBlock + i));
-      c = __crc32d(c, word(data + 2 * kArmBlock + i));
+      a = MOE_L2_CRC32X(a, word(data + i));
+      b = MOE_L2_CRC32X(b, word(data + kArmBlock + i));
+      c = MOE_L2_CRC32X(c, word(data + 2 * kArmBlock + i));
     }
     crc = Tables::multiply(past_block, Tables::multiply(past_block, ~a) ^ ~b) ^ ~c;
   }
   crc = ~crc;
   for (; n >= 8; n -= 8, data += 8) {
-    crc = __crc32d(crc, word(data));
+    crc = MOE_L2_CRC32X(crc, word(data));
   }
   for (; n > 0; --n, ++data) {
-    crc = __crc32b(crc, uint8_t(*data));
+    crc = MOE_L2_CRC32B(crc, uint8_t(*data));
   }
   return ~crc;
+}
+
+bool cpu_has_arm_crc() {
+#if MOE_L2_CRC32_ARM_AT_RUN_TIME
+  static const bool has = (getauxval(AT_HWCAP) & (1ul << 7)) != 0;  // HWCAP_CRC32, <asm/hwcap.h>
+  return has;
+#else
+  return true;
+#endif
 }
 #endif
 
@@ -286,7 +312,9 @@ uint32_t crc32_update(uint32_t crc, const std::byte* data, size_t n) {
     n -= folded;
   }
 #elif MOE_L2_CRC32_ARM
-  return crc32_arm(crc, data, n);
+  if (cpu_has_arm_crc()) {
+    return crc32_arm(crc, data, n);
+  }
 #endif
   return crc32_library(crc, data, n);
 }
@@ -308,7 +336,9 @@ const char* crc32_kind() {
     return "pclmul";
   }
 #elif MOE_L2_CRC32_ARM
-  return "arm-crc32";
+  if (cpu_has_arm_crc()) {
+    return "arm-crc32";
+  }
 #endif
   return crc32_from_zlib() ? "zlib" : "portable";
 }
