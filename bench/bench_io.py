@@ -18,8 +18,9 @@
    alone ("read"), with its default check against the manifest, CRCs computed by the read threads ("checked",
    the CPU's CRC where it has one), the same read through the scratch and copied into the rows ("copied", as
    before aligned pieces were read straight into them; same pool, so same rows, as "checked"), with the CPU's
-   CRC folding 128 bits at a time where it can fold 512 ("crc 128b"), with zlib's CRC ("zlib crc"), and zlib's
-   CRC of each record computed after every record was read ("crc after").
+   CRC folding 128 bits at a time where it can fold 512 ("crc 128b"), with zlib's CRC ("zlib crc"), zlib's CRC
+   of each record computed after every record was read ("crc after"), and the read alone without the pool
+   around it ("no pool": the native read into free rows of the same pool, so what fetch itself costs shows).
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
 6. Where a direct read lands: one record read cold into each of several buffers, round by round, with how
@@ -176,10 +177,11 @@ LOADERS = 4  # moe-l2d's default --loader-threads: each reads one record on one 
 # threads as the bytes land (the CPU's CRC where it has one: native/crc32.cpp); checked and read through the
 # scratch, every piece copied out of it into the rows, as before aligned pieces were read straight into them;
 # checked with the CPU's CRC folding 128 bits at a time, as before it folded 512 where the CPU can; checked with
-# zlib's CRC, as before the CPU's was used; and checked as before that, the CRC of each record computed after
-# all were read.
+# zlib's CRC, as before the CPU's was used; checked as before that, the CRC of each record computed after all
+# were read; and the read alone without the pool around it (its native read into free rows of the same pool:
+# what fetch's bookkeeping and wait for queued work cost).
 MODES = {"read": "off", "checked": "file", "copied": "file", "crc 128b": "file", "zlib crc": "file",
-         "crc after": "off"}
+         "crc after": "off", "no pool": "off"}
 
 
 def raw_read(files: ModelFiles, nbytes: int, rng: random.Random, buf) -> float:
@@ -253,6 +255,15 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                         _native._crc32_use_library(mode in ("zlib crc", "crc after"))
                         _native._scatter_straight(mode != "copied")
                         _native._crc32_use_narrow(mode == "crc 128b")
+                        if mode == "no pool":
+                            lp = pool.layers[layer]
+                            targets = [(e, [(lp.buffers[p.key], r * p.nbytes) for p in lp.pieces])
+                                       for r, e in enumerate(experts)]
+                            began = time.perf_counter()
+                            files.read_into_rows(fds, layer, targets, threads=threads)
+                            speed[batch][config].append(batch * record / (time.perf_counter() - began))
+                            over[batch][config].append(speed[batch][config][-1] / raw)
+                            continue
                         began = time.perf_counter()
                         pool.fetch(layer, experts)
                         if mode == "crc after":
