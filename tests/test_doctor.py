@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import pwd
 import resource
 import shutil
@@ -16,6 +17,7 @@ import sys
 import mlx.core as mx
 import pytest
 
+from moe_l2 import _native as native
 from moe_l2.daemon.process import short_tempdir
 from moe_l2.model import ModelFiles
 from moe_l2.plan import ModelSizes, plan, read_memory
@@ -72,6 +74,16 @@ def test_the_figures_are_this_machines():
     runtime = data["runtime"]
     assert runtime["socket_exists"] is False and runtime["daemon_answers"] is False
     assert check(data, "daemon")["status"] == "note" and "none at" in check(data, "daemon")["detail"]
+
+
+def test_checksums_name_what_the_reads_run_on():
+    data, _ = report()
+    assert data["checksums"] == {"crc32": native.CRC32_KIND}
+    on_the_cpu = native.CRC32_KIND in ("vpclmulqdq", "pclmul", "arm-crc32")
+    assert check(data, "checksums")["status"] == ("ok" if on_the_cpu else "note")
+    assert native.CRC32_KIND in check(data, "checksums")["detail"]
+    if platform.machine() in ("x86_64", "AMD64", "arm64"):  # every such CPU has them (arm64: every Mac)
+        assert on_the_cpu
 
 
 def test_the_table_says_what_the_json_says():

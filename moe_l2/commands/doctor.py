@@ -201,6 +201,25 @@ def check_l2_pages(mounts: str | None = None) -> tuple[dict, list[Check]]:
                          "/dev/shm")]
 
 
+# What native/crc32.cpp runs on where the CPU has CRC instructions it can use (_native.CRC32_KIND).
+CPU_CRC32 = {"vpclmulqdq": "512-bit carry-less multiplication", "pclmul": "128-bit carry-less multiplication",
+             "arm-crc32": "the CRC32 instructions"}
+
+
+def check_checksums() -> tuple[dict, list[Check]]:
+    """What record checksums run on: every checked read of the model files (the default) computes one."""
+    from moe_l2 import _native
+
+    kind = _native.CRC32_KIND
+    facts = {"crc32": kind}
+    if kind in CPU_CRC32:
+        return facts, [Check("checksums", "ok", f"records are checked with the CPU's CRC-32 ({CPU_CRC32[kind]}, "
+                                                f"{kind})")]
+    return facts, [Check("checksums", "note", f"records are checked with {kind} CRC-32 code: this CPU has no CRC "
+                         "instructions the build can use, so a checked read of the model files (the default, "
+                         "--verify-checksums file) costs several times what it does with them")]
+
+
 def check_model(text: str, budget: int | None) -> tuple[dict, list[Check], int | None]:
     """Direct I/O on the model's filesystem, a short read of its largest file, and the plan's split; returns the
     shared memory moe-l2d would take for this model at `budget` (None: the plan's), as its budget check counts it
@@ -339,6 +358,8 @@ def diagnose(args: argparse.Namespace) -> tuple[dict, list[Check]]:
     report["open_files"], found = check_open_files()
     checks += found
     report["l2_pages"], found = check_l2_pages()
+    checks += found
+    report["checksums"], found = check_checksums()
     checks += found
     report["runtime"], found = check_daemon(args.socket, args.timeout, report["locking"]["unlocked_pages_may_leave"])
     checks += found
