@@ -73,14 +73,15 @@ def bench_size(work: Path, hidden: int, moe_hidden: int, batch: int, repeat: int
             l3 = {v: per_fetch(p, experts, repeat, "l3_reads") for v, p in files_only.items()}
             # CRC-32 alone, over one record's worth of bytes held in memory, each way in turn.
             data = files.read_record(0, 0)
+            narrow = "the CPU's, 128-bit"
             ways = {f"the CPU's ({_native.CRC32_KIND})": lambda: _native.crc32(data), "zlib's": lambda: zlib.crc32(data)}
             if _native.CRC32_KIND == "vpclmulqdq":  # the same CPU folding 128 bits at a time
-                ways["the CPU's, 128-bit"] = lambda: _native.crc32(data)
+                ways[narrow] = lambda: _native.crc32(data)
             times: dict = {way: [] for way in ways}
             try:
                 for _ in range(repeat):
                     for way, fn in ways.items():
-                        _native._crc32_use_narrow(way == "the CPU's, 128-bit")
+                        _native._crc32_use_narrow(way == narrow)
                         times[way].append(_timed(fn))
             finally:
                 _native._crc32_use_narrow(False)

@@ -214,6 +214,17 @@ def loaders_read(files: ModelFiles, fds: list[int], layer: int, experts: list[in
     return time.perf_counter() - began
 
 
+def rows_read(files: ModelFiles, fds: list[int], pool: ExpertPool, layer: int, experts: list[int],
+              threads: int) -> float:
+    """Seconds for the native read of the experts' records into the first rows of the pool's layer (free: the
+    section evicts what it fetches), without the pool's fetch around it."""
+    lp = pool.layers[layer]
+    targets = [(e, [(lp.buffers[p.key], r * p.nbytes) for p in lp.pieces]) for r, e in enumerate(experts)]
+    began = time.perf_counter()
+    files.read_into_rows(fds, layer, targets, threads=threads)
+    return time.perf_counter() - began
+
+
 def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: int) -> dict:
     """Section 4's medians: {batch: {config: (MiB/s, over raw)}}; config (threads, unit) or "loaders"."""
     rng = random.Random(seed)
@@ -256,23 +267,17 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                         _native._scatter_straight(mode != "copied")
                         _native._crc32_use_narrow(mode == "crc 128b")
                         if mode == "no pool":
-                            lp = pool.layers[layer]
-                            targets = [(e, [(lp.buffers[p.key], r * p.nbytes) for p in lp.pieces])
-                                       for r, e in enumerate(experts)]
+                            took = rows_read(files, fds, pool, layer, experts, threads)
+                        else:
                             began = time.perf_counter()
-                            files.read_into_rows(fds, layer, targets, threads=threads)
-                            speed[batch][config].append(batch * record / (time.perf_counter() - began))
-                            over[batch][config].append(speed[batch][config][-1] / raw)
-                            continue
-                        began = time.perf_counter()
-                        pool.fetch(layer, experts)
-                        if mode == "crc after":
-                            lp = pool.layers[layer]
-                            for e, r in zip(experts, lp.rows_for(experts)):
-                                files.check_record(layer, e, lp.checksum(r), "the model file")
-                        took = time.perf_counter() - began
-                        for e in experts:
-                            pool.evict(layer, e)
+                            pool.fetch(layer, experts)
+                            if mode == "crc after":
+                                lp = pool.layers[layer]
+                                for e, r in zip(experts, lp.rows_for(experts)):
+                                    files.check_record(layer, e, lp.checksum(r), "the model file")
+                            took = time.perf_counter() - began
+                            for e in experts:
+                                pool.evict(layer, e)
                     speed[batch][config].append(batch * record / took)
                     over[batch][config].append(batch * record / took / raw)
     finally:
