@@ -2,9 +2,8 @@
 // modulo the polynomial, which lets each read thread checksum its own part of a record), zlib's own where the
 // build found it (CMakeLists.txt), and the CPU's where it has one, which the reads then use: carry-less
 // multiplication on x86-64 (PCLMULQDQ, or VPCLMULQDQ with AVX-512, detected at run time), the CRC32 instructions
-// on arm64. A record's CRC
-// at zlib's speed here was most of what a checked miss cost beyond its read (docs/benchmarks.md, "Cold
-// misses").
+// on arm64. A record's CRC at zlib's speed here was most of what a checked miss cost beyond its read
+// (docs/benchmarks.md, "Cold misses").
 
 #include "crc32.h"
 
@@ -137,6 +136,11 @@ MOE_L2_CLMUL_TARGET inline __m128i load(const std::byte* p) {
   return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
 }
 
+// k1 (low) and k2 (high): a lane carried forward 512 bits, by the 128-bit and the 512-bit folding alike.
+MOE_L2_CLMUL_TARGET inline __m128i k1k2() {
+  return _mm_set_epi64x(0x1c6e41596, 0x154442bd4);
+}
+
 // x's low half times k's low half, plus x's high half times k's high half, plus next.
 MOE_L2_CLMUL_TARGET inline __m128i fold(__m128i x, __m128i k, __m128i next) {
   return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11)), next);
@@ -146,13 +150,13 @@ MOE_L2_CLMUL_TARGET inline __m128i fold(__m128i x, __m128i k, __m128i next) {
 // 64-byte blocks from data on, then the 16-byte ones, and reduces. n is a multiple of 16.
 MOE_L2_CLMUL_TARGET uint32_t clmul_finish(__m128i x0, __m128i x1, __m128i x2, __m128i x3, const std::byte* data,
                                           size_t n) {
-  const __m128i k1k2 = _mm_set_epi64x(0x1c6e41596, 0x154442bd4);
+  const __m128i k512 = k1k2();
   const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);
   for (; n >= 64; n -= 64, data += 64) {
-    x0 = fold(x0, k1k2, load(data));
-    x1 = fold(x1, k1k2, load(data + 16));
-    x2 = fold(x2, k1k2, load(data + 32));
-    x3 = fold(x3, k1k2, load(data + 48));
+    x0 = fold(x0, k512, load(data));
+    x1 = fold(x1, k512, load(data + 16));
+    x2 = fold(x2, k512, load(data + 32));
+    x3 = fold(x3, k512, load(data + 48));
   }
   x0 = fold(fold(fold(x0, k3k4, x1), k3k4, x2), k3k4, x3);
   for (; n >= 16; n -= 16, data += 16) {
@@ -190,7 +194,7 @@ MOE_L2_VCLMUL_TARGET inline __m512i fold512(__m512i x, __m512i k, __m512i next) 
 
 MOE_L2_VCLMUL_TARGET uint32_t crc32_vclmul(uint32_t crc, const std::byte* data, size_t n) {
   const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1322d1430, 0x11542778a));
-  const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1c6e41596, 0x154442bd4));
+  const __m512i k512 = _mm512_broadcast_i32x4(k1k2());
   __m512i x0 = _mm512_xor_si512(load512(data), _mm512_inserti32x4(_mm512_setzero_si512(),
                                                                    _mm_cvtsi32_si128(int(~crc)), 0));
   __m512i x1 = load512(data + 64), x2 = load512(data + 128), x3 = load512(data + 192);
