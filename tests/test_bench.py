@@ -249,6 +249,13 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def _described(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid}: {' '.join(proc.cmdline())}"
+    except psutil.NoSuchProcess:  # it ended (a zombie included) since it was seen alive
+        return f"{proc.pid}: ended"
+
+
 def _started(bench: psutil.Process, module: str) -> list[psutil.Process]:
     found = []
     for child in bench.children(recursive=True):
@@ -317,8 +324,8 @@ def test_an_interrupted_bench_leaves_nothing_behind(tiny, tmp_path, config, how)
             assert "stopped by" in err and "Traceback" not in err, err
         # Killed outright, the bench removed nothing: its children saw it die and end (the daemon unlinking its
         # segments as it does on SIGTERM), and the cgroup's keeper removes the group once they have.
-        wait_for(lambda: not any(_alive(p) for p in started), 60,
-                 f"the end of {[(p.pid, p.cmdline()) for p in started if _alive(p)]}")
+        wait_for(lambda: not any(_alive(p) for p in started), 60, "the end of the bench's children",
+                 detail=lambda: "\n".join(_described(p) for p in started if _alive(p)))
         wait_for(lambda: not any(segment_exists(name) for name in segments), 30, "the segments' unlinking")
         if sys.platform == "linux":
             assert not {name.lstrip("/") for name in segments} & {p.name for p in Path("/dev/shm").iterdir()}
