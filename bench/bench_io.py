@@ -219,7 +219,7 @@ def rows_read(files: ModelFiles, fds: list[int], pool: ExpertPool, layer: int, e
     """Seconds for the native read of the experts' records into the first rows of the pool's layer (free: the
     section evicts what it fetches), without the pool's fetch around it."""
     lp = pool.layers[layer]
-    targets = [(e, [(lp.buffers[p.key], r * p.nbytes) for p in lp.pieces]) for r, e in enumerate(experts)]
+    targets = [(e, lp.places(r)) for r, e in enumerate(experts)]
     began = time.perf_counter()
     files.read_into_rows(fds, layer, targets, threads=threads)
     return time.perf_counter() - began

@@ -94,13 +94,13 @@ def main() -> None:
 
         src = att.data[0].view()
         slots = [slot_index.slot_of(e) for e in experts]
-        dsts = {key: buf.view() for key, buf in lp.buffers.items()}
+        places = [[(dst.view(), at) for dst, at in lp.places(row)] for row in rows]
 
         def memcpy():
-            for slot, row in zip(slots, rows):
+            for slot, row_places in zip(slots, places):
                 base = slot * g.slot_stride
-                for p in lp.pieces:
-                    dsts[p.key][row * p.nbytes:(row + 1) * p.nbytes] = src[base + p.offset:base + p.offset + p.nbytes]
+                for p, (dst, at) in zip(lp.layout.pieces, row_places):
+                    dst[at:at + p.nbytes] = src[base + p.offset:base + p.offset + p.nbytes]
 
         t_l2 = best_of(l2_copy, args.repeat)
         t_one = best_of(lambda: l2_copy(1), args.repeat)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from moe_l2.model.records import RecordLayout
+from moe_l2.model.records import RecordLayout, row_strides
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class L2View:
             for p in self.layout.pieces:
                 dtype = getattr(mx, p.dtype)
                 views[p.key] = data.array(p.offset, [self.attachment.slots[layer], *p.shape],
-                                          _row_major(g.slot_stride // dtype.size, p.shape), dtype)
+                                          row_strides(g.slot_stride // dtype.size, p.shape), dtype)
             self._arrays[layer] = views
         return views
 
@@ -86,11 +86,3 @@ class L2View:
         """Per lent expert: whether its slot was not written since it was lent (call once the computation
         that read it is evaluated)."""
         return self.attachment.slot_indexes[loan.layer].check(list(loan.slots), list(loan.seqs))
-
-
-def _row_major(first: int, shape) -> list[int]:
-    """Strides, in items, of [n, *shape] with rows `first` items apart and each row's piece row-major."""
-    strides = [1] * len(shape)
-    for k in range(len(shape) - 2, -1, -1):
-        strides[k] = strides[k + 1] * shape[k + 1]
-    return [first, *strides]

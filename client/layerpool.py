@@ -7,18 +7,22 @@ of the least recently used expert of any layer outside the batch it is making re
 only catches L2's misses while the layers compute on L2 in place: a few rows in all instead of top-k rows in
 every layer leave the memory to the shared L2 (docs/architecture.md, "Client pool (L0)").
 
+Rows are laid out as L2's slots are: one buffer, each row a whole record (its pieces where the record layout puts
+them), and per record piece one array over every row with the row's size as its first stride (mx.gather_qmm takes
+one weight array, and needs only its last two dimensions contiguous). A miss is then one read into one run of
+memory, as moe-l2d's loaders read into a slot, and a copy from L2 one memcpy per record.
+
 Grown on demand (`ExpertPool(grow=True)`), rows start at the model's top-k (one token's experts) and grow by
-GROWTH while the working set outgrows them, up to the ceiling; only at the ceiling is an expert evicted. Rows are
-one array per record piece (mx.gather_qmm takes one weight array), so growing reallocates: new buffers of more
-rows, the old rows copied in, the new arrays published under the lock. The old buffers are never written again,
-and stay alive while anything still references them (every array is a view that keeps its allocation:
-native/memory.cpp), so queued MLX work and the unevaluated tail of a forward read what they were given; a
-layer's rows are written by one thread at a time (a fetch settles the layer's prefetch first; with shared rows,
-a fetch that grows them settles every layer's), after it took them, so no write lands in a buffer that a growth
-left behind.
+GROWTH while the working set outgrows them, up to the ceiling; only at the ceiling is an expert evicted. Growing
+reallocates: a new buffer of more rows, the old rows copied in, the new arrays published under the lock. The
+old buffer is never written again, and stays alive while anything still references it (every array is a view
+that keeps its allocation: native/memory.cpp), so queued MLX work and the unevaluated tail of a forward read
+what they were given; a layer's rows are written by one thread at a time (a fetch settles the layer's prefetch
+first; with shared rows, a fetch that grows them settles every layer's), after it took them, so no write lands
+in a buffer that a growth left behind.
 
 Side rows (`side`, for next-layer prefetch: docs/architecture.md, "Next-layer prefetch") are rows past the
-demand ceiling, in the same buffers, that hold guesses only: take_rows never hands one out and no demand miss
+demand ceiling, in the same buffer, that hold guesses only: take_rows never hands one out and no demand miss
 evicts one, so a wrong guess costs no demand hit. A right guess is promoted by swapping rows: the expert's
 side row becomes a demand row in the slot table, and the demand row take_rows gave it becomes a side row; no
 byte moves. A row that leaves demand so is written by no guess until the pool's next synchronize (`demote`,
@@ -42,7 +46,8 @@ from moe_l2 import _native
 from moe_l2.cache.heat import Heat, pin_limit
 from moe_l2.cache.policy import make_policy
 from moe_l2.model import ModelFiles
-from moe_l2.model.records import record_checksum
+from moe_l2.layout import align, page_size
+from moe_l2.model.records import row_strides
 
 # How much a pool's rows grow at a time when every row is taken and it is below its ceiling: as the resident
 # pool of the MLX streaming runtime that moe-l2 grew from.
@@ -63,18 +68,20 @@ class Synchronizes:
 
 
 class Rows:
-    """Rows per record piece, `start` demand rows at first and at most `ceiling`, and `side` rows beside them for
-    guesses: C++-owned buffers, MLX arrays over them, the free rows and the lock of everything that uses them."""
+    """Records, `start` demand rows at first and at most `ceiling`, and `side` rows beside them for guesses: a
+    C++-owned buffer, an MLX array per record piece over it, the free rows and the lock of everything that uses
+    them."""
 
     def __init__(self, files: ModelFiles, ceiling: int, start: int, side: int = 0,
                  syncs: Synchronizes | None = None):
         self.ceiling = ceiling
         self.side = side
-        self.pieces = files.layout.pieces
+        self.layout = files.layout
+        # As L2's slot stride (moe_l2/layout.py): each row starts on a page, as direct reads want.
+        self.stride = align(files.layout.nbytes, page_size())
         self.held = 0
-        self.buffers: dict = {}
+        self.buffer = None
         self.arrays: dict = {}
-        self.copy_pieces: list = []
         self.free: list[int] = []
         self.side_free: list[int] = []  # side rows no guess holds and nothing queued reads
         self._cooling: list[tuple[int, int]] = []  # (side row, the pool's synchronizes when it left demand)
@@ -94,13 +101,15 @@ class Rows:
         old = self.held
         # Every row is copied, side rows too (a guess held in one stays valid); the new rows are demand rows.
         old_total, total = (old + self.side if old else 0), rows + self.side
-        buffers = {p.key: _native.Buffer(total * p.nbytes) for p in self.pieces}
-        for p in self.pieces:
-            if old:
-                buffers[p.key].view()[:old_total * p.nbytes] = self.buffers[p.key].view()[:old_total * p.nbytes]
-        self.arrays = {p.key: buffers[p.key].array(0, [total, *p.shape], getattr(mx, p.dtype)) for p in self.pieces}
-        self.buffers = buffers
-        self.copy_pieces = [(p.offset, p.nbytes, buffers[p.key]) for p in self.pieces]
+        buffer = _native.Buffer(total * self.stride)
+        if old:
+            buffer.view()[:old_total * self.stride] = self.buffer.view()[:old_total * self.stride]
+        self.arrays = {}
+        for p in self.layout.pieces:
+            dtype = getattr(mx, p.dtype)
+            self.arrays[p.key] = buffer.array(p.offset, [total, *p.shape], dtype,
+                                              row_strides(self.stride // dtype.size, p.shape))
+        self.buffer = buffer
         if old:
             self.free[:0] = range(total - 1, old_total - 1, -1)  # taken from the end: the free rows before the new
         else:
@@ -108,8 +117,8 @@ class Rows:
             self.side_free[:] = range(total - 1, rows - 1, -1)
         self.held = rows
         if old:
-            # MLX keeps freed buffers in its cache (the old rows' smaller pieces), which would hold memory past
-            # the ceiling (docs/benchmarks.md, "L0 grown on demand"); those still referenced are freed later.
+            # MLX keeps freed buffers in its cache (the old rows), which would hold memory past the ceiling
+            # (docs/benchmarks.md, "L0 grown on demand"); those still referenced are freed later.
             mx.clear_cache()
 
     @property
@@ -180,8 +189,7 @@ class LayerPool:
                       else shared)
         self.capacity = self._rows.ceiling
         self.n_experts = files.n_experts
-        self.record_bytes = files.layout.nbytes
-        self.pieces = files.layout.pieces
+        self.layout = files.layout
         self._shared = shared
         self._free, self._lock = self._rows.free, self._rows.lock
         if shared is not None:
@@ -204,10 +212,10 @@ class LayerPool:
         """The rows this layer takes from (shared by every layer with a shared L0)."""
         return self._rows
 
-    @property
-    def buffers(self) -> dict:
-        """key -> the buffer of the piece's rows now (replaced when the rows grow)."""
-        return self._rows.buffers
+    def places(self, row: int) -> list[tuple]:
+        """(memory, offset) of each piece of a row now, in layout order, as the reads into rows take them."""
+        rows = self._rows
+        return [(rows.buffer, row * rows.stride + p.offset) for p in self.layout.pieces]
 
     @property
     def arrays(self) -> dict[str, mx.array]:
@@ -216,8 +224,9 @@ class LayerPool:
 
     @property
     def copy_pieces(self) -> list:
-        """(record offset, bytes, buffer) of each piece, as the native copy from L2 takes them."""
-        return self._rows.copy_pieces
+        """The rows as the native copy from L2 takes them: the whole record, once (a row holds it as a slot does)."""
+        rows = self._rows
+        return [(0, self.layout.nbytes, rows.buffer, rows.stride)]
 
     def holds(self, expert: int) -> bool:
         with self._lock:
@@ -386,7 +395,8 @@ class LayerPool:
 
     def checksum(self, row: int) -> int:
         """record_checksum of the record in a row (docs/formats.md, "Checksums")."""
-        return record_checksum(self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes] for p in self.pieces)
+        rows = self._rows
+        return self.layout.checksum(rows.buffer.view(), row * rows.stride)
 
     def row_of(self, expert: int) -> int:
         """The row holding the expert: its demand row, else the side row of its guess."""
@@ -397,7 +407,9 @@ class LayerPool:
         """The expert's record as L0 holds it, in demand or in a side row, laid out like ModelFiles.read_record
         (for verification)."""
         row = self.row_of(expert)
-        out = bytearray(self.record_bytes)
-        for p in self.pieces:
-            out[p.offset:p.offset + p.nbytes] = self.buffers[p.key].view()[row * p.nbytes:(row + 1) * p.nbytes]
+        rows = self._rows
+        view, base = rows.buffer.view(), row * rows.stride
+        out = bytearray(self.layout.nbytes)
+        for p in self.layout.pieces:  # the pieces only: padding between them is not the record's
+            out[p.offset:p.offset + p.nbytes] = view[base + p.offset:base + p.offset + p.nbytes]
         return bytes(out)

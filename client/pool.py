@@ -505,12 +505,12 @@ class ExpertPool:
         return False
 
     def _read_from_l3(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> list[int] | None:
-        """Read into the rows of each piece: stacked models piece by piece, packed ones in one read per expert
-        scattered into the rows, GGUF ones converted to MLX's layout on the way (see ModelFiles.read_into_rows).
+        """Read into the rows: stacked models piece by piece, packed ones in one read per expert straight into
+        its row, GGUF ones converted to MLX's layout on the way (see ModelFiles.read_into_rows).
         Returns the records' checksums where the format computed them as it read (packed), else None."""
         if not todo:
             return None
-        targets = [(expert, [(lp.buffers[p.key], row * p.nbytes) for p in lp.pieces]) for expert, row in todo]
+        targets = [(expert, lp.places(row)) for expert, row in todo]
         return self.files.read_into_rows(self._fds, layer, targets, threads=self.read_threads,
                                          checksums=self._check_file)
 

@@ -104,9 +104,10 @@ void init_memory(nb::module_& m) {
                              "C++-owned memory from MLX's allocator: page-aligned, zero-filled, "
                              "at a stable address, and the backing store of zero-copy arrays.")
       .def(nb::init<int64_t>(), "nbytes"_a)
-      .def("array", &Buffer::array, "offset"_a, "shape"_a, "dtype"_a,
-           "A zero-copy mlx.core.array over [offset, offset + prod(shape) * itemsize); the "
-           "array keeps the memory alive.")
+      .def("array", &Buffer::array, "offset"_a, "shape"_a, "dtype"_a, "strides"_a = std::vector<int64_t>{},
+           "A zero-copy mlx.core.array: element [i, j, ...] at offset + (i * strides[0] + ...) * "
+           "itemsize bytes (strides in items; row-major where none are given); the array keeps the "
+           "memory alive.")
       .def("__repr__", [](const Buffer& self) {
         return "<moe_l2._native.Buffer nbytes=" + std::to_string(self.nbytes()) + ">";
       });
@@ -187,8 +188,8 @@ void init_slot_index(nb::module_& m) {
            "Writer: end a fill that wrote no record (seq even, the slot left empty). Returns the new seq.")
       .def("clear", &SlotIndex::clear, "Writer: every expert absent, every slot empty (a new index).")
       .def("copy", &SlotIndex::copy, "pieces"_a, "experts"_a, "rows"_a, "threads"_a = 1,
-           "Copy the records of experts into rows of the pieces' destinations ((src_off, nbytes, dst) "
-           "each), checked by each slot's seqlock, on up to `threads` threads, with the GIL released. "
+           "Copy the records of experts into rows of the pieces' destinations ((src_off, nbytes, dst, "
+           "stride) each: row r at r * stride bytes of dst), checked by each slot's seqlock, on up to `threads` threads, with the GIL released. "
            "Result i is False where experts[i] is absent or was being filled (its rows may then be "
            "partly written).")
       .def("lend", &SlotIndex::lend, "experts"_a,

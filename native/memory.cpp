@@ -158,6 +158,48 @@ mx::array unbacked(mx::Shape shape, mx::Dtype dtype) {
                    std::move(shape), dtype);
 }
 
+// A view's shape and strides (in items; row-major where `strides_in` is empty), checked: the items it
+// spans from its first (0 when empty) and the flags MLX gives an array laid out so.
+struct ViewShape {
+  mx::Shape shape;
+  mx::Strides strides;
+  size_t span = 0;
+  mx::array::Flags flags{};
+};
+
+ViewShape view_shape(const char* fn, const std::vector<int64_t>& shape_in, const std::vector<int64_t>& strides_in) {
+  if (!strides_in.empty() && strides_in.size() != shape_in.size()) {
+    throw_value_error(fn, "shape and strides must be of one length");
+  }
+  size_t n = shape_in.size();
+  std::vector<size_t> strides(n);
+  size_t count = 1;  // items, and the stride a row-major layout would have at each dimension
+  size_t last = 0;   // the largest item index the view reaches
+  int64_t max_dim = 0;
+  bool row_major = true;
+  for (size_t k = n; k-- > 0;) {
+    int64_t d = shape_in[k];
+    if (d < 0 || d > std::numeric_limits<mx::ShapeElem>::max()) {
+      throw_value_error(fn, "shape dimension " + std::to_string(d) + " is out of range");
+    }
+    strides[k] = strides_in.empty() ? count : to_size(fn, "stride", strides_in[k]);
+    row_major = row_major && (d == 1 || strides[k] == count);
+    if (d > 0) {
+      last = checked_add(fn, last, checked_mul(fn, static_cast<size_t>(d - 1), strides[k]));
+    }
+    count = checked_mul(fn, count, static_cast<size_t>(d));
+    max_dim = std::max(max_dim, d);
+  }
+  ViewShape view;
+  for (size_t k = 0; k < n; ++k) {
+    view.shape.push_back(static_cast<mx::ShapeElem>(shape_in[k]));
+    view.strides.push_back(static_cast<int64_t>(strides[k]));
+  }
+  view.span = count == 0 ? 0 : checked_add(fn, last, 1);
+  view.flags = {row_major, row_major, row_major && (count <= 1 || count == static_cast<size_t>(max_dim))};
+  return view;
+}
+
 // Zero-filled, page-aligned bytes from MLX's allocator.
 std::shared_ptr<Region> allocate(int64_t nbytes_in) {
   const char* fn = "Buffer";
@@ -198,36 +240,19 @@ std::shared_ptr<Region> allocate(int64_t nbytes_in) {
 
 Buffer::Buffer(int64_t nbytes) : Memory(allocate(nbytes), false) {}
 
-mx::array Buffer::array(int64_t offset_in, const std::vector<int64_t>& shape_in,
-                        mx::Dtype dtype) const {
+mx::array Buffer::array(int64_t offset_in, const std::vector<int64_t>& shape_in, mx::Dtype dtype,
+                        const std::vector<int64_t>& strides_in) const {
   const char* fn = "Buffer.array";
   size_t itemsize = mx::size_of(dtype);
   size_t offset = item_offset(fn, offset_in, itemsize);
-  mx::Shape shape;
-  size_t count = 1;
-  int64_t max_dim = 0;
-  for (int64_t d : shape_in) {
-    if (d < 0 || d > std::numeric_limits<mx::ShapeElem>::max()) {
-      throw_value_error(fn, "shape dimension " + std::to_string(d) + " is out of range");
-    }
-    shape.push_back(static_cast<mx::ShapeElem>(d));
-    count = checked_mul(fn, count, static_cast<size_t>(d));
-    max_dim = std::max(max_dim, d);
-  }
-  check_range(fn, offset, checked_mul(fn, count, itemsize));
-
-  mx::Strides strides(shape.size(), 1);
-  for (size_t i = shape.size(); i-- > 1;) {
-    strides[i - 1] = strides[i] * shape[i];
-  }
-  // The flags MLX gives a fresh row-major array of this shape.
-  mx::array::Flags flags{true, true, count <= 1 || count == static_cast<size_t>(max_dim)};
+  ViewShape view = view_shape(fn, shape_in, strides_in);
+  check_range(fn, offset, checked_mul(fn, view.span, itemsize));
 
   auto region = std::static_pointer_cast<MlxRegion>(this->region(fn));
-  mx::array view = unbacked(std::move(shape), dtype);
-  view.copy_shared_buffer(region->anchor, strides, flags, count,
-                          static_cast<int64_t>(offset / itemsize));
-  return view;
+  mx::array array = unbacked(std::move(view.shape), dtype);
+  array.copy_shared_buffer(region->anchor, view.strides, view.flags, view.span,
+                           static_cast<int64_t>(offset / itemsize));
+  return array;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -528,27 +553,13 @@ mx::array Segment::array(int64_t offset_in, const std::vector<int64_t>& shape_in
   if (shape_in.empty() || shape_in.size() != strides_in.size()) {
     throw_value_error(fn, "shape and strides must be non-empty and of one length");
   }
-  mx::Shape shape;
-  mx::Strides strides;
-  size_t last = 0;  // the largest element index the view reaches
-  bool row_major = true;
-  size_t expect = 1;
-  for (size_t k = shape_in.size(); k-- > 0;) {
-    int64_t d = shape_in[k];
-    if (d < 1 || d > std::numeric_limits<mx::ShapeElem>::max()) {
+  for (int64_t d : shape_in) {
+    if (d < 1) {
       throw_value_error(fn, "shape dimension " + std::to_string(d) + " is out of range");
     }
-    size_t stride = to_size(fn, "stride", strides_in[k]);
-    last = checked_add(fn, last, checked_mul(fn, static_cast<size_t>(d - 1), stride));
-    row_major = row_major && (d == 1 || stride == expect);
-    expect = checked_mul(fn, expect, static_cast<size_t>(d));
   }
-  for (size_t k = 0; k < shape_in.size(); ++k) {
-    shape.push_back(static_cast<mx::ShapeElem>(shape_in[k]));
-    strides.push_back(strides_in[k]);
-  }
-  size_t span = checked_add(fn, last, 1);
-  check_range(fn, offset, checked_mul(fn, span, itemsize));
+  ViewShape view = view_shape(fn, shape_in, strides_in);
+  check_range(fn, offset, checked_mul(fn, view.span, itemsize));
 
   auto mapping = region(fn);
   mx::allocator::Buffer buffer = mx::allocator::make_buffer(mapping->data, mapping->nbytes);
@@ -570,11 +581,10 @@ mx::array Segment::array(int64_t offset_in, const std::vector<int64_t>& shape_in
         fn, "this MLX build cannot compute on shared memory in place (no Metal, not the CPU "
             "backend); copy the records instead"));
   }
-  mx::array::Flags flags{row_major, row_major, false};
-  mx::array view = unbacked(std::move(shape), dtype);
-  view.set_data(mx::allocator::Data(buffer, std::move(release)), span, std::move(strides), flags,
-                base + static_cast<int64_t>(offset));
-  return view;
+  mx::array array = unbacked(std::move(view.shape), dtype);
+  array.set_data(mx::allocator::Data(buffer, std::move(release)), view.span, std::move(view.strides), view.flags,
+                 base + static_cast<int64_t>(offset));
+  return array;
 }
 
 bool Segment::unlink(const std::string& name, int64_t owner) {

@@ -89,9 +89,10 @@ size_t huge_page_bytes();
 class Buffer : public Memory {
  public:
   explicit Buffer(int64_t nbytes);
-  // A zero-copy view of [offset, offset + prod(shape) * itemsize) that keeps the memory alive.
-  mlx::core::array array(int64_t offset, const std::vector<int64_t>& shape,
-                         mlx::core::Dtype dtype) const;
+  // A zero-copy view that keeps the memory alive: element [i, j, ...] at offset + (i * strides[0] +
+  // j * strides[1] + ...) * itemsize, row-major where strides is empty.
+  mlx::core::array array(int64_t offset, const std::vector<int64_t>& shape, mlx::core::Dtype dtype,
+                         const std::vector<int64_t>& strides = {}) const;
   std::string describe() const override { return "buffer"; }
 };
 

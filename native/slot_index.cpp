@@ -24,6 +24,7 @@ struct Piece {
   size_t src_off;
   size_t nbytes;
   std::byte* dst;
+  size_t stride;
 };
 
 struct Chunk {
@@ -224,20 +225,27 @@ std::vector<bool> SlotIndex::copy(const std::vector<CopyPiece>& pieces_in, const
   std::vector<std::shared_ptr<Region>> dst_regions;
   std::vector<Piece> pieces;
   for (size_t p = 0; p < pieces_in.size(); ++p) {
-    auto [src_off_in, nbytes_in, dst] = pieces_in[p];
+    auto [src_off_in, nbytes_in, dst, stride_in] = pieces_in[p];
     std::string what = "pieces[" + std::to_string(p) + "]";
     if (dst == nullptr) {
       throw_value_error(fn, what + " has no destination");
     }
     size_t src_off = to_size(fn, (what + " src_off").c_str(), src_off_in);
     size_t nbytes = to_size(fn, (what + " nbytes").c_str(), nbytes_in);
+    size_t stride = to_size(fn, (what + " stride").c_str(), stride_in);
     if (checked_add(fn, src_off, nbytes) > slot_stride_) {
       throw_value_error(fn, what + " [" + std::to_string(src_off) + ", " + std::to_string(src_off + nbytes) +
                                 ") overruns the " + std::to_string(slot_stride_) + "-byte slot");
     }
-    dst->check_range(fn, 0, checked_mul(fn, n_rows, nbytes));
+    if (stride < nbytes) {
+      throw_value_error(fn, what + ": rows " + std::to_string(stride) + " bytes apart cannot hold " +
+                                std::to_string(nbytes) + " bytes each");
+    }
+    if (n_rows > 0) {
+      dst->check_range(fn, checked_mul(fn, n_rows - 1, stride), nbytes);
+    }
     dst_regions.push_back(dst->region(fn, true));
-    pieces.push_back({src_off, nbytes, dst_regions.back()->data});
+    pieces.push_back({src_off, nbytes, dst_regions.back()->data, stride});
   }
 
   Layer at{index_region->data, slot_of_off_, meta_off_};
@@ -260,7 +268,7 @@ std::vector<bool> SlotIndex::copy(const std::vector<CopyPiece>& pieces_in, const
       const std::byte* record = src + size_t(slot) * slot_stride_;
       for (const Piece& p : pieces) {
         for (size_t off = 0; off < p.nbytes; off += kChunk) {
-          chunks.push_back({record + p.src_off + off, p.dst + size_t(rows[i]) * p.nbytes + off,
+          chunks.push_back({record + p.src_off + off, p.dst + size_t(rows[i]) * p.stride + off,
                             std::min(kChunk, p.nbytes - off)});
         }
       }

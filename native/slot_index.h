@@ -37,8 +37,9 @@ static_assert(sizeof(SlotMeta) == 16 && offsetof(SlotMeta, seq) == 4 && offsetof
 // One slot_of entry: an int32 slot number.
 constexpr size_t kSlotOfBytes = sizeof(int32_t);
 
-// (src_off, nbytes, dst): one piece of a record and the pool memory whose rows receive it.
-using CopyPiece = std::tuple<int64_t, int64_t, Memory*>;
+// (src_off, nbytes, dst, stride): bytes [src_off, src_off + nbytes) of a record, and the pool memory
+// whose rows receive them, row r at r * stride.
+using CopyPiece = std::tuple<int64_t, int64_t, Memory*, int64_t>;
 
 // One MoE layer's slots: its part of the index segment and, where the layer is served, its data segment.
 // Everything is bounds-checked once here; every operation takes the memory's region again, so a closed

@@ -137,6 +137,14 @@ def test_buffer_array_bounds_are_checked():
         buf.array(0, [-1, 4], mx.float32)
     with pytest.raises(ValueError, match=r"\[Buffer.array\] size overflow"):
         buf.array(0, [2**31 - 1] * 3, mx.float32)
+    # Strided: the last element of the last row bounds it, not rows times the row's size.
+    buf.array(0, [3, 4], mx.float32, strides=[24, 1])  # rows 96 bytes apart: items 0..51, 208 bytes
+    with pytest.raises(ValueError, match=r"\[Buffer.array\] bytes \[64, 272\) are outside"):
+        buf.array(64, [3, 4], mx.float32, strides=[24, 1])
+    with pytest.raises(ValueError, match=r"\[Buffer.array\] shape and strides must be of one length"):
+        buf.array(0, [3, 4], mx.float32, strides=[24])
+    with pytest.raises(ValueError, match=r"\[Buffer.array\] stride must be >= 0"):
+        buf.array(0, [3, 4], mx.float32, strides=[-4, 1])
 
 
 # --- HostBuffer -------------------------------------------------------------------------
@@ -344,7 +352,7 @@ def test_slot_index_fills_read_back_byte_exact(shm_name):
     assert [struct.unpack_from(META, index, store.meta + 16 * slot) for slot in range(4)] == \
         [(2, 2, 0xDEADBEEF, 0), (-1, 0, 0, 0), (-1, 0, 0, 0), (7, 2, 5, 0)]
     pool = native.Buffer(2 * store.stride)
-    assert store.copy([(0, store.stride, pool)], [7, 2], [0, 1]) == [True, True]
+    assert store.copy([(0, store.stride, pool, store.stride)], [7, 2], [0, 1]) == [True, True]
     assert bytes(pool.view()[: store.stride]) == records[7]
     assert bytes(pool.view()[store.stride :]) == records[2]
     lent = store.slots.lend([2, 7, 1])
@@ -358,7 +366,7 @@ def test_slot_index_fills_read_back_byte_exact(shm_name):
     assert store.fill(0, 5, record) == 4
     assert store.slots.slot_of(2) == -1 and store.slots.meta(0) == (5, 4, 0)
     assert store.slots.lend([2, 5]) == [(-1, 0), (0, 4)]
-    assert store.copy([(0, store.stride, pool)], [5, 2], [0, 1]) == [True, False]
+    assert store.copy([(0, store.stride, pool, store.stride)], [5, 2], [0, 1]) == [True, False]
     assert bytes(pool.view()[: store.stride]) == record
 
 
@@ -368,7 +376,7 @@ def test_slot_index_refuses_a_fill_in_progress(shm_name):
     store = Store(shm_name)
     store.fill(1, 4, b"\x04" * 64)
     pool = native.Buffer(64)
-    pieces = [(0, 64, pool)]
+    pieces = [(0, 64, pool, 64)]
     assert store.slots.begin_fill(1) == 3  # expert 4 is not evicted: slot_of still points at slot 1
     assert store.slots.slot_of(4) == 1 and store.slots.meta(1) == (-1, 3, 0)
     assert store.copy(pieces, [4], [0]) == [False]
@@ -453,7 +461,7 @@ def test_copy_copies_exact_bytes(shm_name):
     # Two pieces of the record into two pool buffers of 4 rows each.
     pieces_spec = [(0, 1000), (1024, 3000)]
     pools = [native.Buffer(4 * n) for _, n in pieces_spec]
-    pieces = [(off, n, pool) for (off, n), pool in zip(pieces_spec, pools)]
+    pieces = [(off, n, pool, n) for (off, n), pool in zip(pieces_spec, pools)]
     experts, rows = [6, 1, 5], [3, 0, 1]
     assert store.copy(pieces, experts, rows) == [True, True, True]
     for e, row in zip(experts, rows):
@@ -468,6 +476,26 @@ def test_copy_copies_exact_bytes(shm_name):
     assert bytes(memoryview(arr[2])) == records[5][:1000]
 
 
+def test_copy_into_rows_laid_out_as_slots(shm_name):
+    """L0's rows hold whole records a stride apart (client/layerpool.py): one piece, the whole record, lands in
+    each row at row * stride, and strided arrays over the rows see each piece of it."""
+    store = Store(shm_name)
+    records = {e: os.urandom(store.stride) for e in (2, 7)}
+    for slot, e in enumerate(records):
+        store.fill(slot, e, records[e])
+    nbytes, stride = store.stride - 512, store.stride + 4096  # a record shorter than the slot, rows further apart
+    rows = native.Buffer(3 * stride)
+    assert store.copy([(0, nbytes, rows, stride)], [7, 2], [2, 0]) == [True, True]
+    view = rows.view()
+    assert bytes(view[2 * stride:2 * stride + nbytes]) == records[7][:nbytes]
+    assert bytes(view[:nbytes]) == records[2][:nbytes]
+    assert bytes(view[stride:2 * stride]) == bytes(stride)  # row 1 untouched
+    assert bytes(view[nbytes:stride]) == bytes(stride - nbytes)  # and what lies past a record's bytes
+    piece = rows.array(1024, [3, 4, 100], mx.uint8, strides=[stride, 100, 1])  # a piece at offset 1024 of a record
+    for e, row in ((7, 2), (2, 0)):
+        assert bytes(memoryview(piece[row])) == records[e][1024:1424]
+
+
 def test_copy_on_threads_copies_exact_bytes(shm_name):
     """Records of several MiB go in 1 MiB chunks over threads: every byte lands in its row, an absent expert
     is reported as such."""
@@ -478,7 +506,7 @@ def test_copy_on_threads_copies_exact_bytes(shm_name):
         store.fill(slot, e, records[e])
     pieces_spec = [(0, (3 << 20) + 17), ((3 << 20) + 4096, (2 << 20) - 8192)]  # uneven last chunks
     pools = [native.Buffer(4 * n) for _, n in pieces_spec]
-    pieces = [(off, n, pool) for (off, n), pool in zip(pieces_spec, pools)]
+    pieces = [(off, n, pool, n) for (off, n), pool in zip(pieces_spec, pools)]
     experts, rows = [3, 1, 0, 2], [0, 1, 2, 3]
     assert store.copy(pieces, experts, rows, threads=4) == [True, False, True, True]
     for e, row in zip(experts, rows):
@@ -492,7 +520,7 @@ def test_copy_refuses_absent_busy_and_foreign_slots(shm_name):
     for e, slot in ((0, 0), (1, 1), (2, 2)):
         store.fill(slot, e, bytes([e + 1]) * 64)
     pool = native.Buffer(64 * 8)
-    pieces = [(0, 64, pool)]
+    pieces = [(0, 64, pool, 64)]
     assert store.copy(pieces, [3], [0]) == [False]  # slot_of is -1
     store.slots.begin_fill(1)  # a fill in progress: odd seq
     slot_of = store.SLOT_OF
@@ -509,7 +537,7 @@ def test_copy_refuses_absent_busy_and_foreign_slots(shm_name):
 def test_copy_bounds_are_checked(shm_name):
     store = Store(shm_name)
     pool = native.Buffer(64 * 4)
-    good = [(0, 64, pool)]
+    good = [(0, 64, pool, 64)]
 
     def bad(match, pieces=good, experts=(0,), rows=(0,), threads=1):
         with pytest.raises(ValueError, match=r"\[SlotIndex.copy\] " + match):
@@ -518,14 +546,16 @@ def test_copy_bounds_are_checked(shm_name):
     bad(r"experts\[0\] = 8 is outside \[0, 8\)", experts=[8])
     bad(r"experts\[1\] = -1", experts=[0, -1], rows=[0, 1])
     bad(r"rows\[0\] must be >= 0", rows=[-1])
-    bad(r"bytes \[0, 320\) are outside buffer", rows=[4])
+    bad(r"bytes \[256, 320\) are outside buffer", rows=[4])
     bad(r"experts and rows differ in length", experts=[0, 1])
     bad(r"threads must be >= 1, got 0", threads=0)
     stride = store.stride  # two pages: 8 KiB with 4 KiB pages, 32 KiB on Apple Silicon's 16 KiB pages
     bad(rf"pieces\[0\] \[{stride - 192}, {stride + 8}\) overruns the {stride}-byte slot",
-        pieces=[(stride - 192, 200, pool)])
+        pieces=[(stride - 192, 200, pool, 200)])
+    bad(r"pieces\[0\]: rows 32 bytes apart cannot hold 64 bytes each", pieces=[(0, 64, pool, 32)])
+    bad(r"bytes \[288, 352\) are outside buffer", pieces=[(0, 64, pool, 96)], rows=[3])
     ro = native.Segment.open(store.data.name)
-    bad(r"segment .* is read-only", pieces=[(0, 64, ro)])
+    bad(r"segment .* is read-only", pieces=[(0, 64, ro, 64)])
 
 
 # Another process (like the daemon) refills one slot with expert 1 until told to stop, through SlotIndex as the
@@ -571,7 +601,7 @@ def test_readers_never_take_a_torn_record(shm_name, record, threads, path):
     store = Store(shm_name, n_experts=2, n_slots=1, stride=record)
     store.fill(0, 1, bytes(record))
     pools = [native.Buffer(2 * half), native.Buffer(2 * half)]
-    pieces = [(0, half, pools[0]), (half, half, pools[1])]
+    pieces = [(0, half, pools[0], half), (half, half, pools[1], half)]
     read = (lambda: store.copy(pieces, [1], [1], threads=threads)[0]) if path == "copy" else \
         (lambda: lent_read(store, pools, half))
     args = [store.index.name, store.data.name, str(store.SLOT_OF), str(store.meta), str(record)]

@@ -89,9 +89,18 @@ class RecordLayout:
         ]
 
 
+def row_strides(first: int, shape) -> list[int]:
+    """Strides, in items, of an array [rows, *shape] over records `first` items apart, each row's piece
+    row-major: a piece of every slot of L2 or row of L0."""
+    strides = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        strides[k] = strides[k + 1] * shape[k + 1]
+    return [first, *strides]
+
+
 def record_checksum(pieces: Iterable) -> int:
     """A record's checksum: CRC-32 over its pieces' bytes, given in layout order, padding left out (the
-    same whether the pieces lie in one slot or in a pool's per-piece rows; docs/formats.md, "Checksums")."""
+    same wherever the pieces lie: a slot, a row of L0, a file; docs/formats.md, "Checksums")."""
     checksum = 0
     for piece in pieces:
         checksum = _native.crc32(piece, checksum)  # zlib.crc32's value, at the CPU's speed where it has one
