@@ -220,8 +220,9 @@ void init_pread(nb::module_& m) {
         "checksums"_a = false,
         "For each job (fd, file_offset, nbytes, pieces): the extent read in reads of at most "
         "`unit_bytes`, one preadv each, straight into the pieces (src_offset, nbytes, dst, dst_offset) "
-        "that a direct read can fill whole (any, on a buffered fd), the rest into aligned scratch memory "
-        "and copied out as it lands; on up to `threads` threads, with the GIL released. With "
+        "as far as a direct read can fill them (wholly, on a buffered fd; pieces that lie in one dst as "
+        "they lie in the file as one range, the bytes between them written there too), the rest into "
+        "aligned scratch memory and copied out as it lands; on up to `threads` threads, with the GIL released. With "
         "`checksums`, returns each job's CRC-32 over its pieces in order (as zlib.crc32 chained over "
         "them), computed as the bytes land; else [].");
   m.def("set_direct", &set_direct, "fd"_a, "enable"_a = true,

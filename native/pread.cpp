@@ -390,34 +390,70 @@ struct ScatterPlanPiece {
   size_t src_off;
   size_t nbytes;
   std::byte* dst;
-  bool straight = false;  // read into dst by its unit's preadv; else copied there out of the scratch
+  const Region* region;  // the memory dst lies in
 };
 
-// Which pieces can be read straight into their destination: any on a buffered fd, on a direct one
-// those whose file bytes and destination start and end on block boundaries (so the read stays a
-// direct one). A piece that shares bytes with another is copied, so that every piece copied out of
-// the scratch finds its bytes there. Returns the straight pieces in file order.
-std::vector<size_t> mark_straight(std::vector<ScatterPlanPiece>& pieces, size_t file_offset, bool direct) {
-  std::vector<size_t> order(pieces.size());
-  for (size_t p = 0; p < order.size(); ++p) {
-    order[p] = p;
+// Bytes [lo, hi) of a job (offsets in its extent) read straight into memory, byte lo landing at dst.
+struct StraightRange {
+  size_t lo;
+  size_t hi;
+  std::byte* dst;
+};
+
+// What of a job is read straight into its destinations: each run of pieces (in file order) that lie in
+// one memory as they lie in the file, the bytes between them included (a record's padding, into the
+// memory between its pieces: an L0 row laid out as the record is); on a direct fd only the part of the run
+// between block boundaries, where the memory is block-aligned too (so the read stays a direct one). The
+// rest (a run's unaligned ends, pieces that share bytes with another, so that every piece copied out of
+// the scratch finds its bytes there) is read into the scratch and copied out. In file order.
+std::vector<StraightRange> straight_ranges(const std::vector<ScatterPlanPiece>& pieces, size_t file_offset,
+                                           bool direct) {
+  std::vector<StraightRange> ranges;
+  if (!g_scatter_straight.load()) {
+    return ranges;
   }
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return pieces[a].src_off < pieces[b].src_off; });
-  std::vector<size_t> straight;
-  size_t reach = 0;  // the furthest end of the pieces before this one, in file order
-  for (size_t k = 0; k < order.size(); ++k) {
-    ScatterPlanPiece& piece = pieces[order[k]];
-    size_t end = piece.src_off + piece.nbytes;
-    bool shares = (k > 0 && reach > piece.src_off) || (k + 1 < order.size() && pieces[order[k + 1]].src_off < end);
-    reach = std::max(reach, end);
-    bool aligned = is_aligned(file_offset + piece.src_off) && is_aligned(piece.nbytes) &&
-                   is_aligned(reinterpret_cast<uintptr_t>(piece.dst));
-    if (piece.nbytes > 0 && !shares && (aligned || !direct) && g_scatter_straight.load()) {
-      piece.straight = true;
-      straight.push_back(order[k]);
+  std::vector<size_t> order;
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    if (pieces[p].nbytes > 0) {
+      order.push_back(p);
     }
   }
-  return straight;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return pieces[a].src_off < pieces[b].src_off; });
+  std::vector<bool> shares(order.size());
+  size_t reach = 0;  // the furthest end of the pieces before this one, in file order
+  for (size_t k = 0; k < order.size(); ++k) {
+    const ScatterPlanPiece& piece = pieces[order[k]];
+    size_t end = piece.src_off + piece.nbytes;
+    shares[k] = (k > 0 && reach > piece.src_off) || (k + 1 < order.size() && pieces[order[k + 1]].src_off < end);
+    reach = std::max(reach, end);
+  }
+  auto base = [](const ScatterPlanPiece& p) { return reinterpret_cast<uintptr_t>(p.dst) - p.src_off; };
+  for (size_t k = 0; k < order.size();) {
+    const ScatterPlanPiece& first = pieces[order[k]];
+    if (shares[k]) {
+      ++k;
+      continue;
+    }
+    size_t lo = first.src_off, hi = lo + first.nbytes;
+    for (++k; k < order.size() && !shares[k]; ++k) {
+      const ScatterPlanPiece& next = pieces[order[k]];
+      if (next.region != first.region || base(next) != base(first)) {
+        break;
+      }
+      hi = next.src_off + next.nbytes;
+    }
+    size_t from = lo, to = hi;
+    if (direct) {
+      size_t a = align_up(file_offset + lo), b = align_down(file_offset + hi);
+      if (a >= b || !is_aligned(base(first) + (a - file_offset))) {
+        continue;
+      }
+      from = a - file_offset;
+      to = b - file_offset;
+    }
+    ranges.push_back({from, to, first.dst + (from - lo)});
+  }
+  return ranges;
 }
 
 }  // namespace
@@ -432,7 +468,7 @@ std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int thr
     size_t first_unit;   // the job's units are [first_unit, first_unit + n_units) of `units`
     size_t n_units;
     std::vector<ScatterPlanPiece> pieces;
-    std::vector<size_t> straight;  // mark_straight's
+    std::vector<StraightRange> straight;  // straight_ranges'
   };
   // With checksums: the CRC-32 and length of each (unit, piece) overlap, combined per job in piece order
   // once every unit has landed: the record's checksum without a second pass over its bytes.
@@ -476,9 +512,9 @@ std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int thr
       }
       dst->check_range(fn, dst_off, n);
       regions.push_back(dst->region(fn, true));
-      job.pieces.push_back({src_off, n, regions.back()->data + dst_off});
+      job.pieces.push_back({src_off, n, regions.back()->data + dst_off, regions.back().get()});
     }
-    job.straight = mark_straight(job.pieces, file_offset, direct);
+    job.straight = straight_ranges(job.pieces, file_offset, direct);
     for (size_t done = 0; start + done < stop; done += unit) {
       size_t n = std::min(unit, stop - start - done);
       size_t need = std::min(n, end - (start + done));
@@ -505,9 +541,10 @@ std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int thr
   for (Unit& u : units) {
     u.dst = scratch.data() + reinterpret_cast<size_t>(u.dst);
   }
-  // A unit is one preadv: its bytes of the straight pieces into them, the rest (pieces that are not
-  // aligned, padding) into the scratch, from where its thread copies them out. A record whose pieces are
-  // all aligned is read as moe-l2d's loaders read one, with no copy (docs/benchmarks.md, "Cold misses").
+  // A unit is one preadv: its bytes of the straight ranges into them, the rest (unaligned ends, padding
+  // outside a run) into the scratch, from where its thread copies them out. A record read into an L0 row
+  // is read as moe-l2d's loaders read one into a slot, in one run of memory, copying at most its last
+  // block (docs/benchmarks.md, "Cold misses").
   auto read_scatter_unit = [&](const Unit& u) -> std::optional<OsError> {
     const Job& job = plan[u.job];
     const size_t lo = u.file_offset, hi = u.file_offset + u.nbytes;
@@ -515,17 +552,16 @@ std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int thr
       bool direct = u.fd->direct.load(std::memory_order_relaxed);
       std::vector<iovec> iov;
       size_t at = lo;
-      for (size_t p : job.straight) {
-        const ScatterPlanPiece& piece = job.pieces[p];
-        size_t from = std::max(lo, job.file_offset + piece.src_off);
-        size_t to = std::min(hi, job.file_offset + piece.src_off + piece.nbytes);
+      for (const StraightRange& range : job.straight) {
+        size_t from = std::max(lo, job.file_offset + range.lo);
+        size_t to = std::min(hi, job.file_offset + range.hi);
         if (from >= to) {
           continue;
         }
         if (from > at) {
           iov.push_back({u.dst + (at - lo), from - at});
         }
-        iov.push_back({piece.dst + (from - job.file_offset - piece.src_off), to - from});
+        iov.push_back({range.dst + (from - job.file_offset - range.lo), to - from});
         at = to;
       }
       if (at < hi) {
@@ -539,8 +575,8 @@ std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int thr
       return unit_result(fn, u, got);
     }
   };
-  // Each unit's thread checksums the bytes of the pieces that unit read and copies out those that are
-  // not straight, so that both overlap the other units' reads.
+  // Each unit's thread copies out the bytes of its pieces that no straight range put in place and
+  // checksums the pieces' bytes it read, so that both overlap the other units' reads.
   auto failure = run_parallel(units.size(), threads, [&](size_t i) -> std::optional<OsError> {
     const Unit& u = units[i];
     if (auto err = read_scatter_unit(u)) {
@@ -550,17 +586,28 @@ std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int thr
     size_t lo = u.file_offset, hi = u.file_offset + u.nbytes;
     for (size_t p = 0; p < job.pieces.size(); ++p) {
       const ScatterPlanPiece& piece = job.pieces[p];
-      size_t from = std::max(lo, job.file_offset + piece.src_off);
-      size_t to = std::min(hi, job.file_offset + piece.src_off + piece.nbytes);
-      if (from < to) {
-        std::byte* dst = piece.dst + (from - job.file_offset - piece.src_off);
-        const std::byte* src = piece.straight ? dst : u.dst + (from - lo);
-        if (checksums) {
-          parts[part_at[i] + p] = {crc32_update(0, src, to - from), to - from};
+      size_t start = job.file_offset + piece.src_off;  // the piece's first byte in the file
+      size_t from = std::max(lo, start);
+      size_t to = std::min(hi, start + piece.nbytes);
+      if (from >= to) {
+        continue;
+      }
+      size_t at = from;  // bytes before `at` are in place
+      for (const StraightRange& range : job.straight) {
+        size_t rlo = job.file_offset + range.lo, rhi = job.file_offset + range.hi;
+        if (rhi <= at || rlo >= to) {
+          continue;
         }
-        if (!piece.straight) {
-          std::memcpy(dst, src, to - from);
+        if (rlo > at) {
+          std::memcpy(piece.dst + (at - start), u.dst + (at - lo), rlo - at);
         }
+        at = rhi;
+      }
+      if (at < to) {
+        std::memcpy(piece.dst + (at - start), u.dst + (at - lo), to - at);
+      }
+      if (checksums) {
+        parts[part_at[i] + p] = {crc32_update(0, piece.dst + (from - start), to - from), to - from};
       }
     }
     return std::nullopt;

@@ -50,8 +50,9 @@ using ScatterPiece = std::tuple<int64_t, int64_t, Memory*, int64_t>;
 using ScatterJob = std::tuple<int, int64_t, int64_t, std::vector<ScatterPiece>>;
 
 // One read per job (split into units across threads, one preadv a unit): straight into the pieces
-// where the alignment of direct I/O allows (every piece on a buffered fd), the rest into aligned
-// scratch memory and copied to its pieces as it lands: a packed record into pool rows.
+// where the alignment of direct I/O allows (every piece on a buffered fd; pieces that lie in one memory
+// as in the file as one range, the bytes between them included), the rest into aligned scratch memory
+// and copied to its pieces as it lands: a packed record into an L0 row.
 // With checksums, returns each job's CRC-32 over its pieces in order (record_checksum), computed by
 // the read threads as the bytes land; else an empty list.
 std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int threads, int64_t unit_bytes,

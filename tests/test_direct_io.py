@@ -151,6 +151,41 @@ def test_pread_scatter_in_any_unit_scatters_exact_bytes_and_checksums_them(data,
     assert _native.pread_scatter(scatter, threads=2, unit_bytes=unit) == []  # none asked for
 
 
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("unit", [4096, 1 * MIB, 8 * MIB])
+def test_pread_scatter_into_rows_laid_out_as_the_file(data, direct, unit, straight):
+    """Pieces that lie in one buffer as they lie in the file (an L0 row: client/layerpool.py) are read as one range,
+    pieces of unaligned sizes and the padding between them included: every piece lands whole, the checksum leaves
+    the padding out, and nothing of the buffer before the first piece or after the last is written. A piece
+    elsewhere splits the run."""
+    _, payload, open_ = data
+    fd = open_(direct)
+    row = 7 * MIB
+    rows = _native.Buffer(3 * row)
+    rows.view()[:] = b"\xab" * (3 * row)
+    # gpt-oss-20b's pieces: unaligned sizes, 64-byte aligned offsets, padding between them
+    pieces = [(0, 4147200), (4147200, 259200), (4406400, 5760), (4412160, 4147200 // 2)]
+    extent = 4412160 + 4147200 // 2 + 7
+    other = _native.Buffer(MIB)
+    jobs = [
+        (fd, 4096, extent, [(o, n, rows, o) for o, n in pieces]),  # a record at an aligned place, into row 0
+        (fd, 3 * MIB + 64, extent, [(o, n, rows, row + 4096 + o) for o, n in pieces]),  # unaligned in file and row
+        (fd, 8 * MIB, extent, [(o, n, rows, 2 * row + o) for o, n in pieces[:2]]  # a piece elsewhere between two
+         + [(pieces[2][0], pieces[2][1], other, 100)] + [(pieces[3][0], pieces[3][1], rows, 2 * row + pieces[3][0])]),
+    ]
+    sums = _native.pread_scatter(jobs, threads=3, unit_bytes=unit, checksums=True)
+    view = rows.view()
+    for (_, offset, _, targets), checksum in zip(jobs, sums):
+        for o, n, dst, at in targets:
+            assert bytes(dst.view()[at:at + n]) == payload[offset + o:offset + o + n]
+        assert checksum == record_checksum(payload[offset + o:offset + o + n] for o, n, _, _ in targets)
+    last = pieces[-1][0] + pieces[-1][1]
+    assert bytes(view[last:row]) == b"\xab" * (row - last)
+    assert bytes(view[row:row + 4096]) == b"\xab" * 4096
+    assert bytes(view[row + 4096 + last:2 * row]) == b"\xab" * (row - 4096 - last)
+    assert bytes(view[2 * row + last:]) == b"\xab" * (row - last)
+
+
 def test_read_units_are_checked():
     for unit in (0, 100, 4097, 2 << 30):
         with pytest.raises(ValueError, match=r"^\[pread_scatter\] unit_bytes must be a multiple of 4096 from 4096 "
