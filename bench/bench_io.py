@@ -450,7 +450,8 @@ def page_cache_experiment(model: ModelFiles, work: Path, cgroup_mb: int) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="an mlx-lm MoE checkpoint to use (default: make one)")
+    parser.add_argument("--model", type=Path, help="an mlx-lm MoE checkpoint to use (default: make one), or a packed "
+                        "model with --queue-depth-only (the synthetic ones of `moe-l2 bench --geometry` are)")
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -479,8 +480,15 @@ def main() -> None:
                            hidden_size=args.hidden, moe_hidden_size=args.moe_hidden, bits=4)
         stacked = ModelFiles.open(src)
         packed_dir = work / "packed"
-        packed = ModelFiles.open(packed_dir) if (packed_dir / "config.json").exists() else \
-            pack(src, packed_dir, moe_l2_only=True, verify="none", progress=False)
+        if stacked.layout.packed:
+            if not args.queue_depth_only:
+                sys.exit(f"{src} is packed already: sections 1-3 compare it with the checkpoint it was packed "
+                         "from; give that, or add --queue-depth-only")
+            packed = stacked
+        elif (packed_dir / "config.json").exists():
+            packed = ModelFiles.open(packed_dir)
+        else:
+            packed = pack(src, packed_dir, moe_l2_only=True, verify="none", progress=False)
         print(f"model: {stacked.n_layers} MoE layers x {stacked.n_experts} experts, record "
               f"{format_size(stacked.layout.nbytes)} ({len(stacked.layout.pieces)} pieces); files in {work} "
               f"({shutil.disk_usage(work).free // MIB} MiB free there)\n")
