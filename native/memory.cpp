@@ -210,20 +210,18 @@ std::shared_ptr<Region> allocate(int64_t nbytes_in) {
   // Over-allocate so the usable range can start on a page boundary (O_DIRECT reads, page-granular
   // Metal wrapping; the CPU allocator's own pointers are only 8-byte aligned), and where huge pages
   // serve it (fresh_huge_pages), a buffer of one or more on a huge-page boundary, so that all of it
-  // gets them: the padding before it is not touched here, and its last huge page is whole (up to
-  // 2 MiB beyond nbytes), so that no row at its end is read into small pages.
+  // gets them: the padding before it is not touched here.
   size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   bool huge = huge_page_bytes() != 0 && nbytes >= huge_page_bytes() && !mx::cu::is_available();
   size_t align = huge ? huge_page_bytes() : page;  // CUDA's allocator hands out managed memory: left alone
-  size_t span = huge ? checked_add(fn, nbytes, align - 1) / align * align : nbytes;
-  mx::allocator::Data data = mx::allocator::malloc(checked_add(fn, span, align - 1));
+  mx::allocator::Data data = mx::allocator::malloc(checked_add(fn, nbytes, align - 1));
   auto* raw = static_cast<std::byte*>(data.buffer().raw_ptr());
   if (raw == nullptr) {
     throw std::bad_alloc();
   }
   size_t pad = (align - reinterpret_cast<uintptr_t>(raw) % align) % align;
   if (huge) {
-    fresh_huge_pages(raw + pad, span);
+    fresh_huge_pages(raw + pad, nbytes);
   }
   std::memset(raw + pad, 0, nbytes);
 
