@@ -216,13 +216,22 @@ def loaders_read(files: ModelFiles, fds: list[int], layer: int, experts: list[in
 
 def rows_read(files: ModelFiles, fds: list[int], pool: ExpertPool, layer: int, experts: list[int],
               threads: int) -> float:
-    """Seconds for the native read of the experts' records into the first rows of the pool's layer (free: the
-    section evicts what it fetches), without the pool's fetch around it."""
+    """Seconds for the native read of the experts' records into the rows the pool's next fetch would take (free:
+    the section evicts what it fetches), without the pool's fetch around it: the same memory as `fetch`'s."""
     lp = pool.layers[layer]
-    targets = [(e, lp.places(r)) for r, e in enumerate(experts)]
+    free = lp.rows.free  # take_rows hands out the last first
+    targets = [(e, lp.places(free[-1 - i])) for i, e in enumerate(experts)]
     began = time.perf_counter()
     files.read_into_rows(fds, layer, targets, threads=threads)
     return time.perf_counter() - began
+
+
+def next_rows(pool: ExpertPool, layer: int, n: int) -> None:
+    """Puts the n free rows the pool's next fetch would take (the ones just freed) last in line, so that round by
+    round the misses land in every row, as a full pool's victims do: on a VM, rows read at different speeds
+    (section 6; the part of a pool past its last whole huge page is on small pages)."""
+    free = pool.layers[layer].rows.free
+    free[:0] = [free.pop() for _ in range(n)]
 
 
 def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: int) -> dict:
@@ -278,6 +287,7 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                             took = time.perf_counter() - began
                             for e in experts:
                                 pool.evict(layer, e)
+                        next_rows(pool, layer, batch)
                     speed[batch][config].append(batch * record / took)
                     over[batch][config].append(batch * record / took / raw)
     finally:
