@@ -17,10 +17,12 @@
    round (the disk drifts), medians, each as MiB/s and over the raw read of its round; the client's rows: the read
    alone ("read"), with its default check against the manifest, CRCs computed by the read threads ("checked",
    the CPU's CRC where it has one), the same read through the scratch and copied into the rows ("copied", as
-   before aligned pieces were read straight into them; same pool, so same rows, as "checked"), with the CPU's
+   before pieces were read straight into them, and as pieces of sizes that are not whole blocks were before they
+   were read as one range; same pool, so same rows, as "checked"), with the CPU's
    CRC folding 128 bits at a time where it can fold 512 ("crc 128b"), with zlib's CRC ("zlib crc"), zlib's CRC
    of each record computed after every record was read ("crc after"), and the read alone without the pool
    around it ("no pool": the native read into free rows of the same pool, so what fetch itself costs shows).
+   Misses land in every row of a pool in turn, as a full pool's victims do.
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
 6. Where a direct read lands: one record read cold into each of several buffers, round by round, with how
