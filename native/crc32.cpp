@@ -304,14 +304,10 @@ uint32_t crc32_update(uint32_t crc, const std::byte* data, size_t n) {
     return crc32_library(crc, data, n);
   }
 #if MOE_L2_CRC32_CLMUL
-  if (n >= 256 && cpu_has_vclmul() && !narrow_only.load(std::memory_order_relaxed)) {
+  if (n >= 64 && cpu_has_clmul()) {
     size_t folded = n & ~size_t(15);
-    crc = crc32_vclmul(crc, data, folded);
-    data += folded;
-    n -= folded;
-  } else if (n >= 64 && cpu_has_clmul()) {
-    size_t folded = n & ~size_t(15);
-    crc = crc32_clmul(crc, data, folded);
+    bool wide = folded >= 256 && cpu_has_vclmul() && !narrow_only.load(std::memory_order_relaxed);
+    crc = wide ? crc32_vclmul(crc, data, folded) : crc32_clmul(crc, data, folded);
     data += folded;
     n -= folded;
   }
