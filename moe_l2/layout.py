@@ -55,6 +55,12 @@ def page_size() -> int:
     return mmap.PAGESIZE
 
 
+def record_stride(record_bytes: int) -> int:
+    """Bytes from one record to the next where records lie side by side in memory, each on a page: L2's slots,
+    L0's rows (client/layerpool.py)."""
+    return align(record_bytes, page_size())
+
+
 def slot_range(n_slots: int, n_short: int) -> str:
     """'8', or '7-8' where the last layers hold one fewer."""
     return f"{n_slots - 1}-{n_slots}" if n_short else str(n_slots)
@@ -112,7 +118,7 @@ class Geometry:
 
     @property
     def slot_stride(self) -> int:
-        return align(self.record_bytes, page_size())
+        return record_stride(self.record_bytes)
 
     @property
     def slot_of_base(self) -> int:

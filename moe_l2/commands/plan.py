@@ -12,7 +12,7 @@ from moe_l2.cache.replay import ReplayError, replay
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.client import options
 from moe_l2.client.options import DEFAULTS
-from moe_l2.layout import align, page_size, slot_range
+from moe_l2.layout import record_stride, slot_range
 from moe_l2.model import ModelFiles
 from moe_l2.ranges import parse_ranges
 from moe_l2.model.location import path_arg, resolve_model
@@ -74,7 +74,7 @@ def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, la
     if p.l2_slots:
         served = "" if layers is None else f" of the {sizes.l2_layers} MoE layers in decoder layers {layers}"
         lines.append(f"  L2, one shared copy     {format_size(p.l2_budget)}: {slot_range(p.l2_slots, p.l2_short)} "
-                     f"of {p.n_experts} experts per layer{served} (moe-l2d --budget {size_arg(p.l2_budget, align(sizes.record_bytes, page_size()))}"
+                     f"of {p.n_experts} experts per layer{served} (moe-l2d --budget {size_arg(p.l2_budget, record_stride(sizes.record_bytes))}"
                      + ("" if layers is None else f" --layers {layers}") + ")")
     else:
         lines.append("  L2                      nothing left: lower --processes or --kv, or free memory")
