@@ -18,10 +18,10 @@
    alone ("read"), with its default check against the manifest, CRCs computed by the read threads ("checked",
    the CPU's CRC where it has one), the same read through the scratch and copied into the rows ("copied", as
    before pieces were read straight into them, and as pieces of sizes that are not whole blocks were before they
-   were read as one range; same pool, so same rows, as "checked"), with the CPU's
-   CRC folding 128 bits at a time where it can fold 512 ("crc 128b"), with zlib's CRC ("zlib crc"), zlib's CRC
-   of each record computed after every record was read ("crc after"), and the read alone without the pool
-   around it ("no pool": the native read into free rows of the same pool, so what fetch itself costs shows).
+   were read as one range; same pool, so same rows, as "checked"), with the CPU's CRC folding 128 bits at a time
+   where it can fold 512 ("crc 128b"), with zlib's CRC ("zlib crc"), zlib's CRC of each record computed after
+   every record was read ("crc after"), and the read alone without the pool around it ("no pool": the native
+   read into free rows of the same pool, so what fetch itself costs shows).
    Misses land in every row of a pool in turn, as a full pool's victims do.
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
@@ -177,7 +177,7 @@ THREADS = (1, 2, 4, 8)
 LOADERS = 4  # moe-l2d's default --loader-threads: each reads one record on one thread
 # The read alone; with the default check of each record against the manifest, its CRC computed by the read
 # threads as the bytes land (the CPU's CRC where it has one: native/crc32.cpp); checked and read through the
-# scratch, every piece copied out of it into the rows, as before aligned pieces were read straight into them;
+# scratch, every piece copied out of it into the rows, as before pieces were read straight into them;
 # checked with the CPU's CRC folding 128 bits at a time, as before it folded 512 where the CPU can; checked with
 # zlib's CRC, as before the CPU's was used; checked as before that, the CRC of each record computed after all
 # were read; and the read alone without the pool around it (its native read into free rows of the same pool:
