@@ -21,7 +21,9 @@
    were read as one range; same pool, so same rows, as "checked"), with the CPU's CRC folding 128 bits at a time
    where it can fold 512 ("crc 128b"), with zlib's CRC ("zlib crc"), zlib's CRC of each record computed after
    every record was read ("crc after"), and the read alone without the pool around it ("no pool": the native
-   read into free rows of the same pool, so what fetch itself costs shows).
+   read into free rows of the same pool, so what fetch itself costs shows); and the raw read with each of its
+   reads checksummed after it lands ("raw checked"): the floor of a check that cannot overlap a read, as for a
+   lone miss on a disk that completes a record's parts together.
    Misses land in every row of a pool in turn, as a full pool's victims do.
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
@@ -186,10 +188,11 @@ MODES = {"read": "off", "checked": "file", "copied": "file", "crc 128b": "file",
          "crc after": "off", "no pool": "off"}
 
 
-def raw_read(files: ModelFiles, nbytes: int, rng: random.Random, buf) -> float:
+def raw_read(files: ModelFiles, nbytes: int, rng: random.Random, buf, check: bool = False) -> float:
     """Seconds to read `nbytes` of the largest model file (the experts') front to back from a random aligned
     place, direct, 8 MiB reads on one stream into `buf` (8 MiB, touched before): what the disk gives a
-    sequential reader of the same file the misses read."""
+    sequential reader of the same file the misses read. check: each read's bytes are checksummed after it
+    (the CPU's CRC, one pass over memory the disk just wrote, as a checked miss makes at least once)."""
     path = max(files.files, key=os.path.getsize)
     size = os.path.getsize(path)
     nbytes = -(-nbytes // 4096) * 4096  # direct reads are whole blocks
@@ -199,8 +202,12 @@ def raw_read(files: ModelFiles, nbytes: int, rng: random.Random, buf) -> float:
     try:
         _native.set_direct(fd, True)
         began = time.perf_counter()
+        view = buf.view()
         for off in range(start, start + nbytes, 8 * MIB):
-            _native.pread_records([(fd, off, min(8 * MIB, start + nbytes - off), buf, 0)], threads=1)
+            n = min(8 * MIB, start + nbytes - off)
+            _native.pread_records([(fd, off, n, buf, 0)], threads=1)
+            if check:
+                _native.crc32(view[:n])
         return time.perf_counter() - began
     finally:
         os.close(fd)
@@ -237,7 +244,8 @@ def next_rows(pool: ExpertPool, layer: int, n: int) -> None:
 
 
 def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: int) -> dict:
-    """Section 4's medians: {batch: {config: (MiB/s, over raw)}}; config (threads, unit) or "loaders"."""
+    """Section 4's medians: {batch: {config: (MiB/s, over raw)}}; config (threads, unit, mode), "loaders" or
+    "raw checked"."""
     rng = random.Random(seed)
     record = files.layout.nbytes
     # One pool per thread count and check: the modes that differ only in how they read share one, so that they
@@ -257,7 +265,7 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
             pool.fetch(layer, range(max(batches)))
             for e in range(max(batches)):
                 pool.evict(layer, e)
-    configs = [(t, u, m) for t in THREADS for u in UNITS for m in MODES] + ["loaders"]
+    configs = [(t, u, m) for t in THREADS for u in UNITS for m in MODES] + ["loaders", "raw checked"]
     speed: dict = {b: {c: [] for c in configs} for b in batches}
     over: dict = {b: {c: [] for c in configs} for b in batches}
     try:
@@ -270,6 +278,8 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                     drop(files.files)
                     if config == "loaders":
                         took = loaders_read(files, fds, layer, experts, loaders, slots)
+                    elif config == "raw checked":
+                        took = raw_read(files, batch * record, rng, buf, check=True)
                     else:
                         threads, unit, mode = config
                         pool = pools[threads, MODES[mode]]
@@ -401,6 +411,8 @@ def print_queue_depth(files: ModelFiles, result: dict, rounds: int) -> None:
                     f"{row[threads, u, mode][0] / MIB:11.0f} {row[threads, u, mode][1]:5.2f}x  " for u in UNITS))
         print(f"    moe-l2d's {LOADERS} loaders (one read a record): {row['loaders'][0] / MIB:.0f} MiB/s, "
               f"{row['loaders'][1]:.2f}x")
+        print(f"    the raw read, each 8 MiB read checksummed after it lands (what a check costs where it cannot "
+              f"overlap a read): {row['raw checked'][0] / MIB:.0f} MiB/s, {row['raw checked'][1]:.2f}x")
 
 
 def make_cgroup(limit: int):
