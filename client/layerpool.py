@@ -46,7 +46,6 @@ from moe_l2 import _native
 from moe_l2.cache.heat import Heat, pin_limit
 from moe_l2.cache.policy import make_policy
 from moe_l2.model import ModelFiles
-from moe_l2.layout import record_stride
 from moe_l2.model.records import row_strides
 
 # How much a pool's rows grow at a time when every row is taken and it is below its ceiling: as the resident
@@ -78,7 +77,7 @@ class Rows:
         self.side = side
         self.layout = files.layout
         # As L2's slot stride: each row starts on a page, as direct reads want.
-        self.stride = record_stride(files.layout.nbytes)
+        self.stride = files.layout.stride
         self.held = 0
         self.buffer = None
         self.arrays: dict = {}

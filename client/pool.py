@@ -222,7 +222,8 @@ class ExpertPool:
 
     @property
     def row_bytes(self) -> int:
-        return sum(p.nbytes for p in self.files.layout.pieces)
+        """The memory a row takes: its record on a page (client/layerpool.py, Rows)."""
+        return self.files.layout.stride
 
     def arrays(self, layer: int) -> dict[str, mx.array]:
         return self.layers[layer].arrays

@@ -189,7 +189,7 @@ def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str 
     if slots is not None and budget is not None:
         raise ValueError("give the L0 size as slots or as a budget, not both")
     if budget is not None:
-        per_slot = files.layout.nbytes * (1 if shared else n_layers)
+        per_slot = files.layout.stride * (1 if shared else n_layers)
         slots = parse_size(budget) // per_slot - side
         if slots < files.top_k:
             beside = f" beside {side} side rows {where} for prefetch" if side else ""

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
-from moe_l2.layout import BudgetError, Geometry
+from moe_l2.layout import BudgetError, Geometry, record_stride
 
 GiB = 1 << 30
 # Tests only: a JSON file {"total": bytes, "available": bytes} read instead of the machine's memory, where
@@ -95,8 +95,8 @@ class ModelSizes:
 
     @property
     def l0_slot_bytes(self) -> int:
-        """One L0 slot in every layer: L0 rows are records, not page-aligned slots."""
-        return self.n_layers * self.record_bytes
+        """One L0 row in every layer: rows lie as L2's slots do, each record on a page (client/layerpool.py)."""
+        return self.n_layers * record_stride(self.record_bytes)
 
     def l2_budget_for(self, slots: int) -> int:
         return Geometry.budget_for(self.n_layers, self.n_experts, self.record_bytes, slots, self.l2_layers)

@@ -70,7 +70,8 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
         assert c["peak_bytes"] > 0
     pread, moe = by_name["pread"], by_name["moe-l2"]
     # pread: the whole budget as L0, direct reads, so the kernel read at least what the pool read from the files.
-    assert pread["l0_experts"] == int(0.5 * 2 * 32 * record) // 2 // (2 * record)
+    # The budget is a share of the records; a row takes its record on a page.
+    assert pread["l0_experts"] == int(0.5 * 2 * 32 * record) // 2 // (2 * files.layout.stride)
     assert pread["counts"]["l2_hits"] == 0 and pread["l2_slots"] == 0 and pread["hit_rates"]["L2"] is None
     assert pread["disk_bytes"] >= pread["counts"]["bytes_read"] > 0
     # moe-l2: every L0 miss is looked up in L2, and the daemon's L2 served some of them.
@@ -166,7 +167,7 @@ def test_copied_l2_reads_give_l0_half_the_budget(tiny, capsys):
                  "--compute-ms", "0", "--warmup", "0", "--configs", "moe-l2", "--l2-reads", "copy", "--json"]) == 0
     moe = json.loads(capsys.readouterr().out)["configs"][0]
     files = ModelFiles.open(model)
-    assert moe["l0_experts"] == int(0.5 * 0.5 * 2 * 32 * files.layout.nbytes) // (2 * files.layout.nbytes)
+    assert moe["l0_experts"] == int(0.5 * 0.5 * 2 * 32 * files.layout.nbytes) // (2 * files.layout.stride)
     assert moe["counts"]["l2_lent"] == 0 and moe["counts"]["l2_hits"] > 0
     assert moe["counts"]["bytes_copied"] == moe["counts"]["l2_hits"] * files.layout.nbytes
 

@@ -110,7 +110,7 @@ def test_a_pool_for_a_stage_holds_only_its_layers(model_files):
     pool = ExpertPool(files, capacity=4, layers=[2, 1])
     try:
         assert sorted(pool.layers) == [1, 2]
-        assert pool.nbytes == 2 * 4 * files.layout.nbytes
+        assert pool.nbytes == 2 * 4 * files.layout.stride
         pool.fetch(2, [0, 1, 2, 3])
         assert pool.layers[2].record(2) == files.read_record(2, 2)
         with pytest.raises(KeyError):
@@ -120,7 +120,7 @@ def test_a_pool_for_a_stage_holds_only_its_layers(model_files):
     with pytest.raises(ValueError, match="non-empty subset"):
         ExpertPool(files, capacity=4, layers=[3])
     # A budget buys slots over the stage's layers only: a third of the layers, three times the slots.
-    budget = files.n_layers * files.layout.nbytes * files.top_k
+    budget = files.n_layers * files.layout.stride * files.top_k
     assert l0_slots_for(files, budget=str(budget), n_layers=1) == 3 * files.top_k
     assert l0_slots_for(files, budget=str(budget)) == files.top_k
 
@@ -140,7 +140,7 @@ def test_two_ranks_without_daemons_give_the_whole_models_tokens(model_dir, model
         else:
             assert r["daemon"]["address"] == f"ipc://{tmp_path}/{rank}.sock" and not r["daemon"]["attached"]
         assert r["l2_hits"] == 0 and r["l3_reads"] > 0
-        assert r["l0_ceiling_bytes"] == len(r["layers"]) * 6 * model_files.layout.nbytes  # L0 for its own layers only
+        assert r["l0_ceiling_bytes"] == len(r["layers"]) * 6 * model_files.layout.stride  # L0 for its own layers only
     assert s["expert_lookups"] == sum(r["expert_lookups"] for r in s["ranks"])
 
 

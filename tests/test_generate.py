@@ -170,7 +170,7 @@ def test_a_shared_l0_gives_the_same_tokens(capsys, running_daemon, model_dir, mo
     s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", running_daemon.socket,
                  "--l0-slots", str(model_files.top_k + 1), "--l0-shared")
     assert s["tokens"] == expected and s["l0_shared"]
-    assert s["l0_ceiling_bytes"] == (model_files.top_k + 1) * model_files.layout.nbytes >= s["l0_bytes"]
+    assert s["l0_ceiling_bytes"] == (model_files.top_k + 1) * model_files.layout.stride >= s["l0_bytes"]
 
 
 def test_with_a_shared_l0_prefetch_loads_guesses_into_side_rows_not_l2(capsys, daemon_factory, model_dir, model_files,

@@ -52,6 +52,10 @@ def test_rows_start_at_top_k_grow_by_half_and_evict_only_at_the_ceiling(model_fi
             expected.append(min(ceiling, math.ceil(expected[-1] * GROWTH)))
         assert sizes == expected == [4, 6, 9, 12]
         assert pool.rows_held()[1] == top_k  # the other layers did not grow
+        # What the pool says it holds is the memory its rows take (each a record on a page), within the ceiling.
+        held = sum(lp.rows.buffer.nbytes for lp in pool.layers.values())
+        assert held == pool.nbytes <= pool.ceiling_bytes
+        assert held > sum(lp.rows.total for lp in pool.layers.values()) * model_files.layout.nbytes
 
 
 def test_a_graph_built_before_the_rows_grow_still_reads_its_rows(model_files):
@@ -136,7 +140,7 @@ def test_a_short_prompt_holds_fewer_l0_rows_than_a_long_one(capsys, model_dir, m
     assert short["l0_slots"] == long["l0_slots"] == 16
     assert short["l0_rows"] < long["l0_rows"] <= ceiling == fixed["l0_rows"]
     assert short["l0_bytes"] < long["l0_bytes"] <= long["l0_ceiling_bytes"] == fixed["l0_bytes"]
-    assert short["l0_bytes"] == short["l0_rows"] * model_files.layout.nbytes
+    assert short["l0_bytes"] == short["l0_rows"] * model_files.layout.stride
     assert short["tokens"] == fixed["tokens"]
 
 

@@ -102,6 +102,6 @@ def test_a_hint_without_a_profile_is_an_answer_not_a_refused_request(running_dae
 def test_sizes_in_messages_are_human_readable(model_files):
     with pytest.raises(ValueError) as small:
         l0_slots_for(model_files, budget="1KiB")
-    need = model_files.top_k * model_files.n_layers * model_files.layout.nbytes
+    need = model_files.top_k * model_files.n_layers * model_files.layout.stride
     assert "an L0 budget of 1.0 KiB" in str(small.value) and str(need) not in str(small.value)
     assert str(small.value).endswith(f"give at least {format_size(need)}")

@@ -22,7 +22,7 @@ from moe_l2 import cli
 from moe_l2.cache.replay import order_sequences
 from moe_l2.cache.trace import read_traces
 from moe_l2.client.streamed_lm import StreamedLM, l0_slots_for
-from moe_l2.layout import Geometry
+from moe_l2.layout import Geometry, record_stride
 from moe_l2.plan import (DEFAULT_KV_BYTES, GiB, MEMORY_FILE_ENV, Memory, ModelSizes, default_l0_slots, os_headroom,
                          plan)
 from moe_l2.sizes import parse_size
@@ -52,7 +52,9 @@ def test_plenty_of_memory_caches_every_expert_with_the_default_l0():
     assert p.l2_slots == SIZES.n_experts
     assert p.l2_budget == SIZES.l2_budget_for(SIZES.n_experts)
     assert p.l0_slots == default_l0_slots(SIZES) == 8
-    assert p.l0_per_process == 8 * SIZES.n_layers * SIZES.record_bytes
+    # L0's rows lie as L2's slots, each record on a page: that, not the record, is what a row takes.
+    row = record_stride(SIZES.record_bytes)
+    assert p.l0_per_process == 8 * SIZES.n_layers * row and row > SIZES.record_bytes
     assert p.os_headroom == os_headroom(64 * GiB) == int(6.4 * GiB)
     assert p.kv_per_process == DEFAULT_KV_BYTES
     assert fits(p, SIZES)

@@ -164,7 +164,7 @@ def test_tokens_are_the_whole_models_with_a_shared_l0_and_side_rows(daemon_facto
 
 
 def test_the_side_rows_come_out_of_the_l0_budget(model_dir, model_files):
-    per_slot = model_files.layout.nbytes * model_files.n_layers
+    per_slot = model_files.layout.stride * model_files.n_layers
     budget = 12 * per_slot
     side = side_rows(model_files.top_k)
     with StreamedLM(model_dir, l0_budget=budget, daemon=False, shared_l0=False, prefetch="router") as lm:

@@ -266,7 +266,7 @@ def test_recorded_routing_is_the_routers_choice(model_dir, model_files):
 
 
 def test_l0_size_from_slots_or_budget(model_files):
-    per_slot = model_files.n_layers * model_files.layout.nbytes
+    per_slot = model_files.n_layers * model_files.layout.stride
     assert l0_slots_for(model_files, slots=6) == 6
     assert l0_slots_for(model_files, slots=1000) == model_files.n_experts
     assert l0_slots_for(model_files, budget=str(5 * per_slot + 1)) == 5

@@ -182,9 +182,10 @@ def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share
     """L0 rows per layer (or in all, shared_l0) and process, and L2's budget and slots (in all layers): the same
     memory for experts in every config. moe-l2+prefetch's side rows (client/prefetcher.py) come out of it too:
     out of L0's share where L0 has one, else out of L2's."""
-    record, layers = files.layout.nbytes, files.n_layers
-    budget = int(share * layers * files.n_experts * record)
-    row = record if shared_l0 else layers * record  # one L0 row: in all, or in every layer
+    layers = files.n_layers
+    budget = int(share * layers * files.n_experts * files.layout.nbytes)
+    # One L0 row, in all or in every layer: the memory it takes, as L2's budget counts its slots.
+    row = files.layout.stride * (1 if shared_l0 else layers)
     top_k = files.top_k
     side = side_rows(top_k) if config == "moe-l2+prefetch" else 0
     l2_budget = slots = 0
@@ -198,7 +199,7 @@ def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share
         # The daemon spends all of it: a remainder short of a slot in every layer buys slots in some layers.
         l2_budget = budget - processes * (capacity + side) * row
         try:
-            slots = Geometry.for_budget(layers, files.n_experts, record, l2_budget).total_slots
+            slots = Geometry.for_budget(layers, files.n_experts, files.layout.nbytes, l2_budget).total_slots
         except BudgetError:
             raise BudgetTooSmall(f"{config} at {format_pct(share)} with {processes} processes: the L0s take the "
                                  f"whole budget ({format_size(budget)}), leaving no L2 slot in every layer: lower "
@@ -323,7 +324,7 @@ def _round(files, config, plan, job, parts, passes, daemon, cgroup, limit: bool)
             # Warm, the clients' anonymous memory holds their L0 rows, the pool's read scratch and Python's heap;
             # the limit is that, plus what of the budget the L0s leave, plus a little room for the heap to grow
             # (a member past the limit with no page cache left is killed): the page cache gets the rest.
-            l0 = len(parts) * plan["capacity"] * (1 if plan["shared_l0"] else files.n_layers) * files.layout.nbytes
+            l0 = len(parts) * plan["capacity"] * (1 if plan["shared_l0"] else files.n_layers) * files.layout.stride
             cgroup.limit(cgroup.anon() + plan["budget"] - l0 + len(parts) * HEAP_ROOM)
         for _ in range(passes):
             if cgroup is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from moe_l2 import _native
+from moe_l2.layout import record_stride
 
 __all__ = ["ALIGN", "PACK_ALIGN", "FORMATS", "Piece", "RecordLayout", "RecordReader", "hash_part", "pread_plain",
            "record_checksum"]
@@ -62,6 +63,12 @@ class RecordLayout:
     @property
     def packed(self) -> bool:
         return self.format == "packed"
+
+    @property
+    def stride(self) -> int:
+        """Bytes a record takes where records lie side by side in memory, each on a page: an L2 slot, an L0 row
+        (what L0 budgets count)."""
+        return record_stride(self.nbytes)
 
     @property
     def span(self) -> int:
