@@ -136,7 +136,7 @@ def test_a_shared_l0_gives_rows_to_any_layer_and_evicts_the_least_recently_used(
     pool = ExpertPool(model_files, capacity=4, shared_l0=True)
     try:
         l0, l1 = pool.layers[0], pool.layers[1]
-        assert pool.arrays(0) is pool.arrays(1) and pool.nbytes == 4 * model_files.layout.nbytes
+        assert pool.arrays(0) is pool.arrays(1) and pool.nbytes == 4 * model_files.layout.stride
         pool.fetch(0, [1, 2])
         pool.fetch(1, [5])
         assert l1.has_room_for([6]) and not l1.has_room_for([6, 7])  # one row left in all

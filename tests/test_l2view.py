@@ -277,7 +277,7 @@ def test_a_shared_l0_streams_the_whole_models_tokens_with_and_without_a_daemon(d
         # Without load-through, so that the cold misses are read from the file.
         with StreamedLM(model_dir, l0_slots=model_files.top_k, socket=daemon.socket, client_wait_s=5,
                         shared_l0=True, load_through_ms=0) as lm:
-            assert lm.pool.nbytes == model_files.top_k * model_files.layout.nbytes
+            assert lm.pool.nbytes == model_files.top_k * model_files.layout.stride
             assert greedy(lm.model, lm.tokenizer) == expected
             # Cold, prefill batches needed more experts than the rows in all; warm, L2 lent them all.
             assert (lm.stats.chunked_calls > 0) != warm_l2
