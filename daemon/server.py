@@ -38,8 +38,10 @@ CLIENT_TIMEOUT_S = 30.0
 # hello), so hellos from ever new identities cannot grow the table.
 MAX_CLIENTS = 1024
 # Messages taken off the socket before the next slice of report work, and the length of that slice. A
-# connection's pipe holds PIPE_MESSAGES: while messages flow, the batch waits up to REFILL_MS for libzmq to refill
-# it, so that a client's heartbeat behind its own reports is read (and answered) within a few batches.
+# connection's pipe holds PIPE_MESSAGES: while messages flow (the batch took a pipe's worth), it waits up to
+# REFILL_MS for libzmq to refill it, so that a client's heartbeat behind its own reports is read (and answered)
+# within a few batches. A batch of fewer goes to its work at once: a lone report may have a client waiting on
+# its misses (load-through), and waiting for a refill that does not come cost each such miss 1 ms.
 RECEIVE_BATCH = 64
 WORK_SLICE_S = 0.01
 REFILL_MS = 1
@@ -135,11 +137,14 @@ class Server:
         while not should_stop():
             if self._work or poller.poll(100):
                 self.notices.send_due(self._send)
+                taken = 0
                 for _ in range(RECEIVE_BATCH):
                     message = self._receive()
-                    if message is None and not (self._work and self._socket.poll(REFILL_MS)):
+                    flowing = self._work and taken >= PIPE_MESSAGES
+                    if message is None and not (flowing and self._socket.poll(REFILL_MS)):
                         break
                     if message is not None:
+                        taken += 1
                         self._handle(*message)
                 self._run_work(WORK_SLICE_S)
             self._expire_clients()
