@@ -23,7 +23,9 @@
    every record was read ("crc after"), and the read alone without the pool around it ("no pool": the native
    read into free rows of the same pool, so what fetch itself costs shows); and the raw read with each of its
    reads checksummed after it lands ("raw checked"): the floor of a check that cannot overlap a read, as for a
-   lone miss on a disk that completes a record's parts together.
+   lone miss on a disk that completes a record's parts together. And a real moe-l2d serving the model
+   ("load-through": a pool with a daemon fetches misses L2 lacks, which the daemon reads and announces and the
+   pool copies: what a process with a daemon waits for on a cold miss, its report and notice included).
    Misses land in every row of a pool in turn, as a full pool's victims do.
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
@@ -53,7 +55,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moe_l2 import _native
+from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
+from moe_l2.daemon.process import DaemonProcess
+from moe_l2.layout import Geometry
 from moe_l2.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.packer import pack
@@ -177,6 +182,7 @@ print(json.dumps({"before": before, "after": after, "model_cached": sum(cached(p
 UNITS = (8 * MIB, 1 * MIB, 256 << 10)
 THREADS = (1, 2, 4, 8)
 LOADERS = 4  # moe-l2d's default --loader-threads: each reads one record on one thread
+LOAD_THROUGH_S = 2.0  # so long that every miss of "load-through" is the daemon's read, none the pool's own
 # The read alone; with the default check of each record against the manifest, its CRC computed by the read
 # threads as the bytes land (the CPU's CRC where it has one: native/crc32.cpp); checked and read through the
 # scratch, every piece copied out of it into the rows, as before pieces were read straight into them;
@@ -235,6 +241,19 @@ def rows_read(files: ModelFiles, fds: list[int], pool: ExpertPool, layer: int, e
     return time.perf_counter() - began
 
 
+def through_read(files: ModelFiles, pool: ExpertPool, layer: int, batch: int, rng: random.Random) -> float | None:
+    """Seconds for a pool with a daemon to fetch `batch` experts L2 lacks, each loaded through (reported, read by
+    moe-l2d into L2, announced, copied into L0); None if any came another way."""
+    index = pool.client.attachment.slot_indexes[layer]
+    experts = rng.sample([e for e in range(files.n_experts) if index.slot_of(e) < 0], batch)
+    began = time.perf_counter()
+    counts = pool.fetch(layer, experts)
+    took = time.perf_counter() - began
+    for e in experts:
+        pool.evict(layer, e)
+    return took if counts.l2_awaited == batch else None
+
+
 def next_rows(pool: ExpertPool, layer: int, n: int) -> None:
     """Puts the n free rows the pool's next fetch would take (the ones just freed) last in line, so that round by
     round the misses land in every row, as a full pool's victims do: on a VM, rows read at different speeds
@@ -244,8 +263,8 @@ def next_rows(pool: ExpertPool, layer: int, n: int) -> None:
 
 
 def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: int) -> dict:
-    """Section 4's medians: {batch: {config: (MiB/s, over raw)}}; config (threads, unit, mode), "loaders" or
-    "raw checked"."""
+    """Section 4's medians: {batch: {config: (MiB/s, over raw)}}; config (threads, unit, mode), "loaders", "raw
+    checked" or "load-through"."""
     rng = random.Random(seed)
     record = files.layout.nbytes
     # One pool per thread count and check: the modes that differ only in how they read share one, so that they
@@ -254,18 +273,26 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
              for t in THREADS for v in set(MODES.values())}
     fds = files.open_fds(direct=True)
     loaders = ThreadPoolExecutor(LOADERS)
+    # L2 with room for one batch a layer: the experts a round loads through evict the last round's.
+    daemon = DaemonProcess.serving(
+        [files.path], Geometry.budget_for(files.n_layers, files.n_experts, record, max(batches)),
+        "--log-level", "warning").start()
+    client = L2Client(files, daemon.socket, wait_s=5)
+    through = ExpertPool(files, capacity=max(batches), client=client, load_through_s=LOAD_THROUGH_S, lend=False,
+                         direct=True)
     # Every destination touched once before timing: a first write into fresh pages costs page faults that a
     # running pool or daemon no longer pays.
     buf = _native.Buffer(8 * MIB)
     slots = [_native.Buffer(files.layout.span) for _ in range(max(batches))]
     raw_read(files, 8 * MIB, rng, buf)
     loaders_read(files, fds, 0, list(range(len(slots))), loaders, slots)
-    for pool in pools.values():
+    for pool in [*pools.values(), through]:
         for layer in range(files.n_layers):
             pool.fetch(layer, range(max(batches)))
             for e in range(max(batches)):
                 pool.evict(layer, e)
-    configs = [(t, u, m) for t in THREADS for u in UNITS for m in MODES] + ["loaders", "raw checked"]
+    configs = ([(t, u, m) for t in THREADS for u in UNITS for m in MODES]
+               + ["loaders", "raw checked", "load-through"])
     speed: dict = {b: {c: [] for c in configs} for b in batches}
     over: dict = {b: {c: [] for c in configs} for b in batches}
     try:
@@ -280,6 +307,10 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                         took = loaders_read(files, fds, layer, experts, loaders, slots)
                     elif config == "raw checked":
                         took = raw_read(files, batch * record, rng, buf, check=True)
+                    elif config == "load-through":
+                        took = through_read(files, through, layer, batch, rng)
+                        if took is None:
+                            continue
                     else:
                         threads, unit, mode = config
                         pool = pools[threads, MODES[mode]]
@@ -307,8 +338,10 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
         _native._scatter_straight(True)
         _native._crc32_use_narrow(False)
         loaders.shutdown()
-        for pool in pools.values():
+        for pool in [*pools.values(), through]:
             pool.close()
+        client.close()
+        daemon.cleanup()
         for fd in fds:
             os.close(fd)
     return {b: {c: (statistics.median(speed[b][c]), statistics.median(over[b][c])) for c in configs}
@@ -413,6 +446,8 @@ def print_queue_depth(files: ModelFiles, result: dict, rounds: int) -> None:
               f"{row['loaders'][1]:.2f}x")
         print(f"    the raw read, each 8 MiB read checksummed after it lands (what a check costs where it cannot "
               f"overlap a read): {row['raw checked'][0] / MIB:.0f} MiB/s, {row['raw checked'][1]:.2f}x")
+        print(f"    load-through, a real moe-l2d reading into L2 and the pool copying (report and notice "
+              f"included): {row['load-through'][0] / MIB:.0f} MiB/s, {row['load-through'][1]:.2f}x")
 
 
 def make_cgroup(limit: int):
