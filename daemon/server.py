@@ -38,10 +38,8 @@ CLIENT_TIMEOUT_S = 30.0
 # hello), so hellos from ever new identities cannot grow the table.
 MAX_CLIENTS = 1024
 # Messages taken off the socket before the next slice of report work, and the length of that slice. A
-# connection's pipe holds PIPE_MESSAGES: while messages flow (the batch took a pipe's worth), it waits up to
-# REFILL_MS for libzmq to refill it, so that a client's heartbeat behind its own reports is read (and answered)
-# within a few batches. A batch of fewer goes to its work at once: a lone report may have a client waiting on
-# its misses (load-through), and waiting for a refill that does not come cost each such miss 1 ms.
+# connection's pipe holds PIPE_MESSAGES: while messages flow, the batch waits up to REFILL_MS for libzmq to refill
+# it, so that a client's heartbeat behind its own reports is read (and answered) within a few batches.
 RECEIVE_BATCH = 64
 WORK_SLICE_S = 0.01
 REFILL_MS = 1
@@ -49,6 +47,9 @@ REFILL_MS = 1
 # counter) about ROUTED_PER_LOOKUP times less. A piece is at most REPORT_CHUNK_IDS of that (about 20 ms);
 # past MAX_PENDING_IDS waiting a report is refused with Busy (its sender loses only statistics).
 REPORT_CHUNK_IDS = 512
+# A report whose sender waits for its misses is folded in as it is received when it costs at most this (a decode
+# step's lookups in a layer, about a millisecond): bigger ones, and any behind queued work, take their turn.
+URGENT_REPORT_IDS = 64
 ROUTED_PER_LOOKUP = 64
 MAX_PENDING_IDS = 1 << 16
 # Requests waiting behind their sender's reports, at most (past that they are refused with Busy).
@@ -137,14 +138,11 @@ class Server:
         while not should_stop():
             if self._work or poller.poll(100):
                 self.notices.send_due(self._send)
-                taken = 0
                 for _ in range(RECEIVE_BATCH):
                     message = self._receive()
-                    flowing = self._work and taken >= PIPE_MESSAGES
-                    if message is None and not (flowing and self._socket.poll(REFILL_MS)):
+                    if message is None and not (self._work and self._socket.poll(REFILL_MS)):
                         break
                     if message is not None:
-                        taken += 1
                         self._handle(*message)
                 self._run_work(WORK_SLICE_S)
             self._expire_clients()
@@ -244,17 +242,22 @@ class Server:
                 self._queued_calls -= 1
                 self._answer(identity, work)
             else:
-                layers, routed, cost, keep, notify = work
-                self._pending_ids -= cost
-                try:
-                    model.report(layers, routed, self.loader, keep)
-                    if notify:
-                        self.notices.want(identity, model, notify, self._send)
-                except Exception:  # validated when queued: only a bug gets here
-                    self.errors += 1
-                    log.exception("report work failed")
+                self._pending_ids -= work[2]
+                self._fold(model, identity, work)
             if time.monotonic() >= deadline:
                 return
+
+    def _fold(self, model: ServedModel, identity: bytes, piece: tuple) -> None:
+        """Count a report piece (layers, routed, cost, keep, notify) and load its misses; its sender is told of
+        the `notify` ones once they are in L2."""
+        layers, routed, _, keep, notify = piece
+        try:
+            model.report(layers, routed, self.loader, keep)
+            if notify:
+                self.notices.want(identity, model, notify, self._send)
+        except Exception:  # validated when received: only a bug gets here
+            self.errors += 1
+            log.exception("report work failed")
 
     def _refuse(self, req_id: int, ename: str, evalue: str) -> bytes:
         self.errors += 1
@@ -377,6 +380,12 @@ class Server:
                 client[4][name] += n
         pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS, notify)
         cost = sum(piece[2] for piece in pieces)
+        if notify and not self._work and cost <= URGENT_REPORT_IDS:
+            # A client waits for its misses (load-through), nothing is queued before it and it is small: folded in
+            # now, so that the misses go to the loaders at once, not after the receive batch has waited for more.
+            for piece in pieces:
+                self._fold(model, identity, piece)
+            return
         if self._pending_ids + cost > MAX_PENDING_IDS:
             raise ProtocolError("Busy", f"moe-l2d is {self._pending_ids} looked-up expert ids behind; this "
                                         "report was dropped: send fewer, smaller reports")
