@@ -365,8 +365,9 @@ class Server:
 
     def _report(self, identity: bytes, req: protocol.Report) -> None:
         """Check the whole report now (a refusal reaches its sender before any later reply on the
-        connection), queue it in pieces folded in between other requests. Layers the daemon does not serve
-        are left out (their clients read them from the model files)."""
+        connection), queue it in pieces folded in between other requests, or fold it in now when its sender
+        waits for its misses, it is small and nothing is queued. Layers the daemon does not serve are left out
+        (their clients read them from the model files)."""
         model = self._model(req.model)
         layers, routed = model.served_part(req.layers), model.served_part(req.routed)
         model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in layers.items()})
