@@ -211,7 +211,7 @@ def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share
                              f"{'in all' if shared_l0 else 'in every layer'} ({format_size((top_k + side) * row)}): "
                              "raise --budget-share or run fewer --processes")
     return {"budget": budget, "capacity": capacity, "side_rows": side, "l2_budget": l2_budget, "slots": slots,
-            "shared_l0": shared_l0}
+            "shared_l0": shared_l0, "row_bytes": row}
 
 
 def _drop_page_cache(files: ModelFiles) -> None:
@@ -324,7 +324,7 @@ def _round(files, config, plan, job, parts, passes, daemon, cgroup, limit: bool)
             # Warm, the clients' anonymous memory holds their L0 rows, the pool's read scratch and Python's heap;
             # the limit is that, plus what of the budget the L0s leave, plus a little room for the heap to grow
             # (a member past the limit with no page cache left is killed): the page cache gets the rest.
-            l0 = len(parts) * plan["capacity"] * (1 if plan["shared_l0"] else files.n_layers) * files.layout.stride
+            l0 = len(parts) * plan["capacity"] * plan["row_bytes"]
             cgroup.limit(cgroup.anon() + plan["budget"] - l0 + len(parts) * HEAP_ROOM)
         for _ in range(passes):
             if cgroup is not None:
