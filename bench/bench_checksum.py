@@ -74,7 +74,8 @@ def bench_size(work: Path, hidden: int, moe_hidden: int, batch: int, repeat: int
             # CRC-32 alone, over one record's worth of bytes held in memory, each way in turn.
             data = files.read_record(0, 0)
             narrow = "the CPU's, 128-bit"
-            ways = {f"the CPU's ({_native.CRC32_KIND})": lambda: _native.crc32(data), "zlib's": lambda: zlib.crc32(data)}
+            ways = {f"the CPU's ({_native.CRC32_KIND})": lambda: _native.crc32(data),
+                    "zlib's": lambda: zlib.crc32(data)}
             if _native.CRC32_KIND == "vpclmulqdq":  # the same CPU folding 128 bits at a time
                 ways[narrow] = lambda: _native.crc32(data)
             times: dict = {way: [] for way in ways}

@@ -189,8 +189,8 @@ void init_slot_index(nb::module_& m) {
       .def("clear", &SlotIndex::clear, "Writer: every expert absent, every slot empty (a new index).")
       .def("copy", &SlotIndex::copy, "pieces"_a, "experts"_a, "rows"_a, "threads"_a = 1,
            "Copy the records of experts into rows of the pieces' destinations ((src_off, nbytes, dst, "
-           "stride) each: row r at r * stride bytes of dst), checked by each slot's seqlock, on up to `threads` threads, with the GIL released. "
-           "Result i is False where experts[i] is absent or was being filled (its rows may then be "
+           "stride) each: row r at r * stride bytes of dst), checked by each slot's seqlock, on up to "
+           "`threads` threads, with the GIL released. Result i is False where experts[i] is absent or was being filled (its rows may then be "
            "partly written).")
       .def("lend", &SlotIndex::lend, "experts"_a,
            "(slot, seq) of each expert held whole now, slot -1 for the rest: records to compute on in "
@@ -222,8 +222,8 @@ void init_pread(nb::module_& m) {
         "`unit_bytes`, one preadv each, straight into the pieces (src_offset, nbytes, dst, dst_offset) "
         "as far as a direct read can fill them (wholly, on a buffered fd; pieces that lie in one dst as "
         "they lie in the file as one range, the bytes between them written there too), the rest into "
-        "aligned scratch memory and copied out as it lands; on up to `threads` threads, with the GIL released. With "
-        "`checksums`, returns each job's CRC-32 over its pieces in order (as zlib.crc32 chained over "
+        "aligned scratch memory and copied out as it lands; on up to `threads` threads, with the GIL "
+        "released. With `checksums`, returns each job's CRC-32 over its pieces in order (as zlib.crc32 chained over "
         "them), computed as the bytes land; else [].");
   m.def("set_direct", &set_direct, "fd"_a, "enable"_a = true,
         "Direct I/O for fd: O_DIRECT on Linux, F_NOCACHE on macOS. Returns whether reads now "

@@ -73,8 +73,9 @@ def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, la
         lines.append(f"    L0 ceilings per MoE layer (--l0-ceilings): {' '.join(map(str, ceilings))}")
     if p.l2_slots:
         served = "" if layers is None else f" of the {sizes.l2_layers} MoE layers in decoder layers {layers}"
+        budget = size_arg(p.l2_budget, record_stride(sizes.record_bytes))
         lines.append(f"  L2, one shared copy     {format_size(p.l2_budget)}: {slot_range(p.l2_slots, p.l2_short)} "
-                     f"of {p.n_experts} experts per layer{served} (moe-l2d --budget {size_arg(p.l2_budget, record_stride(sizes.record_bytes))}"
+                     f"of {p.n_experts} experts per layer{served} (moe-l2d --budget {budget}"
                      + ("" if layers is None else f" --layers {layers}") + ")")
     else:
         lines.append("  L2                      nothing left: lower --processes or --kv, or free memory")
