@@ -358,6 +358,15 @@ class ServeProcess:
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read())
 
+    def raw(self, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+        """A request sent byte for byte: `head` is its request line and headers, without the blank line that
+        ends them. The reply's status and JSON body, read to the connection's end."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as s:
+            s.sendall(head + b"\r\n\r\n" + body)
+            reply = b"".join(iter(lambda: s.recv(1 << 16), b""))
+        status_line, _, rest = reply.partition(b"\r\n")
+        return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
     def metrics(self) -> dict[tuple, float]:
         """GET /metrics as {(sample name, sorted labels): value}."""
         from prometheus_client.parser import text_string_to_metric_families
