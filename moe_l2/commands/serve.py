@@ -1,8 +1,8 @@
 """`moe-l2 serve`: mlx_lm.server's OpenAI-compatible HTTP API over a model whose experts are streamed.
 
-The options after the model, L0 and daemon ones are mlx_lm.server's own, with its names and defaults (it
-builds its parser inside main(), so they are restated here); they land in the namespace mlx_lm.server's
-ModelProvider and handler read (docs/architecture.md, "moe-l2 serve").
+The options after the model, L0, daemon and request-limit ones are mlx_lm.server's own, with its names and
+defaults (it builds its parser inside main(), so they are restated here); they land in the namespace
+mlx_lm.server's ModelProvider and handler read (docs/architecture.md, "moe-l2 serve").
 """
 
 from __future__ import annotations
