@@ -27,6 +27,8 @@ from moe_l2.plan import ModelSizes, default_floor, plan, read_memory
 from moe_l2.runtime import instance_tag
 from moe_l2.sizes import format_size
 
+from . import activation
+from .activation import ActivationError, Handed
 from .config import ConfigError, DaemonConfig, build_parser, resolve
 from .gate import Gate, raise_fd_limit
 from .governor import Governor
@@ -140,6 +142,9 @@ class Daemon:
         self.loader: Loader | None = None
         self.server: Server | None = None
         self.gate: Gate | None = None  # owns the public socket, in front of the server (daemon/gate.py)
+        # Started with sockets from a service manager (daemon/activation.py): the socket file is the manager's.
+        self._activated = False
+        self._inherited: socket.socket | None = None  # the daemon's own among them, checked
         self.governor: Governor | None = None
         self._metrics = None  # the HttpServer of --metrics (daemon/http.py)
         self._dir_fd: int | None = None
@@ -249,9 +254,19 @@ class Daemon:
             os.close(fd)
         os.replace(partial, self._state_name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
 
-    def start(self) -> None:
+    def start(self, handed: Handed | None = None) -> None:
+        """handed: the sockets a service manager passed (activation.take); the daemon's is checked before
+        anything is loaded, and served from instead of binding."""
         raise_fd_limit()  # the gate's connection cap comes from it
         self._acquire_lock()
+        if handed is not None:
+            self._activated = True
+            try:
+                self._inherited = activation.listener(handed, self.config.socket, self.config.socket_mode,
+                                                      self.config.socket_group)
+            except ActivationError as exc:
+                raise StartupError(str(exc)) from None
+            log.info("serving the socket %s passed (socket activation)", handed.manager)
         self._reclaim()
         opened = []
         for m in self.config.models:
@@ -311,7 +326,7 @@ class Daemon:
         try:
             self.gate = Gate(self.config.socket, self.state_dir / f"moe-l2d-{self.tag}.gate",
                              mode=self.config.socket_mode, group=self.config.socket_group,
-                             curve=self.config.curve is not None)
+                             curve=self.config.curve is not None, listener=self._inherited)
             self.server = Server(self.config.socket, self.models, self.loader, self.epoch, curve=self.config.curve,
                                  governor=self.governor, gate=self.gate)
         except Exception as exc:
@@ -390,7 +405,7 @@ class Daemon:
             os.unlink(self._state_name, dir_fd=self._dir_fd)
         except FileNotFoundError:
             pass
-        if self.config.socket.startswith("ipc://"):
+        if self.config.socket.startswith("ipc://") and not self._activated:
             try:
                 os.unlink(self.config.socket[len("ipc://"):])
             except OSError:
@@ -435,9 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     try:
-        daemon.start()
+        daemon.start(activation.take())
         daemon.serve()
-    except StartupError as exc:
+    except (StartupError, ActivationError) as exc:
         print(f"moe-l2d: error: {exc}", file=sys.stderr)
         return 1
     finally:
