@@ -364,7 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=path_arg, metavar="FILE",
                         help="TOML file (systemd/moe-l2d.toml.example): the options below as keys, each model a "
                              "[[model]]; flags given too win")
-    for o in OPTIONS:
+    add_flags(parser, OPTIONS)
+    parser.add_argument("--version", action="version", version=f"moe-l2d {__version__}", help="print the version")
+    return parser
+
+
+def add_flags(parser: argparse.ArgumentParser, options) -> None:
+    """The flags of `options` (entries of OPTIONS): moe-l2d's, and those `moe-l2 service install` passes on."""
+    for o in options:
         help = o.full_help().replace("%", "%%")
         if isinstance(o.kind, Switch):
             parser.add_argument(o.option, action="store_true", default=None, help=help)
@@ -372,8 +379,6 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(o.option, dest=o.dest, type=o.kind.flag_type, metavar=o.kind.metavar, help=help,
                                 choices=o.kind.choices if isinstance(o.kind, Choice) else None,
                                 action="append" if o.scope == MODEL else "store", default=None)
-    parser.add_argument("--version", action="version", version=f"moe-l2d {__version__}", help="print the version")
-    return parser
 
 
 def flags_table() -> str:
