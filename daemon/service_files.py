@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from moe_l2.runtime import SOCKET_NAME
+from moe_l2.control import SERVICE_USERS
+from moe_l2.runtime import SOCKET_NAME, SYSTEM_DIRS
 
 from .activation import SOCKET_NAME as HANDED_NAME
 
@@ -24,12 +25,14 @@ LABEL = "com.moe-l2.moe-l2d"  # the launchd job
 MARKER = "Written by `moe-l2 service install`"
 INSTALLED = f"{MARKER}; `moe-l2 service uninstall` removes it."
 SHIPPED = "Made by daemon/service_files.py; `moe-l2 service install` writes it for the machine it runs on."
-# %t is /run for the system's manager, $XDG_RUNTIME_DIR for a user's: where clients look (moe_l2/runtime.py).
-SYSTEMD_RUNTIME = "moe-l2"
-# The paths systemd/README.md installs by hand, and the id it gives the macOS account.
+# %t/moe-l2: /run/moe-l2 for the system's manager, $XDG_RUNTIME_DIR/moe-l2 for a user's, where clients look.
+SYSTEMD_RUNTIME = SYSTEM_DIRS[0].name
+# A system service's config; where systemd/README.md installs moe-l2d by hand, and the id it gives _moe-l2.
 SHIPPED_PROGRAM = "/usr/local/bin/moe-l2d"
-SHIPPED_CONFIG = {"systemd": Path("/etc/moe-l2/moe-l2d.toml"), "launchd": Path("/usr/local/etc/moe-l2/moe-l2d.toml")}
+SYSTEM_CONFIG = {"systemd": Path("/etc/moe-l2/moe-l2d.toml"), "launchd": Path("/usr/local/etc/moe-l2/moe-l2d.toml")}
 SHIPPED_MACOS_ID = 480
+# A system service's account, per manager: the accounts clients trust like root (Linux's, then macOS').
+ACCOUNTS = dict(zip(("systemd", "launchd"), SERVICE_USERS))
 
 
 @dataclass(frozen=True)
@@ -355,8 +358,9 @@ def config_toml(top: dict, models: list[dict], restart: str, header: str = INSTA
 
 def shipped_files() -> dict[str, str]:
     """systemd/'s unit, socket and plist: the system scope with systemd/README.md's paths and account."""
-    systemd = Service(SYSTEM, SHIPPED_PROGRAM, SHIPPED_CONFIG["systemd"], 0o660, "moe-l2", "moe-l2", SHIPPED)
-    launchd = Service(SYSTEM, SHIPPED_PROGRAM, SHIPPED_CONFIG["launchd"], 0o660, "_moe-l2", "_moe-l2",
+    linux, macos = ACCOUNTS["systemd"], ACCOUNTS["launchd"]
+    systemd = Service(SYSTEM, SHIPPED_PROGRAM, SYSTEM_CONFIG["systemd"], 0o660, linux, linux, SHIPPED)
+    launchd = Service(SYSTEM, SHIPPED_PROGRAM, SYSTEM_CONFIG["launchd"], 0o660, macos, macos,
                       f"{SHIPPED}\n  SockPathOwner and SockPathGroup are _moe-l2's ids ({SHIPPED_MACOS_ID} in "
                       "systemd/README.md).",
                       runtime_dir=Path("/usr/local/var/run/moe-l2"), log=Path("/Library/Logs/moe-l2/moe-l2d.log"),

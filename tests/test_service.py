@@ -10,6 +10,7 @@ import os
 import plistlib
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -82,10 +83,10 @@ def test_a_user_install_is_a_socket_unit_a_service_and_the_daemons_config(tmp_pa
     # The flags reach the daemon as given, the model's path made absolute (the service runs elsewhere).
     assert [m.path for m in config.models] == [model_dir] and config.models[0].budget == 8 << 20
     assert config.models[0].policy == "lfu" and config.loader_threads == 8
-    socket, service = files[units / "moe-l2d.socket"], files[units / "moe-l2d.service"]
-    assert unit_value(socket, "ListenStream") == f"%t/moe-l2/{SOCKET_NAME}"  # $XDG_RUNTIME_DIR/moe-l2, as clients
-    assert int(unit_value(socket, "SocketMode"), 8) == config.socket_mode == 0o600
-    assert "SocketUser" not in socket and "User=" not in service
+    socket_unit, service = files[units / "moe-l2d.socket"], files[units / "moe-l2d.service"]
+    assert unit_value(socket_unit, "ListenStream") == f"%t/moe-l2/{SOCKET_NAME}"  # where clients look
+    assert int(unit_value(socket_unit, "SocketMode"), 8) == config.socket_mode == 0o600
+    assert "SocketUser" not in socket_unit and "User=" not in service
     assert unit_value(service, "ExecStart").split()[1:] == ["--config", str(config_dir / "moe-l2d.toml")]
     assert Path(unit_value(service, "ExecStart").split()[0]).name == "moe-l2d"
     assert unit_value(service, "Requires") == "moe-l2d.socket" and unit_value(service, "RuntimeDirectory") == "moe-l2"
@@ -98,14 +99,14 @@ def test_a_system_install_opens_the_socket_and_segments_to_the_account_group(tmp
     files, commands = dry_run(tmp_path, "--system", "--model", str(model_dir), "--budget", "8MiB",
                               "--socket-group", group)
     units = Path("/etc/systemd/system")
-    socket, service = files[units / "moe-l2d.socket"], files[units / "moe-l2d.service"]
+    socket_unit, service = files[units / "moe-l2d.socket"], files[units / "moe-l2d.service"]
     toml = files[Path("/etc/moe-l2/moe-l2d.toml")]
     verify(tmp_path, files, user=False)
     config = loaded(toml, tmp_path)
     assert config.socket_mode == 0o660 and config.shm_mode == 0o640 and config.socket_group == os.getegid()
-    assert int(unit_value(socket, "SocketMode"), 8) == 0o660
-    assert unit_value(socket, "SocketUser") == unit_value(service, "User") == "moe-l2"
-    assert unit_value(socket, "SocketGroup") == unit_value(service, "Group") == group
+    assert int(unit_value(socket_unit, "SocketMode"), 8) == 0o660
+    assert unit_value(socket_unit, "SocketUser") == unit_value(service, "User") == "moe-l2"
+    assert unit_value(socket_unit, "SocketGroup") == unit_value(service, "Group") == group
     assert commands[1] == "systemctl enable --now moe-l2d.socket"
 
 
@@ -210,8 +211,10 @@ def test_a_login_agent_is_written_bootstrapped_and_removed(mac, model_dir, capsy
     shown = capsys.readouterr().out
     assert f"{plist_path}: written by moe-l2 service install" in shown and "state = waiting" in shown
 
+    with socket.socket(socket.AF_UNIX) as left:  # the file launchd's socket leaves once the job is gone
+        left.bind(listener["SockPathName"])
     assert moe_l2_main(["service", "uninstall", "--user"]) == 0
-    assert not plist_path.exists() and not toml_path.exists()
+    assert not plist_path.exists() and not toml_path.exists() and not os.path.exists(listener["SockPathName"])
     assert mac.calls.read_text().splitlines()[-1] == f"bootout gui/{uid}/{LABEL}"
     assert moe_l2_main(["service", "status", "--user"]) == 1
 
@@ -240,3 +243,15 @@ def test_clients_on_a_mac_find_the_login_agents_socket(tmp_path, monkeypatch):
     monkeypatch.setattr(runtime, "SYSTEM_DIRS", ())
     assert runtime.resolve_runtime_dir() == (agent, "the login agent's socket (moe-l2 service install --user)")
 
+
+
+def test_a_system_service_is_warned_of_a_moe_l2d_its_account_cannot_reach(tmp_path, capsys):
+    from moe_l2.commands.service import warn_if_hidden
+
+    venv = tmp_path / "home" / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (tmp_path / "home").chmod(0o700)
+    warn_if_hidden("moe-l2", ["/usr/bin/env", str(venv / "moe-l2d")])
+    assert f"lies in {tmp_path / 'home'} (mode 700), which moe-l2 may not" in capsys.readouterr().err
+    warn_if_hidden("moe-l2", ["/usr/bin/env"])
+    assert capsys.readouterr().err == ""

@@ -32,8 +32,7 @@ FLAGS = tuple(o for o in OPTIONS if o.name not in SET_BY_THE_SERVICE)
 SYSTEM_DEFAULTS = {"socket_mode": "660", "shm_mode": "640"}
 SCOPES = {USER: "a service of your user (the default unless root)",
           SYSTEM: "a service of the whole machine, run as its own account (the default as root)"}
-USERADD = ("sudo useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "
-           "moe-l2")
+USERADD = "sudo useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin"
 
 
 class Refused(RuntimeError):
@@ -119,13 +118,13 @@ def group_name(gid: int) -> str:
 
 class Systemd:
     name = "systemd"
-    account = "moe-l2"  # one of moe_l2.control.SERVICE_USERS, which clients trust
 
     def __init__(self, scope: str):
         self.scope = scope
+        self.account = files.ACCOUNTS[self.name]
         self.ctl = ["systemctl", *(["--user"] if scope == USER else [])]
         self.unit_dir = Path("/etc/systemd/system") if scope == SYSTEM else user_config_dir() / "systemd" / "user"
-        self.config = files.SHIPPED_CONFIG["systemd"] if scope == SYSTEM else \
+        self.config = files.SYSTEM_CONFIG["systemd"] if scope == SYSTEM else \
             user_config_dir() / "moe-l2" / "moe-l2d.toml"
         runtime = SYSTEM_DIRS[0] if scope == SYSTEM else \
             Path(os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}") / files.SYSTEMD_RUNTIME
@@ -160,7 +159,8 @@ class Systemd:
         try:
             pwd.getpwnam(self.account)
         except KeyError:
-            return f"there is no account {self.account} for the daemon yet: create it ({USERADD}), then run this again"
+            return (f"there is no account {self.account} for the daemon yet: create it ({USERADD} {self.account}), "
+                    "then run this again")
         return None
 
     def _user_manager_problem(self) -> str | None:
@@ -199,15 +199,15 @@ class Systemd:
 
 class Launchd:
     name = "launchd"
-    account = "_moe-l2"  # one of moe_l2.control.SERVICE_USERS, which clients trust
 
     def __init__(self, scope: str):
         self.scope = scope
+        self.account = files.ACCOUNTS[self.name]
         system = scope == SYSTEM
         self.plist = (Path("/Library/LaunchDaemons") if system else home() / "Library" / "LaunchAgents") / \
             f"{LABEL}.plist"
         self.units = [self.plist]
-        self.config = files.SHIPPED_CONFIG["launchd"] if system else user_config_dir() / "moe-l2" / "moe-l2d.toml"
+        self.config = files.SYSTEM_CONFIG["launchd"] if system else user_config_dir() / "moe-l2" / "moe-l2d.toml"
         self.runtime_dir = SYSTEM_DIRS[1] if system else login_agent_dir(home())
         self.socket = self.runtime_dir / SOCKET_NAME
         self.log = (Path("/Library/Logs") if system else home() / "Library" / "Logs") / "moe-l2" / "moe-l2d.log"
@@ -254,7 +254,9 @@ class Launchd:
         execute(["launchctl", "bootout", f"{self.domain}/{LABEL}"], check=False)
 
     def forget(self) -> None:
-        """Nothing: bootout forgot the job."""
+        """bootout forgot the job; its socket file would still send clients to it."""
+        if self.socket.is_socket():
+            self.socket.unlink()
 
     def state(self) -> list[str]:
         done = subprocess.run(["launchctl", "print", f"{self.domain}/{LABEL}"], capture_output=True, text=True)
@@ -347,7 +349,24 @@ def install(manager, args: argparse.Namespace) -> int:
     print(f"moe-l2d is installed as a {manager.scope} service ({manager.name}): the first client to connect to "
           f"{manager.socket} starts it (moe-l2 stats, generate, serve). Its log: {manager.logs}; after editing "
           f"{manager.config}: {manager.restart}")
+    if service.account:
+        print(f"Users in group {service.group} may connect: sudo usermod -aG {service.group} USER (from their next "
+              "login)")
+        warn_if_hidden(service.account, [service.program, os.path.realpath(sys.executable)])
     return 0
+
+
+def warn_if_hidden(account: str, paths: list[str]) -> None:
+    """A service account runs moe-l2d from this installation: say so when a directory on the way is closed to
+    other users (a venv under /root or a home), since the daemon would then fail to start at the first client.
+    Only a warning: a group or an ACL may still let the account in."""
+    for path in paths:
+        for directory in Path(path).parents:
+            if not os.stat(directory).st_mode & 0o001:
+                print(f"warning: {path} lies in {directory} (mode {os.stat(directory).st_mode & 0o777:o}), which "
+                      f"{account} may not be able to enter: install moe-l2 where every user can read it (e.g. a "
+                      "venv in /opt/moe-l2, systemd/README.md)", file=sys.stderr)
+                return
 
 
 # ---- status and uninstall -----------------------------------------------------------------------------------
