@@ -198,8 +198,10 @@ def request(address: str | None, message: protocol.Message, timeout_s: float = 5
         if not message.REPLIES:
             sock.send(protocol.Stats(id=message.id).encode())
         if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"moe-l2d did not answer on {address} within {timeout_s:g} s: is it running? "
-                               "(systemctl status moe-l2d, or start it with moe-l2d --model DIR --budget SIZE); "
+            raise TimeoutError(f"moe-l2d did not answer on {address} within {timeout_s:g} s: is it running, or "
+                               "still starting (a service starts with its first client: wait, or give more "
+                               "--timeout)? (moe-l2 service status, systemctl status moe-l2d, or start it with "
+                               "moe-l2d --model DIR --budget SIZE); "
                                f"a reply over {protocol.MAX_REPLY_BYTES >> 20} MiB is dropped unread, which looks "
                                "the same")
         try:

@@ -173,6 +173,8 @@ def mac(tmp_path, monkeypatch):
     fake = bin_dir / "launchctl"
     fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n'
                     f'[ "$1" = print ] && {{ grep -q bootstrap {calls} || exit 113; echo "\tstate = waiting"; }}\n'
+                    '[ "$1" = bootstrap ] && [ -n "$NO_GUI" ] && { echo "Bootstrap failed: 125: Domain does not '
+                    'support specified action" >&2; exit 125; }\n'
                     "exit 0\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
@@ -217,6 +219,13 @@ def test_a_login_agent_is_written_bootstrapped_and_removed(mac, model_dir, capsy
     assert not plist_path.exists() and not toml_path.exists() and not os.path.exists(listener["SockPathName"])
     assert mac.calls.read_text().splitlines()[-1] == f"bootout gui/{uid}/{LABEL}"
     assert moe_l2_main(["service", "status", "--user"]) == 1
+
+
+def test_a_login_agent_launchd_cannot_load_says_why(mac, model_dir, capsys, monkeypatch):
+    monkeypatch.setenv("NO_GUI", "1")  # an ssh session without a GUI login: no gui/UID domain
+    assert moe_l2_main(["service", "install", "--user", "--model", str(model_dir), "--budget", "8MiB"]) == 1
+    err = capsys.readouterr().err
+    assert "Bootstrap failed: 125" in err and "logged in at the Mac" in err and "--system" in err
 
 
 def test_install_never_replaces_a_file_it_did_not_write(mac, model_dir, capsys):

@@ -101,11 +101,12 @@ def program() -> str:
     return os.path.abspath(found)
 
 
-def execute(command: list[str], check: bool = True) -> subprocess.CompletedProcess:
+def execute(command: list[str], check: bool = True, hint: str = "") -> subprocess.CompletedProcess:
     print("$ " + " ".join(command))
     done = subprocess.run(command, capture_output=True, text=True)
     if check and done.returncode != 0:
-        raise Refused(f"{' '.join(command)} failed ({done.returncode}): {(done.stderr or done.stdout).strip()}")
+        raise Refused(f"{' '.join(command)} failed ({done.returncode}): {(done.stderr or done.stdout).strip()}"
+                      + (f"; {hint}" if hint else ""))
     return done
 
 
@@ -132,6 +133,7 @@ class Systemd:
         self.units = [self.unit_dir / f"{UNIT}.socket", self.unit_dir / f"{UNIT}.service"]
         self.restart = f"{' '.join(self.ctl)} restart {UNIT}"
         self.logs = f"journalctl {'--user ' if scope == USER else ''}-u {UNIT}"
+        self.hint = f"{' '.join(self.ctl)} status {UNIT}.socket and {self.logs} say more"
 
     def service(self, config: DaemonConfig) -> Service:
         account = self.account if self.scope == SYSTEM else None
@@ -214,6 +216,8 @@ class Launchd:
         self.domain = "system" if system else f"gui/{os.getuid()}"
         self.restart = f"launchctl kickstart -k {self.domain}/{LABEL}"
         self.logs = f"tail -f {self.log}"
+        self.hint = ("a user's agents load into gui/UID, which exists only while that user is logged in at the Mac "
+                     "(not over ssh alone): log in there, or install with --system" if not system else "")
 
     def service(self, config: DaemonConfig) -> Service:
         """launchd's socket keys take ids, so the account must exist even for --dry-run."""
@@ -345,7 +349,7 @@ def install(manager, args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     manager.prepare(service)
     for command in manager.commands():
-        execute(command)
+        execute(command, hint=manager.hint)
     print(f"moe-l2d is installed as a {manager.scope} service ({manager.name}): the first client to connect to "
           f"{manager.socket} starts it (moe-l2 stats, generate, serve). Its log: {manager.logs}; after editing "
           f"{manager.config}: {manager.restart}")
