@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import secrets
 import sys
@@ -236,7 +237,17 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # the model, or options that do not fit it (an L0 too small for a token)
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 1
-    with lm:
+    with lm, contextlib.ExitStack() as stack:
+        writer = None
+        if args.trace_out is not None:
+            # Before generating: a path it may not write is said now, not after the run (docs/security.md).
+            f = lm.files
+            try:
+                writer = stack.enter_context(TraceWriter(args.trace_out, model=f.path.name, n_layers=f.n_layers,
+                                                         n_experts=f.n_experts, top_k=f.top_k, append=True))
+            except OSError as exc:
+                print(f"moe-l2 generate: cannot write the trace: {exc}", file=sys.stderr)
+                return 1
         if lm.client is not None and not lm.client.attached:
             print(f"moe-l2 generate: {f'rank {group.rank()}: ' if pipelined else ''}not attached to moe-l2d at "
                   f"{lm.client.address} ({lm.client.last_error or 'no answer'}); reading experts from the model "
@@ -279,13 +290,15 @@ def run(args: argparse.Namespace) -> int:
         s = GenerationSummary.of(result, lm)
         if pipelined:
             s = s.merged([StreamFigures.from_json(one) for one in gather_json(group, s.stream.to_json())])
-        if args.trace_out is not None:
+        if writer is not None:
             # Every token the model processed: the prompt's, then each generated one fed back.
             routed = lm.recorder.take()[: len(ids) + len(result.tokens)]
-            f = lm.files
-            with TraceWriter(args.trace_out, model=f.path.name, n_layers=f.n_layers, n_experts=f.n_experts,
-                             top_k=f.top_k, append=True) as writer:
-                writer.write(routed, seq=f"generate-{time.time_ns()}", domain=args.trace_domain, prompt=prompt)
+            writer.write(routed, seq=f"generate-{time.time_ns()}", domain=args.trace_domain, prompt=prompt)
+            try:
+                writer.close()
+            except OSError as exc:
+                print(f"moe-l2 generate: cannot write the trace: {exc}", file=sys.stderr)
+                return 1
             s = replace(s, trace_out=str(args.trace_out))
     if not rank0:
         return 0
