@@ -25,6 +25,7 @@ from moe_l2.cli import main as moe_l2_main
 from moe_l2.daemon.process import short_tempdir
 from moe_l2.model import MANIFEST_NAME, ModelFiles
 from moe_l2.model.packer import pack
+from moe_l2.random_models import make_model
 
 from .conftest import AS_NOBODY, NOBODY, budget_for, nobody_runs_python, wait_for
 
@@ -296,6 +297,22 @@ def test_generate_never_writes_its_trace_through_a_link_planted_in_a_sticky_dir(
     finally:
         shutil.rmtree(shared, ignore_errors=True)
         shutil.rmtree(private, ignore_errors=True)
+
+
+def test_make_model_never_writes_through_a_link_planted_in_its_out_dir_meanwhile(tmp_path):
+    victim, out = tmp_path / "victim", tmp_path / "shared" / "model"
+    victim.write_bytes(b"precious")
+    out.mkdir(parents=True)  # empty, as --out may be: another user's, whose links come once the check has passed
+
+    def plant(message: str) -> None:
+        if not (out / "tokenizer.json").is_symlink():
+            (out / "tokenizer.json").symlink_to(victim)
+
+    with pytest.raises(OSError):  # the model is built aside, and `out` is no longer empty to be renamed over
+        make_model(out, arch="qwen3_moe", layers=1, experts=4, top_k=2, hidden_size=64, moe_hidden_size=32, bits=4,
+                   progress=plant)
+    assert victim.read_bytes() == b"precious" and os.listdir(out) == ["tokenizer.json"]
+    assert os.listdir(out.parent) == ["model"]  # nothing of the build left beside it
 
 
 @pytest.mark.skipif(not nobody_runs_python(), reason="the locked-out user is uid 65534: needs root, setpriv, and "

@@ -14,14 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+
+from moe_l2.atomic_file import AtomicFile
 
 __all__ = ["SwitchLayer", "switch_layers", "build_in_child_processes", "decoder_layer", "set_module"]
 
@@ -154,17 +154,12 @@ def _parse(text: str) -> list[SwitchLayer]:
 def _keep(path: Path, text: str) -> None:
     """Write atomically, so that a daemon starting meanwhile reads the whole answer or none; a cache dir that
     cannot be written (a service user without a home) only costs the next start the child again."""
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        with AtomicFile(path, 0o600) as f:
+            f.write(text.encode())
     except OSError as exc:
         log.info("cannot keep the model's switch layers in %s (%s): the next start builds them again", path, exc)
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
 
 
 def _switch_layers_here(config: dict) -> list[SwitchLayer]:
