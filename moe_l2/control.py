@@ -11,7 +11,7 @@ The client's `request` and the trust checks of its L2Client, `moe-l2 stats`, `pr
 - takes a reply of at most protocol.MAX_REPLY_BYTES (ZMQ_MAXMSGSIZE: libzmq drops a larger one unread) and
   waits for it a bounded time;
 - checks a stats reply's shape before anyone reads it (`stats`): a malformed one is a clear error, not a
-  KeyError deep in a renderer.
+  KeyError deep in a renderer; and writes the control characters of its strings (a client's name) as escapes.
 
 The daemon's exporter asks over the server's inproc:// endpoint in the server's own ZeroMQ context (`context`):
 inproc needs no socket permission and no CurveZMQ key, since it never leaves the process.
@@ -226,7 +226,19 @@ def stats(address: str | None, timeout_s: float = 5.0, *, routing: bool = False,
     if problem:
         raise MalformedReply(f"moe-l2d at {address} sent a malformed stats reply: {problem}; is it the same "
                              "version? `moe-l2d --version`")
-    return reply.payload
+    return _printable_strings(reply.payload)
+
+
+def _printable_strings(value):
+    """`value` with every string in it printable (protocol.printable): a stats reply carries names that clients
+    gave the daemon, and its readers print them on this user's terminal."""
+    if isinstance(value, str):
+        return protocol.printable(value, len(value))
+    if isinstance(value, dict):
+        return {_printable_strings(k): _printable_strings(v) for k, v in value.items()}
+    if isinstance(value, list) and not all(type(v) is int for v in value):
+        return [_printable_strings(v) for v in value]
+    return value
 
 
 # What the readers of a stats reply (`moe-l2 stats` and --watch, `profile --from-daemon`, the metrics exporter)

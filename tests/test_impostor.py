@@ -1,6 +1,7 @@
 """Issue 37.5: a fake daemon, refused or not yet trusted, gets nothing into a client: no notice reaches its pool,
 what it can make the client log is a few lines without terminal escapes, and a generate against it gives the
-model's own tokens at the cost of a few frames a heartbeat (client/connection.py, docs/security.md).
+model's own tokens at the cost of a few frames a heartbeat (client/connection.py, docs/security.md); and what a
+client told the daemon reaches another user's `moe-l2 stats` without its escapes.
 
 The fake is a real ZeroMQ socket in its own process: a DEALER bound where the daemon would listen, which pushes
 at every client that connects (no identity needed) Loaded notices of 16,384 ids and of this model's own experts,
@@ -19,8 +20,10 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import stream_generate
 
+from moe_l2 import protocol
+from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.arrivals import WaitCounts
-from moe_l2.client.connection import UNTRUSTED_FRAMES, L2Client
+from moe_l2.client.connection import UNTRUSTED_FRAMES, L2Client, request
 from moe_l2.client.generation import encode_prompt
 from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.process import short_tempdir
@@ -139,3 +142,14 @@ def test_a_generate_against_a_flooding_fake_daemon_gives_the_models_tokens(fake_
     # The generate's own line saying it reads from the files, and one for the flood; no escape passed through.
     assert len(run.stderr.splitlines()) <= 3 and "\x1b" not in run.stderr, run.stderr[-4000:]
 
+
+def test_a_client_name_with_escapes_reaches_stats_written_as_escapes(running_daemon, model_dir, model_files,
+                                                                    capsys):
+    hostile = "evil\x1b]0;owned\x07\x1b[2J\u202e"  # a title, a cleared screen, text turned right to left
+    hello = protocol.Hello(id=1, model=os.path.realpath(model_dir), fingerprint=model_files.fingerprint,
+                           client=hostile)
+    assert request(running_daemon.socket, hello).ok  # any local user with the socket's group may say it
+    assert moe_l2_main(["stats", "--socket", running_daemon.socket]) == 0
+    out = capsys.readouterr().out
+    assert "evil\\x1b]0;owned\\x07\\x1b[2J\\u202e" in out
+    assert not any(c in out for c in "\x1b\x07\u202e")
