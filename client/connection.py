@@ -313,8 +313,8 @@ class L2Client:
                 if pending is not None and now - pending[1] > self.timeout_s:
                     self._detach("moe-l2d did not answer the heartbeat")
                     pending = None
-                    # On a new connection: libzmq never reconnects one it closed for a reply over the bound (a
-                    # protocol error), and the daemon at the address must be found again whenever it answers.
+                    # Said again on a new connection, made after the socket's checks: libzmq never reconnects one
+                    # it closed for a reply over the bound (a protocol error), nor any other (RECONNECT_IVL -1).
                     self._hang_up(poller)
                 if pending is None and now >= next_hello:
                     pending, next_hello = self._hello(poller, now)
@@ -458,8 +458,8 @@ class L2Client:
                 prefetch, tiers = self._prefetch.take(), self._tiers.take()
                 if routed or prefetch or tiers:
                     self._send(protocol.Report(id=next(self._ids), model=self.files.fingerprint,
-                                                     layers=dict(layers), routed=dict(routed), prefetch=prefetch,
-                                                     tiers=tiers, notify=dict(notify)))
+                                               layers=dict(layers), routed=dict(routed), prefetch=prefetch,
+                                               tiers=tiers, notify=dict(notify)))
             if ids < MAX_REPORT_IDS:
                 return
 
