@@ -36,6 +36,7 @@ from .loader import Loader
 from .notify import sd_notify
 from .served import ServedModel
 from .server import INPROC_ADDRESS, Server
+from .warm_start import WarmStart
 
 log = logging.getLogger("moe-l2d")
 
@@ -146,6 +147,7 @@ class Daemon:
         self._activated = False
         self._inherited: socket.socket | None = None  # the daemon's own among them, checked
         self.governor: Governor | None = None
+        self.warm_start: WarmStart | None = None  # --warm-start: L2's heat saved and preloaded (daemon/warm_start.py)
         self._metrics = None  # the HttpServer of --metrics (daemon/http.py)
         self._dir_fd: int | None = None
         self._lock_fd: int | None = None
@@ -320,6 +322,11 @@ class Daemon:
                      g.describe_slots(), format_size(served.shm_bytes))
         self._warn_unlocked()
         self.loader = Loader(self.config.loader_threads)
+        if self.config.warm_start:
+            # Before the socket is bound: no client's request meets a store whose policy and pins are not restored.
+            self.warm_start = WarmStart(self.config.state_dir, self.models, self.loader)
+            self.warm_start.restore()
+            self.warm_start.start()
         memory = read_memory()
         floor = default_floor(memory.total) if self.config.memory_floor is None else self.config.memory_floor
         self.governor = Governor(self.models, floor)
@@ -396,6 +403,8 @@ class Daemon:
             self.gate.close()
         if self.server is not None:
             self.server.close()
+        if self.warm_start is not None:
+            self.warm_start.stop(save=self._served)
         if self.loader is not None:
             self.loader.shutdown()
         for model in self.models:

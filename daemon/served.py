@@ -21,6 +21,7 @@ from moe_l2.model import ModelFiles
 from moe_l2.ranges import format_ranges
 from moe_l2.protocol import ProtocolError
 
+from .loader import Preload
 from .stats import ModelCounters
 
 
@@ -63,6 +64,9 @@ class ServedModel:
         self.data: dict = {}  # served layer -> its data segment
         self.slot_indexes: dict = {}  # served layer -> its _native.SlotIndex, through which every fill goes
         self.on_fill_ended: FillEnded | None = None  # the server's, for Loaded notices (daemon/notices.py)
+        # The warm start's preload of this model and when the heat it restores was saved (daemon/warm_start.py).
+        self.preload: Preload | None = None
+        self.heat_saved_at: float | None = None
         self.fds = files.open_fds(direct_io)
         # Linux can tell whether the filesystem took O_DIRECT; macOS' F_NOCACHE cannot be queried.
         self.direct_io = ModelFiles.direct_fds(self.fds) if hasattr(os, "O_DIRECT") else \
@@ -153,6 +157,15 @@ class ServedModel:
         for reservation in reservations:
             loader.submit(self, layer, reservation)
         return len(reservations)
+
+    def reserve_free(self, layer: int, expert: int) -> Reservation | None:
+        """A free slot for a preload of the expert, its fill begun; None when it is held already or no slot is
+        free (a preload never evicts)."""
+        with self.lock:
+            reservation = self.stores[layer].reserve(expert, evict=False)
+            if reservation is not None:
+                self.slot_indexes[layer].begin_fill(reservation.slot, reservation.evicted)
+        return reservation
 
     def resize(self, target: int) -> int:
         """Shrink or grow every layer toward `target` slots for the memory governor; returns the slots changed.
@@ -328,12 +341,21 @@ class ServedModel:
             "active_domain": self.active_domain,
             "active_confidence": self.active_confidence,
             "hints": self.hints,
+            "warm_start": self._warm_start_figures(),
         })
         if counts is not None:
             # Online statistics: per active domain ("" without one), per layer, how often clients' routers
             # picked each expert. moe-l2 profile --from-daemon reads these.
             snap["routing"] = counts
         return snap
+
+    def _warm_start_figures(self) -> dict | None:
+        """What the warm start preloads, and when the heat it restores was saved; None without one."""
+        p = self.preload
+        if p is None:
+            return None
+        return {"saved_at": self.heat_saved_at, "records": len(p.records), "preloaded": p.loaded,
+                "preloaded_bytes": p.loaded * self.files.layout.nbytes, "pending": len(p.pending())}
 
     def close(self) -> None:
         """Unmap and unlink the segments and close the files; the loader must be stopped first."""

@@ -234,6 +234,7 @@ def test_a_value_past_a_bound_is_refused_with_the_range_from_a_flag_and_from_tom
 EXAMPLES = {
     "path": ("/n", {}), "budget": ("2GiB", {}), "layers": ("0-1", {}), "profile": ("/p.json", {}),
     "socket": ("ipc:///tmp/moe-l2-example.sock", {}), "runtime_dir": ("/tmp/moe-l2-example", {}),
+    "state_dir": ("/tmp/moe-l2-state-example", {}),
     "socket_group": ("0", {}), "metrics": ("127.0.0.1:9464", {}),
     "curve_secret_key": ("{secret}", {"curve_clients": "{clients}", "socket": "tcp://127.0.0.1:5557"}),
     "curve_clients": ("{clients}", {"curve_secret_key": "{secret}", "socket": "tcp://127.0.0.1:5557"}),
