@@ -164,11 +164,11 @@ def snapshot(model: ServedModel) -> Heat:
         for layer, expert in model.preload.pending():
             pending.setdefault(layer, []).append(expert)
     layers = []
-    with model.lock:
-        for layer, store in model.stores.items():
+    for layer, store in model.stores.items():
+        with model.lock:  # a layer at a time: a report waits for one layer's state at most
             held = store.policy.hottest({*store.held(), *pending.get(layer, ())})[:store.n_slots]
             pins = {kind: tuple(store.pins(kind)) for kind in PIN_KINDS if store.pins(kind)}
             layers.append(LayerHeat(layer, tuple(held), pins, store.policy.state()))
-        domain = model.active_domain
+    domain = model.active_domain
     g = model.geometry
     return Heat(model.files.fingerprint, g.n_layers, g.n_experts, model.policy, time.time(), domain, tuple(layers))
