@@ -14,7 +14,6 @@ the daemon logs in one line before starting cold (docs/security.md, "Files moe-l
 from __future__ import annotations
 
 import errno
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,9 @@ EXPERT_BYTES = 256
 LAYER_BYTES = 1024
 HEAD_BYTES = 4096
 MAX_DOMAIN_CHARS = 256
+# The latest saved_at taken (seconds since the epoch, the year 2286): any later is no time this daemon wrote, and
+# would overflow the conversions that show it.
+MAX_SAVED_AT = 1e10
 _FIELDS = ("version", "fingerprint", "n_layers", "n_experts", "policy", "saved_at", "active_domain", "layers")
 _LAYER_FIELDS = ("layer", "experts", "pins", "policy_state")
 
@@ -105,7 +107,7 @@ class Heat:
         if body["policy"] not in POLICIES:
             raise HeatError(f"policy {str(body['policy'])[:40]!r} is none of {', '.join(POLICIES)}")
         saved_at = body["saved_at"]
-        if type(saved_at) not in (int, float) or not math.isfinite(saved_at) or saved_at < 0:
+        if type(saved_at) not in (int, float) or not 0 <= saved_at <= MAX_SAVED_AT:
             raise HeatError(f"saved_at {saved_at!r} is no time")
         domain = body["active_domain"]
         if domain is not None and (not isinstance(domain, str) or len(domain) > MAX_DOMAIN_CHARS):

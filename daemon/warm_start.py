@@ -75,6 +75,9 @@ class WarmStart:
                 log.warning("ignoring the heat file %s: %s; %s starts cold", self.directory / name, exc,
                             model.files.path)
                 continue
+            except Exception:  # a bug in the checks above must cost a warm start, never the daemon's start
+                log.exception("ignoring the heat file %s; %s starts cold", self.directory / name, model.files.path)
+                continue
             model.preload, model.heat_saved_at = Preload(model, records), heat.saved_at
             self.loader.preload(model.preload)
             kept = "" if heat.policy == model.policy else \

@@ -132,6 +132,11 @@ def plant(path, case: str, files) -> str:
     if case == "a hostile policy state":
         path.write_bytes(with_nan_score(files))
         return "policy state"
+    if case == "a time past any clock":
+        heat = decode(good, files)
+        path.write_bytes(Heat(heat.fingerprint, heat.n_layers, heat.n_experts, heat.policy, 1e20, None,
+                              heat.layers).encode())
+        return "no time"
     if case == "a symbolic link":
         target = path.with_name("elsewhere")
         target.write_bytes(good)
@@ -149,7 +154,8 @@ def plant(path, case: str, files) -> str:
 
 
 @pytest.mark.parametrize("case", ["damaged", "truncated", "another model's", "oversized", "a hostile policy state",
-                                  "a symbolic link", "a FIFO", "writable by others", "another user's"])
+                                  "a time past any clock", "a symbolic link", "a FIFO", "writable by others",
+                                  "another user's"])
 def test_a_heat_file_that_is_not_the_daemons_own_is_ignored_in_one_line(case, daemon_factory, model_dir,
                                                                            model_files):
     if case == "another user's" and os.geteuid() != 0:

@@ -148,7 +148,10 @@ def _warm_start(m: dict) -> list[str]:
     w = m.get("warm_start")
     if not w:
         return []
-    saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(w["saved_at"]))
+    try:
+        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(w["saved_at"]))
+    except (OverflowError, OSError, ValueError):  # no time a daemon of this release sends
+        saved = f"{w['saved_at']!r} s since the epoch"
     going = f", {w['pending']} still queued" if w["pending"] else ""
     return [f"  warm start: preloaded {w['preloaded']} of {w['records']} records ({format_size(w['preloaded_bytes'])}) "
             f"that L2 held at {saved}{going}"]
