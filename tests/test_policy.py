@@ -152,6 +152,7 @@ def test_a_policy_restored_from_its_state_decides_as_the_original(name):
     ("adaptive", lambda s: s.update(half_lives=[1.0]), "half-lives"),
     ("adaptive", lambda s: s.update(hits=[0.0]), "one per half-life"),
     ("adaptive", lambda s: s["scores"][0].append([3, float("nan")]), "finite"),
+    ("adaptive", lambda s: s.update(inc=[1e300] * 6), "adaptive inc"),  # its next access would overflow
     ("adaptive", lambda s: s.update(shadows=[list(range(17))] * 6), "at most 16"),
     ("adaptive", lambda s: s.update(extra=1), "fields"),
     ("adaptive", lambda s: s.clear(), "fields"),

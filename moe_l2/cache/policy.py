@@ -35,9 +35,9 @@ def _count(value, what: str, high: int = _MAX_COUNT) -> int:
     return value
 
 
-def _finite(value, what: str, low: float = -math.inf) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or value < low:
-        raise ValueError(f"{what} is {value!r}, not a finite number of at least {low}")
+def _finite(value, what: str, low: float = -math.inf, high: float = math.inf) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"{what} is {value!r}, not a finite number from {low} to {high}")
     return float(value)
 
 
@@ -166,6 +166,10 @@ class AdaptiveLRFU:
     HALF_LIVES = (1.0, 16.0, 64.0, 256.0, 1024.0, 4096.0)
     WINDOW = 4096.0
     _RESCALE = 1e100
+    # What a restored state's increments, scores and hits may be at most: an increment is rescaled past _RESCALE
+    # (after at most one growth, of at most 2), and a decayed sum of increments stays within a few thousand of them.
+    _MAX_INC = 2 * _RESCALE
+    _MAX_SUM = 1e6 * _MAX_INC
 
     def __init__(self, capacity: int | None = None, half_lives: Sequence[float] = HALF_LIVES,
                  window: float = WINDOW) -> None:
@@ -273,9 +277,13 @@ class AdaptiveLRFU:
         for name, value in (("inc", inc), ("scores", scores), ("shadows", shadows), ("hits", hits)):
             if not isinstance(value, list) or len(value) != n:
                 raise ValueError(f"adaptive {name} is not a list of {n}, one per half-life")
-        self._inc = [_finite(v, "adaptive inc", 1.0) for v in inc]
-        self._scores = [_by_expert(s, n_experts, "adaptive score", lambda v, what: _finite(v, what, 0.0))
-                        for s in scores]
+        self._inc = [_finite(v, "adaptive inc", 1.0, self._MAX_INC) for v in inc]
+
+        def bounded(value, what: str) -> float:
+            return _finite(value, what, 0.0, self._MAX_SUM)
+
+        self._scores = [_by_expert(s, n_experts, "adaptive score", bounded) for s in scores]
+        self._hits = [bounded(v, "adaptive hits") for v in hits]
         self._shadows = []
         for shadow, score in zip(shadows, self._scores):
             if not isinstance(shadow, list) or len(shadow) > n_experts:
@@ -283,8 +291,7 @@ class AdaptiveLRFU:
             kept = {_expert(e, n_experts, "an adaptive shadow") for e in shadow}
             # The capacity may have changed since: a shadow keeps its best-scored experts that fit.
             self._shadows.append(set(sorted(kept, key=lambda e: -score.get(e, 0.0))[:self.capacity]))
-        self._hits = [_finite(v, "adaptive hits", 0.0) for v in hits]
-        self._hit_inc = _finite(hit_inc, "adaptive hit_inc", 1.0)
+        self._hit_inc = _finite(hit_inc, "adaptive hit_inc", 1.0, self._MAX_INC)
         self.best = _count(best, "adaptive best", n - 1)
 
 
