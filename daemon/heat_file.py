@@ -25,6 +25,7 @@ import platformdirs
 from moe_l2.atomic_file import AtomicFile
 from moe_l2.cache.policy import POLICIES
 from moe_l2.cache.store import PIN_KINDS
+from moe_l2.protocol import quote
 
 VERSION = 1
 # What a layer's entry may take at most, per expert of the model and beside them: the adaptive policy's six scores
@@ -96,19 +97,19 @@ class Heat:
             raise HeatError(f"not a heat file (cut short or damaged?): {type(exc).__name__}") from None
         if not isinstance(body, dict) or body.get("version") != VERSION:
             found = body.get("version") if isinstance(body, dict) else None
-            raise HeatError(f"format version {found!r}, not {VERSION}")
+            raise HeatError(f"format version {quote(found)}, not {VERSION}")
         if set(body) != set(_FIELDS):
-            raise HeatError(f"fields {sorted(map(str, body))}, not {', '.join(_FIELDS)}")
+            raise HeatError(f"fields {quote(sorted(map(str, body)))}, not {', '.join(_FIELDS)}")
         if body["fingerprint"] != fingerprint:
-            raise HeatError(f"it is another model's (fingerprint {str(body['fingerprint'])[:40]!r}, not {fingerprint})")
+            raise HeatError(f"it is another model's (fingerprint {quote(body['fingerprint'])}, not {fingerprint})")
         if (body["n_layers"], body["n_experts"]) != (n_layers, n_experts):
-            raise HeatError(f"{body['n_layers']!r} layers x {body['n_experts']!r} experts, not {n_layers} x "
+            raise HeatError(f"{quote(body['n_layers'])} layers x {quote(body['n_experts'])} experts, not {n_layers} x "
                             f"{n_experts}")
         if body["policy"] not in POLICIES:
-            raise HeatError(f"policy {str(body['policy'])[:40]!r} is none of {', '.join(POLICIES)}")
+            raise HeatError(f"policy {quote(body['policy'])} is none of {', '.join(POLICIES)}")
         saved_at = body["saved_at"]
         if type(saved_at) not in (int, float) or not 0 <= saved_at <= MAX_SAVED_AT:
-            raise HeatError(f"saved_at {saved_at!r} is no time")
+            raise HeatError(f"saved_at {quote(saved_at)} is no time")
         domain = body["active_domain"]
         if domain is not None and (not isinstance(domain, str) or len(domain) > MAX_DOMAIN_CHARS):
             raise HeatError("active_domain is not a domain's name")
@@ -126,7 +127,7 @@ def _layer(entry, n_layers: int, n_experts: int) -> LayerHeat:
         raise HeatError(f"a layer's entry has not the fields {', '.join(_LAYER_FIELDS)}")
     layer = entry["layer"]
     if type(layer) is not int or not 0 <= layer < n_layers:
-        raise HeatError(f"layer {layer!r} is not one of 0..{n_layers - 1}")
+        raise HeatError(f"layer {quote(layer)} is not one of 0..{n_layers - 1}")
     pins = entry["pins"]
     if not isinstance(pins, dict) or not set(pins) <= set(PIN_KINDS):
         raise HeatError(f"layer {layer}'s pins are not lists by kind ({', '.join(PIN_KINDS)})")

@@ -50,9 +50,16 @@ def teach(daemon, files) -> None:
         for layer in range(files.n_layers):
             for expert in (3, 5, 3, 9, 3, 5, 12, 3, 5, 14):
                 pool.fetch(layer, [(expert + layer) % files.n_experts])
+        looked_up = pool.counts.l2_hits + pool.counts.l3_reads
     finally:
         pool.close()
         client.close()
+
+    def reported() -> bool:  # the client's reports reach the daemon after its fetches return
+        m = stats(daemon)["models"][0]
+        return m["hits"] + m["misses"] == looked_up
+
+    wait_for(reported, what="the client's reports", detail=daemon.log)
 
 
 def test_a_daemon_stopped_and_started_again_holds_what_it_held(daemon_factory, model_dir, model_files):

@@ -25,25 +25,27 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from moe_l2.protocol import quote
+
 # A clock or count read back from a saved state past this is no state this code wrote.
 _MAX_COUNT = 1 << 62
 
 
 def _count(value, what: str, high: int = _MAX_COUNT) -> int:
     if type(value) is not int or not 0 <= value <= high:
-        raise ValueError(f"{what} is {value!r}, not a whole number from 0 to {high}")
+        raise ValueError(f"{what} is {quote(value)}, not a whole number from 0 to {high}")
     return value
 
 
 def _finite(value, what: str, low: float = -math.inf, high: float = math.inf) -> float:
     if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
-        raise ValueError(f"{what} is {value!r}, not a finite number from {low} to {high}")
+        raise ValueError(f"{what} is {quote(value)}, not a finite number from {low} to {high}")
     return float(value)
 
 
 def _expert(value, n_experts: int, what: str) -> int:
     if type(value) is not int or not 0 <= value < n_experts:
-        raise ValueError(f"{what} names expert {value!r}, not one of 0..{n_experts - 1}")
+        raise ValueError(f"{what} names expert {quote(value)}, not one of 0..{n_experts - 1}")
     return value
 
 
@@ -54,7 +56,7 @@ def _by_expert(pairs, n_experts: int, what: str, check: Callable) -> dict[int, o
     out = {}
     for pair in pairs:
         if not isinstance(pair, list) or len(pair) != 2:
-            raise ValueError(f"{what} holds {pair!r}, not an [expert, value] pair")
+            raise ValueError(f"{what} holds {quote(pair)}, not an [expert, value] pair")
         expert = _expert(pair[0], n_experts, what)
         if expert in out:
             raise ValueError(f"{what} names expert {expert} twice")
@@ -64,8 +66,7 @@ def _by_expert(pairs, n_experts: int, what: str, check: Callable) -> dict[int, o
 
 def _fields(state, names: tuple[str, ...], policy: str) -> list:
     if not isinstance(state, dict) or set(state) != set(names):
-        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"the {policy} state has {keys}, not the fields {', '.join(names)}")
+        raise ValueError(f"the {policy} state is {quote(state)}, not a map of the fields {', '.join(names)}")
     return [state[name] for name in names]
 
 
@@ -146,7 +147,7 @@ class LFUDecay:
     def restore(self, state, n_experts: int) -> None:
         clock, half_life, score = _fields(state, ("clock", "half_life", "score"), self.name)
         if half_life != self.half_life:
-            raise ValueError(f"the lfu state decays with a half-life of {half_life!r}, not {self.half_life}")
+            raise ValueError(f"the lfu state decays with a half-life of {quote(half_life)}, not {self.half_life}")
         self._clock = _count(clock, "lfu clock")
         self._score = _by_expert(score, n_experts, "lfu score", _finite)
 
@@ -273,7 +274,8 @@ class AdaptiveLRFU:
         half_lives, inc, scores, shadows, hits, hit_inc, best = _fields(state, self._STATE, self.name)
         n = len(self.half_lives)
         if half_lives != list(self.half_lives):
-            raise ValueError(f"the adaptive state follows the half-lives {half_lives!r}, not {list(self.half_lives)}")
+            raise ValueError(f"the adaptive state follows the half-lives {quote(half_lives)}, not "
+                             f"{list(self.half_lives)}")
         for name, value in (("inc", inc), ("scores", scores), ("shadows", shadows), ("hits", hits)):
             if not isinstance(value, list) or len(value) != n:
                 raise ValueError(f"adaptive {name} is not a list of {n}, one per half-life")
