@@ -31,6 +31,8 @@ SYSTEMD_RUNTIME = SYSTEM_DIRS[0].name
 SHIPPED_PROGRAM = "/usr/local/bin/moe-l2d"
 SYSTEM_CONFIG = {"systemd": Path("/etc/moe-l2/moe-l2d.toml"), "launchd": Path("/usr/local/etc/moe-l2/moe-l2d.toml")}
 SHIPPED_MACOS_ID = 480
+# A macOS system daemon's state dir (warm_start): made at install, owned by _moe-l2, 0700.
+SYSTEM_STATE_DIR = Path("/usr/local/var/lib/moe-l2")
 # A system service's account, per manager: the accounts clients trust like root (Linux's, then macOS').
 ACCOUNTS = dict(zip(("systemd", "launchd"), SERVICE_USERS))
 
@@ -48,6 +50,7 @@ class Service:
     header: str = INSTALLED
     # launchd has no RuntimeDirectory= and no %t: the literal places, and the ids the socket file gets.
     runtime_dir: Path | None = None
+    state_dir: Path | None = None  # a system daemon's (its account has no home); an agent's is platformdirs'
     log: Path | None = None
     owner: tuple[int, int] | None = None  # (uid, gid) of the socket file
 
@@ -126,6 +129,10 @@ RuntimeDirectoryMode={mode:04o}
 # Kept when the daemon stops: the socket unit's socket lives there (removed, it could never be reached
 # again), and so does the list of segments a crashed daemon leaves for the next one.
 RuntimeDirectoryPreserve=yes
+# %S/moe-l2 (exported as $STATE_DIRECTORY: /var/lib/moe-l2, or ~/.local/state/moe-l2 for a user unit)
+# keeps what L2 held across restarts and reboots, preloaded at the next start (warm_start); private.
+StateDirectory={runtime}
+StateDirectoryMode=0700
 """
 
 _SYSTEM_LIMITS = """\
@@ -245,7 +252,7 @@ _PLIST = """\
              daemon's account, and persists (/var/run is emptied at boot, where a non-root daemon
              could not make its directory again). -->
         <string>--runtime-dir</string>
-        <string>{runtime_dir}</string>
+        <string>{runtime_dir}</string>{state_dir}
     </array>
 
     <!-- The daemon's socket. Its name is the one the daemon asks launch_activate_socket for; its
@@ -324,13 +331,20 @@ _PLIST_ACCOUNT = """
 """
 
 
+_PLIST_STATE_DIR = """
+        <!-- What L2 held, preloaded at the next start (warm_start): the daemon's account has no home
+             to keep it in, so a directory made at install, owned by that account, mode 0700. -->
+        <string>--state-dir</string>
+        <string>{state_dir}</string>"""
+
 def launchd_plist(s: Service) -> str:
     system = s.scope == SYSTEM
     text = {k: escape(str(v)) for k, v in dict(
         header=s.header, label=LABEL, program=s.program, config=s.config, runtime_dir=s.runtime_dir,
         handed=HANDED_NAME, socket=s.runtime_dir / SOCKET_NAME, log=s.log, account=s.account, group=s.group).items()}
     account = _PLIST_ACCOUNT.format(**text) if system else ""
-    return _PLIST.format(**{**text, "account": account}, kind="LaunchDaemon" if system else "LaunchAgent",
+    state_dir = "" if s.state_dir is None else _PLIST_STATE_DIR.format(state_dir=escape(str(s.state_dir)))
+    return _PLIST.format(**{**text, "account": account, "state_dir": state_dir}, kind="LaunchDaemon" if system else "LaunchAgent",
                          mode=s.socket_mode, uid=s.owner[0], gid=s.owner[1])
 
 
@@ -363,7 +377,7 @@ def shipped_files() -> dict[str, str]:
     launchd = Service(SYSTEM, SHIPPED_PROGRAM, SYSTEM_CONFIG["launchd"], 0o660, macos, macos,
                       f"{SHIPPED}\n  SockPathOwner and SockPathGroup are _moe-l2's ids ({SHIPPED_MACOS_ID} in "
                       "systemd/README.md).",
-                      runtime_dir=Path("/usr/local/var/run/moe-l2"), log=Path("/Library/Logs/moe-l2/moe-l2d.log"),
+                      runtime_dir=Path("/usr/local/var/run/moe-l2"), state_dir=SYSTEM_STATE_DIR, log=Path("/Library/Logs/moe-l2/moe-l2d.log"),
                       owner=(SHIPPED_MACOS_ID, SHIPPED_MACOS_ID))
     return {f"{UNIT}.service": systemd_service(systemd), f"{UNIT}.socket": systemd_socket(systemd),
             f"{LABEL}.plist": launchd_plist(launchd)}

@@ -79,6 +79,7 @@ def test_unit_service_contract(unit):
     assert one(service, "RuntimeDirectoryMode") == "0755"  # clients reach the socket; its mode decides who connects
     # Kept when the daemon stops: the socket unit's file (and the crashed daemon's segment list) lives there.
     assert one(service, "RuntimeDirectoryPreserve") == "yes"
+    assert one(service, "StateDirectory") == "moe-l2"  # L2's heat, preloaded at the next start
     argv = one(service, "ExecStart").split()
     assert argv[0].startswith("/") and Path(argv[0]).name == "moe-l2d"
     assert argv[1:] == ["--config", "/etc/moe-l2/moe-l2d.toml"]
@@ -142,7 +143,7 @@ def test_plist(plist):
     assert argv[0].startswith("/") and Path(argv[0]).name == "moe-l2d"
     assert argv[argv.index("--config") + 1] == "/usr/local/etc/moe-l2/moe-l2d.toml"
     runtime = argv[argv.index("--runtime-dir") + 1]
-    assert runtime.startswith("/")
+    assert runtime.startswith("/") and argv[argv.index("--state-dir") + 1].startswith("/")
     assert plist["RunAtLoad"] is False  # the first client starts it
     (listener,) = plist["Sockets"].values()
     assert listener["SockPathName"] == f"{runtime}/moe-l2d.sock" and listener["SockPathMode"] == 0o660
@@ -192,6 +193,7 @@ def test_readme_creates_what_the_service_files_use(unit, plist):
         one(unit["Service"], "ExecStart").split()[2],
         argv[argv.index("--config") + 1],
         argv[argv.index("--runtime-dir") + 1],
+        argv[argv.index("--state-dir") + 1],
         plist["StandardOutPath"].rsplit("/", 1)[0],
         "moe-l2 service install --system",
         "moe-l2 service install --user",

@@ -230,7 +230,8 @@ class Launchd:
         gid = config.socket_group if config.socket_group is not None else owner.pw_gid
         return Service(self.scope, program(), self.config, config.socket_mode, account,
                        group_name(gid) if account or config.socket_group is not None else None,
-                       runtime_dir=self.runtime_dir, log=self.log, owner=(owner.pw_uid, gid))
+                       runtime_dir=self.runtime_dir, state_dir=files.SYSTEM_STATE_DIR if account else None,
+                       log=self.log, owner=(owner.pw_uid, gid))
 
     def files(self, service: Service) -> dict[Path, str]:
         return {self.plist: files.launchd_plist(service)}
@@ -246,9 +247,12 @@ class Launchd:
                 ["launchctl", "bootstrap", self.domain, str(self.plist)]]
 
     def prepare(self, service: Service) -> None:
-        """launchd makes neither the socket's directory nor the log's; and bootstrap refuses a label already
+        """launchd makes neither the socket's directory, nor the log's, nor a system daemon's state dir; and bootstrap refuses a label already
         loaded, so an earlier install's job is booted out first."""
-        for directory, mode in ((self.runtime_dir, service.directory_mode), (self.log.parent, 0o755)):
+        made = [(self.runtime_dir, service.directory_mode), (self.log.parent, 0o755)]
+        if service.state_dir is not None:
+            made.append((service.state_dir, 0o700))
+        for directory, mode in made:
             directory.mkdir(mode=mode, parents=True, exist_ok=True)
             os.chown(directory, *service.owner)
             os.chmod(directory, mode)
