@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +38,10 @@ def pytest_configure(config):
     SIG_IGN) resets to the default in every child."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A daemon started without DaemonProcess (socket activation, run_daemon) keeps its heat in the state dir
+    # (warm start): the suite's own, never the user's, so that no run warms another.
+    state = os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="moe-l2-tests-state-")
+    config.add_cleanup(lambda: shutil.rmtree(state, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config, items):
