@@ -160,6 +160,24 @@ def test_native_transcode_matches_the_numpy_reference_on_many_threads(gguf_model
             assert bytes(out.view()[64:64 + len(w)]) == w
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"])
+def test_native_transcode_matches_the_numpy_reference_on_any_bytes(type_name):
+    """Random blocks: scales that are NaNs (with payloads), infinities and subnormals, whose biases overflow. The
+    daemon and the client (native) and verify (numpy) must agree on every byte of a damaged file too, or verify
+    would report damage where there is none, and a manifest written by verify would refuse the native reads."""
+    rows, cols = 64, 64
+    block = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "MXFP4": 17}[type_name]
+    raw = np.random.default_rng(7).integers(0, 256, rows * cols // 32 * block, dtype=np.uint8).tobytes()
+    want = transcode_reference(type_name, raw, rows, cols)
+    assert any(np.isnan(np.frombuffer(w, np.float16)).any() for w in want[1:]) or type_name == "MXFP4"
+    buf = _native.Buffer(len(raw))
+    buf.view()[:] = raw
+    outs = [_native.Buffer(len(w)) for w in want] + [_native.Buffer(64)] * (3 - len(want))
+    _native.transcode_gguf([(type_name, rows, cols, buf, 0, outs[0], 0, outs[1], 0, outs[2], 0)], threads=1)
+    for w, out in zip(want, outs):
+        assert bytes(out.view()[:len(w)]) == w
+
+
 def test_transcode_refuses_what_it_cannot_convert():
     buf = _native.Buffer(4096)
     with pytest.raises(ValueError, match=r"^\[transcode_gguf\] jobs\[0\]: GGUF type Q4_K is not supported "

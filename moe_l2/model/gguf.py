@@ -111,6 +111,18 @@ def _raw_bytes(type_name: str, rows: int, cols: int) -> int:
     return rows * (cols // elems) * block
 
 
+def _scaled(d: np.ndarray, by: float) -> np.ndarray:
+    """d * by in float32, rounded to float16, as the native conversion computes a bias: an overflow gives
+    infinity (as in mx.load), a NaN (a damaged scale) loses its payload (0x7e00, sign kept) where numpy would
+    keep it, so that both agree on every byte whatever the file holds."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = (d.astype(np.float32) * by).astype(np.float16)
+    bits = out.view(np.uint16).copy()
+    nan = np.isnan(out)
+    bits[nan] = (bits[nan] & 0x8000) | 0x7E00
+    return bits.view(np.float16)
+
+
 def transcode_reference(type_name: str, raw: bytes, rows: int, cols: int) -> list[bytes]:
     """numpy conversion of one slice to its record pieces' bytes (the order of piece_specs)."""
     if type_name in _FLOAT:
@@ -128,18 +140,18 @@ def transcode_reference(type_name: str, raw: bytes, rows: int, cols: int) -> lis
         q, scales, biases = nibbles(b[..., 1:]), b[..., 0].copy(), None
     elif type_name == "Q8_0":
         d = half(0)
-        q, scales, biases = b[..., 2:] ^ np.uint8(0x80), d, (d.astype(np.float32) * -128).astype(np.float16)
+        q, scales, biases = b[..., 2:] ^ np.uint8(0x80), d, _scaled(d, -128)
     elif type_name in ("Q5_0", "Q5_1"):
         at = 2 if type_name == "Q5_0" else 4
         qh = b[..., at:at + 4].copy().view("<u4")[..., 0]
         high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
         q = nibbles(b[..., at + 4:]) | (high << 4)
         d = half(0)
-        scales, biases = d, (half(2) if type_name == "Q5_1" else (d.astype(np.float32) * -16).astype(np.float16))
+        scales, biases = d, (half(2) if type_name == "Q5_1" else _scaled(d, -16))
     else:
         d = half(0)
         q = nibbles(b[..., 4:] if type_name == "Q4_1" else b[..., 2:])
-        scales, biases = d, (half(2) if type_name == "Q4_1" else (d.astype(np.float32) * -8).astype(np.float16))
+        scales, biases = d, (half(2) if type_name == "Q4_1" else _scaled(d, -8))
     q = q.reshape(rows, cols).astype(np.uint8)
     # MLX: a little-endian bit stream of `bits`-bit codes, packed into uint32 words
     stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(rows, cols * bits)
