@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_l2.client.distributed import gather_json, rank_socket, share_text, speaks_for_daemon
     from moe_l2.client.generation import GenerationSummary, StreamFigures, encode_prompt, generate_streamed
     from moe_l2.client.streamed_lm import StreamedLM
-    from moe_l2.model import CorruptRecord
+    from moe_l2.model import DamagedRecord
     from moe_l2.cache.trace import TraceWriter
 
     # Under mlx.launch every rank runs this with the same flags: each runs its pipeline stage, rank 0 reads the
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
                                        max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size,
                                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                                        quantized_kv_start=args.quantized_kv_start, prompt_cache=prompt_cache)
-        except CorruptRecord as exc:
+        except DamagedRecord as exc:  # a record that fails its checksum, or a model file cut short while we ran
             print(f"\nmoe-l2 generate: {exc}", file=sys.stderr)
             return 1
         s = GenerationSummary.of(result, lm)
