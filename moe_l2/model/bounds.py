@@ -99,11 +99,14 @@ def parse_json(raw: bytes, path, what: str):
 
 
 def _deeper_than(value, depth: int) -> bool:
-    if isinstance(value, dict):
-        value = value.values()
-    elif not isinstance(value, list):
-        return False
-    return depth == 0 or any(_deeper_than(v, depth - 1) for v in value)
+    """Whether parsed JSON nests more than depth containers deep: level by level, containers only (a fifth of
+    json.loads' own time for a header of 100k tensors)."""
+    level = [value] if type(value) in (dict, list) else []
+    for _ in range(depth):
+        if not level:
+            return False
+        level = [c for v in level for c in (v.values() if type(v) is dict else v) if type(c) in (dict, list)]
+    return bool(level)
 
 
 def check_directory(path: Path, skip: str) -> None:
