@@ -135,3 +135,26 @@ def test_a_model_truncated_while_generating_ends_with_one_clear_error(copy_of):
     assert f"cannot be read from {shard} (" in message and "unexpected end of file" in message, message
     assert f"`moe-l2 verify --model {copy_of} --all` lists every damaged record" in message, message
 
+
+
+def test_a_shard_swapped_for_a_fifo_after_the_open_is_refused_by_verify(copy_of, monkeypatch, capsys):
+    """The window between ModelFiles.open and the pool's own open of the files: open_regular refuses the FIFO
+    there too, and verify says so instead of a traceback (or a hang)."""
+    import argparse
+
+    from moe_l2.commands import verify
+    from moe_l2.model import ModelFiles
+
+    opened = ModelFiles.open
+
+    def open_then_swap(path):
+        files = opened(path)
+        (copy_of / "model.safetensors").unlink()
+        os.mkfifo(copy_of / "model.safetensors")
+        return files
+
+    monkeypatch.setattr(ModelFiles, "open", open_then_swap)
+    parser = argparse.ArgumentParser()
+    verify.add_arguments(parser)
+    assert verify.run(parser.parse_args(["--model", str(copy_of), "--no-daemon"])) == 1
+    assert f"{copy_of / 'model.safetensors'} is a FIFO, not a regular file" in capsys.readouterr().err

@@ -107,7 +107,13 @@ def run(args: argparse.Namespace) -> int:
         rng = random.Random(args.seed)
         picks = [(rng.randrange(files.n_layers), rng.randrange(files.n_experts)) for _ in range(args.samples)]
     # verify compares every record itself, so that it reports damage instead of the pool refusing it.
-    pool = ExpertPool(files, capacity=1, client=client, direct=DIRECT_IO[args.direct_io], verify="off")
+    try:
+        pool = ExpertPool(files, capacity=1, client=client, direct=DIRECT_IO[args.direct_io], verify="off")
+    except (OSError, ValueError) as exc:  # a model file removed, or swapped for a FIFO, since the open
+        if client is not None:
+            client.close()
+        print(f"moe-l2 verify: {exc}", file=sys.stderr)
+        return 1
     tiers = {"L2": 0, "L3": 0}
     mismatches = {"L2": 0, "L3": 0}
     try:
