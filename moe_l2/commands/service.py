@@ -97,7 +97,7 @@ def program() -> str:
     beside = Path(sys.executable).parent / "moe-l2d"
     found = str(beside) if beside.exists() else shutil.which("moe-l2d")
     if found is None:
-        raise Refused(f"no moe-l2d beside {sys.executable} or on PATH: install moe-l2 into this environment first")
+        raise Refused(f"no moe-l2d beside {sys.executable} or on PATH: install mlx-moe-l2 into this environment first")
     return os.path.abspath(found)
 
 
@@ -372,7 +372,7 @@ def warn_if_hidden(account: str, paths: list[str]) -> None:
         for directory in Path(path).parents:
             if not os.stat(directory).st_mode & 0o001:
                 print(f"warning: {path} lies in {directory} (mode {os.stat(directory).st_mode & 0o777:o}), which "
-                      f"{account} may not be able to enter: install moe-l2 where every user can read it (e.g. a "
+                      f"{account} may not be able to enter: install mlx-moe-l2 where every user can read it (e.g. a "
                       "venv in /opt/moe-l2, systemd/README.md)", file=sys.stderr)
                 return
 
