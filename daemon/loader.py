@@ -1,14 +1,13 @@
-"""The loader pool: threads that read expert records from the model files straight into slot memory, and
-check each against the model's checksum manifest before it is published (docs/architecture.md, "Integrity")."""
+"""The loader pool: threads that run the daemon's slot work off the serving thread, reads of records into slots
+and the checks of donated ones (ServedModel.fill, ServedModel.take_donation), so that no request waits for a
+disk or a checksum."""
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-
-from moe_l2.model import CorruptRecord
 
 log = logging.getLogger("moe-l2d.loader")
 
@@ -24,50 +23,27 @@ class Loader:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def submit(self, model, layer: int, reservation) -> None:
-        """Queue a load; the store already de-duplicated it (an expert has at most one reservation)."""
+    def submit(self, work: Callable[[], object], cancel: Callable[[], object]) -> None:
+        """Run `work` (one slot's, begun: it ends the fill) on a loader thread, or `cancel` (which ends it
+        unfilled) at once once the pool is stopping."""
         with self._lock:
             if self._stopping:
-                model.abort_fill(layer, reservation)
+                cancel()
                 return
             self._in_flight += 1
-        self._pool.submit(self._load, model, layer, reservation)
+        self._pool.submit(self._run, work)
 
-    def _load(self, model, layer: int, reservation) -> None:
-        start = time.perf_counter()
+    def _run(self, work: Callable[[], object]) -> None:
         try:
-            data = model.data[layer]
-            stride = model.geometry.slot_stride
-            base = reservation.slot * stride
-            # Straight into the slot: a packed record in one read (direct I/O where the fds have it), a GGUF
-            # record converted to MLX's layout on the way, so that L2 holds what clients copy as is.
-            model.files.read_into_slots(model.fds, layer, [(reservation.expert, data, base, stride)], threads=1)
-            # The checksum is only compared with a manifest; without one it is not computed (a CRC-32 of a
-            # 13 MB record costs milliseconds of a core), and the slot's metadata holds 0.
-            checksum = 0
-            if model.files.checksums is not None:
-                view = data.view()
-                checksum = model.files.layout.checksum(view, base)
-                del view
-            # A record that fails the manifest is never published: the slot stays free (expert -1).
-            model.files.check_record(layer, reservation.expert, checksum, "the model file")
-            model.finish_fill(layer, reservation, checksum)
-            model.counters.add_load(time.perf_counter() - start, model.files.layout.nbytes)
-        except CorruptRecord as exc:
-            if model.counters.add_corrupt(layer, reservation.expert):
-                log.error("%s", exc)  # once per record: every miss on it tries (and refuses) it again
-            model.abort_fill(layer, reservation)
-        except Exception as exc:  # a bad read must cost one load, never the daemon
-            log.error("loading layer %d expert %d of %s failed: %s", layer, reservation.expert,
-                      model.files.path, exc)
-            model.abort_fill(layer, reservation)
-            model.counters.add_load_error()
+            work()
+        except Exception:  # the work handles its own failures: only a bug gets here
+            log.exception("slot work failed")
         finally:
             with self._lock:
                 self._in_flight -= 1
 
     def shutdown(self) -> None:
-        """Finish the reads in progress (they write into segments about to be unmapped), drop the queue."""
+        """Finish the work in progress (it writes into segments about to be unmapped), drop the queue."""
         with self._lock:
             self._stopping = True
         self._pool.shutdown(wait=True, cancel_futures=True)

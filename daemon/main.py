@@ -17,6 +17,7 @@ from stat import S_ISREG
 
 from moe_l2 import _native
 from moe_l2.cache.profile import Profile, ProfileError
+from moe_l2.fill_protocol import fill_socket_path
 from moe_l2.layout import SEGMENT_PREFIX, BudgetError, Geometry, describe_slots, new_token, segment_name
 from moe_l2.machine import SharedMemoryRoom
 from moe_l2.model import ModelFiles
@@ -30,6 +31,7 @@ from moe_l2.sizes import format_size
 from .config import ConfigError, DaemonConfig, build_parser, resolve
 from .gate import Gate, raise_fd_limit
 from .governor import Governor
+from .fills import FillDesk
 from .loader import Loader
 from .notify import sd_notify
 from .served import ServedModel
@@ -140,6 +142,7 @@ class Daemon:
         self.loader: Loader | None = None
         self.server: Server | None = None
         self.gate: Gate | None = None  # owns the public socket, in front of the server (daemon/gate.py)
+        self.fills: FillDesk | None = None  # takes the records clients of this uid read (daemon/fills.py)
         self.governor: Governor | None = None
         self._metrics = None  # the HttpServer of --metrics (daemon/http.py)
         self._dir_fd: int | None = None
@@ -312,11 +315,15 @@ class Daemon:
             self.gate = Gate(self.config.socket, self.state_dir / f"moe-l2d-{self.tag}.gate",
                              mode=self.config.socket_mode, group=self.config.socket_group,
                              curve=self.config.curve is not None)
+            fill_path = fill_socket_path(self.config.socket)
+            self.fills = FillDesk(fill_path, self.models, self.loader, self.epoch) if fill_path else None
             self.server = Server(self.config.socket, self.models, self.loader, self.epoch, curve=self.config.curve,
-                                 governor=self.governor, gate=self.gate)
+                                 governor=self.governor, gate=self.gate, fills=self.fills)
         except Exception as exc:
             raise StartupError(f"cannot bind {self.config.socket}: {exc}") from None
         self.gate.start()
+        if self.fills is not None:
+            self.fills.start()
         self.governor.start()
         if self.config.metrics is not None:
             from .metrics import serve_metrics  # prometheus_client only when asked for
@@ -379,6 +386,8 @@ class Daemon:
             self.governor.stop()
         if self.gate is not None:
             self.gate.close()
+        if self.fills is not None:
+            self.fills.close()
         if self.server is not None:
             self.server.close()
         if self.loader is not None:

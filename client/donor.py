@@ -1,0 +1,276 @@
+"""Donor: gives moe-l2d the records this process read from the model file itself, off the token's path.
+
+A miss is read by the process that needs it, into its L0 row, as with no daemon at all; then `give` queues it here
+and returns. This thread tells the daemon's fill desk (daemon/fills.py, moe_l2/fill_protocol.py) which records it
+holds; for each one L2 lacks the desk reserves a slot and offers it, and the thread copies the row into the slot
+through a writable mapping of the layer's data segment (checksummed as it lands: _native.copy_record) and says
+`filled`, or `cancelled` when the row was handed out again since it was read (its writes count moved: a fetch
+never waits for a donation). One disk read per miss, the process's own, and L2 holds the record afterwards
+(docs/architecture.md, "Fills").
+
+Only a process of the daemon's uid gets to fill: the desk refuses any other, whose data segments are not writable
+to it anyway; such a process reports its misses for the daemon to load (`accepting` is False).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import selectors
+import socket
+import threading
+from dataclasses import dataclass
+
+from moe_l2 import _native
+from moe_l2.control import UntrustedDaemon, check_socket
+from moe_l2.fill_protocol import FillProtocolError, FrameReader, encode, fill_socket_path
+
+log = logging.getLogger("moe-l2.client")
+
+# How long a new connection waits for the desk's welcome, and closing for the answers to gives already sent.
+ANSWER_S = 2.0
+# How often the thread looks whether the attachment changed (a daemon restarted) while nothing else happens.
+TICK_S = 0.2
+
+
+@dataclass(frozen=True)
+class Gift:
+    """A record held in an L0 row: the layer's pool, the row and its writes count when the record was whole."""
+
+    layer: int
+    expert: int
+    pool: object  # client/layerpool.py's LayerPool
+    row: int
+    writes: int
+
+
+@dataclass
+class DonorCounts:
+    given: int = 0      # records told to the desk
+    filled: int = 0     # copied into a slot offered
+    cancelled: int = 0  # offered, but the row was refilled first
+
+
+class Donor:
+    def __init__(self, client, files):
+        """client: the L2Client whose attachment (daemon epoch, segments) the donations follow."""
+        self.client = client
+        self.files = files
+        self.counts = DonorCounts()
+        self.refused = ""  # why the desk of the epoch attached now turned this process away, if it did
+        self._path = fill_socket_path(client.address)
+        self._gifts: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._stop = threading.Event()
+        self._epoch: int | None = None  # the epoch whose desk welcomed us
+        self._tried: int | None = None  # the epoch whose desk we last tried
+        self._sock: socket.socket | None = None
+        self._reader = FrameReader(("welcome", "refused", "offer"))
+        self._writable: dict[int, object] = {}  # MoE layer -> its data segment, mapped writable
+        self._sent: collections.deque = collections.deque()  # per give sent, its gifts by expert, awaiting an offer
+        self._thread = threading.Thread(target=self._run, name="moe-l2-donor", daemon=True)
+        self._thread.start()
+
+    @property
+    def accepting(self) -> bool:
+        """The desk of the daemon attached now took this process: its misses are given, not loaded by the
+        daemon."""
+        attachment = self.client.attachment
+        return attachment is not None and self._epoch == attachment.epoch
+
+    def give(self, layer: int, pool, experts: list[int], rows: list[int]) -> None:
+        """Queue records just read into these rows of the layer's pool (whole now); returns at once."""
+        for expert, row in zip(experts, rows):
+            self._gifts.put(Gift(layer, expert, pool, row, pool.writes_of(row)))
+        try:
+            self._wake_w.send(b"\0")
+        except BlockingIOError:
+            pass
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                self._follow_attachment(selector)
+                for key, _ in selector.select(TICK_S):
+                    if key.fileobj is self._wake_r:
+                        try:
+                            self._wake_r.recv(4096)
+                        except BlockingIOError:
+                            pass
+                    elif not self._receive():
+                        self._disconnect(selector)
+                        break
+                self._send_gifts()
+            self._drain(selector)
+        finally:
+            self._disconnect(selector)
+            selector.close()
+
+    def _follow_attachment(self, selector) -> None:
+        """Connect to the desk of the daemon attached now, once per epoch; drop a connection to an older one."""
+        attachment = self.client.attachment
+        epoch = attachment.epoch if attachment is not None else None
+        if self._sock is not None and self._epoch != epoch:
+            self._disconnect(selector)
+        if epoch is None or epoch == self._tried or self._path is None:
+            return
+        self._tried = epoch
+        try:
+            self._connect(attachment)
+        except (OSError, UntrustedDaemon, FillProtocolError, ValueError) as exc:
+            self._disconnect(selector)
+            self.refused = self.refused or str(exc)
+            log.info("not filling moe-l2d's shared memory: %s", exc)
+            return
+        selector.register(self._sock, selectors.EVENT_READ)
+
+    def _connect(self, attachment) -> None:
+        check_socket(f"ipc://{self._path}", self.client.trusted)
+        self.refused = ""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = sock
+        sock.settimeout(ANSWER_S)
+        sock.connect(self._path)
+        self._reader = FrameReader(("welcome", "refused", "offer"))
+        messages = []
+        while not messages:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("the fill desk closed the connection")
+            messages = self._reader.feed(data)
+        first = messages[0]
+        if first.type == "refused":
+            self.refused = first.reason
+            raise PermissionError(f"moe-l2d refused: {first.reason}")
+        if first.type != "welcome" or first.epoch != attachment.epoch:
+            raise ValueError("the fill desk belongs to another moe-l2d than the one attached")
+        # Writable mappings of the data segments the attachment mapped read-only and checked: the same objects
+        # (same owner), or the fills stay off.
+        writable = {}
+        for layer in attachment.layers:
+            seen = attachment.data[layer]
+            segment = _native.Segment.open(seen.name, readonly=False, min_size=seen.nbytes)
+            if segment.owner_uid != seen.owner_uid:
+                raise UntrustedDaemon(f"segment {seen.name} changed owner since it was mapped")
+            writable[layer] = segment
+        self._writable = writable
+        self._epoch = attachment.epoch
+        for message in messages[1:]:
+            self._on_offer(message)
+
+    def _disconnect(self, selector) -> None:
+        if self._sock is not None:
+            try:
+                selector.unregister(self._sock)
+            except (KeyError, ValueError):
+                pass
+            self._sock.close()
+        self._sock, self._epoch = None, None
+        self._writable = {}
+        self._sent.clear()
+
+    def _send(self, frame: bytes) -> bool:
+        """Frames are small and the desk reads at once: a full socket buffer waits for it, up to ANSWER_S."""
+        try:
+            self._sock.sendall(frame)
+            return True
+        except OSError:
+            return False
+
+    def _send_gifts(self) -> None:
+        """Tell the desk of the records queued, one give per layer; dropped while no desk takes them."""
+        by_layer: dict[int, dict[int, Gift]] = collections.defaultdict(dict)
+        try:
+            while True:
+                gift = self._gifts.get_nowait()
+                by_layer[gift.layer][gift.expert] = gift
+        except queue.Empty:
+            pass
+        if self._sock is None or self._epoch is None:
+            return
+        for layer, gifts in by_layer.items():
+            if layer not in self._writable:
+                continue
+            if self._send(encode("give", model=self.files.fingerprint, layer=layer, experts=list(gifts), keep=[])):
+                self._sent.append((layer, gifts))
+                self.counts.given += len(gifts)
+
+    def _receive(self) -> bool:
+        """Take the desk's offers; False once the connection is gone or broke the protocol."""
+        try:
+            data = self._sock.recv(65536)  # readable: returns at once
+        except OSError:
+            return False
+        if not data:
+            return False
+        try:
+            for message in self._reader.feed(data):
+                self._on_offer(message)
+        except FillProtocolError as exc:
+            log.warning("dropped the fill connection to moe-l2d: %s", exc)
+            return False
+        return True
+
+    def _on_offer(self, message) -> None:
+        """Copy each record offered into its slot and say filled, or cancelled; one offer answers each give."""
+        if message.type != "offer" or not self._sent:
+            raise FillProtocolError(f"an unexpected {message.type!r} from the fill desk")
+        layer, gifts = self._sent.popleft()
+        if message.layer != layer or message.model != self.files.fingerprint:
+            raise FillProtocolError("an offer for another give than the one sent")
+        for expert, slot in message.slots:
+            gift = gifts.get(expert)
+            checksum = self._copy(gift, slot) if gift is not None else None
+            if checksum is None:
+                self.counts.cancelled += 1
+                self._send(encode("cancelled", model=message.model, layer=layer, expert=expert, slot=slot))
+            else:
+                self.counts.filled += 1
+                self._send(encode("filled", model=message.model, layer=layer, expert=expert, slot=slot,
+                                  checksum=checksum))
+
+    def _copy(self, gift: Gift, slot: int) -> int | None:
+        """Copy the gift's row into the slot; its checksum, or None when the row was handed out again since the
+        record was read (before or during the copy) or the slot is not one of the layer's."""
+        attachment = self.client.attachment
+        if attachment is None or not 0 <= slot < attachment.slots[gift.layer]:
+            return None
+        memory, offset, writes = gift.pool.row_state(gift.row)
+        if writes != gift.writes:
+            return None
+        layout, stride = self.files.layout, attachment.geometry.slot_stride
+        checksum = _native.copy_record(memory, offset, self._writable[gift.layer], slot * stride, layout.nbytes,
+                                       [(p.offset, p.nbytes) for p in layout.pieces])
+        return checksum if gift.pool.writes_of(gift.row) == writes else None
+
+    def _drain(self, selector) -> None:
+        """Closing: answer the offers for the gives already sent (a slot offered to a live process stays
+        reserved until it answers), within ANSWER_S."""
+        if self._sock is None:
+            return
+        try:
+            while self._sent:
+                data = self._sock.recv(65536)
+                if not data:
+                    return
+                for message in self._reader.feed(data):
+                    self._on_offer(message)
+        except (OSError, FillProtocolError):
+            return
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+        self._thread.join(timeout=ANSWER_S + 1)
+        if not self._thread.is_alive():
+            self._wake_r.close()
+            self._wake_w.close()
