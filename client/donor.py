@@ -21,6 +21,7 @@ import queue
 import selectors
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from moe_l2 import _native
@@ -81,6 +82,16 @@ class Donor:
         daemon."""
         attachment = self.client.attachment
         return attachment is not None and self._epoch == attachment.epoch
+
+    def wait_accepted(self, timeout_s: float) -> bool:
+        """Until the desk of the daemon attached now took this process (True), or timeout_s passed; False at once
+        where it refused."""
+        deadline = time.monotonic() + timeout_s
+        while not self.accepting and time.monotonic() < deadline:
+            if self.refused:
+                return False
+            time.sleep(0.01)
+        return self.accepting
 
     def give(self, layer: int, pool, experts: list[int], rows: list[int]) -> None:
         """Queue records just read into these rows of the layer's pool (whole now); returns at once."""

@@ -46,7 +46,7 @@ CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch", "moe-l2+autopin")
 # moe-l2+autopin is asked for by name: autopin is off by default (docs/policy-report.md, "Autopin").
 DEFAULT_CONFIGS = CONFIGS[:4]
 # The streaming options the moe-l2 configurations take, as `generate` and `serve` do (client/options.py).
-STREAMING = ("shared_l0", "l2_reads", "load_through_ms", "l0_grow")
+STREAMING = ("shared_l0", "l2_reads", "load_through_ms", "l0_grow", "fill_l2")
 # Decode on Apple Silicon, per MoE layer: gpt-oss-20b (24 layers), MLX 4-bit, 91.5 tok/s on an M2 Max
 # (docs/architecture.md, "The bench", cites the measurement): 1000 / 91.5 / 24 ms.
 DEFAULT_COMPUTE_MS = 0.45
@@ -293,7 +293,7 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
                "load_through_ms": stream.load_through_ms, "prefetch": config == "moe-l2+prefetch",
                "lend": in_place, "shared_l0": shared_l0, "grow": stream.l0_grow,
-               "autopin": config == "moe-l2+autopin"}
+               "autopin": config == "moe-l2+autopin", "fill_l2": stream.fill_l2}
         for parts, passes in rounds:
             runs += _round(files, config, plan, job, parts, passes, daemon, cgroup, limit=not runs)
     finally:

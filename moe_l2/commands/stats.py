@@ -113,6 +113,7 @@ def render(reply: dict) -> str:
             f"  loads done {m['loads_done']}  errors {m['load_errors']}{_corrupt(m)}  in flight "
             f"{m['loads_in_flight']}  latency p50 {_ms(m['load_latency_p50_s'])}  p99 {_ms(m['load_latency_p99_s'])}",
             *_prefetch(m),
+            *_fills(m, d.get("fills")),
             f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])}"
             + (f", {format_size(m['released_bytes'])} given back to the system" if m.get("released_bytes") else "")
             + ")",
@@ -139,6 +140,18 @@ def _prefetch(m: dict) -> list[str]:
     return [f"  prefetch (clients): guesses {format_pct(r['precision'])} precise, {format_pct(r['recall'])} "
             f"recall; {p['issued']} loaded ahead, {p['useful']} used, {p['wasted']} evicted unused; "
             f"stall hidden ~{_ms(r['hidden_s'])}"]
+
+
+def _fills(m: dict, desk: dict | None) -> list[str]:
+    """What became of the misses clients read and gave to L2 (daemon/fills.py); nothing from a daemon without
+    a fill desk (tcp://, or from before fills)."""
+    fills = m.get("fills")
+    if desk is None or fills is None:
+        return []
+    return [f"  fills: offered {fills['offered']}  donated {fills['donated']}  cancelled {fills['cancelled']}  "
+            f"refused {fills['refused']}  reclaimed {fills['reclaimed']}  rejected {fills['rejected']}  "
+            f"(donors {desk['donors']}, {desk['offers']} slots offered now, {desk['awaiting_exit']} gone quiet, "
+            f"{desk['turned_away']} of other users turned away)"]
 
 
 def _share(part: int, whole: int) -> str:
