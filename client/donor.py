@@ -1,12 +1,12 @@
 """Donor: gives moe-l2d the records this process read from the model file itself, off the token's path.
 
-A miss is read by the process that needs it, into its L0 row, as with no daemon at all; then `give` queues it here
-and returns. This thread tells the daemon's fill desk (daemon/fills.py, moe_l2/fill_protocol.py) which records it
-holds; for each one L2 lacks the desk reserves a slot and offers it, and the thread copies the row into the slot
-through a writable mapping of the layer's data segment (checksummed as it lands: _native.copy_record) and says
-`filled`, or `cancelled` when the row was handed out again since it was read (its writes count moved: a fetch
-never waits for a donation). One disk read per miss, the process's own, and L2 holds the record afterwards
-(docs/architecture.md, "Fills").
+A miss is read by the process that needs it, into its L0 row, as with no daemon at all. As the read starts, `give`
+queues the record here and returns, and this thread tells the daemon's fill desk (daemon/fills.py,
+moe_l2/fill_protocol.py), so that the desk reserves a slot while the read runs; `read_done` says when the row is
+whole. Once both are there the thread copies the row into the offered slot through a writable mapping of the
+layer's data segment (checksummed as it lands: _native.copy_record) and says `filled`, or `cancelled` when the
+read failed or the row was handed out again since (its writes count moved: a fetch never waits for a donation).
+One disk read per miss, the process's own, and L2 holds the record afterwards (docs/architecture.md, "Fills").
 
 Only a process of the daemon's uid gets to fill: the desk refuses any other, whose data segments are not writable
 to it anyway; such a process reports its misses for the daemon to load (`accepting` is False).
@@ -36,15 +36,19 @@ ANSWER_S = 2.0
 TICK_S = 0.2
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Gift:
-    """A record held in an L0 row: the layer's pool, the row and its writes count when the record was whole."""
+    """A record being read into an L0 row: the layer's pool, the row and its writes count when it was taken for
+    the read. `read` is set by the reading thread (True: whole, False: the read failed); the rest by the donor's."""
 
     layer: int
     expert: int
     pool: object  # client/layerpool.py's LayerPool
     row: int
     writes: int
+    read: bool | None = None
+    slot: int | None = None  # offered for it
+    done: bool = False  # copied, cancelled or dropped: its row released
 
 
 @dataclass
@@ -73,6 +77,8 @@ class Donor:
         self._reader = FrameReader(("welcome", "refused", "offer"))
         self._writable: dict[int, object] = {}  # MoE layer -> its data segment, mapped writable
         self._sent: collections.deque = collections.deque()  # per give sent, its gifts by expert, awaiting an offer
+        self._offered: set[Gift] = set()  # offered a slot, their read not done yet
+        self._read: queue.SimpleQueue = queue.SimpleQueue()  # gifts whose read ended
         self._thread = threading.Thread(target=self._run, name="moe-l2-donor", daemon=True)
         self._thread.start()
 
@@ -93,10 +99,24 @@ class Donor:
             time.sleep(0.01)
         return self.accepting
 
-    def give(self, layer: int, pool, experts: list[int], rows: list[int]) -> None:
-        """Queue records just read into these rows of the layer's pool (whole now); returns at once."""
-        for expert, row in zip(experts, rows):
-            self._gifts.put(Gift(layer, expert, pool, row, pool.writes_of(row)))
+    def give(self, layer: int, pool, experts: list[int], rows: list[int], keep=()) -> list[Gift]:
+        """Queue records about to be read into these rows of the layer's pool; returns at once, with the gifts
+        to pass to `read_done` once the read has ended. keep: experts of the layer the slots must not be taken
+        from (the batch computing on L2's records in place)."""
+        gifts = [Gift(layer, expert, pool, row, pool.giving(row, True)) for expert, row in zip(experts, rows)]
+        self._gifts.put((layer, gifts, list(keep)))
+        self._wake()
+        return gifts
+
+    def read_done(self, gifts: list[Gift], whole: bool) -> None:
+        """The gifts' read ended: their rows hold the whole records (whole), or the read failed."""
+        for gift in gifts:
+            gift.read = whole
+            self._read.put(gift)
+        if gifts:
+            self._wake()
+
+    def _wake(self) -> None:
         try:
             self._wake_w.send(b"\0")
         except BlockingIOError:
@@ -118,6 +138,7 @@ class Donor:
                         self._disconnect(selector)
                         break
                 self._send_gifts()
+                self._take_reads()
             self._drain(selector)
         finally:
             self._disconnect(selector)
@@ -184,7 +205,9 @@ class Donor:
             self._sock.close()
         self._sock, self._epoch = None, None
         self._writable = {}
-        self._sent.clear()
+        while self._sent:
+            self._drop(self._sent.popleft()[1].values())
+        self._drop(list(self._offered))
 
     def _send(self, frame: bytes) -> bool:
         """Frames are small and the desk reads at once: a full socket buffer waits for it, up to ANSWER_S."""
@@ -197,20 +220,24 @@ class Donor:
     def _send_gifts(self) -> None:
         """Tell the desk of the records queued, one give per layer; dropped while no desk takes them."""
         by_layer: dict[int, dict[int, Gift]] = collections.defaultdict(dict)
+        keeps: dict[int, set[int]] = collections.defaultdict(set)
         try:
             while True:
-                gift = self._gifts.get_nowait()
-                by_layer[gift.layer][gift.expert] = gift
+                layer, gifts, keep = self._gifts.get_nowait()
+                for gift in gifts:
+                    self._drop([by_layer[layer].pop(gift.expert)] if gift.expert in by_layer[layer] else [])
+                    by_layer[layer][gift.expert] = gift
+                keeps[layer].update(keep)
         except queue.Empty:
             pass
-        if self._sock is None or self._epoch is None:
-            return
         for layer, gifts in by_layer.items():
-            if layer not in self._writable:
-                continue
-            if self._send(encode("give", model=self.files.fingerprint, layer=layer, experts=list(gifts), keep=[])):
+            if (self._sock is not None and layer in self._writable
+                    and self._send(encode("give", model=self.files.fingerprint, layer=layer, experts=list(gifts),
+                                          keep=sorted(keeps[layer])))):
                 self._sent.append((layer, gifts))
                 self.counts.given += len(gifts)
+            else:
+                self._drop(gifts.values())
 
     def _receive(self) -> bool:
         """Take the desk's offers; False once the connection is gone or broke the protocol."""
@@ -236,15 +263,55 @@ class Donor:
         if message.layer != layer or message.model != self.files.fingerprint:
             raise FillProtocolError("an offer for another give than the one sent")
         for expert, slot in message.slots:
-            gift = gifts.get(expert)
-            checksum = self._copy(gift, slot) if gift is not None else None
-            if checksum is None:
-                self.counts.cancelled += 1
-                self._send(encode("cancelled", model=message.model, layer=layer, expert=expert, slot=slot))
+            gift = gifts.pop(expert, None)
+            if gift is None:
+                self._answer(Gift(layer, expert, None, -1, -1, read=False, slot=slot))
+                continue
+            gift.slot = slot
+            if gift.read is None:
+                self._offered.add(gift)  # copied once its read has ended (_take_reads)
             else:
-                self.counts.filled += 1
-                self._send(encode("filled", model=message.model, layer=layer, expert=expert, slot=slot,
-                                  checksum=checksum))
+                self._answer(gift)
+        self._drop(gifts.values())  # those L2 holds or loads already, or has no room for
+
+    def _take_reads(self) -> None:
+        """Answer the offers whose reads ended since."""
+        try:
+            while True:
+                gift = self._read.get_nowait()
+                if gift in self._offered:
+                    self._offered.discard(gift)
+                    self._answer(gift)
+        except queue.Empty:
+            pass
+
+    def _answer(self, gift: Gift) -> None:
+        """Copy an offered gift into its slot and say filled, or say cancelled."""
+        checksum = self._copy(gift, gift.slot) if gift.read and not gift.done else None
+        self._drop([gift])
+        fields = {"model": self.files.fingerprint, "layer": gift.layer, "expert": gift.expert, "slot": gift.slot}
+        if checksum is None:
+            self.counts.cancelled += 1
+            self._send(encode("cancelled", **fields))
+        else:
+            self.counts.filled += 1
+            self._send(encode("filled", checksum=checksum, **fields))
+
+    def _drop(self, gifts) -> None:
+        """The donor is done with these gifts' rows (copied, cancelled or not wanted); an offered one not
+        answered yet is cancelled."""
+        for gift in list(gifts):
+            if gift.done:
+                continue
+            gift.done = True
+            if gift.pool is not None:
+                gift.pool.giving(gift.row, False)
+            if gift in self._offered:
+                self._offered.discard(gift)
+                if self._sock is not None:
+                    self.counts.cancelled += 1
+                    self._send(encode("cancelled", model=self.files.fingerprint, layer=gift.layer,
+                                      expert=gift.expert, slot=gift.slot))
 
     def _copy(self, gift: Gift, slot: int) -> int | None:
         """Copy the gift's row into the slot; its checksum, or None when the row was handed out again since the
@@ -272,6 +339,8 @@ class Donor:
                     return
                 for message in self._reader.feed(data):
                     self._on_offer(message)
+            self._take_reads()
+            self._drop(list(self._offered))  # no read is running any more: none of these will be whole
         except (OSError, FillProtocolError):
             return
 
@@ -285,3 +354,4 @@ class Donor:
         if not self._thread.is_alive():
             self._wake_r.close()
             self._wake_w.close()
+

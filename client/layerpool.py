@@ -41,6 +41,7 @@ make a batch too big for the pool, where the caller's pins (`pin`) do.
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from collections import OrderedDict
@@ -90,6 +91,7 @@ class Rows:
         self.side_free: list[int] = []  # side rows no guess holds and nothing queued reads
         self._cooling: list[tuple[int, int]] = []  # (side row, the pool's synchronizes when it left demand)
         self.writes: list[int] = []  # per row, how often it was handed out to be written
+        self.giving: collections.Counter = collections.Counter()  # rows whose records the donor has yet to copy
         self._syncs = syncs or Synchronizes()
         self.lock = threading.RLock()
         self._resize(min(start, ceiling))
@@ -174,10 +176,16 @@ class SharedRows(Rows):
         self.order.move_to_end((lp, expert))
 
     def victim(self, taker: "LayerPool", batch: set[int]) -> tuple["LayerPool", int]:
-        """The least recently used expert of any layer, outside the taker's batch and unpinned."""
+        """The least recently used expert of any layer, outside the taker's batch and unpinned; one whose row
+        the donor has yet to copy only when there is no other (its donation is then cancelled)."""
+        fallback = None
         for lp, expert in self.order:
             if not (lp is taker and expert in batch) and not lp.is_pinned(expert):
-                return lp, expert
+                if not self.giving[lp.row_of(expert)]:
+                    return lp, expert
+                fallback = fallback or (lp, expert)
+        if fallback is not None:
+            return fallback
         raise RuntimeError("no L0 row to take: every row holds the batch or a pinned expert")
 
     def pinned(self) -> int:
@@ -321,6 +329,8 @@ class LayerPool:
                     continue
                 candidates = ([e for e in self._row_of if e not in batch and e not in self._pinned]
                               or [e for e in self._row_of if e not in batch and e not in self._held_pins])
+                # A row the donor has yet to copy goes last: taking it cancels that donation.
+                candidates = [e for e in candidates if not self._rows.giving[self._row_of[e]]] or candidates
                 rows.append(self._drop(self._policy.victim(candidates)))
             for row in rows:
                 self._rows.writes[row] += 1
@@ -413,6 +423,16 @@ class LayerPool:
     def writes_of(self, row: int) -> int:
         with self._lock:
             return self._rows.writes[row]
+
+    def giving(self, row: int, pending: bool) -> int:
+        """The donor has a copy of the row's record to make (pending), or is done with it; returns the row's
+        writes count: eviction takes such a row last, so that the copy is seldom cancelled."""
+        with self._lock:
+            rows = self._rows
+            rows.giving[row] += 1 if pending else -1
+            if rows.giving[row] <= 0:
+                del rows.giving[row]
+            return rows.writes[row]
 
     def checksum(self, row: int) -> int:
         """record_checksum of the record in a row (docs/formats.md, "Checksums")."""

@@ -387,15 +387,29 @@ class ExpertPool:
             told.append(self.report_lookups(layer, missing, copied, picks, lent, now=True))
             return self._await_l2(layer, lp, missing, rows, copied)
 
+        gifts = []
+
+        def give(copied: list[bool]) -> list[bool]:
+            # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read.
+            unread = [(e, r) for e, r, ok in zip(missing, rows, copied) if not ok]
+            gifts.extend(self.donor.give(layer, lp, [e for e, _ in unread], [r for _, r in unread],
+                                         keep=[*lent, *picks]))
+            return copied
+
         gives = self._gives()
         through = (self.load_through_s and self.client is not None and self.client.notifies and not reported
                    and not gives)
-        copied, loaded = self.load_rows(layer, missing, rows, load_through if through else None)
+        try:
+            copied, loaded = self.load_rows(layer, missing, rows,
+                                            load_through if through else give if gives else None)
+        except BaseException:
+            if gifts:
+                self.donor.read_done(gifts, False)
+            raise
         lp.publish(missing, rows)
-        read = [(e, r) for e, r, ok in zip(missing, rows, copied) if not ok]
-        given = [e for e, _ in read] if gives else []
-        if given:
-            self.donor.give(layer, lp, given, [r for _, r in read])
+        given = [g.expert for g in gifts]
+        if gifts:
+            self.donor.read_done(gifts, True)
         loaded.l0_hits = counts.l0_hits
         loaded.l2_hits += len(lent)
         loaded.l2_lent = len(lent)
