@@ -134,15 +134,19 @@ def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] 
 
 
 def wait_idle(address: str, timeout_s: float = 10.0) -> None:
-    """Until the daemon has no loads in flight (those that earlier misses and prefetches asked for); RuntimeError
-    when it still has some after timeout_s, since what a caller reads next (the daemon's figures) would not
-    count them."""
+    """Until the daemon has no loads in flight (those that earlier misses and prefetches asked for) and no slot
+    offered to a donor (client/donor.py); RuntimeError when it still has some after timeout_s, since what a
+    caller reads next (the daemon's figures) would not count them."""
     deadline = time.monotonic() + timeout_s
-    while loads := request(address, protocol.Stats(id=1)).payload["daemon"]["loads_in_flight"]:
+    while loads := _in_flight(request(address, protocol.Stats(id=1)).payload["daemon"]):
         if time.monotonic() >= deadline:
             raise RuntimeError(f"moe-l2d on {address} still has {loads} loads in flight after {timeout_s:g} s: its "
                                "disk may be slow or stuck (moe-l2 stats shows them; its log names failed reads)")
         time.sleep(0.05)
+
+
+def _in_flight(daemon: dict) -> int:
+    return daemon["loads_in_flight"] + (daemon.get("fills") or {}).get("offers", 0)
 
 
 _WARNED_NO_DAEMON: set[str] = set()

@@ -328,8 +328,11 @@ class Donor:
         return checksum if gift.pool.writes_of(gift.row) == writes else None
 
     def _drain(self, selector) -> None:
-        """Closing: answer the offers for the gives already sent (a slot offered to a live process stays
-        reserved until it answers), within ANSWER_S."""
+        """Closing: give what is queued, and answer the offers for every give sent (a slot offered to a live
+        process stays reserved until it answers; a record reported as given is read by no one else), within
+        ANSWER_S each."""
+        self._send_gifts()
+        self._take_reads()
         if self._sock is None:
             return
         try:

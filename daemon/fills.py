@@ -11,7 +11,8 @@ loader thread that checks its bytes and publishes them (ServedModel.take_donatio
 
 A slot offered is never given to anything else while its donor may still write into it: not on a timeout, not when
 the connection closes (a stopped process keeps its mapping and may write later), only on `filled`, `cancelled` or
-once the donor process is gone (ExitWatch). Each donor holds at most MAX_OFFERS slots at once.
+once the donor process is gone (ExitWatch). Each donor holds at most MAX_OFFERS slots at once; what it gives past
+that the daemon reads itself.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from .served import ServedModel
 
 log = logging.getLogger("moe-l2d.fills")
 
-# Slots one donor process may hold offered at once: a bound on what a stuck donor keeps from everyone else.
-MAX_OFFERS = 64
+# Slots one donor process may hold offered at once: a bound on what a stuck donor keeps from everyone else, and
+# room for a prefill's misses in two layers of a 128-expert model (past it the daemon reads the rest itself).
+MAX_OFFERS = 256
 # Donor connections at once (and donors gone quiet whose process has not exited yet).
 MAX_DONORS = 256
 RECEIVE_BYTES = 64 << 10
@@ -204,17 +206,19 @@ class FillDesk:
             return
         if not served:
             return
-        offer = donor.offers.get((message.model, message.layer, message.expert))
+        key = (message.model, message.layer, message.expert)
+        offer = donor.offers.get(key)
         if offer is None or offer.reservation.slot != message.slot:
             return  # not this donor's slot: never end a fill on its word
-        del donor.offers[message.model, message.layer, message.expert]
         r = offer.reservation
-        if message.type == "filled":
-            self.loader.submit(partial(model.take_donation, message.layer, r, message.checksum),
-                               partial(model.abort_fill, message.layer, r))
-        else:
+        if message.type == "cancelled":
+            # The donor's row was taken before it could copy: the daemon reads the record instead, so that L2
+            # still holds every record read once (at the cost of a second read of this one).
             model.counters.add_fills("cancelled")
-            model.abort_fill(message.layer, r)
+        work = (partial(model.take_donation, message.layer, r, message.checksum) if message.type == "filled"
+                else partial(model.fill, message.layer, r))
+        self.loader.submit(work, partial(model.abort_fill, message.layer, r))
+        del donor.offers[key]  # after the loader counts it: an offer is always in flight somewhere (stats)
 
     def _give(self, donor: Donor, model: ServedModel, layer: int, experts: list[int],
               keep: list[int]) -> list[Reservation]:
@@ -226,8 +230,11 @@ class FillDesk:
             return []
         fp = model.files.fingerprint
         wanted = [e for e in dict.fromkeys(experts) if (fp, layer, e) not in donor.offers]
-        room = MAX_OFFERS - len(donor.offers)
-        reservations = model.reserve(layer, wanted[:max(0, room)], frozenset(keep).union(wanted))
+        room = max(0, MAX_OFFERS - len(donor.offers))
+        kept = frozenset(keep).union(wanted)
+        reservations = model.reserve(layer, wanted[:room], kept)
+        # Past the donor's bound the daemon reads them itself: a record reported as given is read by someone.
+        model.demand(layer, wanted[room:], self.loader, kept)
         with model.lock:
             store = model.stores[layer]
             refused = sum(not store.has(e) for e in wanted)

@@ -264,3 +264,13 @@ def test_a_donor_follows_the_daemon_across_a_restart(daemon_factory, model_dir, 
     finally:
         pool.close()
         client.close()
+
+
+def test_a_donation_cancelled_is_read_by_the_daemon_so_that_l2_holds_the_record(running_daemon, model_files):
+    donor = RawDonor(running_daemon)
+    slot = donor.offer(model_files, 2, 8)
+    donor.sock.sendall(encode("cancelled", model=model_files.fingerprint, layer=2, expert=8, slot=slot))
+    wait_for(lambda: stats(running_daemon)["models"][0]["loads_done"] == 1, what="the daemon's read")
+    assert fills(running_daemon)["cancelled"] == 1 and fills(running_daemon)["donated"] == 0
+    assert slot_record(model_files, running_daemon, 2, 8) == model_files.read_record(2, 8)
+    donor.sock.close()
