@@ -380,14 +380,28 @@ class ExpertPool:
             if self.client is not None and not reported:
                 self.client.report(layer, lent, [], picks)
             return counts
-        told = []
+        copied, loaded, told, given = self._fill_rows(layer, lp, missing, rows, picks, lent, reported)
+        loaded.l0_hits = counts.l0_hits
+        loaded.l2_hits += len(lent)
+        loaded.l2_lent = len(lent)
+        loaded.l2_awaited += awaited
+        self._add_counts(loaded)
+        if not (reported or told):
+            self.report_lookups(layer, missing, copied, picks, lent, given=given)
+        return loaded
+
+    def _fill_rows(self, layer: int, lp: LayerPool, missing: list[int], rows: list[int], picks: list[int],
+                   lent: list[int], reported: bool) -> tuple[list[bool], TierCounts, bool, list[int]]:
+        """Fill the rows taken for the misses and publish them: copied from L2, or loaded through (reported at
+        once and waited for), or read by this process, which gives them to L2 (client/donor.py: told as their
+        read starts, handed over once it ended). Returns which came from L2, the counts, whether the lookup was
+        reported already, and the experts given."""
+        told, gifts = [], []
 
         def load_through(copied: list[bool]) -> list[bool]:
             # Report the L2 misses now, so that the daemon starts loading them, and copy them as they land.
             told.append(self.report_lookups(layer, missing, copied, picks, lent, now=True))
             return self._await_l2(layer, lp, missing, rows, copied)
-
-        gifts = []
 
         def give(copied: list[bool]) -> list[bool]:
             # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read.
@@ -407,17 +421,9 @@ class ExpertPool:
                 self.donor.read_done(gifts, False)
             raise
         lp.publish(missing, rows)
-        given = [g.expert for g in gifts]
         if gifts:
             self.donor.read_done(gifts, True)
-        loaded.l0_hits = counts.l0_hits
-        loaded.l2_hits += len(lent)
-        loaded.l2_lent = len(lent)
-        loaded.l2_awaited += awaited
-        self._add_counts(loaded)
-        if not (reported or any(told)):
-            self.report_lookups(layer, missing, copied, picks, lent, given=given)
-        return loaded
+        return copied, loaded, any(told), [g.expert for g in gifts]
 
     def _gives(self) -> bool:
         """The misses this process reads are given to L2 (the daemon's fill desk took this process)."""

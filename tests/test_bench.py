@@ -78,11 +78,9 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
     assert moe["counts"]["l2_lookups"] == lookups + moe["torn_lookups"] - moe["counts"]["l0_hits"]
     assert moe["l2_slots"] >= 1 and moe["counts"]["l2_hits"] > 0 and moe["counts"]["l2_lent"] > 0
     assert moe["l0_experts"] == files.top_k and moe["l0_shared"]  # in-place reads: top-k rows in all
-    # Load-through (the default): cold misses were loaded by the daemon while the client waited, which counts
-    # as a disk read, not an L2 hit.
-    found = moe["counts"]["l2_hits"] - moe["counts"]["l2_awaited"]
-    assert moe["counts"]["l2_awaited"] > 0
-    assert moe["hit_rates"]["L2"] == pytest.approx(found / moe["counts"]["l2_lookups"])
+    # Fills (the default): the clients read their misses themselves and gave them to L2; none waited for a load.
+    assert moe["counts"]["l2_awaited"] == 0 and moe["counts"]["l3_reads"] > 0
+    assert moe["hit_rates"]["L2"] == pytest.approx(moe["counts"]["l2_hits"] / moe["counts"]["l2_lookups"])
     # moe-l2+prefetch: each token's layer 0 guessed layer 1 (the last layer guesses nothing), and the guesses
     # were scored against every pick of layer 1; the demand counts above stay consistent with prefetch on.
     ahead = by_name["moe-l2+prefetch"]["prefetch"]
@@ -153,9 +151,10 @@ def test_cold_warm_scenario_a_new_process_finds_what_the_first_left_in_l2(tiny, 
     for c in (cold, warm, new):
         assert c["tokens"] == 8 and c["first_token_s"] > 0
         assert c["counts"]["lookups"] == lookups + c["torn_lookups"] == sum(c["tiers"].values())
-    # Cold: each record the tokens touch came from the disk once, read by the daemon or the client; then the
-    # same process again, and a new one, find every L0 miss held in L2.
-    assert cold["tiers"]["daemon_disk"] + cold["tiers"]["own_disk"] == len(records)
+    # Cold: each record the tokens touch came from the disk, read by the client itself (fills, the default: it
+    # waits for no load), at least once: with no compute between layers a record can be missed again before its
+    # donation is in L2. Then the same process again, and a new one, find every L0 miss held in L2.
+    assert cold["tiers"]["daemon_disk"] == 0 and cold["tiers"]["own_disk"] >= len(records)
     for c in (warm, new):
         assert c["tiers"]["daemon_disk"] == c["tiers"]["own_disk"] == 0
         assert c["tiers"]["l2"] == c["counts"]["lookups"] - c["tiers"]["l0"] > 0 and c["hit_rates"]["L2"] == 1.0
