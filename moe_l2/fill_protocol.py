@@ -108,7 +108,8 @@ class FrameReader:
             raise FillProtocolError(f"not a msgpack message: {type(exc).__name__}") from None
         kind = msg.get("type") if isinstance(msg, dict) else None
         if kind not in self._accepted:
-            raise FillProtocolError(f"a message of type {str(kind)[:32]!r}; expected one of {', '.join(self._accepted)}")
+            raise FillProtocolError(f"a message of type {str(kind)[:32]!r}; expected one of "
+                                    f"{', '.join(self._accepted)}")
         fields = FIELDS[kind]
         if set(msg) != {"type", *fields}:
             raise FillProtocolError(f"{kind}: fields {sorted(map(str, msg))}, expected {sorted(['type', *fields])}")

@@ -4,8 +4,8 @@ fill from another uid, and never hands a slot offered to a donor to anything els
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -45,26 +45,40 @@ def slot_record(files, daemon, layer: int, expert: int) -> bytes | None:
         data.close()
 
 
-def test_misses_read_by_a_process_of_the_daemons_uid_are_given_to_l2_exact_and_never_read_again(
-        running_daemon, model_files):
-    client = L2Client(model_files, running_daemon.socket, wait_s=5)
-    pool = ExpertPool(model_files, capacity=4, client=client, fill_l2=True, lend=False)
+@contextlib.contextmanager
+def filling_pool(files, daemon):
+    """A pool of this process (the daemon's uid) that gives its misses to L2, once the fill desk took it."""
+    client = L2Client(files, daemon.socket, wait_s=5)
+    pool = ExpertPool(files, capacity=4, client=client, fill_l2=True, lend=False)
     try:
         wait_for(lambda: pool.donor.accepting, what="the fill desk's welcome")
-        for layer, experts in ((0, [2, 9]), (1, [3, 7])):
-            counts = pool.fetch(layer, experts)
-            assert counts.l3_reads == len(experts)  # read by this process, as with no daemon
-        wait_for(lambda: fills(running_daemon)["donated"] == 4, what="four donations",
-                 detail=lambda: fills(running_daemon))
-        model = stats(running_daemon)["models"][0]
-        assert model["loads_done"] == 0  # the daemon read nothing: one disk read per miss
-        assert model["fills"]["rejected"] == model["fills"]["cancelled"] == 0
-        for layer, experts in ((0, [2, 9]), (1, [3, 7])):
-            for expert in experts:
-                assert slot_record(model_files, running_daemon, layer, expert) == model_files.read_record(layer, expert)
+        yield pool
     finally:
         pool.close()
         client.close()
+
+
+def assert_given(pool, daemon, files, layer: int, expert: int) -> None:
+    """A miss the pool reads is donated to L2, exact."""
+    donated = fills(daemon)["donated"]
+    assert pool.fetch(layer, [expert]).l3_reads == 1
+    wait_for(lambda: fills(daemon)["donated"] == donated + 1, what="the donation")
+    assert slot_record(files, daemon, layer, expert) == files.read_record(layer, expert)
+
+
+def test_misses_read_by_a_process_of_the_daemons_uid_are_given_to_l2_exact_and_never_read_again(
+        running_daemon, model_files):
+    with filling_pool(model_files, running_daemon) as pool:
+        for layer, experts in ((0, [2, 9]), (1, [3, 7])):
+            assert pool.fetch(layer, experts).l3_reads == len(experts)  # read by this process, as with no daemon
+        wait_for(lambda: fills(running_daemon)["donated"] == 4, what="four donations",
+                 detail=lambda: fills(running_daemon))
+    model = stats(running_daemon)["models"][0]
+    assert model["loads_done"] == 0  # the daemon read nothing: one disk read per miss
+    assert model["fills"]["rejected"] == model["fills"]["cancelled"] == 0
+    for layer, experts in ((0, [2, 9]), (1, [3, 7])):
+        for expert in experts:
+            assert slot_record(model_files, running_daemon, layer, expert) == model_files.read_record(layer, expert)
 
 
 needs_root = pytest.mark.skipif(not nobody_runs_python(),
@@ -193,16 +207,8 @@ def test_a_donor_stopped_mid_fill_keeps_its_slot_until_its_process_is_gone_and_n
     expert, seq, _ = slot_meta(model_files, running_daemon, 0, slot)
     assert expert == -1 and seq % 2 == 0 and slot_record(model_files, running_daemon, 0, 5) is None
     # The record can be given again, whole, by a live donor.
-    client = L2Client(model_files, running_daemon.socket, wait_s=5)
-    pool = ExpertPool(model_files, capacity=4, client=client, fill_l2=True, lend=False)
-    try:
-        wait_for(lambda: pool.donor.accepting, what="the fill desk's welcome")
-        pool.fetch(0, [5])
-        wait_for(lambda: fills(running_daemon)["donated"] == 1, what="the donation")
-        assert slot_record(model_files, running_daemon, 0, 5) == model_files.read_record(0, 5)
-    finally:
-        pool.close()
-        client.close()
+    with filling_pool(model_files, running_daemon) as pool:
+        assert_given(pool, running_daemon, model_files, 0, 5)
 
 
 NOBODY_DONOR = textwrap.dedent("""
@@ -258,9 +264,7 @@ def test_a_donor_follows_the_daemon_across_a_restart(daemon_factory, model_dir, 
         again = daemon_factory([model_dir], quarter_budget(model_files), runtime_dir=daemon.runtime_dir)
         wait_for(lambda: client.attached and client.attachment.epoch != first and pool.donor.accepting,
                  what="the donor welcomed by the new daemon")
-        pool.fetch(0, [4])
-        wait_for(lambda: fills(again)["donated"] == 1, what="the new daemon's donation")
-        assert slot_record(model_files, again, 0, 4) == model_files.read_record(0, 4)
+        assert_given(pool, again, model_files, 0, 4)
     finally:
         pool.close()
         client.close()

@@ -238,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
             read, resident, given = _daemon_figures(daemon.socket)
             return dict(one, daemon_read=read - before), (resident, given)
 
-        cold, (cold_resident, cold_given) = measured(lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
+        cold, (cold_resident, cold_given) = measured(
+            lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
         print("run 2 (L2 warm: a fresh L0 in this process finds the experts in shared memory) ...", flush=True)
         warm, _ = measured(lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
         print("process 2 (L2 warm: a second process, started now, finds them there too) ...", flush=True)
