@@ -16,6 +16,7 @@ import pytest
 
 from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main
+from moe_l2.client.donor import SHARED_ROWS
 from moe_l2.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
@@ -77,7 +78,8 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
     # moe-l2: every L0 miss is looked up in L2, and the daemon's L2 served some of them.
     assert moe["counts"]["l2_lookups"] == lookups + moe["torn_lookups"] - moe["counts"]["l0_hits"]
     assert moe["l2_slots"] >= 1 and moe["counts"]["l2_hits"] > 0 and moe["counts"]["l2_lent"] > 0
-    assert moe["l0_experts"] == files.top_k and moe["l0_shared"]  # in-place reads: top-k rows in all
+    # In-place reads: top-k rows in all, twice that where the misses are given to L2 (fills, the default).
+    assert moe["l0_experts"] == SHARED_ROWS * files.top_k and moe["l0_shared"]
     # Fills (the default): the clients read their misses themselves and gave them to L2; none waited for a load.
     assert moe["counts"]["l2_awaited"] == 0 and moe["counts"]["l3_reads"] > 0
     assert moe["hit_rates"]["L2"] == pytest.approx(moe["counts"]["l2_hits"] / moe["counts"]["l2_lookups"])
