@@ -336,3 +336,18 @@ def test_an_interrupted_bench_leaves_nothing_behind(tiny, tmp_path, config, how)
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
             bench.wait()
+
+
+def test_load_through_runs_beside_moe_l2_which_fills(tiny, capsys):
+    """moe-l2 gives its misses to L2 (fills, the default); moe-l2+load-through, as a process of another user runs,
+    waits for the daemon's loads instead: the same lookups, compared run by run."""
+    model, trace = tiny
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "1",
+                 "--compute-ms", "0", "--warmup", "0", "--tokens", "8", "--configs", "moe-l2,moe-l2+load-through",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    moe, through = result["configs"]
+    assert moe["counts"]["l2_awaited"] == 0 and moe["counts"]["l3_reads"] > 0
+    assert through["counts"]["l2_awaited"] > 0 and through["l0_experts"] * SHARED_ROWS == moe["l0_experts"]
+    assert through["counts"]["lookups"] == moe["counts"]["lookups"]
+    assert {(r["name"], r["against"]) for r in result["ratios"]} >= {("moe-l2+load-through", "moe-l2")}

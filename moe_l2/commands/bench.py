@@ -43,8 +43,10 @@ from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.model.synthetic import GEOMETRIES, SyntheticError, build
 from moe_l2.sizes import format_pct, format_size
 
-CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch", "moe-l2+autopin")
-# moe-l2+autopin is asked for by name: autopin is off by default (docs/policy-report.md, "Autopin").
+CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch", "moe-l2+autopin", "moe-l2+load-through")
+# moe-l2+autopin and moe-l2+load-through are asked for by name: autopin is off by default
+# (docs/policy-report.md, "Autopin"), and load-through is what a process of another user than the daemon's gets
+# (moe-l2 with --no-fill-l2: docs/benchmarks.md, "Fills").
 DEFAULT_CONFIGS = CONFIGS[:4]
 # The streaming options the moe-l2 configurations take, as `generate` and `serve` do (client/options.py).
 STREAMING = ("shared_l0", "l2_reads", "load_through_ms", "l0_grow", "fill_l2")
@@ -96,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent client processes, each replaying its share of the sequences (default 1,3)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="NAME[,NAME...]",
                         help=f"configurations to run, of {', '.join(CONFIGS)} (moe-l2+autopin: moe-l2 with "
-                             f"--l0-autopin, per-layer L0) (default {','.join(DEFAULT_CONFIGS)})")
+                             "--l0-autopin, per-layer L0; moe-l2+load-through: moe-l2 with --no-fill-l2, as a "
+                             f"process of another user runs) (default {','.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--scenario", choices=("cold-warm",),
                         help="cold-warm: the demo's scenario, each configuration's clients replaying their tokens "
                              "cold (nothing cached, a fresh daemon), again warm, then as new processes against what "
@@ -278,7 +281,8 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
         # Against moe-l2 with the same L0 layout, autopin alone decides the ratio.
         raise Skipped("moe-l2+autopin pins in per-layer L0 rows, and moe-l2's L0 is shared here: run it with "
                       "--no-l0-shared and --l0-share above 0, or with --l2-reads copy")
-    plan = _plan(files, config, share, len(rounds[0][0]), l0_share, shared_l0, stream.fill_l2)
+    fills = stream.fill_l2 and config != "moe-l2+load-through"
+    plan = _plan(files, config, share, len(rounds[0][0]), l0_share, shared_l0, fills)
     _drop_page_cache(files)
     daemon = cgroup = None
     runs: list[Run] = []
@@ -296,7 +300,7 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
                "load_through_ms": stream.load_through_ms, "prefetch": config == "moe-l2+prefetch",
                "lend": in_place, "shared_l0": shared_l0, "grow": stream.l0_grow,
-               "autopin": config == "moe-l2+autopin", "fill_l2": stream.fill_l2}
+               "autopin": config == "moe-l2+autopin", "fill_l2": fills}
         for parts, passes in rounds:
             runs += _round(files, config, plan, job, parts, passes, daemon, cgroup, limit=not runs)
     finally:
