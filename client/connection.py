@@ -371,7 +371,7 @@ class L2Client:
                         layers[layer][0].extend(hits)
                         layers[layer][1].extend(misses)
                     if now and misses:
-                        notify[layer].extend(misses)
+                        notify[layer].extend(e for e in misses if e not in gave)  # a given miss is not awaited
                     if gave:
                         given[layer].extend(gave)
                     routed[layer].extend(picks)

@@ -380,22 +380,22 @@ class ExpertPool:
             if self.client is not None and not reported:
                 self.client.report(layer, lent, [], picks)
             return counts
-        copied, loaded, told, given = self._fill_rows(layer, lp, missing, rows, picks, lent, reported)
+        copied, loaded, told = self._fill_rows(layer, lp, missing, rows, picks, lent, reported)
         loaded.l0_hits = counts.l0_hits
         loaded.l2_hits += len(lent)
         loaded.l2_lent = len(lent)
         loaded.l2_awaited += awaited
         self._add_counts(loaded)
         if not (reported or told):
-            self.report_lookups(layer, missing, copied, picks, lent, given=given)
+            self.report_lookups(layer, missing, copied, picks, lent)
         return loaded
 
     def _fill_rows(self, layer: int, lp: LayerPool, missing: list[int], rows: list[int], picks: list[int],
-                   lent: list[int], reported: bool) -> tuple[list[bool], TierCounts, bool, list[int]]:
+                   lent: list[int], reported: bool) -> tuple[list[bool], TierCounts, bool]:
         """Fill the rows taken for the misses and publish them: copied from L2, or loaded through (reported at
-        once and waited for), or read by this process, which gives them to L2 (client/donor.py: told as their
-        read starts, handed over once it ended). Returns which came from L2, the counts, whether the lookup was
-        reported already, and the experts given."""
+        once and waited for), or read by this process, which gives them to L2 (client/donor.py: told, and the
+        lookup reported, as their read starts; handed over once it ended). Returns which came from L2, the counts
+        and whether the lookup was reported already."""
         told, gifts = [], []
 
         def load_through(copied: list[bool]) -> list[bool]:
@@ -404,10 +404,13 @@ class ExpertPool:
             return self._await_l2(layer, lp, missing, rows, copied)
 
         def give(copied: list[bool]) -> list[bool]:
-            # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read.
+            # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read, and
+            # report the lookup now, so that the daemon's policy knows of it before it picks their victims.
             unread = [(e, r) for e, r, ok in zip(missing, rows, copied) if not ok]
             gifts.extend(self.donor.give(layer, lp, [e for e, _ in unread], [r for _, r in unread],
                                          keep=[*lent, *picks]))
+            told.append(self.report_lookups(layer, missing, copied, picks, lent, now=True,
+                                            given=[e for e, _ in unread]))
             return copied
 
         gives = self._gives()
@@ -423,7 +426,7 @@ class ExpertPool:
         lp.publish(missing, rows)
         if gifts:
             self.donor.read_done(gifts, True)
-        return copied, loaded, any(told), [g.expert for g in gifts]
+        return copied, loaded, any(told)
 
     def _gives(self) -> bool:
         """The misses this process reads are given to L2 (the daemon's fill desk took this process)."""
