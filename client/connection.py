@@ -10,6 +10,11 @@ user (its own, root, the service account, or MOE_L2_TRUSTED_UIDS), and no segmen
 local user can listen on a socket path or a TCP port while the real daemon is down (docs/security.md). The
 socket's checks, the CurveZMQ keys, the bounded socket and `request` are moe_l2/control.py's, shared with every
 other asker of the daemon.
+
+Until a peer has passed those checks it is given nothing and nothing is taken from it but its hello's reply: a
+connection is made only after the socket's checks, libzmq never reconnects it to whatever listens there next,
+and a peer that sends more than UNTRUSTED_FRAMES other frames before it is trusted loses its connection. What a
+daemon can make a client log is bounded (LogLimit) and shown without terminal escapes (protocol.printable).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from moe_l2.model import ModelFiles
 from moe_l2.runtime import default_socket, no_daemon_message
 
 from moe_l2.client.arrivals import Arrivals
+from moe_l2.client.log_limit import LogLimit
 
 log = logging.getLogger("moe-l2.client")
 
@@ -49,6 +55,24 @@ MAX_REPORT_IDS = protocol.MAX_IDS // 4
 # Replies taken off the socket per pass of the connection thread: a peer that floods replies cannot keep it from
 # its heartbeat, its time-outs and close().
 RECEIVE_BATCH = 64
+# Frames other than its hello's reply that a peer not yet trusted may send on one connection before it is closed:
+# a daemon sends none (its notices and refusals answer what an attached client sent), bar the few in flight when
+# a client detaches; a fake daemon pushes as many as it likes (docs/security.md).
+UNTRUSTED_FRAMES = 8
+# How long a new connection may take to come up before it is given up for a new one: libzmq never retries it
+# (ZMQ_RECONNECT_IVL -1), and a daemon that just started takes a few ms.
+CONNECT_S = 0.5
+
+
+@dataclass
+class LinkCounts:
+    """What the connection thread said to the daemon and took off its socket."""
+
+    refused: int = 0    # hellos not said: the socket belonged to a user this client does not trust
+    hellos: int = 0     # hellos sent (each may have a reply)
+    frames: int = 0     # frames received
+    untrusted: int = 0  # of those, from a peer not (yet) past the hello's checks, other than its reply: dropped
+    hang_ups: int = 0   # connections closed for sending more than UNTRUSTED_FRAMES of those
 
 
 class Increments:
@@ -174,7 +198,11 @@ class L2Client:
         self.attaches = 0
         self.last_error = ""
         self.refused = False  # the last daemon met was refused as untrusted (and the refusal logged)
-        self._last_dropped = ""  # why the last notice dropped was
+        self.counts = LinkCounts()
+        self._said = LogLimit(log)
+        self._sock: zmq.Socket | None = None  # made by _hello once the address passed check_socket, never before
+        self._opened = 0.0  # when _sock was made
+        self._untrusted = 0  # frames on _sock dropped as from a peer not yet trusted
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
         # The daemon's Loaded notices, per MoE layer, for the lookups that wait for their misses (load-through).
         self.arrivals = Arrivals(files.n_layers)
@@ -261,17 +289,26 @@ class L2Client:
         returns at once. A daemon without a profile ignores it."""
         self._requests.put((protocol.Hint, {"text": text}))
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self, poller: zmq.Poller) -> None:
+        """A new connection, the one _hello and the reports use until it is closed (_hang_up)."""
         # Replies here are hello replies and refusals, as small as any request: a larger one is dropped unread
-        # (ZMQ_MAXMSGSIZE), and the hello it answered times out (docs/security.md).
-        return dealer(self.address, self.curve, protocol.MAX_FRAME_BYTES,
-                      options=((zmq.IMMEDIATE, 1),  # do not queue for a daemon that is not there
-                               (zmq.RECONNECT_IVL_MAX, 500)))
+        # (ZMQ_MAXMSGSIZE), and the hello it answered times out (docs/security.md). Never reconnected: all it
+        # brings comes from the peer whose socket was checked before it was made.
+        self._sock = dealer(self.address, self.curve, protocol.MAX_FRAME_BYTES,
+                            options=((zmq.IMMEDIATE, 1),  # do not queue for a daemon that is not there
+                                     (zmq.RECONNECT_IVL, -1)))
+        poller.register(self._sock, zmq.POLLIN)
+        self._opened = time.monotonic()
+        self._untrusted = 0
+
+    def _hang_up(self, poller: zmq.Poller) -> None:
+        if self._sock is not None:
+            poller.unregister(self._sock)
+            self._sock.close(0)
+            self._sock = None
 
     def _run(self) -> None:
-        sock = self._connect()
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         pending: tuple[int, float] | None = None
         next_hello = 0.0
@@ -282,18 +319,14 @@ class L2Client:
                 if pending is not None and now - pending[1] > self.timeout_s:
                     self._detach("moe-l2d did not answer the heartbeat")
                     pending = None
-                    # On a new connection: libzmq never reconnects one it closed for a reply over the bound (a
-                    # protocol error), and the daemon at the address must be found again whenever it answers.
-                    poller.unregister(sock)
-                    sock.close(0)
-                    sock = self._connect()
-                    poller.register(sock, zmq.POLLIN)
-                    next_hello = now + RETRY_S  # once it is up: a hello now would find it not yet connected
+                    # Said again on a new connection, made after the socket's checks: libzmq never reconnects one
+                    # it closed for a reply over the bound (a protocol error), nor any other (RECONNECT_IVL -1).
+                    self._hang_up(poller)
                 if pending is None and now >= next_hello:
-                    pending, next_hello = self._hello(sock, now)
+                    pending, next_hello = self._hello(poller, now)
                     greeted |= pending is not None
-                self._flush_reports(sock)
-                self._flush_requests(sock)
+                self._flush_reports()
+                self._flush_requests()
                 # Not past the next hello (or its retry), however long reports may wait.
                 until_hello = max(0, math.ceil((next_hello - time.monotonic()) * 1000))
                 events = dict(poller.poll(min(self.flush_ms, until_hello)))
@@ -302,61 +335,112 @@ class L2Client:
                         os.read(self._wake_r, 4096)
                     except BlockingIOError:
                         pass
-                if sock in events:
-                    for _ in range(RECEIVE_BATCH):
-                        try:
-                            reply = protocol.decode_daemon_frame(sock.recv(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                        except protocol.BadNotice as exc:
-                            self._drop_notice(f"{exc.ename}: {exc.evalue}")
-                            continue
-                        except protocol.ProtocolError as exc:
-                            self._detach(exc.evalue)
-                            continue
-                        if isinstance(reply, protocol.Loaded):
-                            self._on_loaded(reply)
-                        elif pending is not None and reply.id == pending[0]:
-                            pending = None
-                            self._on_hello(reply)
-                        elif not reply.ok:
-                            # Hints to a daemon without a profile are refused by design: not worth a warning.
-                            level = logging.DEBUG if reply.ename == "NoProfile" else logging.WARNING
-                            log.log(level, "moe-l2d refused a message: %s: %s", reply.ename, reply.evalue)
-            self._flush_reports(sock)
-            if greeted:
-                self._send(sock, protocol.Bye(id=next(self._ids), client=self.name))
+                if self._sock is not None and self._sock in events:
+                    pending = self._receive(pending)
+                    if self._untrusted > UNTRUSTED_FRAMES:
+                        self._flooded()
+                        self._hang_up(poller)
+                        pending, next_hello = None, now + self.heartbeat_s
+            self._flush_reports()
+            if greeted and self._sock is not None:
+                self._send(protocol.Bye(id=next(self._ids), client=self.name))
         finally:
-            sock.close(linger=CLOSE_LINGER_MS)
+            if self._sock is not None:
+                self._sock.close(linger=CLOSE_LINGER_MS)
 
-    def _hello(self, sock, now: float) -> tuple[tuple[int, float] | None, float]:
-        """Say hello unless the socket belongs to a user this client does not trust (then the impostor learns
-        nothing, not even the model's path); (the hello pending and when it was sent, the time of the next)."""
+    def _hello(self, poller: zmq.Poller, now: float) -> tuple[tuple[int, float] | None, float]:
+        """Say hello, on a new connection if there is none, unless the socket belongs to a user this client does
+        not trust (then the impostor gets no connection and learns nothing, not even the model's path); (the
+        hello pending and when it was sent, the time of the next)."""
         try:
             check_socket(self.address, self.trusted)
         except UntrustedDaemon as exc:
+            self.counts.refused += 1
+            self._hang_up(poller)
             self._refuse_daemon(f"refusing moe-l2d on {self.address}: {exc}; reading experts from "
                                 f"{self.files.path}")
             return None, now + self.heartbeat_s
+        if self._sock is None:
+            self._connect(poller)
         rows, ceiling = self._l0_source() if self._l0_source is not None else (0, 0)
         msg = protocol.Hello(id=next(self._ids), model=self.model_path, fingerprint=self.files.fingerprint,
                              client=self.name, layers=self.layers, l0_rows=rows, l0_ceiling=ceiling)
-        if self._send(sock, msg):
+        if self._send(msg):
+            self.counts.hellos += 1
             return (msg.id, now), now + self.heartbeat_s
-        # Not connected (yet): the ipc pipe of a daemon that just started takes a few ms; or this user may not
-        # reach the socket, which is worth saying rather than "not running".
+        # Not connected: not yet (the ipc pipe of a daemon that just started takes a few ms), or no more (a daemon
+        # that stopped: a new connection, after the socket's checks, at the next try); or this user may not reach
+        # the socket, which is worth saying rather than "not running".
+        if now - self._opened > CONNECT_S:
+            self._hang_up(poller)
         self._detach(access_problem(self.address) or "moe-l2d is not running")
         return None, now + min(self.heartbeat_s, RETRY_S)
 
-    @staticmethod
-    def _send(sock, message: protocol.Message) -> bool:
+    def _receive(self, pending: tuple[int, float] | None) -> tuple[int, float] | None:
+        """Take what the daemon sent, RECEIVE_BATCH frames at most; the pending hello after them (None once
+        answered). From a peer not yet trusted, only the hello's reply."""
+        for _ in range(RECEIVE_BATCH):
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.counts.frames += 1
+            if self.attachment is None:
+                reply = self._hello_reply(frame, pending)
+                if reply is None:
+                    self.counts.untrusted += 1
+                    self._untrusted += 1
+                    if self._untrusted > UNTRUSTED_FRAMES:
+                        break
+                    continue
+            else:
+                try:
+                    reply = protocol.decode_daemon_frame(frame)
+                except protocol.BadNotice as exc:
+                    self._drop_notice(f"{exc.ename}: {exc.evalue}")
+                    continue
+                except protocol.ProtocolError as exc:
+                    self._detach(exc.evalue)
+                    continue
+                if isinstance(reply, protocol.Loaded):
+                    self._on_loaded(reply)
+                    continue
+            if pending is not None and reply.id == pending[0]:
+                pending = None
+                self._on_hello(reply)
+            elif not reply.ok:
+                # Hints to a daemon without a profile are refused by design: not worth a warning.
+                if reply.ename == "NoProfile":
+                    log.debug("moe-l2d refused a hint: %s: %s", reply.ename, reply.evalue)
+                else:
+                    self._said.warning("refusal", "moe-l2d refused a message: %s: %s", reply.ename, reply.evalue)
+        return pending
+
+    def _hello_reply(self, frame: bytes, pending: tuple[int, float] | None) -> protocol.Reply | None:
+        """The reply to the pending hello, if the frame is that: all a client takes from a peer not yet trusted
+        (a frame only unpacked, never looked into: a notice's ids are not even read)."""
         try:
-            sock.send(message.encode(), zmq.NOBLOCK)
+            reply = protocol.decode_reply(frame)
+        except protocol.ProtocolError as exc:
+            self.last_error = exc.evalue  # what a hello's reply may have been (from another release?)
+            return None
+        return reply if pending is not None and reply.id == pending[0] else None
+
+    def _flooded(self) -> None:
+        self.counts.hang_ups += 1
+        why = (f"moe-l2d on {self.address} sent more than {UNTRUSTED_FRAMES} messages before passing its hello's "
+               "checks: closed the connection (another user may be posing as moe-l2d)")
+        self._said.warning("flood", "%s; reading experts from %s", why, self.files.path)
+        self.last_error = why
+
+    def _send(self, message: protocol.Message) -> bool:
+        try:
+            self._sock.send(message.encode(), zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
 
-    def _flush_reports(self, sock) -> None:
+    def _flush_reports(self) -> None:
         """Send the queued reports, merged, in frames well under the daemon's frame limit."""
         while True:
             layers: dict[int, list[list[int]]] = collections.defaultdict(lambda: [[], []])
@@ -382,19 +466,19 @@ class L2Client:
                 # Counters alone go too: a run's last lookups are counted after their report was queued.
                 prefetch, tiers = self._prefetch.take(), self._tiers.take()
                 if routed or prefetch or tiers:
-                    self._send(sock, protocol.Report(id=next(self._ids), model=self.files.fingerprint,
-                                                     layers=dict(layers), routed=dict(routed), prefetch=prefetch,
-                                                     tiers=tiers, notify=dict(notify), given=dict(given)))
+                    self._send(protocol.Report(id=next(self._ids), model=self.files.fingerprint,
+                                               layers=dict(layers), routed=dict(routed), prefetch=prefetch,
+                                               tiers=tiers, notify=dict(notify), given=dict(given)))
             if ids < MAX_REPORT_IDS:
                 return
 
-    def _flush_requests(self, sock) -> None:
+    def _flush_requests(self) -> None:
         """Send the queued hints and prefetch requests (dropped while detached: both are only advice)."""
         try:
             while True:
                 message, fields = self._requests.get_nowait()
                 if self.attachment is not None:
-                    self._send(sock, message(id=next(self._ids), model=self.files.fingerprint, **fields))
+                    self._send(message(id=next(self._ids), model=self.files.fingerprint, **fields))
         except queue.Empty:
             pass
 
@@ -418,8 +502,8 @@ class L2Client:
             self._refuse_daemon(f"refusing moe-l2d on {self.address}: {exc}; reading experts from "
                                 f"{self.files.path}")
             return
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            self._detach(f"cannot map the daemon's segments: {exc}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # the text may quote a segment name it sent
+            self._detach(f"cannot map the daemon's segments: {protocol.printable(str(exc), protocol.MAX_REPLY_REASON)}")
             return
         self.attaches += 1
         self.last_error = ""
@@ -440,22 +524,18 @@ class L2Client:
             self.arrivals.loaded(notice.layer)
 
     def _drop_notice(self, why: str) -> None:
-        """Log a notice dropped, once per reason in a row (a flood of one bad notice is one line)."""
-        if why != self._last_dropped:
-            log.warning("dropped a notice from moe-l2d on %s: %s", self.address, why)
-            self._last_dropped = why
+        self._said.warning("dropped notice", "dropped a notice from moe-l2d on %s: %s", self.address, why)
         self.arrivals.drop()
 
     def _refuse_daemon(self, why: str) -> None:
-        """Log an untrusted daemon once per reason (the heartbeat meets it every second), then detach."""
-        if why != self.last_error:
-            log.warning("%s", why)
+        """Log an untrusted daemon (the heartbeat meets it every second), then detach."""
+        self._said.warning("untrusted", "%s", why)
         self.refused = True  # said: no "no moe-l2d answered" after it
         self._detach(why)
 
     def _detach(self, why: str) -> None:
         if self.attachment is not None:
-            log.warning("detached from moe-l2d (%s); reading experts from %s", why, self.files.path)
+            self._said.warning("detached", "detached from moe-l2d (%s); reading experts from %s", why, self.files.path)
         # Segments are unmapped when the last copy using them drops its reference, never under it.
         self.attachment = None
         self.last_error = why

@@ -4,7 +4,7 @@ Shared by `moe-l2 generate`, the demo, the benchmarks and the tests."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
@@ -101,7 +101,7 @@ class StreamFigures:
     l0_bytes: int            # what l0_rows hold
     l0_ceiling_bytes: int
     layers: list[int]        # the MoE layers this process ran
-    daemon: dict | None      # address, attached, attaches, last_error; None: no daemon
+    daemon: dict | None      # address, attached, attaches, last_error, link and waits (counts); None: no daemon
     streaming: dict          # StreamStats over the run
     prefetch: dict | None    # None: no next-layer prefetch
     peak_rss_bytes: int
@@ -127,7 +127,9 @@ class StreamFigures:
                    l0_bytes=lm.pool.nbytes, l0_ceiling_bytes=lm.pool.ceiling_bytes,
                    layers=sorted(lm.pool.layers),
                    daemon=None if client is None else {"address": client.address, "attached": client.attached,
-                                                       "attaches": client.attaches, "last_error": client.last_error},
+                                                       "attaches": client.attaches, "last_error": client.last_error,
+                                                       "link": asdict(client.counts),
+                                                       "waits": asdict(client.arrivals.counts)},
                    streaming=run.stats,
                    prefetch=None if lm.next_layer is None else {"predictor": lm.next_layer.describe(),
                                                                 **run.prefetch.to_json()},

@@ -1,23 +1,23 @@
 """Anthropic's Messages API (`POST /v1/messages`) on `moe-l2 serve`, as a translation of mlx_lm.server's chat
-completions: a Messages request becomes a streamed chat-completions request that mlx_lm.server's own handler
-runs (its validation, chat template, prompt cache and batching: one implementation), and the chat chunks it
-writes become the Messages reply, streamed as Anthropic's server-sent events or whole (docs/architecture.md,
-"moe-l2 serve").
+completions: a Messages request becomes a streamed chat-completions request that the server checks as any other
+(client/serving_checks.py) and mlx_lm.server's own handler runs (its chat template, prompt cache and batching:
+one implementation), and the chat chunks it writes become the Messages reply, streamed as Anthropic's
+server-sent events or whole (docs/architecture.md, "moe-l2 serve").
 
 `MessagesRoute` is the part of `StreamedAPIHandler` (client/serving.py) that does it; the functions and
-`MessagesReply` are the translation itself and know nothing of HTTP.
+`MessagesReply` are the translation itself and know nothing of HTTP but the status of a refusal.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import uuid
 from dataclasses import dataclass
 
-__all__ = ["MessagesRequest", "MessagesReply", "MessagesRoute", "RequestError", "error_body", "stop_reason",
-           "PATH"]
+from moe_l2.client.serving_checks import MAX_STOP_CHARS, MAX_STOPS, RequestRefused, stop_words_taken
+
+__all__ = ["MessagesRequest", "MessagesReply", "MessagesRoute", "error_body", "stop_reason", "PATH"]
 
 log = logging.getLogger("moe-l2.serve")
 
@@ -28,16 +28,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 404: "not_found_error", 411: "invalid_request_error", 413: "request_too_large",
                 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
-# Messages fields passed to the chat request under the same name (mlx_lm.server validates their values).
+# Messages fields passed to the chat request under the same name (checked there: client/serving_checks.py).
 _SAME_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k")
-
-
-class RequestError(ValueError):
-    """A Messages request that cannot be translated; the message says what to send instead."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -51,13 +43,13 @@ def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of content blocks", where)
+        raise RequestRefused(f"{where} must be a string or a list of content blocks", param=where)
     parts = []
     for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind != "text" or not isinstance(block.get("text"), str):
-            raise RequestError(f"{where}.{i}: moe-l2 serve takes text blocks only ({{\"type\": \"text\", "
-                               f"\"text\": \"...\"}}), not {kind or type(block).__name__!r}", where)
+            raise RequestRefused(f"{where}.{i}: moe-l2 serve takes text blocks only ({{\"type\": \"text\", "
+                                 f"\"text\": \"...\"}}), not {kind or type(block).__name__!r}", param=where)
         parts.append(block["text"])
     return "".join(parts)
 
@@ -71,30 +63,31 @@ class MessagesRequest:
     stop_sequences: tuple[str, ...]
 
     @classmethod
-    def of(cls, body) -> "MessagesRequest":
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
+    def of(cls, body: dict) -> "MessagesRequest":
+        """The translation of a request's body (a JSON object), or RequestRefused saying what to send instead."""
         if "max_tokens" not in body:
-            raise RequestError("max_tokens: Field required (the most tokens to generate)", "max_tokens")
+            raise RequestRefused("max_tokens: Field required (the most tokens to generate)", param="max_tokens")
         if body.get("tools") or body.get("tool_choice"):
-            raise RequestError("moe-l2 serve runs no tools on /v1/messages: leave 'tools' out, or use "
-                               "/v1/chat/completions, which passes them to the model's chat template", "tools")
+            raise RequestRefused("moe-l2 serve runs no tools on /v1/messages: leave 'tools' out, or use "
+                                 "/v1/chat/completions, which passes them to the model's chat template",
+                                 param="tools")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            raise RequestError("stream must be true or false", "stream")
+            raise RequestRefused("stream must be true or false", param="stream")
         stops = body.get("stop_sequences") or []
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise RequestError("stop_sequences must be a list of non-empty strings", "stop_sequences")
+        if not stop_words_taken(stops):
+            raise RequestRefused(f"stop_sequences must be a list of at most {MAX_STOPS} strings, each of 1 to "
+                                 f"{MAX_STOP_CHARS} characters", param="stop_sequences")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list of {\"role\", \"content\"}", "messages")
+            raise RequestRefused("messages must be a non-empty list of {\"role\", \"content\"}", param="messages")
         chat_messages = []
         if body.get("system"):
             chat_messages.append({"role": "system", "content": _text(body["system"], "system")})
         for i, message in enumerate(messages):
             role = message.get("role") if isinstance(message, dict) else None
             if role not in ("user", "assistant"):
-                raise RequestError(f"messages.{i}.role must be 'user' or 'assistant'", "messages")
+                raise RequestRefused(f"messages.{i}.role must be 'user' or 'assistant'", param="messages")
             chat_messages.append({"role": role, "content": _text(message.get("content"), f"messages.{i}.content")})
         chat = {name: body[name] for name in _SAME_FIELDS if name in body}
         chat.update(messages=chat_messages, stream=True, stream_options={"include_usage": True})
@@ -193,35 +186,31 @@ class _ChunkWriter:
 
 
 class MessagesRoute:
-    """`POST /v1/messages` for a subclass of mlx_lm.server's APIHandler (client/serving.py): the request is
-    translated, put in place of the body, and run by APIHandler.do_POST as a streamed chat completion; the
-    handler's wfile is swapped for a _ChunkWriter once mlx_lm.server has started its reply.
+    """`POST /v1/messages` for a subclass of mlx_lm.server's APIHandler (client/serving.py): the handler reads
+    the body, has it translated (`translate_messages`), puts the chat request in its place and runs it through
+    `run_messages` (APIHandler.do_POST, as a streamed chat completion); the handler's wfile is swapped for a
+    _ChunkWriter once mlx_lm.server has started its reply.
 
-    The handler provides `answer_error(status, message, param)`, `send_json(status, body)`, `raw_wfile` (the
-    connection), `started` (whether a byte of the reply is out), `observed` (the request's context and tokens:
-    client/serving.py's ObservedGenerator) and `model_id`."""
+    The handler provides `send_json(status, body)`, `raw_wfile` (the connection), `started` (whether a byte of
+    the reply is out), `observed` (the request's context and tokens: client/serving_generation.py's
+    ObservedGenerator) and `model_id`."""
 
     messages_request: MessagesRequest | None = None
     reply: MessagesReply | None = None
 
-    def post_messages(self) -> None:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self.answer_error(411, "a Content-Length header is required")
-            return
-        raw = self.rfile.read(int(length))
-        try:
-            self.messages_request = MessagesRequest.of(json.loads(raw))
-        except ValueError as exc:  # RequestError, or JSONDecodeError
-            self.answer_error(400, str(exc) if isinstance(exc, RequestError) else f"the body is not JSON: {exc}",
-                              getattr(exc, "param", None))
-            return
-        data = json.dumps(self.messages_request.chat).encode()
-        self.rfile = io.BytesIO(data)
-        self.headers.replace_header("Content-Length", str(len(data)))
+    def translate_messages(self, body: dict) -> dict:
+        """The chat-completions body a Messages request runs as; the request is then a chat completion's."""
+        self.messages_request = MessagesRequest.of(body)
         self.path = "/v1/chat/completions"
+        return self.messages_request.chat
+
+    def run_messages(self, do_post) -> None:
+        """Run the translated request with `do_post` (APIHandler.do_POST); a stream that fails ends with
+        Anthropic's error event."""
         try:
-            super().do_POST()
+            do_post()
+        except ConnectionError:
+            raise  # the client hung up: nothing to write to
         except Exception as exc:  # a failure during generation, after mlx_lm.server started the reply
             if not (self.started and self.messages_request.stream):
                 raise  # no byte of the reply is out yet: the caller answers with an error

@@ -1,47 +1,43 @@
 """An OpenAI-compatible HTTP server over a streamed model: mlx_lm.server with only the model loading replaced.
 
-mlx_lm.server keeps everything else: the request handling and validation, chat templates, the prompt cache,
-sampling, and its generation thread, which batches concurrent requests through one forward (BatchGenerator)
-and is the only thread that runs the model, so the StreamedLM is never used from two threads. The seam is
-`ModelProvider._load`, which mlx_lm.server calls from that thread: `StreamedModelProvider` loads a StreamedLM
-there instead of the whole model (docs/architecture.md, "moe-l2 serve").
+mlx_lm.server keeps everything else: the request handling, chat templates, the prompt cache, sampling, and its
+generation thread, which batches concurrent requests through one forward (BatchGenerator) and is the only thread
+that runs the model, so the StreamedLM is never used from two threads. The seam is `ModelProvider._load`, which
+mlx_lm.server calls from that thread: `StreamedModelProvider` loads a StreamedLM there instead of the whole
+model. What this server adds around mlx_lm.server: every request checked before mlx_lm.server sees it
+(client/serving_checks.py), the generation thread's work counted, a client's hang-up cancelling its generation
+and the thread's death ending the process (client/serving_generation.py), and the handler's error replies
+(docs/architecture.md, "moe-l2 serve").
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import json
 import logging
-import re
 import signal
 import threading
-import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.processors import load_processor
-from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, _run_http_server
+from mlx_lm.server import APIHandler, ModelProvider, _run_http_server
 
 from moe_l2.client import messages
 from moe_l2.client.distributed import speaks_for_daemon
 from moe_l2.client.messages import MessagesRoute
-from moe_l2.client.streamed_lm import StreamedLM
 from moe_l2.client.options import StreamOptions
+from moe_l2.client.serving_checks import RequestLimits, RequestRefused, check_completion, model_size, read_json
+from moe_l2.client.serving_generation import (GenerationThreadDied, ObservedGenerator, ServedResponseGenerator,
+                                              hung_up)
 from moe_l2.client.serving_metrics import CONTENT_TYPE_LATEST, ServingMetrics, endpoint_of
+from moe_l2.client.streamed_lm import StreamedLM
 
-__all__ = ["StreamedModelProvider", "HintingResponseGenerator", "StreamedAPIHandler", "ObservedGenerator",
-           "RequestRefused", "openai_error", "serve", "prompt_text"]
+__all__ = ["StreamedModelProvider", "StreamedAPIHandler", "openai_error", "serve"]
 
 log = logging.getLogger("moe-l2.serve")
-
-
-class RequestRefused(ValueError):
-    """A request this server does not serve: the HTTP status and OpenAI error fields to answer it with."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
 
 
 class StreamedModelProvider(ModelProvider):
@@ -63,6 +59,8 @@ class StreamedModelProvider(ModelProvider):
         self.rank = 0 if group is None else group.rank()
         self.speaks = True  # whether this rank sends the hints to its daemon (docs/distributed.md)
         self.lm: StreamedLM | None = None
+        self.context: int | None = None  # the model's context in tokens, and its vocabulary, if its config says
+        self.vocab: int | None = None
         self.load_error: Exception | None = None
         self.loaded = threading.Event()
 
@@ -84,6 +82,8 @@ class StreamedModelProvider(ModelProvider):
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             self._use_default_chat_template(tokenizer)
         self.model_key = (model_path, None, None)
+        self.context = model_size(self.lm.config, "max_position_embeddings")
+        self.vocab = model_size(self.lm.config, "vocab_size")
         self.model = self.lm.model
         self.tokenizer = tokenizer
         self.processor = load_processor(self.lm.model, self.lm.config)
@@ -128,81 +128,16 @@ class StreamedModelProvider(ModelProvider):
             self.lm = None
 
 
-def prompt_text(request) -> str:
-    """The words a request is about: a completion's prompt, or a chat's last user message."""
-    if request.request_type == "text":
-        return request.prompt if isinstance(request.prompt, str) else ""
-    for message in reversed(request.messages or []):
-        if isinstance(message, dict) and message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, list):
-                return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-            return content if isinstance(content, str) else ""
-    return ""
-
-
-class HintingResponseGenerator(ResponseGenerator):
-    """mlx_lm.server's ResponseGenerator that hints the daemon as its generation thread takes each request,
-    before its prefill. There every rank of a pipeline sees the request (mlx_lm.server shares it from rank 0,
-    whose HTTP thread alone received it), so every host's daemon gets the hint."""
-
-    def _share_request(self, request):
-        shared = super()._share_request(request)
-        if shared is not None:
-            self.model_provider.hint(prompt_text(shared[1]))
-        return shared
-
-
-# mlx_lm.server's validation names the handler's attribute ("requested_model must be of type str"): the field.
-_FIELDS = {"requested_model": "model", "requested_draft_model": "draft_model", "adapter": "adapters"}
-_VALIDATION = re.compile(r"^(\w+) must ")
 _ROUTES = ("POST /v1/chat/completions, /v1/completions and /v1/messages; GET /v1/models, /health and /metrics")
+# What mlx_lm.server runs for each POST route: a chat or a text completion (/v1/messages as a chat).
+_COMPLETIONS = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "text",
+                messages.PATH: "chat"}
 
 
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error object, which the openai client shows the message of."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-class ObservedGenerator:
-    """The response generator as one request's handler sees it: mlx_lm.server's, with what its `generate` gave
-    kept for the handler (the request's context, its tokens, the error it raised) and counted in the server's
-    metrics. Every other attribute is the generator's."""
-
-    def __init__(self, generator: ResponseGenerator, metrics: ServingMetrics):
-        self.generator = generator
-        self.metrics = metrics
-        self.context = None
-        self.tokens: list[int] = []
-        self.error: Exception | None = None
-
-    def __getattr__(self, name):
-        return getattr(self.generator, name)
-
-    def generate(self, request, generation_args, progress_callback=None):
-        asked = time.monotonic()
-        try:
-            self.context, responses = self.generator.generate(request, generation_args, progress_callback)
-        except Exception as exc:
-            self.error = exc
-            raise
-        self.metrics.prompt_tokens.inc(len(self.context.prompt))
-        return self.context, self._follow(responses, asked)
-
-    def _follow(self, responses, asked: float):
-        first = last = None
-        try:
-            for response in responses:
-                last = time.monotonic()
-                first = first or last
-                self.tokens.append(response.token)
-                self.metrics.generated_tokens.inc()
-                yield response
-        finally:
-            if first is not None:
-                self.metrics.first_token_seconds.inc(first - asked)
-                self.metrics.generation_seconds.inc(last - first)
 
 
 class _ErrorBody:
@@ -229,6 +164,8 @@ class StreamedAPIHandler(MessagesRoute, APIHandler):
     """mlx_lm.server's handler, with:
     - GET /v1/models listing the one model served (mlx_lm.server would also list the Hugging Face cache, which
       this server cannot serve), and every reply naming that model, whatever name the request used;
+    - every POST checked before mlx_lm.server reads it (client/serving_checks.py), which then reads the checked
+      body; a client that hangs up is not answered, and its generation stops (client/serving_generation.py);
     - errors as OpenAI's error object (Anthropic's on /v1/messages) with the status that fits: mlx_lm.server
       writes `{"error": "<text>"}` (404 for anything its generation raised); the handler withholds that and
       answers from the exception and the text;
@@ -236,9 +173,10 @@ class StreamedAPIHandler(MessagesRoute, APIHandler):
       (client/serving_metrics.py).
     One handler answers one request (HTTP/1.0, as mlx_lm.server's)."""
 
-    def __init__(self, response_generator, *args, metrics: ServingMetrics, **kwargs):
+    def __init__(self, response_generator, *args, metrics: ServingMetrics, limits: RequestLimits, **kwargs):
         self.metrics = metrics
-        self.observed = ObservedGenerator(response_generator, metrics)
+        self.limits = limits
+        self.observed = ObservedGenerator(response_generator, metrics, lambda: hung_up(self.connection))
         self.endpoint = "other"
         self.error_body = openai_error
         self.withheld = False  # mlx_lm.server's headers are not sent: this handler writes the reply itself
@@ -269,17 +207,40 @@ class StreamedAPIHandler(MessagesRoute, APIHandler):
     def do_POST(self):
         with self.metrics.in_flight.track_inprogress():
             try:
-                if self.path.startswith(messages.PATH):
-                    self.error_body = messages.error_body
-                if self.path == messages.PATH:
-                    self.post_messages()
-                else:
-                    super().do_POST()
+                try:
+                    self.post()
+                except RequestRefused as exc:
+                    self.refuse(exc)
+            except ConnectionError:  # ClientGone, or a write to a connection the client closed
+                self.close_connection = True
+                self.metrics.cancelled.inc()
+                log.info("%s: the client hung up before its reply was complete; its generation is stopped",
+                         self.endpoint)
             except Exception as exc:
                 if self.started:
                     raise  # the reply is under way: the connection closes, as mlx_lm.server leaves it
                 log.exception("%s failed", self.endpoint)
                 self.answer_error(500, f"the generation failed: {exc}")
+
+    def post(self) -> None:
+        """Check the request, then run it as mlx_lm.server's do_POST, with the checked body in place of the
+        one sent; a path that is no route goes to mlx_lm.server unread (its 404)."""
+        if self.path.startswith(messages.PATH):
+            self.error_body = messages.error_body
+        kind = _COMPLETIONS.get(self.path)
+        if kind is None:
+            super().do_POST()
+            return
+        body = read_json(self.headers, self.rfile, self.limits.body_bytes, self.endpoint)
+        if self.path == messages.PATH:
+            body = self.translate_messages(body)
+        data = json.dumps(check_completion(body, kind, self.limits)).encode()
+        self.rfile = io.BytesIO(data)
+        self.headers.replace_header("Content-Length", str(len(data)))
+        if self.messages_request is None:
+            super().do_POST()
+        else:
+            self.run_messages(super().do_POST)
 
     def handle_models_request(self):
         body = {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created}]}
@@ -332,28 +293,29 @@ class StreamedAPIHandler(MessagesRoute, APIHandler):
     def send_json(self, status: int, body: dict) -> None:
         self.send_body(status, "application/json", json.dumps(body).encode())
 
-    def answer_error(self, status: int, message: str, param: str | None = None) -> None:
+    def refuse(self, refusal: RequestRefused) -> None:
+        self.send_json(refusal.status, self.error_body(refusal.status, str(refusal), refusal.param, refusal.code))
+
+    def answer_error(self, status: int, message: str) -> None:
         """An error reply; `status` and `message` as mlx_lm.server (or this handler) would give them, made
-        precise from what generate() raised: a refusal of the provider's carries its status and fields, the
-        generation thread's death is the server's error, anything else the request's."""
-        code = None
+        precise from what generate() raised: a refusal (the provider's, or of the prompt's tokens) carries its
+        status and fields, the generation thread's death is the server's error, anything else the request's."""
         exc = self.observed.error
         if isinstance(exc, RequestRefused):
-            status, param, code = exc.status, exc.param, exc.code
-        elif exc is not None:
+            self.refuse(exc)
+            return
+        if exc is not None:
             status = 500 if isinstance(exc, RuntimeError) else 400
         elif status == 404:
             message = f"{self.command} {self.path}: no such endpoint; this server answers {_ROUTES}"
-        elif param is None and (match := _VALIDATION.match(message)):
-            param = _FIELDS.get(match.group(1), match.group(1))
-        self.send_json(status, self.error_body(status, message, param, code))
+        self.send_json(status, self.error_body(status, message))
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt  # mlx_lm.server shuts down on KeyboardInterrupt: SIGTERM does the same
 
 
-def _follow(generator: HintingResponseGenerator) -> None:
+def _follow(generator: ServedResponseGenerator) -> None:
     """A rank other than 0: run rank 0's requests until SIGTERM or SIGINT (or until rank 0 goes away and the
     generation thread's collective fails)."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -368,11 +330,12 @@ def _follow(generator: HintingResponseGenerator) -> None:
 def serve(host: str, port: int, provider: StreamedModelProvider, on_ready=None, on_close=None) -> None:
     """Load the model on mlx_lm.server's generation thread, then serve HTTP until SIGINT or SIGTERM.
 
-    Raises the load's error (before anything listens) if the model cannot be loaded. `on_ready(provider)` runs
-    once the model is loaded, before the first request is accepted; `on_close(provider)` after the last, before
-    the model's stream is closed. Under mlx.launch, only rank 0 listens; the
-    other ranks run their pipeline stage for every request rank 0 shares, until they are stopped."""
-    generator = HintingResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size))
+    Raises the load's error (before anything listens) if the model cannot be loaded, and GenerationThreadDied
+    once everything is shut down if the generation thread died. `on_ready(provider)` runs once the model is
+    loaded, before the first request is accepted; `on_close(provider)` after the last, before the model's stream
+    is closed. Under mlx.launch, only rank 0 listens; the other ranks run their pipeline stage for every request
+    rank 0 shares, until they are stopped."""
+    generator = ServedResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size))
     try:
         provider.loaded.wait()
         if provider.load_error is not None:
@@ -381,13 +344,8 @@ def serve(host: str, port: int, provider: StreamedModelProvider, on_ready=None, 
             on_ready(provider)
         if provider.rank != 0:
             _follow(generator)
-            return
-        previous = signal.signal(signal.SIGTERM, _interrupt)
-        try:
-            handler = functools.partial(StreamedAPIHandler, metrics=ServingMetrics(provider, generator))
-            _run_http_server(host, port, generator, handler_class=handler)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        else:
+            _listen(host, port, provider, generator)
     finally:
         # A follower's generation thread may wait in a collective for a rank 0 that is gone: it is left to the
         # process' exit, as mlx_lm.server leaves it.
@@ -396,3 +354,17 @@ def serve(host: str, port: int, provider: StreamedModelProvider, on_ready=None, 
         if on_close is not None and provider.lm is not None:
             on_close(provider)
         provider.close()
+    if generator.died:
+        raise GenerationThreadDied("the generation thread died (the traceback is above), so this server cannot "
+                                   "generate: it stopped, for its supervisor to start it again")
+
+
+def _listen(host: str, port: int, provider: StreamedModelProvider, generator: ServedResponseGenerator) -> None:
+    """Rank 0: answer HTTP until SIGINT or SIGTERM (or the generation thread's death, which sends SIGTERM)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        handler = functools.partial(StreamedAPIHandler, metrics=ServingMetrics(provider, generator),
+                                    limits=RequestLimits.of(provider))
+        _run_http_server(host, port, generator, handler_class=handler)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,11 +1,12 @@
 """`GET /metrics` on `moe-l2 serve`: its requests, tokens and expert tiers as Prometheus text (prometheus_client).
 
-The HTTP handler counts requests by endpoint and status as it answers them; `ObservedGenerator` (client/serving.py)
-counts each request's prompt and generated tokens and the seconds to its first and last token; the expert pool's
-tiers are read at each scrape from the StreamedLM's own counters (client/streamed_lm.py `stats`, what `moe-l2 generate
---json` reports), on this process' rank only. Rates are for the scraper: rate(moe_l2_serve_generated_tokens_total)
-is tokens/s over time, and its ratio to rate(moe_l2_serve_generation_seconds_total) the decode speed a request
-sees (docs/architecture.md, "moe-l2 serve").
+The HTTP handler counts requests by endpoint and status as it answers them, and those whose client hung up;
+`ObservedGenerator` (client/serving_generation.py) counts each request's prompt tokens and the seconds to its
+first and last token; the generation thread's own counts (`ServedResponseGenerator`: the tokens it generated, the
+requests it holds) and the expert pool's tiers (the StreamedLM's counters, client/streamed_lm.py `stats`, what
+`moe-l2 generate --json` reports) are read at each scrape, on this process' rank only. Rates are for the scraper:
+rate(moe_l2_serve_generated_tokens_total) is tokens/s over time, and its ratio to
+rate(moe_l2_serve_generation_seconds_total) the decode speed a request sees (docs/architecture.md, "moe-l2 serve").
 """
 
 from __future__ import annotations
@@ -30,6 +31,21 @@ def endpoint_of(path: str) -> str:
     if path.startswith("/v1/models/"):
         return "/v1/models"
     return path if path in ENDPOINTS else "other"
+
+
+class _GenerationCollector:
+    """The generation thread's own counts at scrape time: what it did, whoever read it."""
+
+    def __init__(self, generator):
+        self.generator = generator
+
+    def collect(self):
+        yield CounterMetricFamily("moe_l2_serve_generated_tokens", "tokens the generation thread generated "
+                                  "(each request's completion_tokens, and those of requests cancelled on the way)",
+                                  value=self.generator.generated_tokens)
+        yield GaugeMetricFamily("moe_l2_serve_requests_generating", "requests the generation thread holds: taken "
+                                "from the queue and neither finished nor, once cancelled, taken out of its batch",
+                                value=len(self.generator.held))
 
 
 class _PoolCollector:
@@ -94,14 +110,15 @@ class ServingMetrics:
         queued = Gauge("moe_l2_serve_requests_queued", "requests waiting for the generation thread to take them",
                        registry=r)
         queued.set_function(generator.requests.qsize)
+        self.cancelled = Counter("moe_l2_serve_requests_cancelled", "requests whose client hung up before their "
+                                 "reply was complete (their generation is stopped)", registry=r)
         self.prompt_tokens = Counter("moe_l2_serve_prompt_tokens", "prompt tokens of the requests generated for "
                                      "(those the prompt cache had included)", registry=r)
-        self.generated_tokens = Counter("moe_l2_serve_generated_tokens", "tokens generated (completion_tokens)",
-                                        registry=r)
         self.first_token_seconds = Counter("moe_l2_serve_first_token_seconds", "seconds from each request's "
                                            "arrival at the generation queue to its first token, summed", registry=r)
         self.generation_seconds = Counter("moe_l2_serve_generation_seconds", "seconds from each request's first "
                                           "token to its last, summed", registry=r)
+        r.register(_GenerationCollector(generator))
         r.register(_PoolCollector(provider))
 
     def page(self) -> bytes:

@@ -24,6 +24,8 @@ from moe_l2.ranges import parse_ranges
 from moe_l2.runtime import SOCKET_NAME, runtime_dir
 from moe_l2.sizes import parse_size
 
+from .heat_file import default_state_dir
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -57,6 +59,8 @@ class DaemonConfig:
     processes: int  # client processes expected, for --budget auto
     memory_floor: int | None  # the governor's floor; None: moe_l2.plan.default_floor; 0: off
     metrics: tuple[str, int] | None  # Prometheus endpoint (host, port)
+    warm_start: bool  # save L2's heat in state_dir and preload it at start (daemon/warm_start.py)
+    state_dir: Path
 
 
 @dataclass(frozen=True)
@@ -342,6 +346,12 @@ OPTIONS = (
            "with a shared group; in the TOML shm_mode = 0o640 or \"640\": a bare 640 is a decimal number, refused "
            "with a message"),
     Option("loader_threads", Integer(1, 256), 4, help="parallel loads from disk"),
+    Option("warm_start", Choice(("on", "off"), {"on": True, "off": False}), "on", help="save what L2 holds (its "
+           "experts, their policy state, the pins) every few minutes and at a clean stop, and preload it at the "
+           "next start below clients' loads; off starts cold and saves nothing"),
+    Option("state_dir", File("DIR", "a directory"), None, shown="systemd's $STATE_DIRECTORY, else "
+           "$XDG_STATE_HOME/moe-l2 or ~/.local/state/moe-l2; ~/Library/Application Support/moe-l2 on macOS",
+           help="directory of the saved heat of each model (--warm-start)"),
     Option("socket_mode", Mode("OCTAL", _socket_mode), "600", help="mode of the ipc socket: 600 lets the daemon's "
            "user connect, 660 its group too: --socket-group, else the daemon's"),
     Option("socket_group", Group(), None, help="group of the ipc socket"),
@@ -364,7 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=path_arg, metavar="FILE",
                         help="TOML file (systemd/moe-l2d.toml.example): the options below as keys, each model a "
                              "[[model]]; flags given too win")
-    for o in OPTIONS:
+    add_flags(parser, OPTIONS)
+    parser.add_argument("--version", action="version", version=f"moe-l2d {__version__}", help="print the version")
+    return parser
+
+
+def add_flags(parser: argparse.ArgumentParser, options) -> None:
+    """The flags of `options` (entries of OPTIONS): moe-l2d's, and those `moe-l2 service install` passes on."""
+    for o in options:
         help = o.full_help().replace("%", "%%")
         if isinstance(o.kind, Switch):
             parser.add_argument(o.option, action="store_true", default=None, help=help)
@@ -372,8 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(o.option, dest=o.dest, type=o.kind.flag_type, metavar=o.kind.metavar, help=help,
                                 choices=o.kind.choices if isinstance(o.kind, Choice) else None,
                                 action="append" if o.scope == MODEL else "store", default=None)
-    parser.add_argument("--version", action="version", version=f"moe-l2d {__version__}", help="print the version")
-    return parser
 
 
 def flags_table() -> str:
@@ -529,7 +544,8 @@ def resolve(args: argparse.Namespace) -> DaemonConfig:
         models=tuple(models), runtime_dir=directory, socket=socket, log_level=top["log_level"],
         shm_mode=top["shm_mode"], loader_threads=top["loader_threads"], socket_mode=top["socket_mode"],
         socket_group=top["socket_group"], curve=curve, processes=top["processes"],
-        memory_floor=top["memory_floor"], metrics=top["metrics"])
+        memory_floor=top["memory_floor"], metrics=top["metrics"], warm_start=top["warm_start"],
+        state_dir=top["state_dir"] or default_state_dir())
 
 
 def _check_loopback_metrics(host: str, port: int) -> None:

@@ -167,11 +167,12 @@ class Relay:
 
 
 class Gate:
-    """Bind `address` now (a GateError says why not); start() relays its connections to the ROUTER that binds
-    `inner` (bind_inner)."""
+    """Bind `address` now (a GateError says why not), or take `listener`, the listening socket a service manager
+    made for it (daemon/activation.py checked it); start() relays its connections to the ROUTER that binds
+    `inner` (bind_inner). Connections queued before start() are served then."""
 
     def __init__(self, address: str, inner: Path, *, mode: int = 0o600, group: int | None = None,
-                 curve: bool = False):
+                 curve: bool = False, listener: socket.socket | None = None):
         self.address = address
         self.inner = str(inner)
         self.curve = curve
@@ -195,22 +196,9 @@ class Gate:
         self._trim = _malloc_trim()
         self._stop = False
         self._path = address[len("ipc://"):] if address.startswith("ipc://") else None
-        try:
-            if self._path is not None:
-                self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    os.unlink(self._path)  # a predecessor's: the daemon's lock is held
-                except FileNotFoundError:
-                    pass
-                bind_socket_file(lambda: self._listener.bind(self._path), self._path, mode, group)
-            else:
-                family, sockaddr = _tcp_sockaddr(address)
-                self._listener = socket.socket(family, socket.SOCK_STREAM)
-                self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds
-                self._listener.bind(sockaddr)
-            self._listener.listen(socket.SOMAXCONN)
-        except OSError as exc:
-            raise GateError(exc.strerror or str(exc)) from None
+        # An inherited socket's file is the manager's: it listens on there after the daemon stops.
+        self._owns_path = listener is None
+        self._listener = listener if listener is not None else self._bind(mode, group)
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, READ)
@@ -218,6 +206,25 @@ class Gate:
         self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, READ)
         self._thread = threading.Thread(target=self._run, name="moe-l2d-gate", daemon=True)
+
+    def _bind(self, mode: int, group: int | None) -> socket.socket:
+        try:
+            if self._path is not None:
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    os.unlink(self._path)  # a predecessor's: the daemon's lock is held
+                except FileNotFoundError:
+                    pass
+                bind_socket_file(lambda: listener.bind(self._path), self._path, mode, group)
+            else:
+                family, sockaddr = _tcp_sockaddr(self.address)
+                listener = socket.socket(family, socket.SOCK_STREAM)
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds
+                listener.bind(sockaddr)
+            listener.listen(socket.SOMAXCONN)
+        except OSError as exc:
+            raise GateError(exc.strerror or str(exc)) from None
+        return listener
 
     def _set_caps(self, fd_limit: int) -> None:
         self.fd_limit = fd_limit
@@ -250,7 +257,7 @@ class Gate:
         self._selector.close()
         for sock in (self._listener, self._wake_r, self._wake_w):
             sock.close()
-        for path in (self._path, self.inner):
+        for path in (self._path if self._owns_path else None, self.inner):
             if path is not None:
                 try:
                     os.unlink(path)

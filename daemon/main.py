@@ -28,6 +28,8 @@ from moe_l2.plan import ModelSizes, default_floor, plan, read_memory
 from moe_l2.runtime import instance_tag
 from moe_l2.sizes import format_size
 
+from . import activation
+from .activation import ActivationError, Handed
 from .config import ConfigError, DaemonConfig, build_parser, resolve
 from .gate import Gate, raise_fd_limit
 from .governor import Governor
@@ -36,6 +38,7 @@ from .loader import Loader
 from .notify import sd_notify
 from .served import ServedModel
 from .server import INPROC_ADDRESS, Server
+from .warm_start import WarmStart
 
 log = logging.getLogger("moe-l2d")
 
@@ -143,7 +146,11 @@ class Daemon:
         self.server: Server | None = None
         self.gate: Gate | None = None  # owns the public socket, in front of the server (daemon/gate.py)
         self.fills: FillDesk | None = None  # takes the records clients of this uid read (daemon/fills.py)
+        # Started with sockets from a service manager (daemon/activation.py): the socket file is the manager's.
+        self._activated = False
+        self._inherited: socket.socket | None = None  # the daemon's own among them, checked
         self.governor: Governor | None = None
+        self.warm_start: WarmStart | None = None  # --warm-start: L2's heat saved and preloaded (daemon/warm_start.py)
         self._metrics = None  # the HttpServer of --metrics (daemon/http.py)
         self._dir_fd: int | None = None
         self._lock_fd: int | None = None
@@ -252,9 +259,19 @@ class Daemon:
             os.close(fd)
         os.replace(partial, self._state_name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
 
-    def start(self) -> None:
+    def start(self, handed: Handed | None = None) -> None:
+        """handed: the sockets a service manager passed (activation.take); the daemon's is checked before
+        anything is loaded, and served from instead of binding."""
         raise_fd_limit()  # the gate's connection cap comes from it
         self._acquire_lock()
+        if handed is not None:
+            self._activated = True
+            try:
+                self._inherited = activation.listener(handed, self.config.socket, self.config.socket_mode,
+                                                      self.config.socket_group)
+            except ActivationError as exc:
+                raise StartupError(str(exc)) from None
+            log.info("serving the socket %s passed (socket activation)", handed.manager)
         self._reclaim()
         opened = []
         for m in self.config.models:
@@ -308,15 +325,19 @@ class Daemon:
                      g.describe_slots(), format_size(served.shm_bytes))
         self._warn_unlocked()
         self.loader = Loader(self.config.loader_threads)
+        if self.config.warm_start:
+            # Before the socket is bound: no client's request meets a store whose policy and pins are not restored.
+            self.warm_start = WarmStart(self.config.state_dir, self.models, self.loader)
+            self.warm_start.restore()
+            self.warm_start.start()
         memory = read_memory()
         floor = default_floor(memory.total) if self.config.memory_floor is None else self.config.memory_floor
         self.governor = Governor(self.models, floor)
         try:
             self.gate = Gate(self.config.socket, self.state_dir / f"moe-l2d-{self.tag}.gate",
                              mode=self.config.socket_mode, group=self.config.socket_group,
-                             curve=self.config.curve is not None)
-            fill_path = fill_socket_path(self.config.socket)
-            self.fills = FillDesk(fill_path, self.models, self.loader, self.epoch) if fill_path else None
+                             curve=self.config.curve is not None, listener=self._inherited)
+            self.fills = self._fill_desk()
             self.server = Server(self.config.socket, self.models, self.loader, self.epoch, curve=self.config.curve,
                                  governor=self.governor, gate=self.gate, fills=self.fills)
         except Exception as exc:
@@ -335,6 +356,20 @@ class Daemon:
                 raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror}; choose another "
                                    "--metrics address") from None
             log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def _fill_desk(self) -> FillDesk | None:
+        """The fill desk beside an ipc:// socket (daemon/fills.py), or None: tcp://, a path too long to bind, or a
+        directory the daemon may not create it in (a socket a service manager made); its clients' misses are then
+        loaded by the daemon, as for a process of another user."""
+        path = fill_socket_path(self.config.socket)
+        if path is None:
+            return None
+        try:
+            return FillDesk(path, self.models, self.loader, self.epoch)
+        except OSError as exc:
+            log.warning("no fill socket at %s (%s): processes will not fill L2 themselves; moe-l2d reads the misses "
+                        "they report", path, exc.strerror or exc)
+            return None
 
     def _auto_budget(self, files: ModelFiles, n_served: int | None) -> int:
         """--budget auto: what moe-l2 plan prints for this machine's memory and --processes, for the served
@@ -390,6 +425,8 @@ class Daemon:
             self.fills.close()
         if self.server is not None:
             self.server.close()
+        if self.warm_start is not None:
+            self.warm_start.stop(save=self._served)
         if self.loader is not None:
             self.loader.shutdown()
         for model in self.models:
@@ -399,7 +436,7 @@ class Daemon:
             os.unlink(self._state_name, dir_fd=self._dir_fd)
         except FileNotFoundError:
             pass
-        if self.config.socket.startswith("ipc://"):
+        if self.config.socket.startswith("ipc://") and not self._activated:
             try:
                 os.unlink(self.config.socket[len("ipc://"):])
             except OSError:
@@ -444,9 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     try:
-        daemon.start()
+        daemon.start(activation.take())
         daemon.serve()
-    except StartupError as exc:
+    except (StartupError, ActivationError) as exc:
         print(f"moe-l2d: error: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -61,7 +61,10 @@ class DaemonProcess:
         notify.bind(str(notify_path))
         os.chmod(notify_path, 0o666)  # a daemon run as another user (wrapper) must reach it too
         notify.settimeout(0.2)
-        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), MOE_L2_RUNTIME_DIR=self.env_runtime_dir)
+        # The runtime dir is its state dir too, unless args name one: a daemon started again in the same runtime
+        # dir finds the heat its predecessor saved (daemon/warm_start.py), and no other daemon does.
+        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), MOE_L2_RUNTIME_DIR=self.env_runtime_dir,
+                   STATE_DIRECTORY=self.env_runtime_dir)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([*self.wrapper, *self.command, *self.args],
                                          stdout=log, stderr=log, env=env)

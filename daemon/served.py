@@ -26,6 +26,7 @@ from moe_l2.model import CorruptRecord, ModelFiles
 from moe_l2.ranges import format_ranges
 from moe_l2.protocol import ProtocolError
 
+from .loader import Preload
 from .stats import ModelCounters
 
 log = logging.getLogger("moe-l2d.loader")
@@ -73,6 +74,9 @@ class ServedModel:
         self.data: dict = {}  # served layer -> its data segment
         self.slot_indexes: dict = {}  # served layer -> its _native.SlotIndex, through which every fill goes
         self.on_fill_ended: FillEnded | None = None  # the server's, for Loaded notices (daemon/notices.py)
+        # The warm start's preload of this model and when the heat it restores was saved (daemon/warm_start.py).
+        self.preload: Preload | None = None
+        self.heat_saved_at: float | None = None
         self.fds = files.open_fds(direct_io)
         # Linux can tell whether the filesystem took O_DIRECT; macOS' F_NOCACHE cannot be queried.
         self.direct_io = ModelFiles.direct_fds(self.fds) if hasattr(os, "O_DIRECT") else \
@@ -170,10 +174,11 @@ class ServedModel:
                 reservations.append(reservation)
         return reservations
 
-    def fill(self, layer: int, r: Reservation) -> None:
+    def fill(self, layer: int, r: Reservation) -> bool:
         """Read a reserved record from the model file straight into its slot (a packed record in one parallel
         read, direct I/O where the fds have it, checksummed as the bytes land; a GGUF one converted to MLX's
-        layout on the way), check it against the manifest and publish it, or leave the slot free."""
+        layout on the way), check it against the manifest and publish it, or leave the slot free. True when it
+        is in L2."""
         start = time.perf_counter()
         files = self.files
         try:
@@ -187,6 +192,7 @@ class ServedModel:
             files.check_record(layer, r.expert, checksum, "the model file")
             self.finish_fill(layer, r, checksum)
             self.counters.add_load(time.perf_counter() - start, files.layout.nbytes)
+            return True
         except CorruptRecord as exc:
             if self.counters.add_corrupt(layer, r.expert):
                 log.error("%s", exc)  # once per record: every miss on it tries (and refuses) it again
@@ -195,6 +201,7 @@ class ServedModel:
             log.error("loading layer %d expert %d of %s failed: %s", layer, r.expert, files.path, exc)
             self.abort_fill(layer, r)
             self.counters.add_load_error()
+        return False
 
     def take_donation(self, layer: int, r: Reservation, checksum: int) -> bool:
         """A client says it copied the reserved record into its slot, with this checksum: publish it if the
@@ -216,6 +223,15 @@ class ServedModel:
         self.finish_fill(layer, r, got if files.checksums is not None else 0)
         self.counters.add_fills("donated")
         return True
+
+    def reserve_free(self, layer: int, expert: int) -> Reservation | None:
+        """A free slot for a preload of the expert, its fill begun; None when it is held already or no slot is
+        free (a preload never evicts)."""
+        with self.lock:
+            reservation = self.stores[layer].reserve(expert, evict=False)
+            if reservation is not None:
+                self.slot_indexes[layer].begin_fill(reservation.slot, reservation.evicted)
+        return reservation
 
     def resize(self, target: int) -> int:
         """Shrink or grow every layer toward `target` slots for the memory governor; returns the slots changed.
@@ -393,12 +409,21 @@ class ServedModel:
             "active_domain": self.active_domain,
             "active_confidence": self.active_confidence,
             "hints": self.hints,
+            "warm_start": self._warm_start_figures(),
         })
         if counts is not None:
             # Online statistics: per active domain ("" without one), per layer, how often clients' routers
             # picked each expert. moe-l2 profile --from-daemon reads these.
             snap["routing"] = counts
         return snap
+
+    def _warm_start_figures(self) -> dict | None:
+        """What the warm start preloads, and when the heat it restores was saved; None without one."""
+        p = self.preload
+        if p is None:
+            return None
+        return {"saved_at": self.heat_saved_at, "records": len(p.records), "preloaded": p.loaded,
+                "preloaded_bytes": p.loaded * self.files.layout.nbytes, "pending": len(p.pending())}
 
     def close(self) -> None:
         """Unmap and unlink the segments and close the files; the loader must be stopped first."""

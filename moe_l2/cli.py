@@ -32,6 +32,8 @@ COMMANDS = {
     "profile": ("profile", "build a domain profile from traces or the daemon's statistics"),
     "predict": ("predict", "name a prompt's domain with a profile's predictor"),
     "make-model": ("make_model", "write a random-weight mlx-lm MoE checkpoint"),
+    "service": ("service", "install moe-l2d as a service started by its first client (systemd, launchd); its "
+                           "status; uninstall it"),
 }
 
 

@@ -11,7 +11,7 @@ The client's `request` and the trust checks of its L2Client, `moe-l2 stats`, `pr
 - takes a reply of at most protocol.MAX_REPLY_BYTES (ZMQ_MAXMSGSIZE: libzmq drops a larger one unread) and
   waits for it a bounded time;
 - checks a stats reply's shape before anyone reads it (`stats`): a malformed one is a clear error, not a
-  KeyError deep in a renderer.
+  KeyError deep in a renderer; and writes the control characters of its strings (a client's name) as escapes.
 
 The daemon's exporter asks over the server's inproc:// endpoint in the server's own ZeroMQ context (`context`):
 inproc needs no socket permission and no CurveZMQ key, since it never leaves the process.
@@ -198,8 +198,10 @@ def request(address: str | None, message: protocol.Message, timeout_s: float = 5
         if not message.REPLIES:
             sock.send(protocol.Stats(id=message.id).encode())
         if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"moe-l2d did not answer on {address} within {timeout_s:g} s: is it running? "
-                               "(systemctl status moe-l2d, or start it with moe-l2d --model DIR --budget SIZE); "
+            raise TimeoutError(f"moe-l2d did not answer on {address} within {timeout_s:g} s: is it running, or "
+                               "still starting (a service starts with its first client: wait, or give more "
+                               "--timeout)? (moe-l2 service status, systemctl status moe-l2d, or start it with "
+                               "moe-l2d --model DIR --budget SIZE); "
                                f"a reply over {protocol.MAX_REPLY_BYTES >> 20} MiB is dropped unread, which looks "
                                "the same")
         try:
@@ -224,7 +226,19 @@ def stats(address: str | None, timeout_s: float = 5.0, *, routing: bool = False,
     if problem:
         raise MalformedReply(f"moe-l2d at {address} sent a malformed stats reply: {problem}; is it the same "
                              "version? `moe-l2d --version`")
-    return reply.payload
+    return _printable_strings(reply.payload)
+
+
+def _printable_strings(value):
+    """`value` with every string in it printable (protocol.printable): a stats reply carries names that clients
+    gave the daemon, and its readers print them on this user's terminal."""
+    if isinstance(value, str):
+        return protocol.printable(value, len(value))
+    if isinstance(value, dict):
+        return {_printable_strings(k): _printable_strings(v) for k, v in value.items()}
+    if isinstance(value, list) and not all(type(v) is int for v in value):
+        return [_printable_strings(v) for v in value]
+    return value
 
 
 # What the readers of a stats reply (`moe-l2 stats` and --watch, `profile --from-daemon`, the metrics exporter)
@@ -244,6 +258,7 @@ _MODEL = {
     "load_latency_p50_s": (None, _NUM), "load_latency_p99_s": (None, _NUM), "prefetch?": _COUNTERS, "tiers?": _TIERS,
     "shm_bytes": int,
     "released_bytes?": int, "layers": [_LAYER], "routing?": {"*": [[int]]},
+    "warm_start?": (None, {"saved_at": _NUM, "records": int, "preloaded": int, "preloaded_bytes": int, "pending": int}),
 }
 _CLIENT = {"name": str, "pid": (None, int), "idle_s": _NUM, "layer_ids?": (None, [int]), "unserved_layer_ids?": [int],
            "tiers?": _TIERS, "l0_rows?": (None, int), "l0_ceiling?": (None, int)}

@@ -62,6 +62,13 @@ def quote(value: Any) -> str:
     return f"{text[:QUOTE_CHARS]}... ({type(value).__name__} of length {len(value) if sized else len(text)})"
 
 
+def printable(text: str, limit: int) -> str:
+    """text cut to `limit` characters, with what a terminal would act on (control and format characters: escape
+    sequences, newlines, bidirectional overrides) written as escapes: a peer's text as a log or stderr shows it."""
+    text = text[:limit]
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class ProtocolError(ValueError):
     """A frame that is not a valid message of this protocol version; req_id is the request's id when the
     frame got far enough to carry a valid one (0 otherwise), so that the refusal reaches its request."""
@@ -382,12 +389,13 @@ def _reply(body: Any) -> Reply:
     _check(isinstance(body, dict) and body.get("status") in ("ok", "error"), "MalformedFrame",
            "daemon reply lacks a status")
     _check(body.get("v") == PROTOCOL_VERSION, "VersionMismatch",
-           f"daemon speaks protocol version {body.get('v')!r}, this client {PROTOCOL_VERSION}: "
+           f"daemon speaks protocol version {quote(body.get('v'))}, this client {PROTOCOL_VERSION}: "
            "install the same moe-l2 release for both")
     payload = {k: v for k, v in body.items() if k not in ("v", "id", "status", "ename", "evalue")}
-    # A reply may come from an impostor (docs/security.md): what the client logs of it is a short string.
-    return Reply(id=body.get("id", 0), ok=body["status"] == "ok", ename=str(body.get("ename", ""))[:QUOTE_CHARS],
-                 evalue=str(body.get("evalue", ""))[:MAX_REPLY_REASON], payload=payload)
+    # A reply may come from an impostor (docs/security.md): what the client logs of it is a short, printable string.
+    return Reply(id=body.get("id", 0), ok=body["status"] == "ok",
+                 ename=printable(str(body.get("ename", "")), QUOTE_CHARS),
+                 evalue=printable(str(body.get("evalue", "")), MAX_REPLY_REASON), payload=payload)
 
 
 class BadNotice(ProtocolError):

@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
+import shutil
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Optional
@@ -397,7 +400,8 @@ def make_model(
     vocab_size: Optional[int] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Path:
-    """Write a random-weight mlx-lm checkpoint of `arch` into out_dir (created; must be empty).
+    """Write a random-weight mlx-lm checkpoint of `arch` into out_dir (made beside it, then renamed into place:
+    out_dir must not exist, or be an empty directory).
 
     The same arguments give the same bytes; per_expert=True holds the same
     weights as per_expert=False, one tensor per routed expert. Seeds mlx's
@@ -406,7 +410,6 @@ def make_model(
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.utils import get_total_parameters, save_config
 
     say = progress or (lambda _msg: None)
     spec, group_size = _validate(
@@ -442,7 +445,26 @@ def make_model(
     names = sorted(weights)
     groups = _shard(names, weights, shards)
 
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written in a directory only this user may enter, then renamed into place (over an empty one): files made by
+    # path in `out` itself could meet links another user planted there (docs/security.md, "Files moe-l2 writes").
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        _save_checkpoint(work, model, config, weights, groups, vocab, say)
+        work.chmod(0o755)
+        os.replace(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    say(f"wrote {out}")
+    return out
+
+
+def _save_checkpoint(out: Path, model, config: dict, weights: dict, groups, vocab: int, say) -> None:
+    """make_model's files: tokenizer, config, safetensors shards and their index."""
+    import mlx.core as mx
+    from mlx_lm.utils import get_total_parameters, save_config
+
     bos, eos = _save_tokenizer(out, vocab)
     config["bos_token_id"] = bos
     config["eos_token_id"] = eos
@@ -464,8 +486,6 @@ def make_model(
         "weight_map": dict(sorted(weight_map.items())),
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-    say(f"wrote {out}")
-    return out
 
 
 def make_mlx_lm_model(out_dir, config: dict, *, bits: int = 4, group_size: int = 32, seed: int = 0) -> Path:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pwd
+import sys
 from pathlib import Path
 
 SOCKET_NAME = "moe-l2d.sock"
@@ -18,12 +20,19 @@ SYSTEM_DIRS = (Path("/run/moe-l2"), Path("/usr/local/var/run/moe-l2"))
 FALLBACK_PARENT = Path("/tmp")
 
 
+def login_agent_dir(home: Path | None = None) -> Path:
+    """Where `moe-l2 service install --user` puts a macOS login agent's socket: launchd makes it at a fixed path,
+    in a directory that must outlive a reboot (/tmp does not). `home`: the user's, from the password database
+    (not $HOME, which sudo may keep)."""
+    return (home or Path(pwd.getpwuid(os.getuid()).pw_dir)) / "Library" / "Application Support" / "moe-l2"
+
+
 def resolve_runtime_dir() -> tuple[Path, str]:
     """The runtime directory and where the answer came from (for messages):
     $MOE_L2_RUNTIME_DIR, else systemd's $RUNTIME_DIRECTORY, else the system daemon's directory when its socket
-    is there, else $XDG_RUNTIME_DIR/moe-l2, else /run/user/UID/moe-l2 when the login manager made that
-    directory (the same place as $XDG_RUNTIME_DIR, for the cron jobs and sudo shells that lack the variable),
-    else /tmp/moe-l2-UID."""
+    is there, else (macOS) the login agent's when its socket is there, else $XDG_RUNTIME_DIR/moe-l2, else
+    /run/user/UID/moe-l2 when the login manager made that directory (the same place as $XDG_RUNTIME_DIR, for the
+    cron jobs and sudo shells that lack the variable), else /tmp/moe-l2-UID."""
     if os.environ.get("MOE_L2_RUNTIME_DIR"):
         return Path(os.environ["MOE_L2_RUNTIME_DIR"]), "$MOE_L2_RUNTIME_DIR"
     if os.environ.get("RUNTIME_DIRECTORY"):
@@ -32,6 +41,8 @@ def resolve_runtime_dir() -> tuple[Path, str]:
     for directory in SYSTEM_DIRS:
         if (directory / SOCKET_NAME).exists():
             return directory, "the system daemon's socket"
+    if sys.platform == "darwin" and (login_agent_dir() / SOCKET_NAME).exists():
+        return login_agent_dir(), "the login agent's socket (moe-l2 service install --user)"
     if os.environ.get("XDG_RUNTIME_DIR"):
         return Path(os.environ["XDG_RUNTIME_DIR"]) / "moe-l2", "$XDG_RUNTIME_DIR"
     uid = os.getuid()

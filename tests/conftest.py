@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +38,10 @@ def pytest_configure(config):
     SIG_IGN) resets to the default in every child."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A daemon started without DaemonProcess (socket activation, run_daemon) keeps its heat in the state dir
+    # (warm start): the suite's own, never the user's, so that no run warms another.
+    state = os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="moe-l2-tests-state-")
+    config.add_cleanup(lambda: shutil.rmtree(state, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -357,6 +362,15 @@ class ServeProcess:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read())
+
+    def raw(self, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+        """A request sent byte for byte: `head` is its request line and headers, without the blank line that
+        ends them. The reply's status and JSON body, read to the connection's end."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as s:
+            s.sendall(head + b"\r\n\r\n" + body)
+            reply = b"".join(iter(lambda: s.recv(1 << 16), b""))
+        status_line, _, rest = reply.partition(b"\r\n")
+        return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
 
     def metrics(self) -> dict[tuple, float]:
         """GET /metrics as {(sample name, sorted labels): value}."""

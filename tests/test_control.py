@@ -1,7 +1,7 @@
 """Asking moe-l2d (moe_l2/control.py, issues 20 and 21.3): every asker goes through one helper that speaks
 CurveZMQ, refuses an impostor before saying anything, takes a bounded reply and reads a malformed one as a clear
 error; the metrics exporter asks the same way; and files moe-l2 writes in a directory other users can write are
-never written through a link planted there (moe_l2/atomic_file.py)."""
+never written through a link planted there (moe_l2/atomic_file.py), a routing trace included (issue 37.4)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ import zmq.auth
 from prometheus_client.parser import text_string_to_metric_families
 
 from moe_l2 import control, protocol
+from moe_l2.atomic_file import UnsafeFile
+from moe_l2.cache.trace import TraceWriter, read_traces
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.daemon.process import short_tempdir
 from moe_l2.model import MANIFEST_NAME, ModelFiles
 from moe_l2.model.packer import pack
+from moe_l2.random_models import make_model
 
 from .conftest import AS_NOBODY, NOBODY, budget_for, nobody_runs_python, wait_for
 
@@ -256,6 +259,60 @@ def test_a_link_planted_in_a_shared_model_dir_is_never_written_through(model_dir
     finally:
         shutil.rmtree(shared, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
+
+
+@needs_root
+def test_generate_never_writes_its_trace_through_a_link_planted_in_a_sticky_dir(model_dir, capsys):
+    if not shutil.which("setpriv"):
+        pytest.skip("the links are planted by uid 65534 through setpriv")
+    shared, private = short_tempdir(), short_tempdir()
+    try:
+        shared.chmod(0o1777)  # /tmp's mode: anyone may add a name, only its owner remove it
+        victim = private / "victim"
+        victim.write_bytes(b"precious")
+        plain, packed, planted = shared / "t.jsonl", shared / "t.jsonl.gz", shared / "nobody.jsonl"
+        for link in (plain, packed):
+            subprocess.run([*AS_NOBODY, "ln", "-s", str(victim), str(link)], check=True)
+        subprocess.run([*AS_NOBODY, "sh", "-c", f"echo planted > {planted}"], check=True)
+        argv = ["generate", "--model", str(model_dir), "--no-daemon", "--max-tokens", "2", "--json", "--trace-out"]
+        for path, why in ((plain, "is a symbolic link"), (packed, "is a symbolic link"),
+                          (planted, f"belongs to uid {NOBODY}")):
+            assert moe_l2_main([*argv, str(path)]) == 1
+            assert f"moe-l2 generate: cannot write the trace: {path} {why}" in capsys.readouterr().err
+        assert victim.read_bytes() == b"precious" and planted.read_text() == "planted\n"
+        assert plain.is_symlink() and packed.is_symlink()
+        hard = shared / "hard.jsonl"  # a hard link would have root copy the secret it names into the trace
+        os.link(victim, hard)
+        with pytest.raises(UnsafeFile, match="has 2 names"):
+            TraceWriter(hard, model="m", n_layers=1, n_experts=2, top_k=1, append=True)
+        # This user's own traces beside them: made, then added to, written whole under a private name each time.
+        for path in (shared / "mine.jsonl", shared / "mine.jsonl.gz"):
+            for _ in range(2):
+                assert moe_l2_main([*argv, str(path)]) == 0
+            capsys.readouterr()
+            first, second = read_traces(path).sequences
+            assert first.experts == second.experts and (path.stat().st_mode & 0o777) == 0o644
+        assert sorted(p.name for p in shared.iterdir()) == sorted(
+            ["hard.jsonl", "mine.jsonl", "mine.jsonl.gz", "nobody.jsonl", "t.jsonl", "t.jsonl.gz"])
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def test_make_model_never_writes_through_a_link_planted_in_its_out_dir_meanwhile(tmp_path):
+    victim, out = tmp_path / "victim", tmp_path / "shared" / "model"
+    victim.write_bytes(b"precious")
+    out.mkdir(parents=True)  # empty, as --out may be: another user's, whose links come once the check has passed
+
+    def plant(message: str) -> None:
+        if not (out / "tokenizer.json").is_symlink():
+            (out / "tokenizer.json").symlink_to(victim)
+
+    with pytest.raises(OSError):  # the model is built aside, and `out` is no longer empty to be renamed over
+        make_model(out, arch="qwen3_moe", layers=1, experts=4, top_k=2, hidden_size=64, moe_hidden_size=32, bits=4,
+                   progress=plant)
+    assert victim.read_bytes() == b"precious" and os.listdir(out) == ["tokenizer.json"]
+    assert os.listdir(out.parent) == ["model"]  # nothing of the build left beside it
 
 
 @pytest.mark.skipif(not nobody_runs_python(), reason="the locked-out user is uid 65534: needs root, setpriv, and "

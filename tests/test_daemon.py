@@ -234,6 +234,7 @@ def test_a_value_past_a_bound_is_refused_with_the_range_from_a_flag_and_from_tom
 EXAMPLES = {
     "path": ("/n", {}), "budget": ("2GiB", {}), "layers": ("0-1", {}), "profile": ("/p.json", {}),
     "socket": ("ipc:///tmp/moe-l2-example.sock", {}), "runtime_dir": ("/tmp/moe-l2-example", {}),
+    "state_dir": ("/tmp/moe-l2-state-example", {}),
     "socket_group": ("0", {}), "metrics": ("127.0.0.1:9464", {}),
     "curve_secret_key": ("{secret}", {"curve_clients": "{clients}", "socket": "tcp://127.0.0.1:5557"}),
     "curve_clients": ("{clients}", {"curve_secret_key": "{secret}", "socket": "tcp://127.0.0.1:5557"}),
@@ -300,19 +301,20 @@ def write_sparse_model(directory, n_experts=64, expert_bytes=1 << 30):
     The file is sparse, so it costs no disk; only its headers are read before the budget check refuses it.
     """
     directory.mkdir()
+    moe_hidden = expert_bytes // (4096 * 2)
     (directory / "config.json").write_text(json.dumps({
         "model_type": "qwen3_moe", "num_experts": n_experts, "num_experts_per_tok": 2,
-        "num_hidden_layers": 1, "hidden_size": 4096, "moe_intermediate_size": 8192, "intermediate_size": 8192,
+        "num_hidden_layers": 1, "hidden_size": 4096, "moe_intermediate_size": moe_hidden, "intermediate_size": 8192,
         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6,
         "vocab_size": 16, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
         "max_position_embeddings": 4096, "rope_theta": 1e6, "tie_word_embeddings": False}))
-    rows = expert_bytes // (4096 * 2)
     header = {}
     offset = 0
-    for proj in ("down_proj", "gate_proj", "up_proj"):
-        size = n_experts * rows * 4096 * 2
+    for proj, shape in (("down_proj", (4096, moe_hidden)), ("gate_proj", (moe_hidden, 4096)),
+                        ("up_proj", (moe_hidden, 4096))):
+        size = n_experts * moe_hidden * 4096 * 2
         header[f"model.layers.0.mlp.switch_mlp.{proj}.weight"] = {
-            "dtype": "F16", "shape": [n_experts, rows, 4096], "data_offsets": [offset, offset + size]}
+            "dtype": "F16", "shape": [n_experts, *shape], "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -158,6 +159,24 @@ def test_native_transcode_matches_the_numpy_reference_on_many_threads(gguf_model
                                threads=3)
         for w, out in zip(want, outs):
             assert bytes(out.view()[64:64 + len(w)]) == w
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"])
+def test_native_transcode_matches_the_numpy_reference_on_any_bytes(type_name):
+    """Random blocks: scales that are NaNs (with payloads), infinities and subnormals, whose biases overflow. The
+    daemon and the client (native) and verify (numpy) must agree on every byte of a damaged file too, or verify
+    would report damage where there is none, and a manifest written by verify would refuse the native reads."""
+    rows, cols = 64, 64
+    block = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "MXFP4": 17}[type_name]
+    raw = np.random.default_rng(7).integers(0, 256, rows * cols // 32 * block, dtype=np.uint8).tobytes()
+    want = transcode_reference(type_name, raw, rows, cols)
+    assert any(np.isnan(np.frombuffer(w, np.float16)).any() for w in want[1:]) or type_name == "MXFP4"
+    buf = _native.Buffer(len(raw))
+    buf.view()[:] = raw
+    outs = [_native.Buffer(len(w)) for w in want] + [_native.Buffer(64)] * (3 - len(want))
+    _native.transcode_gguf([(type_name, rows, cols, buf, 0, outs[0], 0, outs[1], 0, outs[2], 0)], threads=1)
+    for w, out in zip(want, outs):
+        assert bytes(out.view()[:len(w)]) == w
 
 
 def test_transcode_refuses_what_it_cannot_convert():
@@ -349,6 +368,48 @@ def test_malformed_models_get_clear_errors(tmp_path, gguf_model):
         gguf_model("q4_0").extents(0, 0)
     with pytest.raises(ValueError, match="not single extents"):
         gguf_model("q4_0").record_span(0, 0)
+
+
+def test_damaged_headers_are_refused_before_they_are_parsed_far(tmp_path):
+    """GGUF headers are bounded (docs/formats.md, "What a model's files may hold"): counts, arrays of arrays,
+    tensors that overlap or lie past the end, each refused with the reason, never a traceback or a hang."""
+    from gguf import GGUFWriter
+
+    path = make_gguf_model(tmp_path / "good" / "model.gguf")
+    good = path.read_bytes()
+
+    def damaged(name: str, data: bytes):
+        (tmp_path / name).write_bytes(data)
+        return tmp_path / name
+
+    many = damaged("many.gguf", good[:8] + struct.pack("<QQ", 1 << 40, 3) + good[24:])
+    with pytest.raises(ValueError, match=r"its header counts 1099511627776 tensors"):
+        ModelFiles.open(many)
+    reader = GGUFReader(path)
+    up, down = (next(t for t in reader.tensors if t.name == f"blk.0.ffn_{p}_exps.weight") for p in ("up", "down"))
+    at = up.field.offset + sum(int(p.nbytes) for p in up.field.parts[:5])  # its offset field
+    overlapping = bytearray(good)
+    overlapping[at:at + 8] = struct.pack("<Q", int(down.data_offset - reader.data_offset))
+    with pytest.raises(ValueError, match=r"tensors 'blk\.0\.ffn_(up|down)_exps\.weight' and 'blk\.0\.ffn_(up|down)_"
+                                         r"exps\.weight' overlap"):
+        ModelFiles.open(damaged("overlap.gguf", bytes(overlapping)))
+    past = bytearray(good)
+    past[at:at + 8] = struct.pack("<Q", len(good) - int(reader.data_offset))
+    with pytest.raises(ValueError, match=r"truncated file \(tensor 'blk\.0\.ffn_up_exps\.weight' ends at byte"):
+        ModelFiles.open(damaged("past.gguf", bytes(past)))
+
+    nested = tmp_path / "nested.gguf"
+    w = GGUFWriter(nested, "qwen3moe")
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_array("qwen3moe.nested", [[1, 2], [3]])
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.ones((4, 8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="an array of 2 arrays, which llama.cpp would not read either"):
+        ModelFiles.open(nested)
 
 
 def test_fingerprint_follows_the_file(tmp_path):

@@ -109,7 +109,7 @@ def test_a_stale_or_damaged_manifest_is_reported_with_the_fix(tmp_path, packed_c
     assert damaged.checksums is None and "is damaged" in damaged.checksum_problem and fix in damaged.checksum_problem
     (model / MANIFEST_NAME).unlink()
     os.mkfifo(model / MANIFEST_NAME)  # opened without blocking, and refused
-    assert "is not a regular file" in ModelFiles.open(model).checksum_problem
+    assert "moe-l2.checksums.json is a FIFO, not a regular file" in ModelFiles.open(model).checksum_problem
 
 
 def test_the_daemon_never_publishes_a_corrupt_record(daemon_factory, packed_copy):

@@ -207,7 +207,8 @@ def test_malformed_notices_from_a_hostile_daemon_are_dropped_and_the_client_keep
             wait_for(lambda: client.arrivals.counts.dropped == len(hostile), what="every hostile notice dropped")
         assert client.arrivals.counts.notices == 0  # none woke a lookup
         dropped = [r.getMessage() for r in caplog.records if "dropped a notice" in r.getMessage()]
-        assert len(dropped) == len(hostile) and all(len(line) < 600 for line in dropped)
+        # Ten notices, each bad in its own way, are one line: a kind is logged once a minute (client/log_limit.py).
+        assert len(dropped) == 1 and len(dropped[0]) < 600
         # Never detached for them, and the real daemon's notices still end the waits of load-through.
         assert client.attaches == 1 and client.attached
         counts = pool.fetch(2, [5, 14])

@@ -167,8 +167,22 @@ def test_errors_are_anthropic_error_objects(server, model_dir):
              "messages.0.content.0: moe-l2 serve takes text blocks only"),
             ({"messages": hi, "max_tokens": 2, "tools": [{"name": "x", "input_schema": {}}]}, "runs no tools"),
             ({"messages": hi, "max_tokens": 2, "stop_sequences": "."}, "stop_sequences must be a list"),
-            ([1, 2], "must be a JSON object")):
+            ({"messages": hi, "max_tokens": 2, "stop_sequences": [""]}, "each of 1 to 1000 characters"),
+            ([1, 2], "must be a JSON object"),
+            # mlx_lm.server's own checks let these through, to kill its generation thread or run away
+            ({"messages": hi, "max_tokens": 2**70}, "max_tokens must be at most 4096 (the model's context"),
+            ({"messages": hi, "max_tokens": 2, "top_k": -1}, "top_k must be at least 0"),
+            ({"messages": hi, "max_tokens": 2, "temperature": "hot"}, "temperature must be a finite number")):
         status, e = error(body)
         assert (status, e["type"]) == (400, "invalid_request_error") and message in e["message"], e
+    # The body is read as on the other routes: a Content-Length of other digits than ASCII's was a 500.
+    head = b"POST /v1/messages HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: "
+    for length, status, message in ((b"\xc2\xb2", 400, "Content-Length must be the body's size in bytes"),
+                                    (b"99999999999", 413, "this server takes at most")):
+        got, reply = server.raw(head + length)
+        assert reply["type"] == "error" and set(reply["error"]) == {"type", "message"}, reply
+        assert got == status and message in reply["error"]["message"], reply
+    got, reply = server.raw(head + b"3", b"{\xff}")
+    assert (got, reply["error"]["type"]) == (400, "invalid_request_error") and "not UTF-8" in reply["error"]["message"]
     status, e = error({}, "/v1/messages/count_tokens")
     assert (status, e["type"]) == (404, "not_found_error") and "no such endpoint" in e["message"]

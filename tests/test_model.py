@@ -284,6 +284,8 @@ def test_not_safetensors(tmp_path):
 
 
 def _write(path, tensors, config):
+    """A hand-written checkpoint of these tensors, plus the token embedding every checkpoint has."""
+    tensors = {"model.embed_tokens.weight": mx.zeros((config["vocab_size"], config["hidden_size"])), **tensors}
     path.mkdir()
     mx.save_safetensors(str(path / "model.safetensors"), tensors, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config))
@@ -336,11 +338,11 @@ def test_expert_count_and_experts_per_token_come_from_the_model_mlx_lm_builds(tm
     config["num_experts_per_tok"] = 3
     (path / "config.json").write_text(json.dumps(config))
     assert (ModelFiles.open(path).n_experts, ModelFiles.open(path).top_k) == (4, 3)
-    config["num_local_experts"] = 8
+    config["num_local_experts"] = 8  # refused before mlx-lm builds anything (moe_l2/model/bounds.py)
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="mlx-lm's model for config.json has 8 experts"):
+    with pytest.raises(ValueError, match="num_local_experts is 8, but the files' tensors hold 4 experts at most"):
         ModelFiles.open(path)
-    del config["num_local_experts"]  # mixtral's default: 8 experts
+    del config["num_local_experts"]  # mixtral's default: 8 experts, as mlx-lm's model for config.json has
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="has 8 experts"):
         ModelFiles.open(path)
@@ -352,6 +354,7 @@ def test_expert_count_and_experts_per_token_come_from_the_model_mlx_lm_builds(tm
 
 def test_expert_tensors_must_cover_every_switch_layer(tmp_path):
     ws = {f"model.layers.0.mlp.experts.{e}.gate_proj.weight": mx.zeros((4, 8)) for e in range(4)}
+    ws["model.layers.1.input_layernorm.weight"] = mx.zeros((8,))  # layer 1 is in the files, without experts
     path = _write(tmp_path / "half", ws, _qwen2_moe(4, 2, layers=2))
     with pytest.raises(ValueError, match=r"no routed-expert tensors for 1 of the 2 switch layers .* "
                                          r"model\.layers\.1\.mlp\.switch_mlp\.gate_proj\.weight"):
@@ -435,3 +438,108 @@ def test_a_process_that_builds_in_child_processes_asks_mlx_for_no_memory(model_d
     (bad / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
     out = subprocess.run([sys.executable, "-P", "-c", code, str(bad)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "mlx-lm cannot build a no_such_arch model" in out.stderr
+
+
+def test_a_fifo_swapped_in_after_the_check_is_refused_by_fstat(tmp_path, monkeypatch):
+    """open_regular opens without blocking and trusts fstat on what it opened, not a stat before (no window
+    in which a FIFO planted after the stat makes the open or a read wait)."""
+    from moe_l2.model import bounds
+
+    regular = os.stat(__file__)
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="config.json is a FIFO, not a regular file"):
+        bounds.open_regular(fifo)
+    monkeypatch.setattr(bounds.os, "stat", lambda path: regular)  # the stat saw a regular file
+    with pytest.raises(ValueError, match="config.json is a FIFO, not a regular file"):
+        bounds.open_regular(fifo)
+    fd = bounds.open_regular(__file__)
+    try:
+        import fcntl
+
+        assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
+    finally:
+        os.close(fd)
+
+
+def test_json_headers_and_tensor_extents_are_bounded(tmp_path):
+    path = _fresh(tmp_path)
+    config = (path / "config.json").read_text()
+    nested = json.dumps({**json.loads(config), "extra": json.loads("[" * 40 + "]" * 40)})
+    (path / "config.json").write_text(nested)
+    with pytest.raises(ValueError, match=r"config\.json: not an mlx-lm config\.json \(JSON nested more than 32 deep\)"):
+        ModelFiles.open(path)
+    (path / "config.json").write_text(config)
+
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index_path.write_text(json.dumps(index)[:-1] + ', "deep": ' + '{"a":' * 5000 + "1" + "}" * 5000 + "}")
+    with pytest.raises(ValueError, match=r"index\.json: not a safetensors index \(JSON nested more than 32 deep\)"):
+        ModelFiles.open(path)
+    name = next(iter(index["weight_map"]))
+    index_path.write_text(json.dumps({**index, "weight_map": {**index["weight_map"], name: "../model.safetensors"}}))
+    with pytest.raises(ValueError, match=r"names shard '\.\./model\.safetensors', which is not a file name in"):
+        ModelFiles.open(path)
+    index_path.write_text(json.dumps(index))
+
+    shard = path / "model.safetensors"
+    data = shard.read_bytes()
+    (hlen,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + hlen])
+    first, second = sorted((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"])[:2]
+    size = header[second]["data_offsets"][1] - header[second]["data_offsets"][0]
+    start = header[first]["data_offsets"][0]
+    header[second]["data_offsets"] = [start, start + size]  # the second tensor's bytes are the first's
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(hlen)
+    assert len(raw) == hlen
+    shard.write_bytes(data[:8] + raw + data[8 + hlen:])
+    with pytest.raises(ValueError, match=rf"model\.safetensors: tensors '{first}' and '{second}' overlap|"
+                                         rf"model\.safetensors: tensors '{second}' and '{first}' overlap"):
+        ModelFiles.open(path)
+
+
+def test_the_shape_only_build_stops_past_the_modules_the_files_have_tensors_for(model_dir, model_files, tmp_path,
+                                                                                monkeypatch):
+    """A count config.json names that the key checks do not know (here num_hidden_layers, given straight to the
+    build) is stopped by the module ceiling, in this process and in the daemon's child, before it costs memory."""
+    import platformdirs
+
+    from moe_l2.model import architecture
+
+    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(tmp_path / app))
+    config = json.loads((model_dir / "config.json").read_text())
+    tensors = sum(len(h) - ("__metadata__" in h) for h in
+                  (json.loads(f.read_bytes()[8:8 + struct.unpack("<Q", f.read_bytes()[:8])[0]])
+                   for f in model_files.files))
+    assert len(architecture.switch_layers(config, tensors)) == model_files.n_layers
+    huge = {**config, "num_hidden_layers": 10**6}
+    limit = architecture._MODULES_PER_TENSOR * tensors + architecture._MODULES_AT_LEAST
+    for in_child in (False, True):
+        monkeypatch.setattr(architecture, "_IN_CHILD", in_child)
+        with pytest.raises(ValueError, match=rf"^config\.json makes mlx-lm build more than {limit} modules"):
+            architecture.switch_layers(huge, tensors)
+
+
+def test_a_record_the_file_no_longer_holds_is_named_with_its_file(tmp_path):
+    """A model cut short after it was opened: the plain read and the pool's native read both raise
+    UnreadableRecord naming the record(s) past the file's end now, the file and `moe-l2 verify`."""
+    from moe_l2.client.pool import ExpertPool
+    from moe_l2.model import UnreadableRecord
+
+    path = _fresh(tmp_path)
+    files = ModelFiles.open(path)
+    ends = {e: max(offset + n for _, offset, n in files.reader.file_ranges(2, e)) for e in range(files.n_experts)}
+    last = max(ends, key=ends.get)
+    os.truncate(files.files[0], ends[last] - 1)
+    with pytest.raises(UnreadableRecord, match=rf"MoE layer 2 expert {last} cannot be read from .*model\.safetensors "
+                                               r"\(unexpected end of file .*`moe-l2 verify --model "):
+        files.read_record(2, last)
+    pool = ExpertPool(files, capacity=files.n_experts, client=None)
+    try:
+        others = [e for e in range(files.n_experts) if ends[e] < ends[last]]
+        pool.fetch(2, others)  # what the file still holds is read
+        assert pool.layers[2].record(others[0]) == files.read_record(2, others[0])
+        with pytest.raises(UnreadableRecord, match=rf"MoE layer 2 expert {last} cannot be read from"):
+            pool.fetch(2, [last])
+    finally:
+        pool.close()

@@ -115,3 +115,66 @@ def test_bad_half_lives_are_refused():
 
 def test_lru_and_lfu_unchanged():
     assert isinstance(make_policy("lru"), LRU) and isinstance(make_policy("lfu"), LFUDecay)
+
+
+@pytest.mark.parametrize("name", ["adaptive", "lru", "lfu"])
+def test_a_policy_restored_from_its_state_decides_as_the_original(name):
+    """Through msgpack, as the daemon's heat file carries it: the same ranking, and the same victims after the
+    same further accesses."""
+    import msgpack
+
+    from moe_l2.cache.policy import restored_policy
+
+    rng = random.Random(3)
+    original = make_policy(name, 6)
+    for batch in skewed_with_scans(tokens=400, n_experts=16):
+        for e in batch:
+            original.access(e)
+    state = msgpack.unpackb(msgpack.packb(original.state()))
+    copy = restored_policy(name, state, 16, 6)
+    assert copy.state() == original.state()
+    assert copy.hottest(range(16)) == original.hottest(range(16))
+    for _ in range(300):
+        e = rng.randrange(16)
+        original.access(e)
+        copy.access(e)
+        candidates = rng.sample(range(16), 6)
+        assert copy.victim(candidates) == original.victim(candidates)
+
+
+@pytest.mark.parametrize("name, change, words", [
+    ("lru", lambda s: s.update(last=[[16, 1]]), "not one of 0..15"),
+    ("lru", lambda s: s.update(last=[[1, 1], [1, 2]]), "twice"),
+    ("lru", lambda s: s.update(clock=-1), "clock"),
+    ("lfu", lambda s: s.update(half_life=1.0), "half-life"),
+    ("lfu", lambda s: s.update(score=[[2, float("inf")]]), "finite"),
+    ("adaptive", lambda s: s.update(best=6), "best"),
+    ("adaptive", lambda s: s.update(half_lives=[1.0]), "half-lives"),
+    ("adaptive", lambda s: s.update(hits=[0.0]), "one per half-life"),
+    ("adaptive", lambda s: s["scores"][0].append([3, float("nan")]), "finite"),
+    ("adaptive", lambda s: s.update(inc=[1e300] * 6), "adaptive inc"),  # its next access would overflow
+    ("adaptive", lambda s: s.update(shadows=[list(range(17))] * 6), "at most 16"),
+    ("adaptive", lambda s: s.update(extra=1), "fields"),
+    ("adaptive", lambda s: s.clear(), "fields"),
+])
+def test_a_damaged_or_hostile_policy_state_is_refused_with_what_is_wrong(name, change, words):
+    from moe_l2.cache.policy import restored_policy
+
+    policy = make_policy(name, 4)
+    for e in (1, 2, 1):
+        policy.access(e)
+    state = policy.state()
+    change(state)
+    with pytest.raises(ValueError, match=words):
+        restored_policy(name, state, 16, 4)
+
+
+def test_a_restored_adaptive_policy_keeps_the_best_of_its_shadows_that_fit_a_smaller_store():
+    from moe_l2.cache.policy import restored_policy
+
+    policy = make_policy("adaptive", 8)
+    for e in range(8):
+        for _ in range(e + 1):
+            policy.access(e)
+    smaller = restored_policy("adaptive", policy.state(), 16, 3)
+    assert all(shadow == {5, 6, 7} for shadow in smaller._shadows)

@@ -5,7 +5,9 @@ real daemon that is killed and restarted under them; its error replies and its /
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -28,6 +30,10 @@ PROMPTS = ["Which experts does the router pick?", "Tell me about shared memory c
            "one two three four five six seven eight nine ten", "Why?"]
 MAX_TOKENS = 12
 DEFAULT_MAX_TOKENS = 5  # the served fixture's --max-tokens
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+GENERATING, CANCELLED = ("moe_l2_serve_requests_generating", ()), ("moe_l2_serve_requests_cancelled_total", ())
+GENERATED = ("moe_l2_serve_generated_tokens_total", ())
 
 
 class Server(ServeProcess):
@@ -193,7 +199,7 @@ def test_errors_are_openai_error_objects_the_client_shows(served, model_dir):
     assert (status, e["type"], e["param"]) == (400, "invalid_request_error", "draft_model")
     assert "no draft models" in e["message"]
     status, e = error("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image"}]}]})
-    assert status == 400 and "Only 'text' content" in e["message"]  # the chat template's refusal
+    assert (status, e["param"]) == (400, "messages") and "this model takes no images" in e["message"]
     status, e = error("/v1/chat/completions", {"messages": [], "temperature": "hot"})
     assert (status, e["param"]) == (400, "temperature") and "temperature must be" in e["message"]
     status, e = error("/v1/embeddings", {"input": "hi"})
@@ -203,6 +209,144 @@ def test_errors_are_openai_error_objects_the_client_shows(served, model_dir):
     with pytest.raises(urllib.error.HTTPError) as raised:
         urllib.request.urlopen(request, timeout=30)
     assert raised.value.code == 400 and "Invalid JSON" in json.loads(raised.value.read())["error"]["message"]
+
+
+def _no_eos(model_dir) -> dict:
+    """A logit_bias that keeps a generation from ending before its max_tokens."""
+    from mlx_lm.utils import load_tokenizer
+
+    return {str(eos): -100 for eos in load_tokenizer(model_dir).eos_token_ids}
+
+
+def _bad_requests(vocab: int, context: int) -> list[tuple[str, dict, str, str]]:
+    """(path, body, the field refused, what the refusal says). In mlx_lm.server, a logit_bias id past the
+    vocabulary in a batch crashed the process (SIGSEGV in mlx); stop words that are not strings, an empty
+    prompt, a context window past 32 bits or a sampled top_k of the vocabulary's size killed its generation
+    thread; max_tokens ran away; a negative or 64-bit seed was a 500."""
+    words = {"max_tokens": 2}
+    return [
+        (CHAT, {"messages": HI, **words, "logit_bias": {"99999999": 100}}, "logit_bias",
+         f"token ids of this model (0 to {vocab - 1}), not '99999999'"),
+        (CHAT, {"messages": HI, **words, "logit_bias": {"-1": 100}}, "logit_bias", "token ids of this model"),
+        (CHAT, {"messages": HI, **words, "logit_bias": {"5": "much"}}, "logit_bias", "must be a finite number"),
+        (CHAT, {"messages": HI, **words, "stop": 12345}, "stop", "stop must be a string or a list of at most 64"),
+        (CHAT, {"messages": HI, **words, "stop": [1]}, "stop", "stop must be a string or a list"),
+        (CHAT, {"messages": HI, **words, "stop": [""]}, "stop", "each of 1 to 1000 characters"),
+        (TEXT, {"prompt": "", **words}, "prompt", "prompt must be a non-empty string"),
+        (TEXT, {"prompt": "word " * context, **words}, "prompt", f"tokens and the model's context {context}"),
+        (CHAT, {"messages": HI, "max_tokens": 2**70}, "max_tokens",
+         f"max_tokens must be at most {context} (the model's context of {context} tokens)"),
+        (CHAT, {"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens", "must be at least 1"),
+        (CHAT, {"messages": HI, "max_tokens": True}, "max_tokens", "max_tokens must be an integer"),
+        (CHAT, {"messages": HI, **words, "seed": -1}, "seed", "seed must be at least 0"),
+        (CHAT, {"messages": HI, **words, "seed": 2**70}, "seed", f"seed must be at most {2**64 - 1}"),
+        (CHAT, {"messages": HI, **words, "repetition_penalty": 1.1, "repetition_context_size": 2**40},
+         "repetition_context_size", f"at most {context} (the model's context)"),
+        (CHAT, {"messages": HI, **words, "top_k": vocab, "temperature": 1.0}, "top_k",
+         f"at most {vocab - 1} (below the model's vocabulary of {vocab})"),
+        (CHAT, {"messages": HI, **words, "xtc_probability": 2}, "xtc_probability", "at most 1"),
+        (CHAT, {"messages": HI, **words, "stream_options": {"include_usage": 1}}, "stream_options",
+         "stream_options.include_usage must be true or false"),
+        (CHAT, {"messages": HI, **words, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs",
+         "not apply_chat_template's own arguments (tokenize)"),
+        (CHAT, {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://198.51.100.1/a.png"}}]}], **words}, "messages",
+         "this model takes no images"),
+        (CHAT, {"messages": ["hi"], **words}, "messages", "messages.0 must be an object with a string role"),
+    ]
+
+
+def test_bad_requests_are_refused_before_mlx_lm_sees_them(served, reference, model_dir):
+    """Every field mlx_lm.server reads is checked first, while a batch runs beside (an out-of-vocabulary
+    logit_bias crashed the process only then): each bad request is a 400 naming its field, and the batch and
+    the server go on."""
+    config = json.loads((model_dir / "config.json").read_text())
+    before = served.metrics()
+    running = served.client().chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=2000,
+        temperature=0.0, stream=True, logit_bias=_no_eos(model_dir))
+    next(running)  # its first token: the batch runs
+    for path, body, param, says in _bad_requests(config["vocab_size"], config["max_position_embeddings"]):
+        status, reply = served.post(path, body)
+        error = reply["error"]
+        assert set(error) == {"message", "type", "param", "code"}, reply
+        assert (status, error["type"], error["param"]) == (400, "invalid_request_error", param), (body, reply)
+        assert says in error["message"], (body, reply)
+    assert next(running).choices  # the batch still runs
+    running.close()  # and is cancelled (test_a_client_that_hangs_up_stops_its_generation)
+    wait_for(lambda: (m := served.metrics())[GENERATING] == 0 and m[CANCELLED] == before[CANCELLED] + 1,
+             what="the stream to be cancelled")
+    assert served.chat_tokens(PROMPTS[1]) == reference["chat"][1]  # the generation thread serves on
+
+
+def test_bodies_are_bounded_and_checked_before_they_are_read(served):
+    """A body over --max-body-bytes is refused from its Content-Length before a byte of it is read (the test
+    sends none; a 200 MB body took the server from 90 to 497 MiB); one that is not UTF-8 JSON or nests too
+    deep is a 400 (they were 500s), and the log shows its first bytes only (mlx_lm.server logged all of it)."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json"
+    status, reply = served.raw(head + b"\r\nContent-Length: 209715200")
+    assert status == 413 and f"at most {16 << 20} (its --max-body-bytes)" in reply["error"]["message"], reply
+    status, reply = served.raw(head)
+    assert status == 411 and "Content-Length header is required" in reply["error"]["message"]
+    for body, says in ((b'{"messages": "\xff"}', "the body is not UTF-8 (byte 14)"),
+                       (b"[" * 100_000, "too deeply nested"),
+                       (b"[" * 65 + b"]" * 65, "nests arrays and objects more than 64 deep"),
+                       (b'{"messages": [], "temperature": 1e400}', "temperature must be a finite number"),
+                       (b'{"temperature": NaN}', "NaN is not a JSON number")):
+        status, reply = served.raw(head + b"\r\nContent-Length: %d" % len(body), body)
+        assert (status, reply["error"]["type"]) == (400, "invalid_request_error") and says in reply["error"]["message"]
+    logged = len(served.log())
+    junk = b"{" + b"x" * (1 << 20)
+    status, reply = served.raw(head + b"\r\nContent-Length: %d" % len(junk), junk)
+    assert status == 400 and "Invalid JSON in request body" in reply["error"]["message"]
+    added = served.log()[logged:]
+    assert "refused a body that is not JSON" in added and f"({len(junk)} bytes)" in added and len(added) < 2000
+
+
+def test_a_client_that_hangs_up_stops_its_generation(served, model_dir):
+    """A request whose client hangs up is cancelled when it is not streamed too (mlx_lm.server noticed a
+    hang-up only when a write failed, which such a reply makes after its last token): the generation thread
+    lets go of it and generates nothing more for it."""
+    before = served.metrics()
+    body = json.dumps({"messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 4000,
+                       "logit_bias": _no_eos(model_dir)}).encode()
+    with socket.create_connection(("127.0.0.1", served.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: served.metrics()[GENERATED] - before[GENERATED] >= 10, what="the generation")
+    wait_for(lambda: (m := served.metrics())[GENERATING] == 0 and m[CANCELLED] == before[CANCELLED] + 1,
+             what="the generation to be cancelled")
+    stopped = served.metrics()[GENERATED]
+    assert stopped - before[GENERATED] < 1000
+    # Nothing more is generated for it: another request's tokens are all that the count moves by.
+    status, reply = served.post(CHAT, {"messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 3})
+    assert status == 200 and served.metrics()[GENERATED] - stopped == reply["usage"]["completion_tokens"] == 3
+
+
+def test_limits_are_options_and_a_dying_generation_thread_ends_the_process(model_dir, logs, tmp_path):
+    """--max-tokens-limit and --max-body-bytes bound requests. A fault on the generation thread (its model file
+    truncated under it: the next expert read fails) killed mlx_lm.server's thread behind a process that went on
+    answering 500 and /health 503; the process now exits with status 1, saying why, for a supervisor to restart."""
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    server = Server.moe_l2(copy, logs / "dies.log", "--no-daemon", "--max-tokens-limit", "64", "--max-tokens", "8",
+                           "--max-body-bytes", "1KiB").wait_healthy()
+    try:
+        status, reply = server.post(CHAT, {"messages": HI, "max_tokens": 65})
+        assert (status, reply["error"]["param"]) == (400, "max_tokens")
+        assert "max_tokens must be at most 64 (this server's --max-tokens-limit 64)" in reply["error"]["message"]
+        status, reply = server.raw(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1025")
+        assert status == 413 and "the body is 1025 bytes; this server takes at most 1024" in reply["error"]["message"]
+        for path in copy.glob("*.safetensors"):
+            os.truncate(path, path.stat().st_size // 8)
+        try:
+            status, reply = server.post(CHAT, {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 4})
+            assert status == 500, reply  # if the request is answered before the process is gone
+        except OSError:
+            pass
+        assert server.proc.wait(60) == 1
+    finally:
+        server.stop()
+    assert "generation thread died" in server.log() and "for its supervisor to start it again" in server.log()
 
 
 def _moved(before: dict, after: dict, name: str, **labels) -> float:
@@ -215,7 +359,7 @@ def test_metrics_count_what_a_request_did(served):
     status, body = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[2]}],
                                                         "max_tokens": MAX_TOKENS, "temperature": 0.0})
     assert status == 200
-    served.post("/v1/chat/completions", {"model": "some/other-model", "messages": []})  # a 404
+    served.post("/v1/chat/completions", {"model": "some/other-model", "messages": HI})  # a 404
     after = served.metrics()
     usage = body["usage"]
     assert _moved(before, after, "moe_l2_serve_generated_tokens_total") == usage["completion_tokens"]
@@ -243,6 +387,9 @@ def test_metrics_count_what_a_request_did(served):
 
 @pytest.mark.parametrize("args, message", [
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--max-tokens-limit", "0"], "--max-tokens-limit must be at least 1"),
+    (["--max-tokens", "600", "--max-tokens-limit", "500"], "--max-tokens 600 is above --max-tokens-limit 500"),
+    (["--max-body-bytes", "lots"], "--max-body-bytes: invalid size 'lots'"),
     (["--kv-bits", "7"], "--kv-bits must be"),
     (["--chat-template-args", "{oops"], "not JSON"),
     (["--chat-template-args", "[1]"], "give a JSON object"),

@@ -1,4 +1,5 @@
-"""The service files in systemd/: the unit, the launchd plist, the example config, the README."""
+"""The service files in systemd/: the socket and service units, the launchd plist (all made by
+daemon/service_files.py), the example config, the README."""
 
 import os
 import plistlib
@@ -14,6 +15,7 @@ import pytest
 # Run from a source checkout (tests/ beside systemd/): the wheel ships systemd/ as moe_l2/systemd, not the tests.
 SERVICE_DIR = Path(__file__).resolve().parents[1] / "systemd"
 UNIT = SERVICE_DIR / "moe-l2d.service"
+SOCKET = SERVICE_DIR / "moe-l2d.socket"
 PLIST = SERVICE_DIR / "com.moe-l2.moe-l2d.plist"
 CONFIG = SERVICE_DIR / "moe-l2d.toml.example"
 README = SERVICE_DIR / "README.md"
@@ -52,6 +54,11 @@ def unit():
 
 
 @pytest.fixture(scope="module")
+def socket_unit():
+    return parse_unit(SOCKET.read_text())
+
+
+@pytest.fixture(scope="module")
 def plist():
     return plistlib.loads(PLIST.read_bytes())
 
@@ -69,13 +76,43 @@ def test_unit_service_contract(unit):
     assert one(service, "Restart") == "on-abnormal"
     assert one(service, "LimitMEMLOCK") == "infinity"  # the daemon mlock()s its segments
     assert one(service, "RuntimeDirectory") == "moe-l2"
-    assert one(service, "RuntimeDirectoryMode") == "0750"
-    assert one(service, "RuntimeDirectoryPreserve") == "restart"  # the crashed daemon's segment list
+    assert one(service, "RuntimeDirectoryMode") == "0755"  # clients reach the socket; its mode decides who connects
+    # Kept when the daemon stops: the socket unit's file (and the crashed daemon's segment list) lives there.
+    assert one(service, "RuntimeDirectoryPreserve") == "yes"
+    assert one(service, "StateDirectory") == "moe-l2"  # L2's heat, preloaded at the next start
     argv = one(service, "ExecStart").split()
     assert argv[0].startswith("/") and Path(argv[0]).name == "moe-l2d"
     assert argv[1:] == ["--config", "/etc/moe-l2/moe-l2d.toml"]
     assert "TimeoutStopSec" in service
-    assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+    # Started by its socket, on the first connection; enabling the service enables the socket.
+    assert one(unit["Unit"], "Requires") == "moe-l2d.socket"
+    assert unit["Install"] == {"Also": ["moe-l2d.socket"]}
+
+
+def test_socket_unit_is_where_clients_look_with_the_daemons_mode_and_group(socket_unit, unit, config):
+    from moe_l2.daemon.activation import SOCKET_NAME as HANDED_NAME
+    from moe_l2.runtime import SOCKET_NAME, SYSTEM_DIRS
+
+    listen = one(socket_unit["Socket"], "ListenStream")
+    assert listen == f"%t/{SYSTEM_DIRS[0].name}/{SOCKET_NAME}"  # %t is /run for the system manager
+    assert one(socket_unit["Socket"], "FileDescriptorName") == HANDED_NAME
+    # What the daemon checks the socket against: the example config's socket_mode, the service's account.
+    assert int(one(socket_unit["Socket"], "SocketMode"), 8) == config["socket_mode"]
+    assert one(socket_unit["Socket"], "SocketUser") == one(unit["Service"], "User")
+    assert one(socket_unit["Socket"], "SocketGroup") == one(unit["Service"], "Group")
+    assert one(socket_unit["Socket"], "RemoveOnStop") == "yes"
+    assert socket_unit["Install"]["WantedBy"] == ["sockets.target"]
+
+
+def test_shipped_files_are_what_service_files_makes():
+    """systemd/'s unit, socket and plist and what `moe-l2 service install` writes come from one place."""
+    from moe_l2.daemon.service_files import shipped_files
+
+    for name, text in shipped_files().items():
+        assert (SERVICE_DIR / name).read_text() == text, (
+            f"systemd/{name} differs from daemon/service_files.py; regenerate: python -c 'from "
+            "moe_l2.daemon.service_files import shipped_files as s; [open(f\"systemd/{n}\", \"w\").write(t) "
+            "for n, t in s().items()]'")
 
 
 def test_unit_account_and_permissions(unit):
@@ -105,8 +142,11 @@ def test_plist(plist):
     argv = plist["ProgramArguments"]
     assert argv[0].startswith("/") and Path(argv[0]).name == "moe-l2d"
     assert argv[argv.index("--config") + 1] == "/usr/local/etc/moe-l2/moe-l2d.toml"
-    assert argv[argv.index("--runtime-dir") + 1].startswith("/")
-    assert plist["RunAtLoad"] is True
+    runtime = argv[argv.index("--runtime-dir") + 1]
+    assert runtime.startswith("/") and argv[argv.index("--state-dir") + 1].startswith("/")
+    assert plist["RunAtLoad"] is False  # the first client starts it
+    (listener,) = plist["Sockets"].values()
+    assert listener["SockPathName"] == f"{runtime}/moe-l2d.sock" and listener["SockPathMode"] == 0o660
     # Relaunched after a crash, not every 10 s after a configuration error (SuccessfulExit = false would).
     assert plist["KeepAlive"] == {"Crashed": True}
     assert plist["ProcessType"] in {"Standard", "Interactive", "Adaptive"}  # never throttled
@@ -153,8 +193,11 @@ def test_readme_creates_what_the_service_files_use(unit, plist):
         one(unit["Service"], "ExecStart").split()[2],
         argv[argv.index("--config") + 1],
         argv[argv.index("--runtime-dir") + 1],
+        argv[argv.index("--state-dir") + 1],
         plist["StandardOutPath"].rsplit("/", 1)[0],
-        "systemctl enable --now moe-l2d",
+        "moe-l2 service install --system",
+        "moe-l2 service install --user",
+        "systemctl enable --now moe-l2d.socket",
         "journalctl -u moe-l2d",
         "launchctl bootstrap system",
         "launchctl print system/" + plist["Label"],
@@ -164,7 +207,7 @@ def test_readme_creates_what_the_service_files_use(unit, plist):
         assert text in readme, text
 
 
-def test_systemd_analyze_verify(tmp_path, unit):
+def test_systemd_analyze_verify(tmp_path, unit, socket_unit):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not on PATH")
@@ -175,14 +218,15 @@ def test_systemd_analyze_verify(tmp_path, unit):
     stand_in.chmod(stand_in.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     copy = tmp_path / UNIT.name
     copy.write_text(UNIT.read_text().replace(f"ExecStart={program} ", f"ExecStart={stand_in} "))
+    (tmp_path / SOCKET.name).write_text(SOCKET.read_text())
     result = subprocess.run(
-        [analyze, "verify", "--man=no", str(copy)],
+        [analyze, "verify", "--man=no", str(tmp_path / SOCKET.name), str(copy)],
         capture_output=True, text=True, timeout=120,
         env={**os.environ, "SYSTEMD_LOG_COLOR": "0"},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert UNIT.name not in output, output
+    assert UNIT.name not in output and SOCKET.name not in output, output
 
 
 # launchd.plist(5): the keys this plist may use and the type launchd reads each as (plutil -lint checks the
@@ -191,8 +235,11 @@ LAUNCHD_KEYS = {
     "Label": str, "ProgramArguments": list, "UserName": str, "GroupName": str, "Umask": int, "RunAtLoad": bool,
     "KeepAlive": (bool, dict), "ExitTimeOut": int, "ProcessType": str, "SoftResourceLimits": dict,
     "HardResourceLimits": dict, "StandardOutPath": str, "StandardErrorPath": str, "WorkingDirectory": str,
-    "EnvironmentVariables": dict, "ThrottleInterval": int, "Nice": int, "LowPriorityIO": bool,
+    "EnvironmentVariables": dict, "ThrottleInterval": int, "Nice": int, "LowPriorityIO": bool, "Sockets": dict,
 }
+SOCKET_KEYS = {"SockType": str, "SockPassive": bool, "SockNodeName": str, "SockServiceName": str, "SockFamily": str,
+               "SockProtocol": str, "SockPathName": str, "SockPathOwner": int, "SockPathGroup": int,
+               "SockPathMode": int}
 KEEPALIVE_KEYS = {"SuccessfulExit": bool, "Crashed": bool, "NetworkState": bool, "PathState": dict,
                   "OtherJobEnabled": dict, "AfterInitialDemand": dict}
 RESOURCE_KEYS = {"Core", "CPU", "Data", "FileSize", "MemoryLock", "NumberOfFiles", "NumberOfProcesses",
@@ -215,6 +262,11 @@ def test_plist_lints_as_launchd_reads_it():
     if isinstance(plist["KeepAlive"], dict):
         for key, value in plist["KeepAlive"].items():
             assert key in KEEPALIVE_KEYS and isinstance(value, KEEPALIVE_KEYS[key]), (key, value)
+    for listener in plist["Sockets"].values():
+        for key, value in listener.items():
+            assert key in SOCKET_KEYS and isinstance(value, SOCKET_KEYS[key]), (key, value)
+            assert not (isinstance(value, bool) and SOCKET_KEYS[key] is int), f"{key} must be an <integer>"
+        assert listener["SockFamily"] == "Unix" and listener["SockType"] == "stream"
     for limits in (plist.get("SoftResourceLimits", {}), plist.get("HardResourceLimits", {})):
         for key, value in limits.items():
             assert key in RESOURCE_KEYS and isinstance(value, int) and not isinstance(value, bool), (key, value)

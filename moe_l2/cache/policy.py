@@ -13,13 +13,61 @@ candidates the store allows (resident, not pinned, not loading).
 - ``BeladyMIN`` is the offline optimum (it needs the future); `moe-l2 replay` uses it as the ceiling.
 
 Optional hooks a store calls when a policy has them: ``set_capacity(n_slots)``, ``set_prior(weights)``.
+
+The live policies' state survives a daemon's restart: ``state()`` gives it as plain data, `restored_policy` makes a
+policy from such data read back from a file, checking every value (the file may be damaged or planted), and
+``hottest(experts)`` ranks experts as the policy would keep them (docs/architecture.md, "Warm after a restart").
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from moe_l2.protocol import quote
+
+# A clock or count read back from a saved state past this is no state this code wrote.
+_MAX_COUNT = 1 << 62
+
+
+def _count(value, what: str, high: int = _MAX_COUNT) -> int:
+    if type(value) is not int or not 0 <= value <= high:
+        raise ValueError(f"{what} is {quote(value)}, not a whole number from 0 to {high}")
+    return value
+
+
+def _finite(value, what: str, low: float = -math.inf, high: float = math.inf) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"{what} is {quote(value)}, not a finite number from {low} to {high}")
+    return float(value)
+
+
+def _expert(value, n_experts: int, what: str) -> int:
+    if type(value) is not int or not 0 <= value < n_experts:
+        raise ValueError(f"{what} names expert {quote(value)}, not one of 0..{n_experts - 1}")
+    return value
+
+
+def _by_expert(pairs, n_experts: int, what: str, check: Callable) -> dict[int, object]:
+    """{expert: value} of [[expert, value], ...], each expert once and in range, each value check(value, what)."""
+    if not isinstance(pairs, list) or len(pairs) > n_experts:
+        raise ValueError(f"{what} is not a list of at most {n_experts} [expert, value] pairs")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"{what} holds {quote(pair)}, not an [expert, value] pair")
+        expert = _expert(pair[0], n_experts, what)
+        if expert in out:
+            raise ValueError(f"{what} names expert {expert} twice")
+        out[expert] = check(pair[1], what)
+    return out
+
+
+def _fields(state, names: tuple[str, ...], policy: str) -> list:
+    if not isinstance(state, dict) or set(state) != set(names):
+        raise ValueError(f"the {policy} state is {quote(state)}, not a map of the fields {', '.join(names)}")
+    return [state[name] for name in names]
 
 
 class LRU:
@@ -42,6 +90,17 @@ class LRU:
     def victim(self, candidates: Iterable[int]) -> int:
         return min(candidates, key=lambda e: self._last.get(e, 0))
 
+    def hottest(self, experts: Iterable[int]) -> list[int]:
+        return sorted(experts, key=lambda e: (-self._last.get(e, 0), e))
+
+    def state(self) -> dict:
+        return {"clock": self._clock, "last": [[e, t] for e, t in sorted(self._last.items())]}
+
+    def restore(self, state, n_experts: int) -> None:
+        clock, last = _fields(state, ("clock", "last"), self.name)
+        self._clock = _count(clock, "lru clock")
+        self._last = _by_expert(last, n_experts, "lru last use", lambda t, what: _count(t, what, self._clock))
+
 
 class LFUDecay:
     """Frequency with exponential decay (half-life in accesses), so that yesterday's hot experts fade."""
@@ -50,6 +109,7 @@ class LFUDecay:
 
     def __init__(self, half_life: float = 2048.0) -> None:
         self._clock = 0
+        self.half_life = half_life
         self._rate = math.log(2) / half_life
         # expert -> (score at time t, t); the score of every expert decays at the same rate, so comparing
         # log-scores shifted by the clock needs no periodic rescan.
@@ -77,6 +137,20 @@ class LFUDecay:
     def victim(self, candidates: Iterable[int]) -> int:
         return min(candidates, key=self._log_score)
 
+    def hottest(self, experts: Iterable[int]) -> list[int]:
+        return sorted(experts, key=lambda e: (-self._log_score(e), e))
+
+    def state(self) -> dict:
+        return {"clock": self._clock, "half_life": self.half_life,
+                "score": [[e, s] for e, s in sorted(self._score.items())]}
+
+    def restore(self, state, n_experts: int) -> None:
+        clock, half_life, score = _fields(state, ("clock", "half_life", "score"), self.name)
+        if half_life != self.half_life:
+            raise ValueError(f"the lfu state decays with a half-life of {quote(half_life)}, not {self.half_life}")
+        self._clock = _count(clock, "lfu clock")
+        self._score = _by_expert(score, n_experts, "lfu score", _finite)
+
 
 class AdaptiveLRFU:
     """Decayed frequency (LRFU) with the half-life picked online by shadow caches.
@@ -93,6 +167,10 @@ class AdaptiveLRFU:
     HALF_LIVES = (1.0, 16.0, 64.0, 256.0, 1024.0, 4096.0)
     WINDOW = 4096.0
     _RESCALE = 1e100
+    # What a restored state's increments, scores and hits may be at most: an increment is rescaled past _RESCALE
+    # (after at most one growth, of at most 2), and a decayed sum of increments stays within a few thousand of them.
+    _MAX_INC = 2 * _RESCALE
+    _MAX_SUM = 1e6 * _MAX_INC
 
     def __init__(self, capacity: int | None = None, half_lives: Sequence[float] = HALF_LIVES,
                  window: float = WINDOW) -> None:
@@ -180,6 +258,44 @@ class AdaptiveLRFU:
         scores = self._scores[self.best]
         return min(candidates, key=lambda e: scores.get(e, 0.0))
 
+    def hottest(self, experts: Iterable[int]) -> list[int]:
+        scores = self._scores[self.best]
+        return sorted(experts, key=lambda e: (-scores.get(e, 0.0), e))
+
+    _STATE = ("half_lives", "inc", "scores", "shadows", "hits", "hit_inc", "best")
+
+    def state(self) -> dict:
+        return {"half_lives": list(self.half_lives), "inc": list(self._inc),
+                "scores": [[[e, v] for e, v in sorted(scores.items())] for scores in self._scores],
+                "shadows": [sorted(shadow) for shadow in self._shadows], "hits": list(self._hits),
+                "hit_inc": self._hit_inc, "best": self.best}
+
+    def restore(self, state, n_experts: int) -> None:
+        half_lives, inc, scores, shadows, hits, hit_inc, best = _fields(state, self._STATE, self.name)
+        n = len(self.half_lives)
+        if half_lives != list(self.half_lives):
+            raise ValueError(f"the adaptive state follows the half-lives {quote(half_lives)}, not "
+                             f"{list(self.half_lives)}")
+        for name, value in (("inc", inc), ("scores", scores), ("shadows", shadows), ("hits", hits)):
+            if not isinstance(value, list) or len(value) != n:
+                raise ValueError(f"adaptive {name} is not a list of {n}, one per half-life")
+        self._inc = [_finite(v, "adaptive inc", 1.0, self._MAX_INC) for v in inc]
+
+        def bounded(value, what: str) -> float:
+            return _finite(value, what, 0.0, self._MAX_SUM)
+
+        self._scores = [_by_expert(s, n_experts, "adaptive score", bounded) for s in scores]
+        self._hits = [bounded(v, "adaptive hits") for v in hits]
+        self._shadows = []
+        for shadow, score in zip(shadows, self._scores):
+            if not isinstance(shadow, list) or len(shadow) > n_experts:
+                raise ValueError(f"an adaptive shadow is not a list of at most {n_experts} experts")
+            kept = {_expert(e, n_experts, "an adaptive shadow") for e in shadow}
+            # The capacity may have changed since: a shadow keeps its best-scored experts that fit.
+            self._shadows.append(set(sorted(kept, key=lambda e: -score.get(e, 0.0))[:self.capacity]))
+        self._hit_inc = _finite(hit_inc, "adaptive hit_inc", 1.0, self._MAX_INC)
+        self.best = _count(best, "adaptive best", n - 1)
+
 
 class BeladyMIN:
     """The offline optimum: evict the expert whose next use lies farthest in the future (never used again
@@ -226,6 +342,14 @@ class BeladyMIN:
 
 POLICIES = {"adaptive": AdaptiveLRFU, "lru": LRU, "lfu": LFUDecay}
 DEFAULT_POLICY = "adaptive"
+
+
+def restored_policy(name: str, state, n_experts: int, capacity: int | None = None):
+    """A `name` policy (of `capacity`) holding `state`, what a policy's state() gave, read back from a file that
+    may be damaged or planted: ValueError says what in it is wrong."""
+    policy = make_policy(name, capacity)
+    policy.restore(state, n_experts)
+    return policy
 
 
 def make_policy(name: str, capacity: int | None = None):

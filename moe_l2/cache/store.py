@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 # OFF: a slot the daemon's memory governor took away (docs/architecture.md, "Memory governor").
 FREE, LOADING, READY, OFF = 0, 1, 2, 3
+# permanent: clients' pin requests; domain: a hint's; auto: replay's autopin.
+PIN_KINDS = ("permanent", "domain", "auto")
 # Domain pins take at most this share of a layer's slots (and never more than the store's pin limit).
 HINT_PIN_SHARE = 0.25
 # Only experts the domain picks at least this many times more often (by share) than the rest of the traffic
@@ -45,7 +47,7 @@ class LayerStore:
         self._expert_in = [-1] * n_slots
         self._state = [FREE] * n_slots
         self._free = list(range(n_slots - 1, -1, -1))
-        self._pins: dict[str, set[int]] = {"permanent": set(), "domain": set(), "auto": set()}
+        self._pins: dict[str, set[int]] = {kind: set() for kind in PIN_KINDS}
         self._pinned: set[int] = set()  # the union of the pin groups, kept up to date
         self._off: list[int] = []  # slots taken away by shrink(), given back by grow()
         if hasattr(policy, "set_capacity"):
@@ -70,14 +72,17 @@ class LayerStore:
     def access(self, expert: int, count: int = 1) -> None:
         self.policy.access(expert, count)
 
-    def reserve(self, expert: int, keep: frozenset[int] = frozenset()) -> Reservation | None:
+    def reserve(self, expert: int, keep: frozenset[int] = frozenset(), evict: bool = True) -> Reservation | None:
         """Give the expert a slot to be loaded into, never evicting one in `keep` (replay's prefetch keeps its
-        other guesses); None if it has one or every slot is pinned, kept or loading."""
+        other guesses), nor any with evict=False (a warm start's preload takes free slots only); None if it has
+        one or no slot may be taken."""
         self.check_expert(expert)
         if expert in self._slot_of:
             return None
         if self._free:
             slot, evicted = self._free.pop(), -1
+        elif not evict:
+            return None
         else:
             state, pinned = self._state, self._pinned
             candidates = [e for e, s in self._slot_of.items()
@@ -101,6 +106,12 @@ class LayerStore:
         self._expert_in[reservation.slot] = -1
         self._state[reservation.slot] = FREE
         self._free.append(reservation.slot)
+
+    def adopt(self, policy) -> None:
+        """Take `policy` (one restored from a saved state: moe_l2.cache.policy.restored_policy) in place of the
+        store's own, before any access."""
+        self.policy = policy
+        self._capacity_changed()
 
     def pin(self, experts: list[int], kind: str) -> tuple[list[int], list[int]]:
         """Pin experts (they will not be evicted); returns (pinned, refused for lack of pin room)."""
@@ -218,3 +229,7 @@ class LayerStore:
 
     def residents(self) -> list[int]:
         return sorted(e for e, s in self._slot_of.items() if self._state[s] == READY)
+
+    def held(self) -> list[int]:
+        """The experts resident or on their way."""
+        return sorted(self._slot_of)

@@ -22,6 +22,7 @@ Writing, e.g. from an inference loop::
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
@@ -29,6 +30,8 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from moe_l2.atomic_file import AtomicFile
 
 TRACE_KEYS = ("model", "n_layers", "n_experts", "top_k", "seq", "domain", "prompt", "experts")
 
@@ -83,10 +86,10 @@ class TraceSet:
         return sorted({s.domain for s in self.sequences if s.domain is not None})
 
 
-def _open_text(path: Path, mode: str):
+def _open_text(path: Path):
     if path.suffix == ".gz":
-        return gzip.open(path, mode + "t", encoding="utf-8")
-    return open(path, mode, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
 
 
 def _positive_int(value, what: str, where: str) -> int:
@@ -139,7 +142,7 @@ def iter_traces(path: str | os.PathLike, *, check: bool = True) -> Iterator[Trac
     """The sequences of one trace file, in file order; raises TraceError on the first bad line."""
     path = Path(path)
     try:
-        f = _open_text(path, "r")
+        f = _open_text(path)
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
     first = None
@@ -197,8 +200,12 @@ def read_traces(paths: str | os.PathLike | Iterable[str | os.PathLike], *, check
 
 
 class TraceWriter:
-    """Append sequences to a trace file (gzip'd when the name ends in .gz). Not thread-safe: one writer per
-    file, fed by one thread (or behind the caller's lock)."""
+    """Sequences into a trace file (gzip'd when the name ends in .gz), written under a private name beside it and
+    renamed into place at close (an AtomicFile: a link planted at the path is never written through, and readers
+    see the whole file or the old one). append: the file's sequences stay before the new ones (a gzip'd one gets
+    a new gzip member); a link, another user's file or one with hard links at the path is refused (UnsafeFile).
+    A writer that wrote no sequence, or closed by an exception, leaves the path as it was. Not thread-safe: one
+    writer per file, fed by one thread (or behind the caller's lock)."""
 
     def __init__(self, path: str | os.PathLike, *, model: str, n_layers: int, n_experts: int, top_k: int,
                  append: bool = False):
@@ -207,7 +214,15 @@ class TraceWriter:
         self.n_layers = _positive_int(n_layers, "n_layers", str(path))
         self.n_experts = _positive_int(n_experts, "n_experts", str(path))
         self.top_k = _positive_int(top_k, "top_k", str(path))
-        self._file: io.TextIOBase | None = _open_text(self.path, "a" if append else "w")
+        self._target = AtomicFile(self.path, keep=append)
+        try:
+            self._raw = open(self._target.fd, "wb", closefd=False)
+            binary = (gzip.GzipFile(self.path.name, "wb", fileobj=self._raw) if self.path.suffix == ".gz"
+                      else self._raw)
+            self._file: io.TextIOBase | None = io.TextIOWrapper(binary, encoding="utf-8")
+        except BaseException:
+            self._target.abort()
+            raise
         self._current: dict | None = None
         self._pending: list[list[int] | None] | None = None
         self.sequences = 0
@@ -215,8 +230,11 @@ class TraceWriter:
     def __enter__(self) -> "TraceWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.close()
+        elif self._file is not None:
+            self._abandon()
 
     def write(self, experts: Sequence, *, seq: str = "", domain: str | None = None,
               prompt: str | None = None) -> None:
@@ -284,10 +302,23 @@ class TraceWriter:
             self.sequences += 1
 
     def close(self) -> None:
+        """Write the current sequence and put the file in place (unless no sequence was written)."""
         if self._file is None:
             return
         try:
             self.end()
+            self._file.close()  # ends the gzip member, if any
+            self._raw.close()
+            if self.sequences:
+                self._target.commit()
         finally:
-            self._file.close()
-            self._file = None
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """Close the buffers before the descriptor they write to (one left open would flush, when collected, into
+        whatever file has its number by then), then remove the private file unless it was put in place."""
+        for layer in (self._file, self._raw):
+            with contextlib.suppress(OSError, ValueError):
+                layer.close()
+        self._file = None
+        self._target.abort()

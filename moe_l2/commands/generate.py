@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import secrets
 import sys
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_l2.client.distributed import gather_json, rank_socket, share_text, speaks_for_daemon
     from moe_l2.client.generation import GenerationSummary, StreamFigures, encode_prompt, generate_streamed
     from moe_l2.client.streamed_lm import StreamedLM
-    from moe_l2.model import CorruptRecord
+    from moe_l2.model import DamagedRecord
     from moe_l2.cache.trace import TraceWriter
 
     # Under mlx.launch every rank runs this with the same flags: each runs its pipeline stage, rank 0 reads the
@@ -236,7 +237,17 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # the model, or options that do not fit it (an L0 too small for a token)
         print(f"moe-l2 generate: {exc}", file=sys.stderr)
         return 1
-    with lm:
+    with lm, contextlib.ExitStack() as stack:
+        writer = None
+        if args.trace_out is not None:
+            # Before generating: a path it may not write is said now, not after the run (docs/security.md).
+            f = lm.files
+            try:
+                writer = stack.enter_context(TraceWriter(args.trace_out, model=f.path.name, n_layers=f.n_layers,
+                                                         n_experts=f.n_experts, top_k=f.top_k, append=True))
+            except OSError as exc:
+                print(f"moe-l2 generate: cannot write the trace: {exc}", file=sys.stderr)
+                return 1
         if lm.client is not None and not lm.client.attached:
             print(f"moe-l2 generate: {f'rank {group.rank()}: ' if pipelined else ''}not attached to moe-l2d at "
                   f"{lm.client.address} ({lm.client.last_error or 'no answer'}); reading experts from the model "
@@ -273,19 +284,21 @@ def run(args: argparse.Namespace) -> int:
                                        max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size,
                                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                                        quantized_kv_start=args.quantized_kv_start, prompt_cache=prompt_cache)
-        except CorruptRecord as exc:
+        except DamagedRecord as exc:  # a record that fails its checksum, or a model file cut short while we ran
             print(f"\nmoe-l2 generate: {exc}", file=sys.stderr)
             return 1
         s = GenerationSummary.of(result, lm)
         if pipelined:
             s = s.merged([StreamFigures.from_json(one) for one in gather_json(group, s.stream.to_json())])
-        if args.trace_out is not None:
+        if writer is not None:
             # Every token the model processed: the prompt's, then each generated one fed back.
             routed = lm.recorder.take()[: len(ids) + len(result.tokens)]
-            f = lm.files
-            with TraceWriter(args.trace_out, model=f.path.name, n_layers=f.n_layers, n_experts=f.n_experts,
-                             top_k=f.top_k, append=True) as writer:
-                writer.write(routed, seq=f"generate-{time.time_ns()}", domain=args.trace_domain, prompt=prompt)
+            writer.write(routed, seq=f"generate-{time.time_ns()}", domain=args.trace_domain, prompt=prompt)
+            try:
+                writer.close()
+            except OSError as exc:
+                print(f"moe-l2 generate: cannot write the trace: {exc}", file=sys.stderr)
+                return 1
             s = replace(s, trace_out=str(args.trace_out))
     if not rank0:
         return 0

@@ -37,4 +37,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"moe-l2 make-model: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # no room, or --out filled or taken by someone else meanwhile
+        print(f"moe-l2 make-model: error: cannot write {args.out}: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -1,8 +1,8 @@
 """`moe-l2 serve`: mlx_lm.server's OpenAI-compatible HTTP API over a model whose experts are streamed.
 
-The options after the model, L0 and daemon ones are mlx_lm.server's own, with its names and defaults (it
-builds its parser inside main(), so they are restated here); they land in the namespace mlx_lm.server's
-ModelProvider and handler read (docs/architecture.md, "moe-l2 serve").
+The options after the model, L0, daemon and request-limit ones are mlx_lm.server's own, with its names and
+defaults (it builds its parser inside main(), so they are restated here); they land in the namespace
+mlx_lm.server's ModelProvider and handler read (docs/architecture.md, "moe-l2 serve").
 """
 
 from __future__ import annotations
@@ -32,6 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     options.add_arguments(parser)
+
+    limits = parser.add_argument_group("request limits (docs/security.md, \"moe-l2 serve\")")
+    limits.add_argument("--max-tokens-limit", type=int, default=32768,
+                        help="the most tokens a request may ask to generate (max_tokens); the model's context "
+                             "bounds it too (default: 32768)")
+    limits.add_argument("--max-body-bytes", default="16MiB",
+                        help="the largest request body taken, e.g. 64MiB; a larger one is refused (413) before it "
+                             "is read (default: 16MiB)")
 
     mlx = parser.add_argument_group("mlx_lm.server options (same names and defaults)")
     mlx.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*",
@@ -74,12 +82,15 @@ def local_model_dir(spec: str) -> Path:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("port", "max_tokens", "decode_concurrency", "prompt_concurrency", "prefill_step_size",
-                 "prompt_cache_size", "kv_group_size"):
+    for name in ("port", "max_tokens", "max_tokens_limit", "decode_concurrency", "prompt_concurrency",
+                 "prefill_step_size", "prompt_cache_size", "kv_group_size"):
         value = getattr(args, name)
         low = 0 if name == "port" else 1
         if value < low:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    if args.max_tokens > args.max_tokens_limit:
+        raise ValueError(f"--max-tokens {args.max_tokens} is above --max-tokens-limit {args.max_tokens_limit}: "
+                         "lower it, or raise the limit")
     if args.kv_bits is not None and args.kv_bits not in KV_BITS:
         raise ValueError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, got {args.kv_bits}")
 
@@ -91,6 +102,10 @@ def mlx_lm_args(args: argparse.Namespace) -> argparse.Namespace:
 
     ns = argparse.Namespace(**vars(args), **_FIXED)
     ns.prompt_cache_bytes = None if args.prompt_cache_bytes is None else parse_size(args.prompt_cache_bytes)
+    try:
+        ns.max_body_bytes = parse_size(args.max_body_bytes)
+    except ValueError as exc:
+        raise ValueError(f"--max-body-bytes: {exc}") from None
     if args.quantized_kv_start is None:
         ns.quantized_kv_start = DEFAULT_QUANTIZED_KV_START
     return ns
@@ -153,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_l2.client.distributed import rank_socket
     from moe_l2.client.serving import StreamedModelProvider, serve
+    from moe_l2.client.serving_generation import GenerationThreadDied
 
     # Under mlx.launch every rank runs its pipeline stage; rank 0 alone listens (docs/distributed.md).
     group = mx.distributed.init()
@@ -183,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         status = 2 if exc is provider.load_error else 1
         listening = status == 1 and isinstance(exc, OSError)
         print(f"moe-l2 serve: {listen_error(args.host, args.port, exc) if listening else exc}", file=sys.stderr)
+    except GenerationThreadDied as exc:
+        status = 1
+        print(f"moe-l2 serve: {exc}", file=sys.stderr)
     # Everything is shut down in order (the requests, the generation thread, the pool, the daemon link): leave
     # at once. mlx 0.32.4 aborts at interpreter exit after a model was loaded on another thread, as
     # mlx_lm.server does on Ctrl-C (docs/architecture.md, "moe-l2 serve").

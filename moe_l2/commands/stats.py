@@ -113,6 +113,7 @@ def render(reply: dict) -> str:
             f"  loads done {m['loads_done']}  errors {m['load_errors']}{_corrupt(m)}  in flight "
             f"{m['loads_in_flight']}  latency p50 {_ms(m['load_latency_p50_s'])}  p99 {_ms(m['load_latency_p99_s'])}",
             *_prefetch(m),
+            *_warm_start(m),
             *_fills(m, d.get("fills")),
             f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])}"
             + (f", {format_size(m['released_bytes'])} given back to the system" if m.get("released_bytes") else "")
@@ -140,6 +141,21 @@ def _prefetch(m: dict) -> list[str]:
     return [f"  prefetch (clients): guesses {format_pct(r['precision'])} precise, {format_pct(r['recall'])} "
             f"recall; {p['issued']} loaded ahead, {p['useful']} used, {p['wasted']} evicted unused; "
             f"stall hidden ~{_ms(r['hidden_s'])}"]
+
+
+def _warm_start(m: dict) -> list[str]:
+    """What the warm start preloaded of the heat saved before this start; nothing without one (no saved heat,
+    --warm-start off, or a daemon from before)."""
+    w = m.get("warm_start")
+    if not w:
+        return []
+    try:
+        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(w["saved_at"]))
+    except (OverflowError, OSError, ValueError):  # no time a daemon of this release sends
+        saved = f"{w['saved_at']!r} s since the epoch"
+    going = f", {w['pending']} still queued" if w["pending"] else ""
+    return [f"  warm start: preloaded {w['preloaded']} of {w['records']} records ({format_size(w['preloaded_bytes'])}) "
+            f"that L2 held at {saved}{going}"]
 
 
 def _fills(m: dict, desk: dict | None) -> list[str]:

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _write_manifest(files) -> int:
     from tqdm import tqdm
 
-    from moe_l2.model.checksums import Manifest, manifest_path, write_manifest
+    from moe_l2.model.checksums import DamagedRecord, Manifest, manifest_path, write_manifest
 
     checksums = []
     with tqdm(total=files.n_layers * files.n_experts, unit="record", desc="checksums", file=sys.stderr,
@@ -37,7 +37,11 @@ def _write_manifest(files) -> int:
         for layer in range(files.n_layers):
             row = []
             for expert in range(files.n_experts):
-                row.append(files.layout.checksum(files.read_record(layer, expert)))
+                try:
+                    row.append(files.layout.checksum(files.read_record(layer, expert)))
+                except DamagedRecord as exc:
+                    print(f"moe-l2 verify: no manifest written: {exc}", file=sys.stderr)
+                    return 1
                 bar.update()
             checksums.append(tuple(row))
     manifest = Manifest(manifest_path(files.path), files.content_fingerprint, files.layout.nbytes, tuple(checksums))
@@ -55,8 +59,13 @@ def _write_manifest(files) -> int:
 def _problems(files, layer: int, expert: int, tier: str, got: bytes) -> list[tuple[str, str]]:
     """(tier, what is wrong) for a record fetched from tier: the model file's copy against the manifest, and
     the fetched bytes against the manifest (L2) or the plain read of the file (the fast L3 read)."""
+    from moe_l2.model import DamagedRecord
+
     manifest = files.checksums
-    truth = files.read_record(layer, expert)
+    try:
+        truth = files.read_record(layer, expert)
+    except DamagedRecord as exc:  # the model file no longer holds the record whole
+        return [("L3", str(exc))]
     found = []
     if manifest is not None and files.layout.checksum(truth) != manifest.expected(layer, expert):
         found.append(("L3", f"the model file fails its checksum (crc32 {files.layout.checksum(truth):08x}, the "
@@ -73,7 +82,7 @@ def _problems(files, layer: int, expert: int, tier: str, got: bytes) -> list[tup
 def run(args: argparse.Namespace) -> int:
     from moe_l2.client.connection import L2Client
     from moe_l2.client.pool import ExpertPool
-    from moe_l2.model import DIRECT_IO, ModelFiles
+    from moe_l2.model import DIRECT_IO, DamagedRecord, ModelFiles
 
     if args.samples < 1:
         print("moe-l2 verify: --samples must be at least 1", file=sys.stderr)
@@ -98,19 +107,30 @@ def run(args: argparse.Namespace) -> int:
         rng = random.Random(args.seed)
         picks = [(rng.randrange(files.n_layers), rng.randrange(files.n_experts)) for _ in range(args.samples)]
     # verify compares every record itself, so that it reports damage instead of the pool refusing it.
-    pool = ExpertPool(files, capacity=1, client=client, direct=DIRECT_IO[args.direct_io], verify="off")
+    try:
+        pool = ExpertPool(files, capacity=1, client=client, direct=DIRECT_IO[args.direct_io], verify="off")
+    except (OSError, ValueError) as exc:  # a model file removed, or swapped for a FIFO, since the open
+        if client is not None:
+            client.close()
+        print(f"moe-l2 verify: {exc}", file=sys.stderr)
+        return 1
     tiers = {"L2": 0, "L3": 0}
     mismatches = {"L2": 0, "L3": 0}
     try:
         for layer, expert in picks:
-            counts = pool.fetch(layer, [expert])
-            tier = "L2" if counts.l2_hits else "L3"
+            try:
+                counts = pool.fetch(layer, [expert])
+            except DamagedRecord as exc:  # the model file no longer holds the record whole
+                tier, found = "L3", [("L3", str(exc))]
+            else:
+                tier = "L2" if counts.l2_hits else "L3"
+                found = _problems(files, layer, expert, tier, pool.layers[layer].record(expert))
+                # Evicted at once, so that every sample goes through L2 or L3, never L0.
+                pool.evict(layer, expert)
             tiers[tier] += 1
-            for where, problem in _problems(files, layer, expert, tier, pool.layers[layer].record(expert)):
+            for where, problem in found:
                 mismatches[where] += 1
                 print(f"MISMATCH layer {layer} expert {expert} (from {where}): {problem}")
-            # Evicted at once, so that every sample goes through L2 or L3, never L0.
-            pool.evict(layer, expert)
     finally:
         pool.close()
         if client is not None:

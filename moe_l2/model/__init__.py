@@ -4,7 +4,8 @@
 - ``safetensors``: mlx-lm checkpoints, experts stacked or one tensor per expert (read piece by piece);
 - ``packed``: checkpoints written by ``moe-l2 pack``, one page-aligned extent per record (one read);
 - ``gguf``: llama.cpp files, records converted to MLX's layout;
-- ``checksums``: checksum manifests (the CRC-32 of every record) and ``CorruptRecord``;
+- ``checksums``: checksum manifests (the CRC-32 of every record) and the errors of a damaged record;
+- ``bounds``: what a model's files are held to as they are opened (regular files, bounded JSON, extents, config);
 - ``files``: ``ModelFiles``, the model's identity, which opens the right reader and delegates to it;
 - ``packer``: ``pack``, which writes a packed copy of a checkpoint.
 """
@@ -16,7 +17,8 @@ from moe_l2.exports import lazy_exports
 # Name -> the module that defines it. Each is imported on first use, so that what needs a light module of the
 # package (moe_l2.model.location: `moe-l2 stats`) loads neither numpy nor the format readers.
 _EXPORTS = {
-    "MANIFEST_NAME": "checksums", "CorruptRecord": "checksums", "Manifest": "checksums",
+    "MANIFEST_NAME": "checksums", "CorruptRecord": "checksums", "DamagedRecord": "checksums", "Manifest": "checksums",
+    "UnreadableRecord": "checksums",
     "DIRECT_IO": "files", "ModelFiles": "files",
     "PACK_MARKER": "packed",
     "ALIGN": "records", "FORMATS": "records", "PACK_ALIGN": "records", "Piece": "records", "RecordLayout": "records",

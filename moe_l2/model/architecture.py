@@ -14,14 +14,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
-import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+
+from moe_l2.atomic_file import AtomicFile
 
 __all__ = ["SwitchLayer", "switch_layers", "build_in_child_processes", "decoder_layer", "set_module"]
 
@@ -30,8 +31,14 @@ log = logging.getLogger("moe-l2.model")
 # The daemon never touches Metal (docs/architecture.md, "Native module"), but building a model asks MLX for
 # a few constants, so the daemon builds in a short-lived child process instead (build_in_child_processes).
 _IN_CHILD = False
-_CHILD = ("import json, sys; from moe_l2.model.architecture import _switch_layers_here as f; "
-          "print(json.dumps([l.__dict__ for l in f(json.load(sys.stdin))]))")
+_CHILD = ("import json, sys\nfrom moe_l2.model.architecture import _switch_layers_here as f\n"
+          "try:\n    layers = f(**json.load(sys.stdin))\nexcept ValueError as e:\n    sys.exit(f'ValueError: {e}')\n"
+          "print(json.dumps([l.__dict__ for l in layers]))")
+# The shape-only build stops past this many modules per tensor of the model's files (and a few more): mlx-lm's
+# models make one to two per tensor, so only a config.json that names far more layers or experts than the files
+# hold gets there (each layer costs about 160 KB and 1 ms to build; a million of them would take the machine).
+_MODULES_PER_TENSOR = 8
+_MODULES_AT_LEAST = 256
 
 # The first list index in a module path is its decoder layer: model.layers.3.mlp..., transformer.h.3.moe...
 _LAYER = re.compile(r"\.(\d+)\.")
@@ -46,9 +53,41 @@ class SwitchLayer:
     projections: tuple[str, ...]  # its switch-linear children, e.g. gate_proj, up_proj, down_proj or fc1, fc2
     n_experts: int  # the leading dimension of its weights
     top_k: int  # experts per token: the last dimension of the indices its router passes to it
+    rows: tuple[int, ...]  # each projection's output size (its weight's second dimension), in projections' order
 
 
-def _build(config: dict):
+class _TooManyModules(ValueError):
+    """config.json makes mlx-lm build far more modules than the model's files have tensors for."""
+
+
+@contextmanager
+def _modules_at_most(limit: int | None):
+    """Count the modules mlx-lm's constructors make, and stop them past limit (None: no limit)."""
+    import mlx.nn as nn
+
+    if limit is None:
+        yield
+        return
+    made = 0
+    init = nn.Module.__init__
+
+    def counted(module, *args, **kwargs):
+        nonlocal made
+        made += 1
+        if made > limit:
+            raise _TooManyModules(f"config.json makes mlx-lm build more than {limit} modules, far more than the "
+                                  "model's files have tensors for: a layer or expert count in it does not belong "
+                                  "to these files (damaged or edited?)")
+        init(module, *args, **kwargs)
+
+    nn.Module.__init__ = counted
+    try:
+        yield
+    finally:
+        nn.Module.__init__ = init
+
+
+def _build(config: dict, tensors: int | None):
     import mlx.core as mx
     from mlx.utils import tree_map
     from mlx_lm.utils import _get_classes
@@ -56,9 +95,13 @@ def _build(config: dict):
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise ValueError("config.json names no model_type, so mlx-lm cannot build the model")
+    limit = None if tensors is None else _MODULES_PER_TENSOR * tensors + _MODULES_AT_LEAST
     try:
         model_class, args_class = _get_classes(config=config)
-        model = model_class(args_class.from_dict(config))
+        with _modules_at_most(limit):
+            model = model_class(args_class.from_dict(config))
+    except _TooManyModules:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure of mlx-lm's constructors means the same to the user
         raise ValueError(f"mlx-lm cannot build a {model_type} model from config.json ({type(e).__name__}: {e}); "
                          "is it an mlx-lm model, and is mlx-lm up to date?") from e
@@ -91,11 +134,13 @@ def build_in_child_processes(on: bool = True) -> None:
     _IN_CHILD = on
 
 
-def switch_layers(config: dict) -> list[SwitchLayer]:
+def switch_layers(config: dict, tensors: int | None = None) -> list[SwitchLayer]:
     """The routed-expert layers that mlx-lm's model for this config runs in a forward, in layer order.
 
     Switch layers the forward never calls (multi-token-prediction heads) are left out: they are ordinary
-    weights to mlx-lm's generation. Raises ValueError when mlx-lm cannot build or run the model."""
+    weights to mlx-lm's generation. tensors: how many tensors the model's files hold, which bounds the modules
+    the build may make (None: a config of our own, unbounded). Raises ValueError when mlx-lm cannot build or run
+    the model."""
     # Building imports mlx-lm: 1.7 s of every daemon start on a 2-core Linux VM, and of every process that
     # only copies records (a client, `moe-l2 verify`). The answer is kept, so a later open of the same model,
     # in any process, skips it.
@@ -105,21 +150,21 @@ def switch_layers(config: dict) -> list[SwitchLayer]:
             return _parse(kept.read_text())
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             pass  # not kept yet, or unreadable: build it
-    built = _built_in_child(config) if _IN_CHILD else None
+    built = _built_in_child(config, tensors) if _IN_CHILD else None
     if built is None:
-        built = json.dumps([layer.__dict__ for layer in _switch_layers_here(config)])
+        built = json.dumps([layer.__dict__ for layer in _switch_layers_here(config, tensors)])
     layers = _parse(built)
     if kept is not None:
         _keep(kept, built)
     return layers
 
 
-def _built_in_child(config: dict) -> str | None:
+def _built_in_child(config: dict, tensors: int | None) -> str | None:
     """The child process' answer (JSON), or None where no child can be started."""
     # -P: a source checkout in the working directory must not shadow the installed package.
     try:
-        done = subprocess.run([sys.executable, "-P", "-c", _CHILD], input=json.dumps(config), capture_output=True,
-                              text=True, timeout=600)
+        done = subprocess.run([sys.executable, "-P", "-c", _CHILD], capture_output=True, text=True, timeout=600,
+                              input=json.dumps({"config": config, "tensors": tensors}))
     except OSError as exc:  # e.g. a service user that may not execute this interpreter's path again
         log.warning("cannot start a child process to build the model (%s); building it in this process, "
                     "which asks MLX's allocator for a few bytes", exc)
@@ -148,32 +193,28 @@ def kept_answer(config: dict) -> Path | None:
 
 
 def _parse(text: str) -> list[SwitchLayer]:
-    return [SwitchLayer(**{**d, "projections": tuple(d["projections"])}) for d in json.loads(text)]
+    return [SwitchLayer(**{**d, "projections": tuple(d["projections"]), "rows": tuple(d["rows"])})
+            for d in json.loads(text)]
 
 
 def _keep(path: Path, text: str) -> None:
     """Write atomically, so that a daemon starting meanwhile reads the whole answer or none; a cache dir that
     cannot be written (a service user without a home) only costs the next start the child again."""
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        with AtomicFile(path, 0o600) as f:
+            f.write(text.encode())
     except OSError as exc:
         log.info("cannot keep the model's switch layers in %s (%s): the next start builds them again", path, exc)
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
 
 
-def _switch_layers_here(config: dict) -> list[SwitchLayer]:
+def _switch_layers_here(config: dict, tensors: int | None = None) -> list[SwitchLayer]:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
-    model = _build(config)
+    model = _build(config, tensors)
     found = [(path, m) for path, m in model.named_modules() if isinstance(m, (SwitchGLU, SwitchMLP))]
     top_k: dict[str, int] = {}
 
@@ -207,5 +248,6 @@ def _switch_layers_here(config: dict) -> list[SwitchLayer]:
         if len(counts) != 1 or layer is None:
             raise ValueError(f"mlx-lm's {config.get('model_type')} switch layer {path} has "
                              f"{'no decoder layer number' if layer is None else f'expert counts {sorted(counts)}'}")
-        out.append(SwitchLayer(path, layer, projections, counts.pop(), top_k[path]))
+        rows = tuple(getattr(module, name).weight.shape[1] for name in projections)
+        out.append(SwitchLayer(path, layer, projections, counts.pop(), top_k[path], rows))
     return sorted(out, key=lambda s: (s.layer, s.path))

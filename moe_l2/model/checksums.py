@@ -1,5 +1,6 @@
 """Checksum manifests: the CRC-32 of every record of a model, kept beside its files, so that a record
-damaged on disk is caught where it is read (docs/formats.md, "Checksums").
+damaged on disk is caught where it is read (docs/formats.md, "Checksums"); and the errors of a damaged record
+(DamagedRecord: CorruptRecord, UnreadableRecord).
 
 `moe-l2 pack` writes one for every packed model; `moe-l2 verify --manifest` writes one for any model.
 `ModelFiles.open` loads it when its fingerprint is the model's; the daemon's loader, the client's pool and
@@ -9,16 +10,15 @@ damaged on disk is caught where it is read (docs/formats.md, "Checksums").
 from __future__ import annotations
 
 import json
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from moe_l2.atomic_file import AtomicFile
+from moe_l2.model.bounds import parse_json, read_regular
 
-__all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "CorruptRecord", "Manifest", "manifest_path", "load_manifest",
-           "write_manifest"]
+__all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "DamagedRecord", "CorruptRecord", "UnreadableRecord", "Manifest",
+           "manifest_path", "load_manifest", "write_manifest"]
 
 MANIFEST_NAME = "moe-l2.checksums.json"
 MANIFEST_FORMAT = "moe-l2-checksums-v1"
@@ -27,7 +27,17 @@ _BYTES_PER_ENTRY = 16
 _FIXED_BYTES = 1 << 16
 
 
-class CorruptRecord(ValueError):
+class DamagedRecord(ValueError):
+    """A record cannot be used as its model file holds it now; the message names the record, its files and what
+    to do."""
+
+
+def _restore(model: Path) -> str:
+    return (f"restore the model files (download or pack them again); `moe-l2 verify --model {model} --all` lists "
+            "every damaged record")
+
+
+class CorruptRecord(DamagedRecord):
     """A record's bytes do not match the checksum the manifest holds for it: the model file is damaged."""
 
     def __init__(self, model: Path, layer: int, expert: int, files: list[Path], expected: int, actual: int,
@@ -36,8 +46,19 @@ class CorruptRecord(ValueError):
         self.expected, self.actual, self.source = expected, actual, source
         super().__init__(
             f"{model}: MoE layer {layer} expert {expert} read from {source} fails its checksum (crc32 {actual:08x}, "
-            f"the manifest says {expected:08x}): {', '.join(str(f) for f in files)} is damaged; restore the model "
-            f"files (download or pack them again); `moe-l2 verify --model {model} --all` lists every damaged record")
+            f"the manifest says {expected:08x}): {', '.join(str(f) for f in files)} is damaged; {_restore(model)}")
+
+
+class UnreadableRecord(DamagedRecord):
+    """A record cannot be read whole from its model file (truncated or replaced since the model was opened, or
+    an I/O error)."""
+
+    def __init__(self, model: Path, layer: int, experts: list[int], files: list[Path], cause: OSError):
+        self.layer, self.experts, self.files = layer, experts, files
+        which = f"expert {experts[0]}" if len(experts) == 1 else f"experts {', '.join(map(str, experts[:8]))}"
+        super().__init__(
+            f"{model}: MoE layer {layer} {which} cannot be read from {', '.join(str(f) for f in files)} ({cause}): "
+            f"the file changed or was damaged since the model was opened; {_restore(model)}")
 
 
 @dataclass(frozen=True)
@@ -71,30 +92,19 @@ def load_manifest(model: Path, fingerprint: str, record_bytes: int, n_layers: in
     path = manifest_path(model)
     fix = f"run `moe-l2 verify --model {model} --manifest` to write a new one"
     try:
-        # Non-blocking and checked to be a regular file: a FIFO planted in a model directory must not hang a
-        # daemon that reads it (docs/formats.md, "Checksums").
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        # A regular file, opened without blocking, of bounded size (moe_l2/model/bounds.py): a FIFO planted in a
+        # model directory must not hang a daemon that reads it (docs/formats.md, "Checksums").
+        raw = read_regular(path, _FIXED_BYTES + _BYTES_PER_ENTRY * n_layers * n_experts, "this model's checksums")
     except FileNotFoundError:
         return None, None
-    except OSError as e:
-        return None, f"cannot read the checksum manifest {path} ({e}); {fix}"
+    except (OSError, ValueError) as e:
+        return None, f"cannot read the checksum manifest: {e}; {fix}"
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None, f"the checksum manifest {path} is not a regular file; {fix}"
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(_FIXED_BYTES + _BYTES_PER_ENTRY * n_layers * n_experts + 1)
-    except OSError as e:
-        return None, f"cannot read the checksum manifest {path} ({e}); {fix}"
-    finally:
-        os.close(fd)
-    try:
-        if len(raw) > _FIXED_BYTES + _BYTES_PER_ENTRY * n_layers * n_experts:
-            raise ValueError("far larger than this model's checksums")
-        d = json.loads(raw)
+        d = parse_json(raw, path, "a checksum manifest")
         if not isinstance(d, dict) or d.get("format") != MANIFEST_FORMAT or d.get("algorithm") != "crc32":
-            raise ValueError(f"not a {MANIFEST_FORMAT} crc32 manifest")
-    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return None, f"the checksum manifest {path} is damaged ({e}); {fix}"
+            raise ValueError(f"{path}: not a {MANIFEST_FORMAT} crc32 manifest")
+    except ValueError as e:
+        return None, f"the checksum manifest is damaged: {e}; {fix}"
     if d.get("fingerprint") != fingerprint or d.get("record_bytes") != record_bytes:
         return None, (f"the checksum manifest {path} is stale: it was written for other model files (fingerprint "
                       f"{d.get('fingerprint')}, the model's is {fingerprint}), so the files changed since (a copy "

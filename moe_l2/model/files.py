@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from moe_l2.model import gguf, packed, safetensors
-from moe_l2.model.checksums import CorruptRecord, Manifest, load_manifest
+from moe_l2.model.bounds import check_directory, open_regular
+from moe_l2.model.checksums import MANIFEST_NAME, CorruptRecord, Manifest, UnreadableRecord, load_manifest
 from moe_l2.model.records import RecordLayout, RecordReader, hash_part
 from moe_l2.ranges import format_ranges, format_ranges_of
 
@@ -29,7 +30,10 @@ DIRECT_IO = {"auto": None, "on": True, "off": False}
 
 
 def _open_reader(path: Path) -> RecordReader:
-    """The reader of the format at path: GGUF by its files, packed by the geometry of a checkpoint."""
+    """The reader of the format at path: GGUF by its files, packed by the geometry of a checkpoint. Each format
+    holds its files to moe_l2/model/bounds.py as it reads them; the directory is checked for what others open."""
+    if path.is_dir():
+        check_directory(path, MANIFEST_NAME)
     if gguf.is_gguf(path):
         return gguf.GGUFReader(path)
     return packed.checkpoint_reader(safetensors.read_checkpoint(path))
@@ -126,9 +130,26 @@ class ModelFiles:
     def read_record(self, layer: int, expert: int) -> bytes:
         """The record's bytes (padding zero), read with plain file reads: the ground truth of `moe-l2 verify`.
 
-        For GGUF models: the numpy conversion of the raw slices (moe_l2.model.gguf.transcode_reference)."""
+        For GGUF models: the numpy conversion of the raw slices (moe_l2.model.gguf.transcode_reference).
+        UnreadableRecord when the files no longer hold it."""
         self._check(layer, expert)
-        return self.reader.read_record(layer, expert)
+        try:
+            return self.reader.read_record(layer, expert)
+        except OSError as exc:
+            raise self._unreadable(layer, [expert], exc) from None
+
+    def _unreadable(self, layer: int, experts: list[int], exc: OSError, fds=None) -> UnreadableRecord:
+        """The error of a read of these experts that failed: the ones whose bytes lie past their file's end now
+        (a file truncated since it was opened), else all of them (an I/O error)."""
+        try:
+            sizes = [os.fstat(fd).st_size for fd in fds] if fds else [os.stat(f).st_size for f in self.files]
+            short = [e for e in experts
+                     if any(offset + n > sizes[f] for f, offset, n in self.reader.file_ranges(layer, e))]
+        except OSError:
+            short = []
+        named = short or experts
+        files = sorted({f for e in named for f in self.record_files(layer, e)})
+        return UnreadableRecord(self.path, layer, named, files, exc)
 
     def record_files(self, layer: int, expert: int) -> list[Path]:
         """The files that hold the record's bytes."""
@@ -188,7 +209,7 @@ class ModelFiles:
         fds = []
         try:
             for path in self.files:
-                fds.append(os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+                fds.append(open_regular(path))
                 if want and not _native.set_direct(fds[-1], True):
                     log.warning("%s: the filesystem has no direct I/O; reading it through the page cache", path)
         except BaseException:
@@ -216,7 +237,10 @@ class ModelFiles:
         L2 holds MLX's layout and the daemon never touches MLX's allocator."""
         for expert, *_ in targets:
             self._check(layer, expert)
-        self.reader.read_into_slots(fds, layer, targets, threads)
+        try:
+            self.reader.read_into_slots(fds, layer, targets, threads)
+        except OSError as exc:
+            raise self._unreadable(layer, [expert for expert, *_ in targets], exc, fds) from None
 
     def read_into_rows(self, fds: list[int], layer: int, targets, *, threads: int = 1,
                        checksums: bool = False) -> list[int] | None:
@@ -227,7 +251,10 @@ class ModelFiles:
         checksums: each record's record_checksum where the format computes it as it reads (packed), else None."""
         for expert, _ in targets:
             self._check(layer, expert)
-        return self.reader.read_into_rows(fds, layer, targets, threads, checksums)
+        try:
+            return self.reader.read_into_rows(fds, layer, targets, threads, checksums)
+        except OSError as exc:
+            raise self._unreadable(layer, [expert for expert, _ in targets], exc, fds) from None
 
     # -- names -------------------------------------------------------------------------------------
 

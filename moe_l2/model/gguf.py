@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import re
 import struct
 import sys
@@ -38,6 +40,7 @@ from typing import Optional
 
 import numpy as np
 
+from moe_l2.model.bounds import Extent, check_extents, open_regular
 from moe_l2.model.records import RecordLayout, RecordReader, hash_part, pread_plain
 
 __all__ = ["SUPPORTED_TYPES", "GROUP_SIZE", "Source", "GGUFModel", "is_gguf", "parse", "piece_specs",
@@ -111,6 +114,18 @@ def _raw_bytes(type_name: str, rows: int, cols: int) -> int:
     return rows * (cols // elems) * block
 
 
+def _scaled(d: np.ndarray, by: float) -> np.ndarray:
+    """d * by in float32, rounded to float16, as the native conversion computes a bias: an overflow gives
+    infinity (as in mx.load), a NaN (a damaged scale) loses its payload (0x7e00, sign kept) where numpy would
+    keep it, so that both agree on every byte whatever the file holds."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = (d.astype(np.float32) * by).astype(np.float16)
+    bits = out.view(np.uint16).copy()
+    nan = np.isnan(out)
+    bits[nan] = (bits[nan] & 0x8000) | 0x7E00
+    return bits.view(np.float16)
+
+
 def transcode_reference(type_name: str, raw: bytes, rows: int, cols: int) -> list[bytes]:
     """numpy conversion of one slice to its record pieces' bytes (the order of piece_specs)."""
     if type_name in _FLOAT:
@@ -128,18 +143,18 @@ def transcode_reference(type_name: str, raw: bytes, rows: int, cols: int) -> lis
         q, scales, biases = nibbles(b[..., 1:]), b[..., 0].copy(), None
     elif type_name == "Q8_0":
         d = half(0)
-        q, scales, biases = b[..., 2:] ^ np.uint8(0x80), d, (d.astype(np.float32) * -128).astype(np.float16)
+        q, scales, biases = b[..., 2:] ^ np.uint8(0x80), d, _scaled(d, -128)
     elif type_name in ("Q5_0", "Q5_1"):
         at = 2 if type_name == "Q5_0" else 4
         qh = b[..., at:at + 4].copy().view("<u4")[..., 0]
         high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
         q = nibbles(b[..., at + 4:]) | (high << 4)
         d = half(0)
-        scales, biases = d, (half(2) if type_name == "Q5_1" else (d.astype(np.float32) * -16).astype(np.float16))
+        scales, biases = d, (half(2) if type_name == "Q5_1" else _scaled(d, -16))
     else:
         d = half(0)
         q = nibbles(b[..., 4:] if type_name == "Q4_1" else b[..., 2:])
-        scales, biases = d, (half(2) if type_name == "Q4_1" else (d.astype(np.float32) * -8).astype(np.float16))
+        scales, biases = d, (half(2) if type_name == "Q4_1" else _scaled(d, -8))
     q = q.reshape(rows, cols).astype(np.uint8)
     # MLX: a little-endian bit stream of `bits`-bit codes, packed into uint32 words
     stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(rows, cols * bits)
@@ -176,7 +191,7 @@ def _find_files(path: Path) -> list[Path]:
             raise ValueError(f"{path}: holds several GGUF models ({', '.join(sorted(f.name for f in files))}); "
                              "give the path of one .gguf file")
         first = files[0]
-    elif path.is_file():
+    elif path.exists():
         first = path
     else:
         raise ValueError(f"{path}: no such file or directory")
@@ -185,28 +200,54 @@ def _find_files(path: Path) -> list[Path]:
         return [first]
     count = int(m["count"])
     files = [first.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    missing = [f.name for f in files if not f.is_file()]
+    missing = [f.name for f in files if not f.exists()]
     if missing:
         raise ValueError(f"{first}: split GGUF model lacks {', '.join(missing)}")
     return files
 
 
 _LONG_ARRAY = 64
+# Bounds on a GGUF header, far above real ones (DeepSeek-V3: 1025 tensors, about 50 keys, 129280 tokens), so
+# that a damaged one cannot make the reader build Python objects without end (moe_l2/model/bounds.py).
+_MAX_TENSORS = 1 << 16
+_MAX_KEYS = 1 << 16
+_MAX_ARRAY = 1 << 22
+# Metadata values larger than this are not decoded (none that moe-l2 reads is): they are in the fingerprint
+# through the header bytes.
+_MAX_VALUE_BYTES = 1 << 20
 
 
 def _reader_class():
     """gguf's GGUFReader, made to skip over long metadata arrays (token lists, merges) instead of building a
     numpy view per element, which takes GGUFReader seconds for a real vocabulary. Nothing here needs them:
-    they are in the fingerprint through the header bytes."""
+    they are in the fingerprint through the header bytes. Arrays of arrays are refused, as llama.cpp does."""
     import gguf
-    from gguf import GGUFValueType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, ReaderTensor
 
     class LeanReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            """Names, types, shapes and offsets, without gguf's numpy view of each tensor's data: moe-l2 reads
+            the data itself, and a view past the end of a damaged file fails in numpy's words where
+            bounds.check_extents says which tensor lies where. Sizes in Python integers (numpy's wrap)."""
+            self.tensors = []
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                ggml_type = GGMLQuantizationType(int(raw_type[0]))
+                block, size = GGML_QUANT_SIZES[ggml_type]
+                n = math.prod(int(d) for d in dims)
+                self.tensors.append(ReaderTensor(name=str(bytes(name), encoding="utf-8"), tensor_type=ggml_type,
+                                                 shape=dims, n_elements=n, n_bytes=n * size // block,
+                                                 data_offset=start_offs + int(offset[0]), data=None, field=field))
+
         def _get_field_parts(self, orig_offs, raw_type):
             if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
                 return super()._get_field_parts(orig_offs, raw_type)
             item_type = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
             count = int(self._get(orig_offs + 4, np.uint64)[0])
+            if item_type == GGUFValueType.ARRAY or count > _MAX_ARRAY:
+                raise ValueError(f"metadata at byte {orig_offs} is an array of {count} "
+                                 f"{'arrays' if item_type == GGUFValueType.ARRAY else 'items'}, which llama.cpp "
+                                 "would not read either")
             scalar = self.gguf_scalar_to_np.get(item_type)
             if count <= _LONG_ARRAY or (scalar is None and item_type != GGUFValueType.STRING):
                 return super()._get_field_parts(orig_offs, raw_type)
@@ -230,6 +271,8 @@ def _scalar(field):
     # parts: key length, key, value type, then for arrays the item type and the count
     if field.types and field.types[0] == GGUFValueType.ARRAY and int(field.parts[4][0]) > _LONG_ARRAY:
         return None  # token lists and the like: in the fingerprint through the header bytes
+    if sum(int(part.nbytes) for part in field.parts) > _MAX_VALUE_BYTES:
+        return None
     try:
         return field.contents()
     except Exception:  # noqa: BLE001 - a field the installed gguf cannot decode is not needed here
@@ -239,6 +282,26 @@ def _scalar(field):
 def _int(metadata: dict, key: str) -> Optional[int]:
     v = metadata.get(key)
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _read_header(reader_class, path: Path):
+    """gguf's reader of path's header, and the stat of the file it mapped: opened as a regular file
+    (bounds.open_regular), its counts bounded first."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (no GGUF header)")
+        # Version 3 reads 0x03000000 in the other byte order, whose counts are then big-endian.
+        order = ">" if struct.unpack_from("<I", head, 4)[0] & 0xFFFF == 0 else "<"
+        n_tensors, n_keys = struct.unpack_from(order + "QQ", head, 8)
+        if n_tensors > _MAX_TENSORS or n_keys > _MAX_KEYS:
+            raise ValueError(f"{path}: not a GGUF file, or damaged: its header counts {n_tensors} tensors and "
+                             f"{n_keys} metadata keys (at most {_MAX_TENSORS} and {_MAX_KEYS} are read)")
+        try:
+            reader = reader_class(f)
+        except (ValueError, OSError, IndexError, KeyError, struct.error) as e:
+            raise ValueError(f"{path}: not a GGUF file, or damaged ({e})") from e
+        return reader, os.fstat(f.fileno())
 
 
 def parse(path) -> GGUFModel:
@@ -255,28 +318,24 @@ def parse(path) -> GGUFModel:
     tensors = {}  # name -> (file index, type name, numpy shape, absolute offset, nbytes)
     parts = []
     for i, f in enumerate(files):
-        try:
-            reader = reader_class(f)
-        except (ValueError, OSError, IndexError, struct.error) as e:
-            raise ValueError(f"{f}: not a GGUF file ({e})") from e
+        reader, st = _read_header(reader_class, f)
         for key, field in reader.fields.items():
             if key.startswith("GGUF.") or key in metadata:
                 continue
             metadata[key] = _scalar(field)
         for t in reader.tensors:
             if t.name in tensors:
-                raise ValueError(f"{path}: tensor {t.name} is in two files")
+                raise ValueError(f"{path}: tensor {t.name} is named twice")
             try:
                 type_name = GGMLQuantizationType(int(t.tensor_type)).name
             except ValueError:
                 type_name = f"type {int(t.tensor_type)}"
             shape = tuple(int(x) for x in reversed(list(t.shape)))
-            tensors[t.name] = (i, type_name, shape, int(t.data_offset), int(t.n_bytes))
-        st = f.stat()
-        with open(f, "rb") as fh:
-            header = fh.read(int(reader.data_offset))
+            tensors[t.name] = (i, type_name, shape, t.data_offset, t.n_bytes)
+        check_extents(f, [Extent(t.name, tensors[t.name][3], tensors[t.name][4]) for t in reader.tensors],
+                      int(reader.data_offset), st.st_size, int(reader.alignment))
         parts.append(json.dumps([f.name, st.st_size, st.st_mtime_ns]).encode())
-        parts.append(hashlib.sha256(header).digest())
+        parts.append(hashlib.sha256(reader.data[:int(reader.data_offset)]).digest())
         del reader
 
     arch = metadata.get("general.architecture")
@@ -332,8 +391,6 @@ def parse(path) -> GGUFModel:
             if expert_bytes * n_experts != nbytes:
                 raise ValueError(f"{files[fi]}: {name} ({type_name} {list(shape)}) spans {nbytes} bytes, "
                                  f"expected {expert_bytes * n_experts}")
-            if start + nbytes > files[fi].stat().st_size:
-                raise ValueError(f"{files[fi]}: truncated GGUF file ({name} ends at byte {start + nbytes})")
             layer_sources.append(Source(key, fi, start, expert_bytes, type_name, rows, cols, raw))
             raw = _align(raw + expert_bytes)
             layer_specs += piece_specs(key, type_name, rows, cols, bias=bias)
@@ -361,9 +418,9 @@ def parse(path) -> GGUFModel:
 
 def is_gguf(path: Path) -> bool:
     """Whether path names a GGUF model: a .gguf file, or a directory with .gguf files and no safetensors."""
-    if path.is_file():
+    if not path.is_dir():
         return path.suffix == ".gguf"
-    return path.is_dir() and not any(path.glob("*.safetensors")) and any(path.glob("*.gguf"))
+    return not any(path.glob("*.safetensors")) and any(path.glob("*.gguf"))
 
 
 class GGUFReader(RecordReader):
@@ -408,8 +465,8 @@ class GGUFReader(RecordReader):
                 buf[p.offset:p.offset + p.nbytes] = piece
         return bytes(buf)
 
-    def record_files(self, layer: int, expert: int) -> list[Path]:
-        return [self.files[f] for f in sorted({src.file for src in self.sources[layer]})]
+    def file_ranges(self, layer: int, expert: int) -> list[tuple[int, int, int]]:
+        return [(src.file, src.start + expert * src.expert_bytes, src.expert_bytes) for src in self.sources[layer]]
 
     def read_into_slots(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:
         self._transcode(fds, layer, [(expert, [(memory, base + p.offset) for p in self.layout.pieces])

@@ -8,6 +8,7 @@ headers alone, and reads records the way its files want; ``ModelFiles`` delegate
 
 from __future__ import annotations
 
+import os
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Iterable, Optional
 
 from moe_l2 import _native
 from moe_l2.layout import record_stride
+from moe_l2.model.bounds import open_regular
 
 __all__ = ["ALIGN", "PACK_ALIGN", "FORMATS", "Piece", "RecordLayout", "RecordReader", "hash_part", "pread_plain",
            "record_checksum"]
@@ -121,12 +123,14 @@ def hash_part(h, data: bytes) -> None:
 
 
 def pread_plain(path: Path, offset: int, nbytes: int) -> bytes:
-    """nbytes at offset of path with a plain file read (the ground-truth path of read_record)."""
-    with open(path, "rb") as f:
+    """nbytes at offset of path with a plain file read (the ground-truth path of read_record); OSError when the
+    file holds fewer now."""
+    with os.fdopen(open_regular(path), "rb") as f:
         f.seek(offset)
         data = f.read(nbytes)
-    if len(data) != nbytes:
-        raise ValueError(f"{path}: truncated model file (short read at {offset})")
+        if len(data) != nbytes:
+            raise OSError(f"unexpected end of file in bytes [{offset + len(data)}, {offset + nbytes}) of {path} "
+                          f"(it has {os.fstat(f.fileno()).st_size} bytes): truncated model file?")
     return data
 
 
@@ -165,9 +169,13 @@ class RecordReader(ABC):
     def read_record(self, layer: int, expert: int) -> bytes:
         """The record's bytes (padding zero) with plain file reads: the ground truth of `moe-l2 verify`."""
 
+    def file_ranges(self, layer: int, expert: int) -> list[tuple[int, int, int]]:
+        """(file index, file offset, nbytes) of each range of the model's files the record is read from."""
+        return [(f, offset, nbytes) for f, offset, nbytes, _ in self.extents(layer, expert)]
+
     def record_files(self, layer: int, expert: int) -> list[Path]:
         """The files that hold the record's bytes (to name them when a record fails its checksum)."""
-        return [self.files[f] for f in sorted({f for f, *_ in self.extents(layer, expert)})]
+        return [self.files[f] for f in sorted({f for f, *_ in self.file_ranges(layer, expert)})]
 
     @abstractmethod
     def read_into_slots(self, fds: list[int], layer: int, targets: list[tuple], threads: int) -> None:

@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from moe_l2.model.architecture import SwitchLayer, switch_layers
+from moe_l2.model.architecture import SwitchLayer, decoder_layer, switch_layers
+from moe_l2.model.bounds import (MAX_CONFIG_BYTES, MAX_HEADER_BYTES, MAX_INDEX_BYTES, Extent, check_config,
+                                 check_extents, open_regular, parse_json, read_regular)
 from moe_l2.model.records import RecordLayout, RecordReader, hash_part, pread_plain
 
 __all__ = ["INDEX_NAME", "DTYPES", "Tensor", "Header", "read_header", "Checkpoint", "read_checkpoint",
            "SafetensorsReader"]
 
 INDEX_NAME = "model.safetensors.index.json"
-# safetensors' own reader refuses larger headers.
-_MAX_HEADER = 100_000_000
 
 # safetensors dtype -> (name of the mlx.core dtype, bytes per element)
 DTYPES = {
@@ -77,15 +77,16 @@ class Header:
 
 
 def read_header(path: Path, file_index: int) -> Header:
-    """Parse and check the header of the safetensors file path (the checkpoint's file number file_index)."""
+    """Parse and check the header of the safetensors file path (the checkpoint's file number file_index): a
+    regular file, a bounded JSON header, every tensor's bytes inside the file and apart (moe_l2/model/bounds.py)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             st = os.fstat(f.fileno())
             head = f.read(8)
             if len(head) < 8:
                 raise ValueError(f"{path}: truncated safetensors file ({st.st_size} bytes, no header)")
             (hlen,) = struct.unpack("<Q", head)
-            if hlen < 2 or hlen > _MAX_HEADER:
+            if hlen < 2 or hlen > MAX_HEADER_BYTES:
                 raise ValueError(f"{path}: not a safetensors file (header length {hlen})")
             if 8 + hlen > st.st_size:
                 raise ValueError(
@@ -94,15 +95,11 @@ def read_header(path: Path, file_index: int) -> Header:
             raw = f.read(hlen)
     except OSError as e:
         raise ValueError(f"{path}: cannot read: {e.strerror or e}") from e
-    try:
-        meta = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a safetensors file (header is not JSON: {e})") from e
+    meta = parse_json(raw, path, "a safetensors file (its header)")
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: not a safetensors file (header is not a JSON object)")
 
     data_start = 8 + hlen
-    data_end = 0
     tensors = {}
     metadata = meta.get("__metadata__") if isinstance(meta.get("__metadata__"), dict) else {}
     for name, info in meta.items():
@@ -123,13 +120,9 @@ def read_header(path: Path, file_index: int) -> Header:
                 f"{path}: tensor {name!r} spans {end - begin} bytes, but {dtype} {list(shape)} needs "
                 f"{math.prod(shape) * DTYPES[dtype][1]}"
             )
-        data_end = max(data_end, end)
         tensors[name] = Tensor(file_index, dtype, shape, data_start + begin, end - begin)
-    if data_start + data_end > st.st_size:
-        raise ValueError(
-            f"{path}: truncated safetensors file (tensor data ends at byte {data_start + data_end}, "
-            f"file has {st.st_size})"
-        )
+    # safetensors itself asks for no alignment, and packed files leave padding between tensors (packed.py).
+    check_extents(path, (Extent(n, t.start, t.nbytes) for n, t in tensors.items()), data_start, st.st_size)
     return Header(raw, tensors, st.st_size, st.st_mtime_ns, metadata)
 
 
@@ -169,15 +162,19 @@ def _expert_tensors(path: Path, tensors: dict[str, Tensor],
 def _find_files(path: Path) -> tuple[list[Path], Optional[dict]]:
     index_path = path / INDEX_NAME
     if index_path.exists():
+        index = parse_json(read_regular(index_path, MAX_INDEX_BYTES, "a safetensors index"), index_path,
+                           "a safetensors index")
         try:
-            index = json.loads(index_path.read_bytes())
             weight_map = index["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{index_path}: not a safetensors index (needs a weight_map): {e}") from e
+        for n in names:
+            if not isinstance(n, str) or Path(n).name != n or n in (".", ".."):
+                raise ValueError(f"{index_path}: names shard {n!r}, which is not a file name in {path}")
         files = [path / n for n in names]
         for f in files:
-            if not f.is_file():
+            if not f.exists():
                 raise ValueError(f"{index_path}: names shard {f.name}, which is missing")
         if not files:
             raise ValueError(f"{index_path}: the weight_map is empty")
@@ -186,6 +183,28 @@ def _find_files(path: Path) -> tuple[list[Path], Optional[dict]]:
     if not files:
         raise ValueError(f"{path}: no model*.safetensors files")
     return files, None
+
+
+def _check_config(config_path: Path, config: dict, tensors: dict[str, Tensor]) -> None:
+    """config.json's layer and expert counts against what the tensors hold (bounds.check_config)."""
+    layers = max((lid + 1 for name in tensors if (lid := decoder_layer(name)) is not None), default=0)
+    experts = max([t.shape[0] for t in tensors.values() if len(t.shape) >= 3]
+                  + [int(m.group(2)) + 1 for name in tensors if (m := _PER_EXPERT.match(name.rpartition(".")[0]))],
+                  default=0)
+    check_config(config_path, config, layers, experts)
+
+
+def _check_rows(path: Path, switches: list[SwitchLayer], layout: RecordLayout) -> None:
+    """Each projection's rows in the files are what mlx-lm's model for config.json has (hidden_size for
+    down_proj, the experts' hidden size for the others): sizes the shape-only build took from config.json."""
+    shapes = {p.key: p.shape for p in layout.pieces}
+    for s in switches:
+        for proj, rows in zip(s.projections, s.rows):
+            shape = shapes.get(f"{proj}.weight")
+            if shape and shape[0] != rows:
+                raise ValueError(f"{path}: layer {s.layer} {proj}.weight has {shape[0]} rows, but mlx-lm's model for "
+                                 f"config.json has {rows}: config.json does not belong to these files (damaged or "
+                                 "edited?)")
 
 
 def _layer_pieces(path, lid, keys, n_experts, files):
@@ -250,13 +269,10 @@ def read_checkpoint(path: Path, config_path: Optional[Path] = None) -> Checkpoin
         raise ValueError(f"{path}: not a model directory")
     config_path = config_path or path / "config.json"
     try:
-        config_bytes = config_path.read_bytes()
+        config_bytes = read_regular(config_path, MAX_CONFIG_BYTES, "a config.json")
     except FileNotFoundError:
         raise ValueError(f"{path}: no config.json (not an mlx-lm model directory?)") from None
-    try:
-        config = json.loads(config_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_path}: not valid JSON: {e}") from e
+    config = parse_json(config_bytes, config_path, "an mlx-lm config.json")
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: not a JSON object")
 
@@ -274,7 +290,8 @@ def read_checkpoint(path: Path, config_path: Optional[Path] = None) -> Checkpoin
         if t is None or files[t.file].name != fname:
             raise ValueError(f"{path / INDEX_NAME}: names tensor {name!r} in {fname}, which does not hold it")
 
-    switches = switch_layers(config)
+    _check_config(config_path, config, tensors)
+    switches = switch_layers(config, len(tensors))
     arch = config.get("model_type")
     if not switches:
         raise ValueError(f"{path}: mlx-lm's {arch} model has no routed experts (no SwitchGLU / SwitchMLP runs in "
@@ -320,6 +337,7 @@ def read_checkpoint(path: Path, config_path: Optional[Path] = None) -> Checkpoin
                 f"{[(p.key, p.shape, p.dtype, p.nbytes) for p in layout.pieces]}; one record layout is needed"
             )
         places.append(where)
+    _check_rows(path, switches, layout)
     return Checkpoint(path, files, headers, config, config_bytes, layer_ids, n_experts, top_k, layout, places,
                       [names[lid] for lid in layer_ids])
 
