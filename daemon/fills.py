@@ -1,6 +1,6 @@
 """The fill desk: records that clients of the daemon's own uid read themselves, copied into L2 by those clients
-(moe_l2/fill_protocol.py has the conversation, docs/architecture.md "Fills" the design, docs/security.md "Fills"
-the argument).
+(moe_l2/fill_protocol.py has the conversation, docs/architecture.md "Fills" the design, docs/security.md "Who may
+write L2" the argument).
 
 One thread owns the fill socket (mode 0600, beside the control socket) and its connections. A connection is
 taken only from a process the kernel says runs as the daemon's uid (daemon/peers.py): that process can open the
@@ -141,7 +141,7 @@ class FillDesk:
             peer = peer_credentials(sock)
             if peer is None or peer.uid != self.uid:
                 self._turn_away(sock, "its process runs as another user than moe-l2d: it may not write L2 "
-                                      "(docs/security.md, \"Fills\"); the daemon loads its misses")
+                                      "(docs/security.md, \"Who may write L2\"); the daemon loads its misses")
             elif len(self._donors) >= MAX_DONORS:
                 self._turn_away(sock, f"{MAX_DONORS} donors are connected, the most the daemon takes")
             else:

@@ -5,7 +5,7 @@ and pid of the process that connected: what the fill desk (daemon/fills.py) lets
 waits for. `ExitWatch` is a descriptor that becomes readable once that process has exited: a pidfd on Linux
 (os.pidfd_open), a kqueue with EVFILT_PROC NOTE_EXIT on macOS. A pid taken at connect may be reused only once its
 process is gone; a watch opened after that waits for the new process instead, which only keeps a reservation
-longer, never frees one early (docs/security.md, "Fills").
+longer, never frees one early (docs/security.md, "Who may write L2").
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ class ServedModel:
         """A client says it copied the reserved record into its slot, with this checksum: publish it if the
         slot's bytes match the manifest, or the client's checksum where there is none; else leave the slot free.
         Returns whether it was published. The check is the daemon's own, over the bytes in the slot: a client
-        that copied nothing, or half, publishes nothing (docs/security.md, "Fills")."""
+        that copied nothing, or half, publishes nothing (docs/security.md, "Who may write L2")."""
         files = self.files
         try:
             got = files.layout.checksum(self.data[layer].view(), r.slot * self.geometry.slot_stride)
