@@ -25,7 +25,10 @@
    reads checksummed after it lands ("raw checked"): the floor of a check that cannot overlap a read, as for a
    lone miss on a disk that completes a record's parts together. And a real moe-l2d serving the model
    ("load-through": a pool with a daemon fetches misses L2 lacks, which the daemon reads and announces and the
-   pool copies: what a process with a daemon waits for on a cold miss, its report and notice included).
+   pool copies: what a process with a daemon waits for on a cold miss, its report and notice included), and the
+   same daemon taking fills ("filled": a pool of the daemon's uid reads the misses itself, as "checked", and gives
+   them to L2 off the token's path, client/donor.py; its line also says how long after the fetch L2 held them:
+   the offer's round trip, the copy into the slots and the daemon's check).
    Misses land in every row of a pool in turn, as a full pool's victims do.
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
@@ -254,6 +257,24 @@ def through_read(files: ModelFiles, pool: ExpertPool, layer: int, batch: int, rn
     return took if counts.l2_awaited == batch else None
 
 
+def given_read(files: ModelFiles, pool: ExpertPool, layer: int, batch: int,
+               rng: random.Random) -> tuple[float, float] | None:
+    """(seconds for a pool that fills L2 to fetch `batch` experts L2 lacks, reading them itself; seconds after
+    that until L2 held them all, given by its donor), None if any came another way or never reached L2."""
+    index = pool.client.attachment.slot_indexes[layer]
+    experts = rng.sample([e for e in range(files.n_experts) if index.slot_of(e) < 0], batch)
+    began = time.perf_counter()
+    counts = pool.fetch(layer, experts)
+    took = time.perf_counter() - began
+    deadline = began + 10
+    while any(index.slot_of(e) < 0 for e in experts) and time.perf_counter() < deadline:
+        time.sleep(0.0001)
+    held = time.perf_counter() - began - took
+    for e in experts:
+        pool.evict(layer, e)
+    return (took, held) if counts.l3_reads == batch and held < 10 else None
+
+
 def next_rows(pool: ExpertPool, layer: int, n: int) -> None:
     """Puts the n free rows the pool's next fetch would take (the ones just freed) last in line, so that round by
     round the misses land in every row, as a full pool's victims do: on a VM, rows read at different speeds
@@ -280,21 +301,26 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
     client = L2Client(files, daemon.socket, wait_s=5)
     through = ExpertPool(files, capacity=max(batches), client=client, load_through_s=LOAD_THROUGH_S, lend=False,
                          direct=True)
+    giver_client = L2Client(files, daemon.socket, wait_s=5)
+    giver = ExpertPool(files, capacity=max(batches), client=giver_client, lend=False, direct=True, fill_l2=True)
+    if not giver.donor.wait_accepted(5):
+        raise SystemExit(f"moe-l2d's fill desk did not take this process: {giver.donor.refused}")
     # Every destination touched once before timing: a first write into fresh pages costs page faults that a
     # running pool or daemon no longer pays.
     buf = _native.Buffer(8 * MIB)
     slots = [_native.Buffer(files.layout.span) for _ in range(max(batches))]
     raw_read(files, 8 * MIB, rng, buf)
     loaders_read(files, fds, 0, list(range(len(slots))), loaders, slots)
-    for pool in [*pools.values(), through]:
+    for pool in [*pools.values(), through, giver]:
         for layer in range(files.n_layers):
             pool.fetch(layer, range(max(batches)))
             for e in range(max(batches)):
                 pool.evict(layer, e)
     configs = ([(t, u, m) for t in THREADS for u in UNITS for m in MODES]
-               + ["loaders", "raw checked", "load-through"])
+               + ["loaders", "raw checked", "load-through", "filled"])
     speed: dict = {b: {c: [] for c in configs} for b in batches}
     over: dict = {b: {c: [] for c in configs} for b in batches}
+    to_l2: dict = {b: [] for b in batches}  # "filled": seconds after the fetch until L2 held the batch
     try:
         for _ in range(rounds):
             for batch in batches:
@@ -311,6 +337,13 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                         took = through_read(files, through, layer, batch, rng)
                         if took is None:
                             continue
+                    elif config == "filled":
+                        given = given_read(files, giver, layer, batch, rng)
+                        if given is None:
+                            continue
+                        took = given[0]
+                        to_l2[batch].append(given[1])
+                        next_rows(giver, layer, batch)
                     else:
                         threads, unit, mode = config
                         pool = pools[threads, MODES[mode]]
@@ -338,14 +371,18 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
         _native._scatter_straight(True)
         _native._crc32_use_narrow(False)
         loaders.shutdown()
-        for pool in [*pools.values(), through]:
+        for pool in [*pools.values(), through, giver]:
             pool.close()
         client.close()
+        giver_client.close()
         daemon.cleanup()
         for fd in fds:
             os.close(fd)
-    return {b: {c: (statistics.median(speed[b][c]), statistics.median(over[b][c])) for c in configs}
-            for b in batches}
+    out = {b: {c: (statistics.median(speed[b][c]), statistics.median(over[b][c])) for c in configs}
+           for b in batches}
+    for b in batches:
+        out[b]["filled, to L2 s"] = statistics.median(to_l2[b])
+    return out
 
 
 def straight_vs_copied(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: int) -> None:
@@ -448,6 +485,9 @@ def print_queue_depth(files: ModelFiles, result: dict, rounds: int) -> None:
               f"overlap a read): {row['raw checked'][0] / MIB:.0f} MiB/s, {row['raw checked'][1]:.2f}x")
         print(f"    load-through, a real moe-l2d reading into L2 and the pool copying (report and notice "
               f"included): {row['load-through'][0] / MIB:.0f} MiB/s, {row['load-through'][1]:.2f}x")
+        print(f"    filled, the pool reading its misses and giving them to the same moe-l2d: "
+              f"{row['filled'][0] / MIB:.0f} MiB/s, {row['filled'][1]:.2f}x; L2 held them "
+              f"{row['filled, to L2 s'] * 1e3:.2f} ms after the fetch")
 
 
 def make_cgroup(limit: int):

@@ -158,15 +158,19 @@ def attach_segments(files: ModelFiles, index_name: str, trusted: frozenset[int] 
 
 
 def wait_idle(address: str, timeout_s: float = 10.0) -> None:
-    """Until the daemon has no loads in flight (those that earlier misses and prefetches asked for); RuntimeError
-    when it still has some after timeout_s, since what a caller reads next (the daemon's figures) would not
-    count them."""
+    """Until the daemon has no loads in flight (those that earlier misses and prefetches asked for) and no slot
+    offered to a donor (client/donor.py); RuntimeError when it still has some after timeout_s, since what a
+    caller reads next (the daemon's figures) would not count them."""
     deadline = time.monotonic() + timeout_s
-    while loads := request(address, protocol.Stats(id=1)).payload["daemon"]["loads_in_flight"]:
+    while loads := _in_flight(request(address, protocol.Stats(id=1)).payload["daemon"]):
         if time.monotonic() >= deadline:
             raise RuntimeError(f"moe-l2d on {address} still has {loads} loads in flight after {timeout_s:g} s: its "
                                "disk may be slow or stuck (moe-l2 stats shows them; its log names failed reads)")
         time.sleep(0.05)
+
+
+def _in_flight(daemon: dict) -> int:
+    return daemon["loads_in_flight"] + (daemon.get("fills") or {}).get("offers", 0)
 
 
 _WARNED_NO_DAEMON: set[str] = set()
@@ -242,17 +246,19 @@ class L2Client:
             time.sleep(0.02)
         return self.attachment is not None
 
-    def report(self, layer: int, hits: list[int], misses: list[int], routed: list[int], now: bool = False) -> None:
+    def report(self, layer: int, hits: list[int], misses: list[int], routed: list[int], now: bool = False,
+               given=()) -> None:
         """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
         loads the misses and counts the picks). Nothing for a layer the daemon does not serve. now: send it
         without waiting for the next flush, and have the daemon say when the misses are in L2 (a caller waits
-        for them: load-through, woken through `arrivals`)."""
+        for them: load-through, woken through `arrivals`). given: the misses this process read and gives to L2
+        itself (client/donor.py), which the daemon must not load."""
         attachment = self.attachment
         if attachment is not None and not attachment.serves(layer):
             return
-        self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS], now))
+        self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS], now, list(given)))
         for start in range(MAX_REPORT_IDS, len(routed), MAX_REPORT_IDS):  # a long prefill, pick by pick
-            self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS], False))
+            self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS], False, []))
         if now:
             self._wake()
 
@@ -440,17 +446,20 @@ class L2Client:
             layers: dict[int, list[list[int]]] = collections.defaultdict(lambda: [[], []])
             routed: dict[int, list[int]] = collections.defaultdict(list)
             notify: dict[int, list[int]] = collections.defaultdict(list)
+            given: dict[int, list[int]] = collections.defaultdict(list)
             ids = 0
             try:
                 while ids < MAX_REPORT_IDS:
-                    layer, hits, misses, picks, now = self._reports.get_nowait()
+                    layer, hits, misses, picks, now, gave = self._reports.get_nowait()
                     if hits or misses:
                         layers[layer][0].extend(hits)
                         layers[layer][1].extend(misses)
                     if now and misses:
-                        notify[layer].extend(misses)
+                        notify[layer].extend(e for e in misses if e not in gave)  # a given miss is not awaited
+                    if gave:
+                        given[layer].extend(gave)
                     routed[layer].extend(picks)
-                    ids += len(hits) + len(misses) * (2 if now else 1) + len(picks)
+                    ids += len(hits) + len(misses) * (2 if now else 1) + len(picks) + len(gave)
             except queue.Empty:
                 pass
             if self.attachment is not None:
@@ -459,7 +468,7 @@ class L2Client:
                 if routed or prefetch or tiers:
                     self._send(protocol.Report(id=next(self._ids), model=self.files.fingerprint,
                                                layers=dict(layers), routed=dict(routed), prefetch=prefetch,
-                                               tiers=tiers, notify=dict(notify)))
+                                               tiers=tiers, notify=dict(notify), given=dict(given)))
             if ids < MAX_REPORT_IDS:
                 return
 

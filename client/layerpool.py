@@ -29,6 +29,11 @@ byte moves. A row that leaves demand so is written by no guess until the pool's 
 `Synchronizes`): the side rows are two generations, the one queued work may still read and the one guesses are
 written into.
 
+A row's `writes` count goes up whenever it is handed out to be written (take_rows, take_side), before any byte
+of it is: the client's donor (client/donor.py) copies a record out of a row without the lock and gives it to L2
+only if the count did not move meanwhile, so a fetch never waits for a donation and a row refilled under the copy
+is never given.
+
 Autopin (`autopin=True`, per-layer rows only: moe_l2/cache/heat.py) pins each layer's hottest experts where they
 are resident, chosen again as their heat decays; those pins yield to a batch that needs their rows, so they never
 make a batch too big for the pool, where the caller's pins (`pin`) do.
@@ -36,6 +41,7 @@ make a batch too big for the pool, where the caller's pins (`pin`) do.
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from collections import OrderedDict
@@ -84,6 +90,8 @@ class Rows:
         self.free: list[int] = []
         self.side_free: list[int] = []  # side rows no guess holds and nothing queued reads
         self._cooling: list[tuple[int, int]] = []  # (side row, the pool's synchronizes when it left demand)
+        self.writes: list[int] = []  # per row, how often it was handed out to be written
+        self.giving: collections.Counter = collections.Counter()  # rows whose records the donor has yet to copy
         self._syncs = syncs or Synchronizes()
         self.lock = threading.RLock()
         self._resize(min(start, ceiling))
@@ -109,6 +117,7 @@ class Rows:
             self.arrays[p.key] = buffer.array(p.offset, [total, *p.shape], dtype,
                                               row_strides(self.stride // dtype.size, p.shape))
         self.buffer = buffer
+        self.writes += [0] * (total - len(self.writes))  # rows keep their numbers: the new ones come last
         if old:
             self.free[:0] = range(total - 1, old_total - 1, -1)  # taken from the end: the free rows before the new
         else:
@@ -148,6 +157,8 @@ class Rows:
         n = min(n, len(self.side_free))
         taken = self.side_free[len(self.side_free) - n:]
         del self.side_free[len(self.side_free) - n:]
+        for row in taken:
+            self.writes[row] += 1
         return taken
 
 
@@ -165,10 +176,16 @@ class SharedRows(Rows):
         self.order.move_to_end((lp, expert))
 
     def victim(self, taker: "LayerPool", batch: set[int]) -> tuple["LayerPool", int]:
-        """The least recently used expert of any layer, outside the taker's batch and unpinned."""
+        """The least recently used expert of any layer, outside the taker's batch and unpinned; one whose row
+        the donor has yet to copy only when there is no other (its donation is then cancelled)."""
+        fallback = None
         for lp, expert in self.order:
             if not (lp is taker and expert in batch) and not lp.is_pinned(expert):
-                return lp, expert
+                if not self.giving[lp.row_of(expert)]:
+                    return lp, expert
+                fallback = fallback or (lp, expert)
+        if fallback is not None:
+            return fallback
         raise RuntimeError("no L0 row to take: every row holds the batch or a pinned expert")
 
     def pinned(self) -> int:
@@ -312,7 +329,11 @@ class LayerPool:
                     continue
                 candidates = ([e for e in self._row_of if e not in batch and e not in self._pinned]
                               or [e for e in self._row_of if e not in batch and e not in self._held_pins])
+                # A row the donor has yet to copy goes last: taking it cancels that donation.
+                candidates = [e for e in candidates if not self._rows.giving[self._row_of[e]]] or candidates
                 rows.append(self._drop(self._policy.victim(candidates)))
+            for row in rows:
+                self._rows.writes[row] += 1
             return rows
 
     def release(self, rows: list[int]) -> None:
@@ -391,6 +412,27 @@ class LayerPool:
         """Experts loaded ahead into side rows and not demanded since."""
         with self._lock:
             return frozenset(self._guess_row)
+
+    def row_state(self, row: int) -> tuple:
+        """(memory, offset of the row in it, the row's writes count) now: what a copy out of the row without
+        the lock needs, and what it compares the count with afterwards (`writes_of`)."""
+        with self._lock:
+            rows = self._rows
+            return rows.buffer, row * rows.stride, rows.writes[row]
+
+    def writes_of(self, row: int) -> int:
+        with self._lock:
+            return self._rows.writes[row]
+
+    def giving(self, row: int, pending: bool) -> int:
+        """The donor has a copy of the row's record to make (pending), or is done with it; returns the row's
+        writes count: eviction takes such a row last, so that the copy is seldom cancelled."""
+        with self._lock:
+            rows = self._rows
+            rows.giving[row] += 1 if pending else -1
+            if rows.giving[row] <= 0:
+                del rows.giving[row]
+            return rows.writes[row]
 
     def checksum(self, row: int) -> int:
         """record_checksum of the record in a row (docs/formats.md, "Checksums")."""

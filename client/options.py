@@ -154,6 +154,12 @@ class StreamOptions:
                "milliseconds for the daemon to load it (one disk read, the daemon's), then read the file for what "
                "has not arrived (0: read the file at once, while the daemon loads it too)",
         "--load-through-ms", type=milliseconds, metavar="MS")
+    fill_l2: bool = _option(
+        True, "an expert that moe-l2d's shared memory lacks is read by this process, then given to the daemon's "
+              "shared memory by a background thread (one disk read, this process', off the token's path), where "
+              "this process runs as the daemon's user; elsewhere, and with --no-fill-l2, the daemon loads it "
+              "({load_through_ms} says whether this process waits for that)",
+        "--fill-l2", action=argparse.BooleanOptionalAction)
     prefetch: str = _option(
         "off", "while a MoE layer computes, load the next layer's guessed experts in the background: guessed by "
                "the next layer's router (router), by a logistic model of the expert ids this token and the one "

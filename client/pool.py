@@ -33,6 +33,7 @@ import mlx.core as mx
 
 from moe_l2.model import ModelFiles
 
+from moe_l2.client.donor import Donor
 from moe_l2.client.l2view import L2View, Loan
 from moe_l2.client.layerpool import LayerPool, SharedRows, Synchronizes
 from moe_l2.client.options import DEFAULTS, VERIFY
@@ -87,7 +88,7 @@ class ExpertPool:
                  policy: str = DEFAULTS.policy, read_threads: int | None = None, direct: bool | None = DEFAULTS.direct,
                  verify: str = DEFAULTS.verify, load_through_s: float = 0.0, layers=None,
                  lend: bool = DEFAULTS.lend, shared_l0: bool = False, grow: bool = DEFAULTS.l0_grow,
-                 prefetch: bool = False, autopin: bool = DEFAULTS.l0_autopin):
+                 prefetch: bool = False, autopin: bool = DEFAULTS.l0_autopin, fill_l2: bool = False):
         """The mechanism under moe_l2.load and StreamedLM, which pass every argument from StreamOptions
         (client/options.py, the owner of the defaults); used alone, the pool waits for no load-through and
         keeps rows in every layer unless told to, so that a lookup's tier depends on the call alone.
@@ -116,7 +117,10 @@ class ExpertPool:
         `side_rows`: per layer, or in all when shared), counted in `ceiling`; without them `prefetch` loads
         nothing.
         autopin: pin each layer's hottest experts, up to a share of its ceiling, chosen again as their heat
-        decays (moe_l2/cache/heat.py); per-layer rows only."""
+        decays (moe_l2/cache/heat.py); per-layer rows only.
+        fill_l2: give the L2 misses this process reads to the daemon's L2 (client/donor.py) where the daemon's
+        fill desk takes them (this process runs as its user), instead of waiting for load-through or having the
+        daemon read them again."""
         layers = list(range(files.n_layers)) if layers is None else sorted(set(layers))
         if not layers or not all(0 <= layer < files.n_layers for layer in layers):
             raise ValueError(f"layers must be a non-empty subset of the MoE layers 0..{files.n_layers - 1}")
@@ -168,6 +172,7 @@ class ExpertPool:
         self._counts_lock = threading.Lock()
         self._fds = files.open_fds(direct)
         self._prefetcher = Prefetcher(self)
+        self.donor = Donor(client, files) if client is not None and fill_l2 else None
         if client is not None:
             client.count_prefetch(lambda: self.prefetch_counts.wire())
             client.count_tiers(lambda: self.counts.by_source())
@@ -277,7 +282,8 @@ class ExpertPool:
         # Load-through: one read per miss, the daemon's, into L2, where the layer then computes on it; only where
         # L2 has room for the misses beside the batch's lent experts, which the daemon does not evict for them.
         room = view.attachment.slots[layer] - len(loan.experts)
-        reported = bool(absent and self.load_through_s and self.client.notifies and len(absent) <= room)
+        reported = bool(absent and self.load_through_s and self.client.notifies and len(absent) <= room
+                        and not self._gives())
         awaited = 0
         if reported:
             self.client.report(layer, list(loan.experts), absent, picks, now=True)
@@ -374,24 +380,57 @@ class ExpertPool:
             if self.client is not None and not reported:
                 self.client.report(layer, lent, [], picks)
             return counts
-        told = []
+        copied, loaded, told = self._fill_rows(layer, lp, missing, rows, picks, lent, reported)
+        loaded.l0_hits = counts.l0_hits
+        loaded.l2_hits += len(lent)
+        loaded.l2_lent = len(lent)
+        loaded.l2_awaited += awaited
+        self._add_counts(loaded)
+        if not (reported or told):
+            self.report_lookups(layer, missing, copied, picks, lent)
+        return loaded
+
+    def _fill_rows(self, layer: int, lp: LayerPool, missing: list[int], rows: list[int], picks: list[int],
+                   lent: list[int], reported: bool) -> tuple[list[bool], TierCounts, bool]:
+        """Fill the rows taken for the misses and publish them: copied from L2, or loaded through (reported at
+        once and waited for), or read by this process, which gives them to L2 (client/donor.py: told, and the
+        lookup reported, as their read starts; handed over once it ended). Returns which came from L2, the counts
+        and whether the lookup was reported already."""
+        told, gifts = [], []
 
         def load_through(copied: list[bool]) -> list[bool]:
             # Report the L2 misses now, so that the daemon starts loading them, and copy them as they land.
             told.append(self.report_lookups(layer, missing, copied, picks, lent, now=True))
             return self._await_l2(layer, lp, missing, rows, copied)
 
-        through = self.load_through_s and self.client is not None and self.client.notifies and not reported
-        copied, loaded = self.load_rows(layer, missing, rows, load_through if through else None)
+        def give(copied: list[bool]) -> list[bool]:
+            # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read, and
+            # report the lookup now, so that the daemon's policy knows of it before it picks their victims.
+            unread = [(e, r) for e, r, ok in zip(missing, rows, copied) if not ok]
+            gifts.extend(self.donor.give(layer, lp, [e for e, _ in unread], [r for _, r in unread],
+                                         keep=[*lent, *picks]))
+            told.append(self.report_lookups(layer, missing, copied, picks, lent, now=True,
+                                            given=[e for e, _ in unread]))
+            return copied
+
+        gives = self._gives()
+        through = (self.load_through_s and self.client is not None and self.client.notifies and not reported
+                   and not gives)
+        try:
+            copied, loaded = self.load_rows(layer, missing, rows,
+                                            load_through if through else give if gives else None)
+        except BaseException:
+            if gifts:
+                self.donor.read_done(gifts, False)
+            raise
         lp.publish(missing, rows)
-        loaded.l0_hits = counts.l0_hits
-        loaded.l2_hits += len(lent)
-        loaded.l2_lent = len(lent)
-        loaded.l2_awaited += awaited
-        self._add_counts(loaded)
-        if not (reported or any(told)):
-            self.report_lookups(layer, missing, copied, picks, lent)
-        return loaded
+        if gifts:
+            self.donor.read_done(gifts, True)
+        return copied, loaded, any(told)
+
+    def _gives(self) -> bool:
+        """The misses this process reads are given to L2 (the daemon's fill desk took this process)."""
+        return self.donor is not None and self.donor.accepting
 
     def _synchronize(self) -> None:
         """Wait for every queued computation; the rows that left demand before it, in any layer, may take guesses
@@ -469,13 +508,14 @@ class ExpertPool:
         self._prefetcher.wait(layer)
 
     def report_lookups(self, layer: int, missing: list[int], copied: list[bool], picks: list[int],
-                       lent=(), now: bool = False) -> bool:
-        """Tell the daemon what L2 had (copied or lent) and lacked (it loads what it lacked); False when there
-        is no daemon. now: without waiting for the connection's next flush."""
+                       lent=(), now: bool = False, given=()) -> bool:
+        """Tell the daemon what L2 had (copied or lent) and lacked (it loads what it lacked, but those `given`:
+        this process gives them); False when there is no daemon. now: without waiting for the connection's next
+        flush."""
         if self.client is None:
             return False
         self.client.report(layer, [*lent, *(e for e, ok in zip(missing, copied) if ok)],
-                           [e for e, ok in zip(missing, copied) if not ok], picks, now)
+                           [e for e, ok in zip(missing, copied) if not ok], picks, now, given)
         return True
 
     def _await_l2(self, layer: int, lp: LayerPool, missing: list[int], rows: list[int],
@@ -519,6 +559,8 @@ class ExpertPool:
 
     def close(self) -> None:
         self._prefetcher.close()
+        if self.donor is not None:
+            self.donor.close()
         for fd in self._fds:
             os.close(fd)
         self._fds = []

@@ -131,7 +131,9 @@ def main() -> int:
     pool = ExpertPool(files, job["capacity"], client, policy=job["policy"], direct=job["direct"], verify="off",
                       load_through_s=load_through_s, lend=job.get("lend", True), shared_l0=job.get("shared_l0", False),
                       grow=job.get("grow", False), prefetch=bool(job.get("prefetch")),
-                      autopin=job.get("autopin", False))
+                      autopin=job.get("autopin", False), fill_l2=job.get("fill_l2", False))
+    if pool.donor is not None:
+        pool.donor.wait_accepted(10)  # measured from the first lookup on, as a served process that has run a while
     next_layer = NextLayer("logistic", pool) if job.get("prefetch") else None
     tokens, warmup, compute_s = job["tokens"], job["warmup"], job["compute_ms"] / 1e3
     _say({"ready": True, "anon_bytes": anon_bytes()})

@@ -261,7 +261,7 @@ class StreamedLM:
                                    self.client, policy=options.policy, direct=options.direct,
                                    verify=options.verify, layers=layers, lend=options.lend, shared_l0=shared,
                                    load_through_s=options.load_through_s, grow=options.l0_grow, prefetch=prefetch,
-                                   autopin=options.l0_autopin)
+                                   autopin=options.l0_autopin, fill_l2=options.fill_l2)
             try:
                 self.switches = stream_experts(self.model, self.pool, self.stats, self.recorder, options.prefetch,
                                                seed)

@@ -1,18 +1,17 @@
-"""The loader pool: threads that read expert records from the model files straight into slot memory, and
-check each against the model's checksum manifest before it is published (docs/architecture.md, "Integrity").
+"""The loader pool: threads that run the daemon's slot work off the serving thread, so that no request waits for
+a disk or a checksum: reads of records into slots, checked against the manifest (ServedModel.fill), and the
+checks of records clients gave (ServedModel.take_donation: daemon/fills.py).
 
-Two queues: a client's loads (its misses, prefetches, pins and hints, each with its slot reserved) and below
-them the warm start's preloads (Preload), taken only when no client's load waits, one record at a time, each
-given a free slot only when a thread takes it (docs/architecture.md, "Warm after a restart")."""
+Two queues: the work of clients (their misses, prefetches, pins and hints, each with its slot reserved, and their
+fills) and below it the warm start's preloads (Preload), taken only when no client's work waits, one record at a
+time, each given a free slot only when a thread takes it (docs/architecture.md, "Warm after a restart")."""
 
 from __future__ import annotations
 
 import collections
 import logging
 import threading
-import time
-
-from moe_l2.model import CorruptRecord
+from collections.abc import Callable
 
 log = logging.getLogger("moe-l2d.loader")
 
@@ -37,7 +36,7 @@ class Preload:
 class Loader:
     def __init__(self, threads: int = 4):
         self._lock = threading.Condition()
-        self._urgent: collections.deque = collections.deque()  # (model, layer, reservation)
+        self._urgent: collections.deque = collections.deque()  # (work, cancel)
         self._preloads: collections.deque[Preload] = collections.deque()
         self._in_flight = 0
         # Preloads read on at most half the threads, so that a client's miss that comes meanwhile finds one free.
@@ -53,15 +52,17 @@ class Loader:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def submit(self, model, layer: int, reservation) -> None:
-        """Queue a load; the store already de-duplicated it (an expert has at most one reservation)."""
+    def submit(self, work: Callable[[], object], cancel: Callable[[], object]) -> None:
+        """Queue a client's slot work (one slot's, begun: `work` ends the fill), or run `cancel` (which ends it
+        unfilled) at once once the pool is stopping. The store already de-duplicated it (an expert has at most
+        one reservation)."""
         with self._lock:
             if not self._stopping:
                 self._in_flight += 1
-                self._urgent.append((model, layer, reservation))
+                self._urgent.append((work, cancel))
                 self._lock.notify()
                 return
-        model.abort_fill(layer, reservation)
+        cancel()
 
     def preload(self, preload: Preload) -> None:
         """Queue a warm start's records behind every client's load, now and to come."""
@@ -71,20 +72,20 @@ class Loader:
                 self._lock.notify_all()
 
     def _next(self) -> tuple | None:
-        """The next item to work on, a client's load first: ('load', model, layer, reservation) or
-        ('preload', preload, layer, expert); None once stopping. Called with the lock held."""
+        """The next item to work on, a client's first: ('work', work, cancel) or ('preload', preload, (layer,
+        expert)); None once stopping. Called with the lock held."""
         while not self._stopping:
             if self._urgent:
-                return ("load", *self._urgent.popleft())
+                return ("work", *self._urgent.popleft())
             while self._preloads and self._preloading < self._preload_limit:
                 preload = self._preloads[0]
                 if preload.taken == len(preload.records):
                     self._preloads.popleft()
                     continue
-                layer, expert = preload.records[preload.taken]
+                record = preload.records[preload.taken]
                 preload.taken += 1
                 self._preloading += 1
-                return ("preload", preload, layer, expert)
+                return ("preload", preload, record)
             self._lock.wait()
         return None
 
@@ -94,13 +95,16 @@ class Loader:
                 item = self._next()
             if item is None:
                 return
-            kind, target, layer, what = item
-            if kind == "load":
-                self._load(target, layer, what)
+            kind, target, what = item
+            if kind == "work":
+                try:
+                    target()
+                except Exception:  # the work handles its own failures: only a bug gets here
+                    log.exception("slot work failed")
                 with self._lock:
                     self._in_flight -= 1
             else:
-                self._preload_one(target, layer, what)
+                self._preload_one(target, *what)
 
     def _preload_one(self, preload: Preload, layer: int, expert: int) -> None:
         """Load a preload's record into a free slot, unless it is held already or no slot is free (clients' loads
@@ -110,7 +114,7 @@ class Loader:
         if reservation is not None:
             with self._lock:
                 self._in_flight += 1
-            loaded = self._load(preload.model, layer, reservation)
+            loaded = preload.model.fill(layer, reservation)
         with self._lock:
             self._preloading -= 1
             if reservation is not None:
@@ -119,41 +123,8 @@ class Loader:
                 preload.loaded += 1
             self._lock.notify()
 
-    def _load(self, model, layer: int, reservation) -> bool:
-        """Read, check and publish one reserved record; True when it is in L2."""
-        start = time.perf_counter()
-        try:
-            data = model.data[layer]
-            stride = model.geometry.slot_stride
-            base = reservation.slot * stride
-            # Straight into the slot: a packed record in one read (direct I/O where the fds have it), a GGUF
-            # record converted to MLX's layout on the way, so that L2 holds what clients copy as is.
-            model.files.read_into_slots(model.fds, layer, [(reservation.expert, data, base, stride)], threads=1)
-            # The checksum is only compared with a manifest; without one it is not computed (a CRC-32 of a
-            # 13 MB record costs milliseconds of a core), and the slot's metadata holds 0.
-            checksum = 0
-            if model.files.checksums is not None:
-                view = data.view()
-                checksum = model.files.layout.checksum(view, base)
-                del view
-            # A record that fails the manifest is never published: the slot stays free (expert -1).
-            model.files.check_record(layer, reservation.expert, checksum, "the model file")
-            model.finish_fill(layer, reservation, checksum)
-            model.counters.add_load(time.perf_counter() - start, model.files.layout.nbytes)
-            return True
-        except CorruptRecord as exc:
-            if model.counters.add_corrupt(layer, reservation.expert):
-                log.error("%s", exc)  # once per record: every miss on it tries (and refuses) it again
-            model.abort_fill(layer, reservation)
-        except Exception as exc:  # a bad read must cost one load, never the daemon
-            log.error("loading layer %d expert %d of %s failed: %s", layer, reservation.expert,
-                      model.files.path, exc)
-            model.abort_fill(layer, reservation)
-            model.counters.add_load_error()
-        return False
-
     def shutdown(self) -> None:
-        """Finish the reads in progress (they write into segments about to be unmapped), drop the queues."""
+        """Finish the work in progress (it writes into segments about to be unmapped), drop the queues."""
         with self._lock:
             self._stopping = True
             self._urgent.clear()

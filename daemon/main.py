@@ -17,6 +17,7 @@ from stat import S_ISREG
 
 from moe_l2 import _native
 from moe_l2.cache.profile import Profile, ProfileError
+from moe_l2.fill_protocol import fill_socket_path
 from moe_l2.layout import SEGMENT_PREFIX, BudgetError, Geometry, describe_slots, new_token, segment_name
 from moe_l2.machine import SharedMemoryRoom
 from moe_l2.model import ModelFiles
@@ -32,6 +33,7 @@ from .activation import ActivationError, Handed
 from .config import ConfigError, DaemonConfig, build_parser, resolve
 from .gate import Gate, raise_fd_limit
 from .governor import Governor
+from .fills import FillDesk
 from .loader import Loader
 from .notify import sd_notify
 from .served import ServedModel
@@ -143,6 +145,7 @@ class Daemon:
         self.loader: Loader | None = None
         self.server: Server | None = None
         self.gate: Gate | None = None  # owns the public socket, in front of the server (daemon/gate.py)
+        self.fills: FillDesk | None = None  # takes the records clients of this uid read (daemon/fills.py)
         # Started with sockets from a service manager (daemon/activation.py): the socket file is the manager's.
         self._activated = False
         self._inherited: socket.socket | None = None  # the daemon's own among them, checked
@@ -334,11 +337,14 @@ class Daemon:
             self.gate = Gate(self.config.socket, self.state_dir / f"moe-l2d-{self.tag}.gate",
                              mode=self.config.socket_mode, group=self.config.socket_group,
                              curve=self.config.curve is not None, listener=self._inherited)
+            self.fills = self._fill_desk()
             self.server = Server(self.config.socket, self.models, self.loader, self.epoch, curve=self.config.curve,
-                                 governor=self.governor, gate=self.gate)
+                                 governor=self.governor, gate=self.gate, fills=self.fills)
         except Exception as exc:
             raise StartupError(f"cannot bind {self.config.socket}: {exc}") from None
         self.gate.start()
+        if self.fills is not None:
+            self.fills.start()
         self.governor.start()
         if self.config.metrics is not None:
             from .metrics import serve_metrics  # prometheus_client only when asked for
@@ -350,6 +356,20 @@ class Daemon:
                 raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror}; choose another "
                                    "--metrics address") from None
             log.info("metrics on http://%s:%d/metrics", host, port)
+
+    def _fill_desk(self) -> FillDesk | None:
+        """The fill desk beside an ipc:// socket (daemon/fills.py), or None: tcp://, a path too long to bind, or a
+        directory the daemon may not create it in (a socket a service manager made); its clients' misses are then
+        loaded by the daemon, as for a process of another user."""
+        path = fill_socket_path(self.config.socket)
+        if path is None:
+            return None
+        try:
+            return FillDesk(path, self.models, self.loader, self.epoch)
+        except OSError as exc:
+            log.warning("no fill socket at %s (%s): processes will not fill L2 themselves; moe-l2d reads the misses "
+                        "they report", path, exc.strerror or exc)
+            return None
 
     def _auto_budget(self, files: ModelFiles, n_served: int | None) -> int:
         """--budget auto: what moe-l2 plan prints for this machine's memory and --processes, for the served
@@ -401,6 +421,8 @@ class Daemon:
             self.governor.stop()
         if self.gate is not None:
             self.gate.close()
+        if self.fills is not None:
+            self.fills.close()
         if self.server is not None:
             self.server.close()
         if self.warm_start is not None:

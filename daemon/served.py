@@ -1,15 +1,20 @@
 """A model the daemon serves: its files, its shared-memory segments, one slot store per layer.
 
 Every change of a slot follows the seqlock (docs/architecture.md, "Shared memory"), so that a client copying
-concurrently either gets the whole record or gives up: SlotIndex.begin_fill (seq odd, the evicted expert unmapped),
-pread the record, SlotIndex.finish_fill (the slot's expert, seq even, then slot_of published).
+concurrently either gets the whole record or gives up, and every writer call is here: `reserve` (SlotIndex.begin_fill:
+seq odd, the evicted expert unmapped), then either `fill` (the daemon reads the record into the slot, checksummed as
+it lands) or `take_donation` (a client of the daemon's uid copied it in: daemon/fills.py), each checking the bytes
+and ending in `finish_fill` (the slot's expert, seq even, then slot_of published) or `abort_fill`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable
+from functools import partial
 
 from moe_l2 import _native
 from moe_l2.cache.policy import DEFAULT_POLICY, make_policy
@@ -17,13 +22,18 @@ from moe_l2.cache.prediction import PredictorError
 from moe_l2.cache.profile import MIN_CONFIDENCE, Profile
 from moe_l2.cache.store import LayerStore, Reservation
 from moe_l2.layout import Geometry, IndexHeader
-from moe_l2.model import ModelFiles
+from moe_l2.model import CorruptRecord, ModelFiles
 from moe_l2.ranges import format_ranges
 from moe_l2.protocol import ProtocolError
 
 from .loader import Preload
 from .stats import ModelCounters
 
+log = logging.getLogger("moe-l2d.loader")
+
+# Threads one record's read is split over: a lone miss read at the speed of a client's own read
+# (client/pool.py, READ_THREADS).
+READ_THREADS = 4
 
 # Makes a segment of nbytes for the index (layer None) or a MoE layer's data, at a name of the daemon's choosing
 # (Daemon._new_segment: a random one, listed for reclaim).
@@ -142,6 +152,14 @@ class ServedModel:
     def demand(self, layer: int, experts, loader, keep: frozenset[int] = frozenset()) -> int:
         """Load the experts that are neither resident nor on their way, evicting none in `keep`; returns how
         many loads started."""
+        reservations = self.reserve(layer, experts, keep)
+        for r in reservations:
+            loader.submit(partial(self.fill, layer, r), partial(self.abort_fill, layer, r))
+        return len(reservations)
+
+    def reserve(self, layer: int, experts, keep: frozenset[int] = frozenset()) -> list[Reservation]:
+        """Slots for the experts that are neither resident nor on their way, evicting none in `keep`, each begun
+        (seq odd, the evicted expert unmapped): to be ended by `fill`, `take_donation` or `abort_fill`."""
         self.check_ids({layer: experts})
         store = self.stores[layer]
         reservations = []
@@ -154,9 +172,57 @@ class ServedModel:
                     break  # every slot pinned or loading: later misses will come back
                 self.slot_indexes[layer].begin_fill(reservation.slot, reservation.evicted)
                 reservations.append(reservation)
-        for reservation in reservations:
-            loader.submit(self, layer, reservation)
-        return len(reservations)
+        return reservations
+
+    def fill(self, layer: int, r: Reservation) -> bool:
+        """Read a reserved record from the model file straight into its slot (a packed record in one parallel
+        read, direct I/O where the fds have it, checksummed as the bytes land; a GGUF one converted to MLX's
+        layout on the way), check it against the manifest and publish it, or leave the slot free. True when it
+        is in L2."""
+        start = time.perf_counter()
+        files = self.files
+        try:
+            data, base = self.data[layer], r.slot * self.geometry.slot_stride
+            places = [(data, base + p.offset) for p in files.layout.pieces]
+            checked = files.checksums is not None
+            sums = files.read_into_rows(self.fds, layer, [(r.expert, places)], threads=READ_THREADS,
+                                        checksums=checked)
+            # Without a manifest nothing is compared, so nothing is computed; the slot's metadata holds 0.
+            checksum = (sums[0] if sums else files.layout.checksum(data.view(), base)) if checked else 0
+            files.check_record(layer, r.expert, checksum, "the model file")
+            self.finish_fill(layer, r, checksum)
+            self.counters.add_load(time.perf_counter() - start, files.layout.nbytes)
+            return True
+        except CorruptRecord as exc:
+            if self.counters.add_corrupt(layer, r.expert):
+                log.error("%s", exc)  # once per record: every miss on it tries (and refuses) it again
+            self.abort_fill(layer, r)
+        except Exception as exc:  # a bad read must cost one load, never the daemon
+            log.error("loading layer %d expert %d of %s failed: %s", layer, r.expert, files.path, exc)
+            self.abort_fill(layer, r)
+            self.counters.add_load_error()
+        return False
+
+    def take_donation(self, layer: int, r: Reservation, checksum: int) -> bool:
+        """A client says it copied the reserved record into its slot, with this checksum: publish it if the
+        slot's bytes match the manifest, or the client's checksum where there is none; else leave the slot free.
+        Returns whether it was published. The check is the daemon's own, over the bytes in the slot: a client
+        that copied nothing, or half, publishes nothing (docs/security.md, "Who may write L2")."""
+        files = self.files
+        try:
+            got = files.layout.checksum(self.data[layer].view(), r.slot * self.geometry.slot_stride)
+        except ValueError:  # the segment is closed: the daemon is stopping
+            return False
+        expected = files.checksums.expected(layer, r.expert) if files.checksums is not None else checksum
+        if got != expected:
+            self.counters.add_fills("rejected")
+            log.warning("a client's copy of MoE layer %d expert %d of %s into L2 has crc32 %08x, not %08x: "
+                        "not published", layer, r.expert, files.path, got, expected)
+            self.abort_fill(layer, r)
+            return False
+        self.finish_fill(layer, r, got if files.checksums is not None else 0)
+        self.counters.add_fills("donated")
+        return True
 
     def reserve_free(self, layer: int, expert: int) -> Reservation | None:
         """A free slot for a preload of the expert, its fill begun; None when it is held already or no slot is
@@ -215,9 +281,10 @@ class ServedModel:
             self.on_fill_ended(layer, r.expert, False)
 
     def report(self, layers: dict[int, list[list[int]]], routed: dict[int, list[int]], loader,
-               keep: dict[int, frozenset[int]] | None = None) -> None:
-        """Fold a client's lookups into the policy and counters, load its misses, and count its routing
-        (every pick, L0 hits included; a client that sends no `routed` is counted by its L2 lookups).
+               keep: dict[int, frozenset[int]] | None = None, given: dict[int, list[int]] | None = None) -> None:
+        """Fold a client's lookups into the policy and counters, load its misses but those it `given` (it read
+        them and gives them through the fill socket: daemon/fills.py), and count its routing (every pick, L0
+        hits included; a client that sends no `routed` is counted by its L2 lookups).
         keep: per layer, experts the loads must not evict beside the report's own (a piece of a larger
         report keeps the whole report's: daemon.server.report_pieces)."""
         lookups = {layer: [*hits, *misses] for layer, (hits, misses) in layers.items()}
@@ -242,7 +309,8 @@ class ServedModel:
             # The batch's own experts are never evicted for its misses: a client may be computing on them in
             # place right now (docs/architecture.md, "Zero-copy L2 reads").
             batch = frozenset(lookups[layer]).union(routed.get(layer, ()), (keep or {}).get(layer, ()))
-            self.demand(layer, misses, loader, keep=batch)
+            read = set((given or {}).get(layer, ()))
+            self.demand(layer, [e for e in misses if e not in read], loader, keep=batch)
         # A report that names its routed picks counts those (a piece of a split report may name an empty
         # list: its lookups are not picks); one that does not is counted by its L2 lookups.
         n_picks = sum(len(experts) for experts in routed.values()) if routed else hits_total + misses_total

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 
 import psutil
 import zmq
@@ -63,15 +64,41 @@ PIPE_MESSAGES = 8
 INPROC_ADDRESS = "inproc://moe-l2d"
 
 
+@dataclass(frozen=True)
+class ReportPiece:
+    """A slice of a report that ServedModel.report folds in as it would the whole (report_pieces): lookups per
+    layer [hits, misses], routed picks, its cost in looked-up ids, per layer the experts its loads must not evict,
+    the misses its sender waits for (Loaded notices) and those its sender read itself and gives (not loaded)."""
+
+    layers: dict
+    routed: dict
+    cost: int
+    keep: dict = field(default_factory=dict)
+    notify: dict = field(default_factory=dict)
+    given: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QueuedWork:
+    """An item of the work queue: a report piece of `model` to fold in, or (model None) a request its sender
+    made after reports still queued, answered in its turn."""
+
+    identity: bytes
+    model: ServedModel | None
+    piece: ReportPiece | None = None
+    request: protocol.Message | None = None
+
+
 class Server:
     def __init__(self, address: str, models: list[ServedModel], loader: Loader, epoch: int, *,
                  socket_mode: int = 0o600, socket_group: int | None = None, curve: CurveKeys | None = None,
-                 governor=None, gate: Gate | None = None):
+                 governor=None, gate: Gate | None = None, fills=None):
         """`address` is the public one; with a gate (daemon/gate.py) in front, which owns it, the ROUTER binds the
         gate's private socket instead. Without one (benchmarks, tests of the server alone) it binds `address`."""
         self.address = address
         self.gate = gate
         self.governor = governor  # daemon/governor.py, for the memory figures of `stats`
+        self.fills = fills  # daemon/fills.py's FillDesk, for its figures in `stats`
         self.models = {m.files.fingerprint: m for m in models}
         self.loader = loader
         self.epoch = epoch
@@ -187,7 +214,7 @@ class Server:
                                                                       "behind reports: send fewer reports"))
                 return
             self._queued_calls += 1
-            self._enqueue(identity, (None, identity, request))
+            self._enqueue(QueuedWork(identity, None, request=request))
             return
         self._answer(identity, request)
 
@@ -224,37 +251,35 @@ class Server:
                 return
         log.debug("reply dropped: the peer does not read its replies")
 
-    def _enqueue(self, identity: bytes, item: tuple) -> None:
+    def _enqueue(self, item: QueuedWork) -> None:
         self._work.append(item)
-        self._waiting[identity] = self._waiting.get(identity, 0) + 1
+        self._waiting[item.identity] = self._waiting.get(item.identity, 0) + 1
 
     def _run_work(self, budget_s: float) -> None:
         """Fold queued report pieces in, and answer the requests queued behind them, for about budget_s (at
-        least one item). An item is (model, identity, (layers, routed, cost, keep, notify)) or (None, identity,
-        request); a folded piece with `notify` registers its sender for Loaded notices of those misses."""
+        least one item); a folded piece with `notify` registers its sender for Loaded notices of those misses."""
         deadline = time.monotonic() + budget_s
         while self._work:
-            model, identity, work = self._work.popleft()
-            left = self._waiting.pop(identity) - 1
+            item = self._work.popleft()
+            left = self._waiting.pop(item.identity) - 1
             if left:
-                self._waiting[identity] = left
-            if model is None:
+                self._waiting[item.identity] = left
+            if item.model is None:
                 self._queued_calls -= 1
-                self._answer(identity, work)
+                self._answer(item.identity, item.request)
             else:
-                self._pending_ids -= work[2]
-                self._fold(model, identity, work)
+                self._pending_ids -= item.piece.cost
+                self._fold(item.model, item.identity, item.piece)
             if time.monotonic() >= deadline:
                 return
 
-    def _fold(self, model: ServedModel, identity: bytes, piece: tuple) -> None:
-        """Count a report piece (layers, routed, cost, keep, notify) and load its misses; its sender is told of
-        the `notify` ones once they are in L2."""
-        layers, routed, _, keep, notify = piece
+    def _fold(self, model: ServedModel, identity: bytes, piece: ReportPiece) -> None:
+        """Count a report piece and load its misses (but those its sender gives); its sender is told of the
+        `notify` ones once they are in L2."""
         try:
-            model.report(layers, routed, self.loader, keep)
-            if notify:
-                self.notices.want(identity, model, notify, self._send)
+            model.report(piece.layers, piece.routed, self.loader, piece.keep, piece.given)
+            if piece.notify:
+                self.notices.want(identity, model, piece.notify, self._send)
         except Exception:  # validated when received: only a bug gets here
             self.errors += 1
             log.exception("report work failed")
@@ -343,6 +368,7 @@ class Server:
                 **shm_lock_figures(self.models.values()),
                 "memory": self.governor.figures() if self.governor is not None else None,
                 "gate": self.gate.figures() if self.gate is not None else None,
+                "fills": self.fills.figures() if self.fills is not None else None,
             },
             models=[m.describe(routing=req.routing) for m in self.models.values()],
         )
@@ -372,15 +398,15 @@ class Server:
         layers, routed = model.served_part(req.layers), model.served_part(req.routed)
         model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in layers.items()})
         model.check_ids(routed)
-        notify = model.served_part(req.notify)
+        notify, given = model.served_part(req.notify), model.served_part(req.given)
         model.counters.add_prefetch(req.prefetch)  # a few integers: counted at once
         model.counters.add_tiers(req.tiers)
         client = self.clients.get(identity)
         if client is not None and client[2] is model:
             for name, n in req.tiers.items():
                 client[4][name] += n
-        pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS, notify)
-        cost = sum(piece[2] for piece in pieces)
+        pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS, notify, given)
+        cost = sum(piece.cost for piece in pieces)
         if notify and not self._work and cost <= URGENT_REPORT_IDS:
             # A client waits for its misses (load-through), nothing is queued before it and it is small: folded in
             # now, so that the misses go to the loaders at once, not after the receive batch has waited for more.
@@ -392,7 +418,7 @@ class Server:
                                         "report was dropped: send fewer, smaller reports")
         self._pending_ids += cost
         for piece in pieces:
-            self._enqueue(identity, (model, identity, piece))
+            self._enqueue(QueuedWork(identity, model, piece))
 
     def _pin_kind(self, kind: str) -> str:
         if kind not in protocol.PIN_KINDS:
@@ -428,28 +454,31 @@ class Server:
 
 
 def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int]], size: int,
-                  notify: dict[int, list[int]] | None = None) -> list[tuple[dict, dict, int, dict, dict]]:
-    """Split a report into (layers, routed, cost, keep, notify) pieces of at most `size` looked-up ids (routed
-    picks count 1/ROUTED_PER_LOOKUP each) that ServedModel.report counts as it counts the whole: per layer its
-    hits, then its misses, in order; when the report names its routed picks, the lookup pieces carry an empty
-    pick list (so their lookups are not counted as picks). A misses piece keeps (never evicts for its loads) every
-    expert the report names in its layer, as the whole report would, and carries the misses of its own that the
-    report's `notify` names (the client waits for them: Loaded notices)."""
+                  notify: dict[int, list[int]] | None = None,
+                  given: dict[int, list[int]] | None = None) -> list[ReportPiece]:
+    """Split a report into pieces of at most `size` looked-up ids (routed picks count 1/ROUTED_PER_LOOKUP each)
+    that ServedModel.report counts as it counts the whole: per layer its hits, then its misses, in order; when the
+    report names its routed picks, the lookup pieces carry an empty pick list (so their lookups are not counted as
+    picks). A misses piece keeps (never evicts for its loads) every expert the report names in its layer, as the
+    whole report would, and carries the misses of its own that the report's `notify` names (the client waits for
+    them: Loaded notices) and that its `given` names (the client gives them: not loaded)."""
     pieces = []
     for layer, (hits, misses) in layers.items():
         no_picks = {layer: []} if routed else {}
         keep = {layer: frozenset([*hits, *misses, *routed.get(layer, ())])}
         awaited = set((notify or {}).get(layer, ()))
+        read = set((given or {}).get(layer, ()))
         for start in range(0, len(hits), size):
-            pieces.append(({layer: [hits[start:start + size], []]}, no_picks, len(hits[start:start + size]), {},
-                           {}))
+            chunk = hits[start:start + size]
+            pieces.append(ReportPiece({layer: [chunk, []]}, no_picks, len(chunk)))
         for start in range(0, len(misses), size):
             chunk = misses[start:start + size]
-            told = [e for e in chunk if e in awaited]
-            pieces.append(({layer: [[], chunk]}, no_picks, len(chunk), keep, {layer: told} if told else {}))
+            told, gave = [e for e in chunk if e in awaited], [e for e in chunk if e in read]
+            pieces.append(ReportPiece({layer: [[], chunk]}, no_picks, len(chunk), keep,
+                                      {layer: told} if told else {}, {layer: gave} if gave else {}))
     step = size * ROUTED_PER_LOOKUP
     for layer, picks in routed.items():
         for start in range(0, len(picks), step):
             chunk = picks[start:start + step]
-            pieces.append(({}, {layer: chunk}, -(-len(chunk) // ROUTED_PER_LOOKUP), {}, {}))
+            pieces.append(ReportPiece({}, {layer: chunk}, -(-len(chunk) // ROUTED_PER_LOOKUP)))
     return pieces

@@ -7,6 +7,11 @@ import threading
 
 from moe_l2.protocol import PREFETCH_COUNTERS, TIER_COUNTERS
 
+# What became of the records clients read themselves and gave to L2 (daemon/fills.py): slots offered for them,
+# published (donated), given back by the client (cancelled: the daemon read them instead), refused a slot (no
+# room, or the client's bound), reclaimed once their client process was gone, and rejected (the slot's bytes
+# failed the check).
+FILL_COUNTERS = ("offered", "donated", "cancelled", "refused", "reclaimed", "rejected")
 # stats lists at most this many of the records that failed their checksum (corrupt_records counts them all)
 _CORRUPT_LISTED = 64
 
@@ -46,6 +51,7 @@ class ModelCounters:
         self.load_latency = LatencyWindow()
         self.prefetch = dict.fromkeys(PREFETCH_COUNTERS, 0)  # clients' next-layer prefetch, summed
         self.tiers = dict.fromkeys(TIER_COUNTERS, 0)  # where clients' lookups got their bytes, summed
+        self.fills = dict.fromkeys(FILL_COUNTERS, 0)
 
     def add_lookups(self, hits: int, misses: int, record_bytes: int, picks: int) -> None:
         with self._lock:
@@ -63,6 +69,10 @@ class ModelCounters:
         with self._lock:
             for name, n in counters.items():
                 self.tiers[name] += n
+
+    def add_fills(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.fills[name] += n
 
     def add_load(self, seconds: float, nbytes: int) -> None:
         self.load_latency.add(seconds)
@@ -101,6 +111,7 @@ class ModelCounters:
                 "load_latency_p99_s": self.load_latency.percentile(99),
                 "prefetch": dict(self.prefetch),
                 "tiers": dict(self.tiers),
+                "fills": dict(self.fills),
             }
 
 

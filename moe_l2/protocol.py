@@ -199,13 +199,15 @@ class Report(Message):
     with `prefetch`, what its next-layer prefetch did since its previous report (PREFETCH_COUNTERS); with
     `tiers`, where its lookups got their bytes since then (TIER_COUNTERS); with `notify`, per layer the misses
     the client waits for (load-through): the daemon sends a Loaded notice once each is in L2 (ids that are not
-    among the layer's misses are ignored). All four are optional: a report from before one existed decodes with
-    it empty, and an older daemon ignores `notify` (its hello reply has no `notices`)."""
+    among the layer's misses are ignored); with `given`, per layer the misses the client read itself and gives
+    to L2 through the fill socket (moe_l2/fill_protocol.py): counted as misses, never loaded by the daemon. All
+    five are optional: a report from before one existed decodes with it empty, and an older daemon ignores
+    `notify` (its hello reply has no `notices`) and `given` (it loads those misses as it always did)."""
 
     TYPE = "report"
     FIELDS = {"model": str, "layers": "layer_lists", "routed": "layer_experts", "prefetch": "counters",
-              "tiers": "tier_counters", "notify": "layer_experts"}
-    OPTIONAL = ("routed", "prefetch", "tiers", "notify")
+              "tiers": "tier_counters", "notify": "layer_experts", "given": "layer_experts"}
+    OPTIONAL = ("routed", "prefetch", "tiers", "notify", "given")
     REPLIES = False
     model: str = ""
     layers: dict[int, list[list[int]]] = field(default_factory=dict)
@@ -213,6 +215,7 @@ class Report(Message):
     prefetch: dict[str, int] = field(default_factory=dict)
     tiers: dict[str, int] = field(default_factory=dict)
     notify: dict[int, list[int]] = field(default_factory=dict)
+    given: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 // Python bindings of moe_l2._native. Compiled with NB_DOMAIN mlx, so mlx::core::array and
 // mlx::core::Dtype cross the boundary as mlx.core.array and mlx.core.Dtype.
+#include <algorithm>
 #include <cstring>
 
 #include <nanobind/nanobind.h>
@@ -63,6 +64,52 @@ PyType_Slot memory_slots[] = {
     {0, nullptr}};
 
 size_t offset_arg(const char* fn, int64_t off) { return to_size(fn, "offset", off); }
+
+// Bytes [0, nbytes) of src at src_offset copied to dst at dst_offset, a MiB at a time, each chunk's part of
+// the pieces (offset, nbytes: ascending, disjoint, inside the range) checksummed right after it lands, while
+// it is in cache: the CRC-32 of the pieces in order, as pread_scatter computes a record's as it reads.
+uint32_t copy_record(const Memory& src, int64_t src_offset, Memory& dst, int64_t dst_offset, int64_t nbytes_in,
+                     const std::vector<std::pair<int64_t, int64_t>>& pieces) {
+  const char* fn = "copy_record";
+  constexpr size_t kChunk = size_t(1) << 20;
+  size_t from = to_size(fn, "src_offset", src_offset), to = to_size(fn, "dst_offset", dst_offset);
+  size_t nbytes = to_size(fn, "nbytes", nbytes_in);
+  src.check_range(fn, from, nbytes);
+  dst.check_range(fn, to, nbytes);
+  size_t end = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    size_t off = to_size(fn, "piece offset", pieces[i].first), len = to_size(fn, "piece nbytes", pieces[i].second);
+    if (off < end || checked_add(fn, off, len) > nbytes) {
+      throw_value_error(fn, "pieces[" + std::to_string(i) + "] is not after the one before it inside the " +
+                                std::to_string(nbytes) + " bytes copied");
+    }
+    end = off + len;
+  }
+  auto src_region = src.region(fn);
+  auto dst_region = dst.region(fn, true);
+  const std::byte* s = src_region->data + from;
+  std::byte* d = dst_region->data + to;
+  uint32_t crc = 0;
+  {
+    nb::gil_scoped_release unlocked;
+    size_t piece = 0;
+    for (size_t lo = 0; lo < nbytes; lo += kChunk) {
+      size_t hi = std::min(nbytes, lo + kChunk);
+      std::memcpy(d + lo, s + lo, hi - lo);
+      for (; piece < pieces.size(); ++piece) {
+        size_t p_lo = size_t(pieces[piece].first), p_hi = p_lo + size_t(pieces[piece].second);
+        size_t a = std::max(p_lo, lo), b = std::min(p_hi, hi);
+        if (a < b) {
+          crc = crc32_update(crc, d + a, b - a);
+        }
+        if (p_hi > hi) {
+          break;  // the rest of this piece lands with the next chunk
+        }
+      }
+    }
+  }
+  return crc;
+}
 
 }  // namespace
 
@@ -270,6 +317,9 @@ void init_crc32(nb::module_& m) {
       },
       "crc_a"_a, "crc_b"_a, "len_b"_a, "portable"_a = false,
       "The CRC-32 of A followed by B from crc32(A), crc32(B) and B's length (zlib's crc32_combine).");
+  m.def("copy_record", &copy_record, "src"_a, "src_offset"_a, "dst"_a, "dst_offset"_a, "nbytes"_a, "pieces"_a,
+        "Copy bytes [0, nbytes) at src_offset of src to dst_offset of dst and return the CRC-32 of the pieces "
+        "((offset, nbytes) in the range, ascending), computed as the bytes land; the GIL released.");
   m.attr("CRC32_FROM_ZLIB") = crc32_from_zlib();
   m.attr("CRC32_KIND") = crc32_kind();
   m.def("_crc32_use_library", &crc32_use_library, "only"_a,

@@ -39,6 +39,7 @@ def test_stats_json_and_table_agree_with_the_daemon(running_daemon, model_files)
     assert f"model {model_files.path}" in table.stdout
     assert "occupancy 2/12 slots" in table.stdout
     assert "    1         2        0       0" in table.stdout  # layer 1: 2 resident
+    assert "fills: offered 0  donated 0" in table.stdout and m["fills"]["donated"] == 0
 
 
 def test_stats_without_a_daemon_says_what_to_do(tmp_path):

@@ -102,6 +102,8 @@ def test_a_running_daemon_answers_and_its_owner_is_named(running_daemon):
     assert runtime["owner_uid"] == os.geteuid() and runtime["trusted"] is True
     assert runtime["owner_name"] == f"{pwd.getpwuid(os.geteuid()).pw_name} (uid {os.geteuid()})"
     assert check(data, "daemon")["status"] == "ok"
+    # This user runs the daemon: its processes fill L2 themselves (docs/architecture.md, "Fills").
+    assert runtime["fills"] is True and check(data, "fills")["status"] == "ok"
 
 
 @pytest.mark.skipif(not ROOT, reason="needs root to give the socket to another user")

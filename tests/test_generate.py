@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 
 from moe_l2.cli import main as moe_l2_main
+from moe_l2.client.connection import wait_idle
 from moe_l2.client.generation import encode_prompt
 from moe_l2.commands.demo import COLUMN_WIDTH, DEMO_NAME, LABEL_WIDTH, ensure_demo_model, render_verdict
 from moe_l2.commands.generate import render
@@ -116,14 +118,33 @@ def test_through_the_daemon_the_second_run_finds_experts_in_l2(capsys, running_d
     assert warm["copied_bytes"] == (warm["l2_hits"] + warm["daemon_reads"] - warm["l2_lent"]) * model_files.layout.nbytes
 
 
-def test_by_default_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(capsys, daemon_factory, model_dir,
-                                                                            model_files, expected):
+def test_by_default_a_miss_is_read_once_by_the_process_and_given_to_l2(capsys, daemon_factory, model_dir,
+                                                                      model_files, expected):
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)))
+    s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket, "--l0-slots", "4")
+    assert s["tokens"] == expected and s["l3_reads"] > 0
+    # This process runs as the daemon's user: what it read it gave to L2 (fills); the daemon read only what it
+    # was asked to load before the fill desk took the process (it connects as the process starts) and the
+    # donations that lost their row before the copy (cancelled).
+    wait_idle(daemon.socket)
+    served = stats(daemon)["models"][0]
+    assert served["fills"]["donated"] > 0
+    assert served["loads_done"] == s["daemon_reads"] + served["fills"]["cancelled"]
+    warm = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
+                    "--l0-slots", "4")
+    assert warm["tokens"] == expected
+    assert warm["daemon_reads"] == warm["l3_reads"] == 0 and warm["disk_rate"] == 0
+
+
+def test_with_load_through_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(capsys, daemon_factory,
+                                                                                   model_dir, model_files, expected):
     port = free_port()
     daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)), "--metrics",
                             f"127.0.0.1:{port}")
-    # The default path, with a wait long enough for a loaded CI machine.
+    # Load-through, as for a process of another user than the daemon's, with a wait long enough for a loaded CI
+    # machine.
     s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
-                 "--l0-slots", "4", "--load-through-ms", "5000")
+                 "--l0-slots", "4", "--load-through-ms", "5000", "--no-fill-l2")
     assert s["tokens"] == expected
     assert s["l2_lent"] > 0 and s["copied_bytes"] == 0
     # L2 has room for every expert: each miss was read once, by the daemon, while the client waited. That is
@@ -147,7 +168,7 @@ def test_by_default_a_miss_is_read_once_by_the_daemon_and_computed_on_in_l2(caps
     assert lookups == cold and lookups["daemon_disk"] == loaded
     # A second process finds in L2 what the first had the daemon read: the same lookups, L2's share, no disk.
     warm = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
-                    "--l0-slots", "4", "--load-through-ms", "5000")
+                    "--l0-slots", "4", "--load-through-ms", "5000", "--no-fill-l2")
     assert warm["tokens"] == expected
     assert warm["daemon_reads"] == warm["l3_reads"] == 0 and warm["disk_rate"] == 0
     assert warm["l2_hits"] == s["l2_hits"] + s["daemon_reads"]
@@ -178,7 +199,7 @@ def test_with_a_shared_l0_prefetch_loads_guesses_into_side_rows_not_l2(capsys, d
     daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)))
     s = run_json(capsys, "--model", str(model_dir), "--prompt", PROMPT, "--socket", daemon.socket,
                  "--l0-slots", str(model_files.top_k), "--l0-shared", "--prefetch", "logistic",
-                 "--load-through-ms", "5000")
+                 "--load-through-ms", "5000", "--no-fill-l2")
     assert s["tokens"] == expected
     p = s["prefetch"]
     # The guesses L2 lacked were loaded into side rows by this process; the last layer's may still be held.
@@ -231,12 +252,15 @@ def test_demo_end_to_end(tmp_path):
              for line in first.stdout.splitlines() if len(line) > LABEL_WIDTH}
     for row in ("waiting for experts, ms/token", "time to first token, ms"):
         assert all(float(v) >= 0 for v in table[row]), row
-    # Ground truth for run 1's disk bytes: every expert moe-l2d holds after it was read once, at the record size
-    # of the model's file layout (nothing is evicted: L2 holds every expert).
-    resident = int(first.stdout.split("run 1: moe-l2d read ")[1].split()[0])
+    # Ground truth for run 1's disk bytes: every expert L2 holds after it was read once, by the process (which gave
+    # it to L2: it runs as the daemon's user) or by moe-l2d, at the record size of the model's file layout (nothing
+    # is evicted: L2 holds every expert).
+    took = re.search(r"run 1: L2 took in (\d+) experts .*?: (\d+) read by this process and given to it, (\d+) read "
+                     r"by moe-l2d", first.stdout)
+    resident, given, loaded = map(int, took.groups())
     record = ModelFiles.open(tmp_path / DEMO_NAME).layout.nbytes
-    assert resident > 0
-    assert table["read from disk by moe-l2d"] == [format_size(resident * record), "0 B", "0 B"]
+    assert resident > 0 and given > 0 and given + loaded == resident
+    assert table["read from disk by moe-l2d"] == [format_size(loaded * record), "0 B", "0 B"]
     # Cold, every expert not yet in L2 came from disk: read by the process, or by the daemon while it waited;
     # warm, in this process or a second one, L2 held them all.
     assert (table["disk, read by moe-l2d"][0], table["disk, read by this process"][0]) != ("0.0%", "0.0%")

@@ -827,3 +827,32 @@ def test_the_extension_ships_type_stubs_naming_all_it_exports_with_their_signatu
     import moe_l2
 
     assert (Path(moe_l2.__file__).parent / "py.typed").exists()  # type checkers read moe_l2's own annotations
+
+
+def test_copy_record_copies_the_range_and_checksums_its_pieces_as_zlib_does():
+    """A donor's copy into a slot (client/donor.py): every byte of the range lands, the CRC covers the pieces only,
+    in order, across the chunks the copy is made in; a read-only destination and pieces out of order are refused."""
+    size = (3 << 20) + 12345  # past several 1 MiB chunks, a piece across each boundary
+    src, dst = native.Buffer(size + 4096), native.Buffer(size + 8192)
+    src.view()[:] = random.Random(7).randbytes(size + 4096)
+    pieces = [(0, 1000), (5000, (1 << 20) + 7), ((2 << 20) - 3, 900_000), (size - 10, 10)]
+    crc = native.copy_record(src, 4096, dst, 8192, size, pieces)
+    data = bytes(src.view()[4096:4096 + size])
+    assert bytes(dst.view()[8192:8192 + size]) == data
+    want = 0
+    for off, n in pieces:
+        want = zlib.crc32(data[off:off + n], want)
+    assert crc == want
+    assert native.copy_record(src, 0, dst, 0, 100, []) == 0  # no pieces: a plain copy
+    with pytest.raises(ValueError, match="not after the one before it"):
+        native.copy_record(src, 0, dst, 0, size, [(5000, 10), (0, 10)])
+    name = f"/ml2copy{os.getpid()}"
+    segment = native.Segment.create(name, 1 << 16)
+    try:
+        readonly = native.Segment.open(name, readonly=True)
+        with pytest.raises(ValueError):
+            native.copy_record(src, 0, readonly, 0, 4096, [])
+        readonly.close()
+    finally:
+        segment.close()
+        native.Segment.unlink(name)

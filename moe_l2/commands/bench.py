@@ -31,6 +31,7 @@ from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.cgroup import MemoryCgroup
 from moe_l2.client import options
 from moe_l2.client.connection import request
+from moe_l2.client.donor import SHARED_ROWS
 from moe_l2.client.pool import TierCounts
 from moe_l2.client.prefetcher import side_rows
 from moe_l2.client.replayer import anon_bytes, disk_read_bytes
@@ -42,11 +43,13 @@ from moe_l2.model.location import path_arg, resolve_model
 from moe_l2.model.synthetic import GEOMETRIES, SyntheticError, build
 from moe_l2.sizes import format_pct, format_size
 
-CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch", "moe-l2+autopin")
-# moe-l2+autopin is asked for by name: autopin is off by default (docs/policy-report.md, "Autopin").
+CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch", "moe-l2+autopin", "moe-l2+load-through")
+# moe-l2+autopin and moe-l2+load-through are asked for by name: autopin is off by default
+# (docs/policy-report.md, "Autopin"), and load-through is what a process of another user than the daemon's gets
+# (moe-l2 with --no-fill-l2: docs/benchmarks.md, "Fills").
 DEFAULT_CONFIGS = CONFIGS[:4]
 # The streaming options the moe-l2 configurations take, as `generate` and `serve` do (client/options.py).
-STREAMING = ("shared_l0", "l2_reads", "load_through_ms", "l0_grow")
+STREAMING = ("shared_l0", "l2_reads", "load_through_ms", "l0_grow", "fill_l2")
 # Decode on Apple Silicon, per MoE layer: gpt-oss-20b (24 layers), MLX 4-bit, 91.5 tok/s on an M2 Max
 # (docs/architecture.md, "The bench", cites the measurement): 1000 / 91.5 / 24 ms.
 DEFAULT_COMPUTE_MS = 0.45
@@ -95,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent client processes, each replaying its share of the sequences (default 1,3)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="NAME[,NAME...]",
                         help=f"configurations to run, of {', '.join(CONFIGS)} (moe-l2+autopin: moe-l2 with "
-                             f"--l0-autopin, per-layer L0) (default {','.join(DEFAULT_CONFIGS)})")
+                             "--l0-autopin, per-layer L0; moe-l2+load-through: moe-l2 with --no-fill-l2, as a "
+                             f"process of another user runs) (default {','.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--scenario", choices=("cold-warm",),
                         help="cold-warm: the demo's scenario, each configuration's clients replaying their tokens "
                              "cold (nothing cached, a fresh daemon), again warm, then as new processes against what "
@@ -108,8 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           STREAMING)
     parser.add_argument("--l0-share", type=float, metavar="F",
                         help="moe-l2: share of a process' part of the budget that its L0 gets, at least top-k rows "
-                             "(a layer's, or in all for a shared L0); one daemon's L2 gets the rest (default: 0 "
-                             "with in-place reads, 0.5 with copies)")
+                             "(a layer's, or in all for a shared L0: twice that with --fill-l2); one daemon's L2 "
+                             "gets the rest (default: 0 with in-place reads, 0.5 with copies)")
     parser.add_argument("--cache-dir", type=path_arg, metavar="DIR",
                         help="where built geometries are kept and reused (default: the user cache dir)")
     parser.add_argument("--plot", type=path_arg, metavar="FILE.png", help="also draw tok/s and stall to a PNG")
@@ -178,7 +182,7 @@ def _parts(traces, n_layers: int, processes: int, tokens: int | None, warmup: fl
 
 
 def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share: float,
-          shared_l0: bool = False) -> dict:
+          shared_l0: bool = False, fills: bool = False) -> dict:
     """L0 rows per layer (or in all, shared_l0) and process, and L2's budget and slots (in all layers): the same
     memory for experts in every config. moe-l2+prefetch's side rows (client/prefetcher.py) come out of it too:
     out of L0's share where L0 has one, else out of L2's."""
@@ -195,7 +199,9 @@ def _plan(files: ModelFiles, config: str, share: float, processes: int, l0_share
         capacity = min(files.n_experts, budget // processes // row)
     else:
         most = files.n_experts * (layers if shared_l0 else 1)
-        capacity = max(top_k, min(most, int(l0_share * budget / processes) // row - side))
+        # A shared L0 whose misses are given to L2 holds them while the next layer reads (client/donor.py).
+        least = top_k * (SHARED_ROWS if fills and shared_l0 else 1)
+        capacity = max(least, min(most, int(l0_share * budget / processes) // row - side))
         # The daemon spends all of it: a remainder short of a slot in every layer buys slots in some layers.
         l2_budget = budget - processes * (capacity + side) * row
         try:
@@ -275,7 +281,8 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
         # Against moe-l2 with the same L0 layout, autopin alone decides the ratio.
         raise Skipped("moe-l2+autopin pins in per-layer L0 rows, and moe-l2's L0 is shared here: run it with "
                       "--no-l0-shared and --l0-share above 0, or with --l2-reads copy")
-    plan = _plan(files, config, share, len(rounds[0][0]), l0_share, shared_l0)
+    fills = stream.fill_l2 and config != "moe-l2+load-through"
+    plan = _plan(files, config, share, len(rounds[0][0]), l0_share, shared_l0, fills)
     _drop_page_cache(files)
     daemon = cgroup = None
     runs: list[Run] = []
@@ -293,7 +300,7 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
                "load_through_ms": stream.load_through_ms, "prefetch": config == "moe-l2+prefetch",
                "lend": in_place, "shared_l0": shared_l0, "grow": stream.l0_grow,
-               "autopin": config == "moe-l2+autopin"}
+               "autopin": config == "moe-l2+autopin", "fill_l2": fills}
         for parts, passes in rounds:
             runs += _round(files, config, plan, job, parts, passes, daemon, cgroup, limit=not runs)
     finally:

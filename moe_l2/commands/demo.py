@@ -131,14 +131,16 @@ def _run_in_second_process(model: Path, socket: str, l0_slots: int | None, max_t
     return result
 
 
-def _daemon_figures(socket: str) -> tuple[int, int]:
-    """(bytes moe-l2d has read from the model files, experts it holds in L2), once its loads are done."""
+def _daemon_figures(socket: str) -> tuple[int, int, int]:
+    """(bytes moe-l2d has read from the model files, experts it holds in L2, experts processes gave it), once its
+    loads and fills are done."""
     from moe_l2 import protocol
     from moe_l2.client.connection import request, wait_idle
 
     wait_idle(socket)
     served = request(socket, protocol.Stats(id=1)).payload["models"][0]
-    return served["loaded_bytes"], sum(layer["resident"] for layer in served["layers"])
+    return (served["loaded_bytes"], sum(layer["resident"] for layer in served["layers"]),
+            served["fills"]["donated"])
 
 
 def _whole_model_tokens(model: Path, max_tokens: int) -> list[list[int]]:
@@ -227,16 +229,17 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"  serving on {daemon.socket}")
-        print("run 1 (L2 cold: experts come from the model file, and the daemon loads what was missed) ...",
+        print("run 1 (L2 cold: experts come from the model file, read by this process, which gives them to L2) ...",
               flush=True)
 
-        def measured(run_prompts) -> tuple[dict, int]:
+        def measured(run_prompts) -> tuple[dict, tuple[int, int]]:
             before = _daemon_figures(daemon.socket)[0]
             one = run_prompts()
-            read, resident = _daemon_figures(daemon.socket)
-            return dict(one, daemon_read=read - before), resident
+            read, resident, given = _daemon_figures(daemon.socket)
+            return dict(one, daemon_read=read - before), (resident, given)
 
-        cold, cold_resident = measured(lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
+        cold, (cold_resident, cold_given) = measured(
+            lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
         print("run 2 (L2 warm: a fresh L0 in this process finds the experts in shared memory) ...", flush=True)
         warm, _ = measured(lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
         print("process 2 (L2 warm: a second process, started now, finds them there too) ...", flush=True)
@@ -261,8 +264,9 @@ def run(args: argparse.Namespace) -> int:
           f"L2: every expert fits the daemon's shared memory")
     print(render_table(*runs))
     print()
-    print(f"run 1: moe-l2d read {cold_resident} experts of {format_size(record)} into L2 "
-          f"({format_size(cold_resident * record)}), "
+    print(f"run 1: L2 took in {cold_resident} experts of {format_size(record)} "
+          f"({format_size(cold_resident * record)}): {cold_given} read by this process and given to it, "
+          f"{cold_resident - cold_given} read by moe-l2d; "
           + ("from disk: the model's pages were dropped from the page cache first" if dropped else
              "perhaps from the page cache: nothing drops one file's cached pages here"))
     print("ms/token: over the tokens generated, prefill included; waiting for experts: the forward's time in L0 "

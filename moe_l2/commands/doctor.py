@@ -316,7 +316,23 @@ def check_daemon(address: str, timeout_s: float, leave: bool) -> tuple[dict, lis
     if d.get("shm_unlocked_bytes") and leave:
         return facts, [Check("daemon", "warn", f"{detail}; {format_size(d['shm_unlocked_bytes'])} of its shared "
                              "memory is not locked", _lock_fix())]
-    return facts, [Check("daemon", "ok", detail)]
+    return facts, [Check("daemon", "ok", detail), check_fills(facts, d.get("fills"))]
+
+
+def check_fills(facts: dict, desk: dict | None) -> Check:
+    """Whether this user's processes give the misses they read to L2 (daemon/fills.py): only a process of the
+    daemon's uid may (the socket's owner is the daemon's uid)."""
+    same = facts["owner_uid"] == os.geteuid()
+    facts["fills"] = desk is not None and same
+    if desk is None:
+        return Check("fills", "note", "this daemon takes no fills (a tcp:// socket, or a daemon from before fills): "
+                     "it reads every miss a process reports itself")
+    if same:
+        return Check("fills", "ok", "this user's processes read their misses and give them to L2: one disk read "
+                     "per miss, theirs (they run as the daemon's user)")
+    return Check("fills", "note", f"moe-l2d runs as {facts['owner_name'] or facts['owner_uid']}, not this user: "
+                 "this user's processes may not write L2, so the daemon reads the misses they report (a second "
+                 "read of each); run them as the daemon's user to fill L2 themselves")
 
 
 # --- the report ------------------------------------------------------------------------------------------------

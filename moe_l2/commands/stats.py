@@ -114,6 +114,7 @@ def render(reply: dict) -> str:
             f"{m['loads_in_flight']}  latency p50 {_ms(m['load_latency_p50_s'])}  p99 {_ms(m['load_latency_p99_s'])}",
             *_prefetch(m),
             *_warm_start(m),
+            *_fills(m, d.get("fills")),
             f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])}"
             + (f", {format_size(m['released_bytes'])} given back to the system" if m.get("released_bytes") else "")
             + ")",
@@ -155,6 +156,18 @@ def _warm_start(m: dict) -> list[str]:
     going = f", {w['pending']} still queued" if w["pending"] else ""
     return [f"  warm start: preloaded {w['preloaded']} of {w['records']} records ({format_size(w['preloaded_bytes'])}) "
             f"that L2 held at {saved}{going}"]
+
+
+def _fills(m: dict, desk: dict | None) -> list[str]:
+    """What became of the misses clients read and gave to L2 (daemon/fills.py); nothing from a daemon without
+    a fill desk (tcp://, or from before fills)."""
+    fills = m.get("fills")
+    if desk is None or fills is None:
+        return []
+    return [f"  fills: offered {fills['offered']}  donated {fills['donated']}  cancelled {fills['cancelled']}  "
+            f"refused {fills['refused']}  reclaimed {fills['reclaimed']}  rejected {fills['rejected']}  "
+            f"(donors {desk['donors']}, {desk['offers']} slots offered now, {desk['awaiting_exit']} gone quiet, "
+            f"{desk['turned_away']} of other users turned away)"]
 
 
 def _share(part: int, whole: int) -> str:

@@ -1,0 +1,366 @@
+"""Donor: gives moe-l2d the records this process read from the model file itself, off the token's path.
+
+A miss is read by the process that needs it, into its L0 row, as with no daemon at all. As the read starts, `give`
+queues the record here and returns, and this thread tells the daemon's fill desk (daemon/fills.py,
+moe_l2/fill_protocol.py), so that the desk reserves a slot while the read runs; `read_done` says when the row is
+whole. Once both are there the thread copies the row into the offered slot through a writable mapping of the
+layer's data segment (checksummed as it lands: _native.copy_record) and says `filled`, or `cancelled` when the
+read failed or the row was handed out again since (its writes count moved: a fetch never waits for a donation).
+One disk read per miss, the process's own, and L2 holds the record afterwards (docs/architecture.md, "Fills").
+
+Only a process of the daemon's uid gets to fill: the desk refuses any other, whose data segments are not writable
+to it anyway; such a process reports its misses for the daemon to load (`accepting` is False).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from moe_l2 import _native
+from moe_l2.control import UntrustedDaemon, check_socket
+from moe_l2.fill_protocol import FillProtocolError, FrameReader, encode, fill_socket_path
+
+log = logging.getLogger("moe-l2.client")
+
+# Top-k multiples of rows a shared L0 needs where its misses are given: a layer's misses beside the rows the layers
+# before it are still being given from (with top-k rows in all, the next layer took them first and 38% of the
+# donations were cancelled, each then read again by the daemon: docs/benchmarks.md, "Fills").
+SHARED_ROWS = 2
+# How long a new connection waits for the desk's welcome, and closing for the answers to gives already sent.
+ANSWER_S = 2.0
+# How often the thread looks whether the attachment changed (a daemon restarted) while nothing else happens.
+TICK_S = 0.2
+
+
+@dataclass(eq=False)
+class Gift:
+    """A record being read into an L0 row: the layer's pool, the row and its writes count when it was taken for
+    the read. `read` is set by the reading thread (True: whole, False: the read failed); the rest by the donor's."""
+
+    layer: int
+    expert: int
+    pool: object  # client/layerpool.py's LayerPool
+    row: int
+    writes: int
+    read: bool | None = None
+    slot: int | None = None  # offered for it
+    done: bool = False  # copied, cancelled or dropped: its row released
+
+
+@dataclass
+class DonorCounts:
+    given: int = 0      # records told to the desk
+    filled: int = 0     # copied into a slot offered
+    cancelled: int = 0  # offered, but the row was refilled first
+
+
+class Donor:
+    def __init__(self, client, files):
+        """client: the L2Client whose attachment (daemon epoch, segments) the donations follow."""
+        self.client = client
+        self.files = files
+        self.counts = DonorCounts()
+        self.refused = ""  # why the desk of the epoch attached now turned this process away, if it did
+        self._path = fill_socket_path(client.address)
+        self._gifts: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._stop = threading.Event()
+        self._epoch: int | None = None  # the epoch whose desk welcomed us
+        self._tried: int | None = None  # the epoch whose desk we last tried
+        self._sock: socket.socket | None = None
+        self._reader = FrameReader(("welcome", "refused", "offer"))
+        self._writable: dict[int, object] = {}  # MoE layer -> its data segment, mapped writable
+        self._sent: collections.deque = collections.deque()  # per give sent, its gifts by expert, awaiting an offer
+        self._offered: set[Gift] = set()  # offered a slot, their read not done yet
+        self._read: queue.SimpleQueue = queue.SimpleQueue()  # gifts whose read ended
+        self._thread = threading.Thread(target=self._run, name="moe-l2-donor", daemon=True)
+        self._thread.start()
+
+    @property
+    def accepting(self) -> bool:
+        """The desk of the daemon attached now took this process: its misses are given, not loaded by the
+        daemon."""
+        attachment = self.client.attachment
+        return attachment is not None and self._epoch == attachment.epoch
+
+    def wait_accepted(self, timeout_s: float) -> bool:
+        """Until the desk of the daemon attached now took this process (True), or timeout_s passed; False at once
+        where it refused."""
+        deadline = time.monotonic() + timeout_s
+        while not self.accepting and time.monotonic() < deadline:
+            if self.refused:
+                return False
+            time.sleep(0.01)
+        return self.accepting
+
+    def give(self, layer: int, pool, experts: list[int], rows: list[int], keep=()) -> list[Gift]:
+        """Queue records about to be read into these rows of the layer's pool; returns at once, with the gifts
+        to pass to `read_done` once the read has ended. keep: experts of the layer the slots must not be taken
+        from (the batch computing on L2's records in place)."""
+        gifts = [Gift(layer, expert, pool, row, pool.giving(row, True)) for expert, row in zip(experts, rows)]
+        self._gifts.put((layer, gifts, list(keep)))
+        self._wake()
+        return gifts
+
+    def read_done(self, gifts: list[Gift], whole: bool) -> None:
+        """The gifts' read ended: their rows hold the whole records (whole), or the read failed."""
+        for gift in gifts:
+            gift.read = whole
+            self._read.put(gift)
+        if gifts:
+            self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except BlockingIOError:
+            pass
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                self._follow_attachment(selector)
+                for key, _ in selector.select(TICK_S):
+                    if key.fileobj is self._wake_r:
+                        try:
+                            self._wake_r.recv(4096)
+                        except BlockingIOError:
+                            pass
+                    elif not self._receive():
+                        self._disconnect(selector)
+                        break
+                self._send_gifts()
+                self._take_reads()
+            self._drain(selector)
+        finally:
+            self._disconnect(selector)
+            selector.close()
+
+    def _follow_attachment(self, selector) -> None:
+        """Connect to the desk of the daemon attached now, once per epoch; drop a connection to an older one."""
+        attachment = self.client.attachment
+        epoch = attachment.epoch if attachment is not None else None
+        if self._sock is not None and self._epoch != epoch:
+            self._disconnect(selector)
+        if epoch is None or epoch == self._tried or self._path is None:
+            return
+        self._tried = epoch
+        try:
+            self._connect(attachment)
+        except (OSError, UntrustedDaemon, FillProtocolError, ValueError) as exc:
+            self._disconnect(selector)
+            self.refused = self.refused or str(exc)
+            log.info("not filling moe-l2d's shared memory: %s", exc)
+            return
+        selector.register(self._sock, selectors.EVENT_READ)
+
+    def _connect(self, attachment) -> None:
+        check_socket(f"ipc://{self._path}", self.client.trusted)
+        self.refused = ""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = sock
+        sock.settimeout(ANSWER_S)
+        sock.connect(self._path)
+        self._reader = FrameReader(("welcome", "refused", "offer"))
+        messages = []
+        while not messages:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("the fill desk closed the connection")
+            messages = self._reader.feed(data)
+        first = messages[0]
+        if first.type == "refused":
+            self.refused = first.reason
+            raise PermissionError(f"moe-l2d refused: {first.reason}")
+        if first.type != "welcome" or first.epoch != attachment.epoch:
+            raise ValueError("the fill desk belongs to another moe-l2d than the one attached")
+        # Writable mappings of the data segments the attachment mapped read-only and checked: the same objects
+        # (same owner), or the fills stay off.
+        writable = {}
+        for layer in attachment.layers:
+            seen = attachment.data[layer]
+            segment = _native.Segment.open(seen.name, readonly=False, min_size=seen.nbytes)
+            if segment.owner_uid != seen.owner_uid:
+                raise UntrustedDaemon(f"segment {seen.name} changed owner since it was mapped")
+            writable[layer] = segment
+        self._writable = writable
+        self._epoch = attachment.epoch
+        for message in messages[1:]:
+            self._on_offer(message)
+
+    def _disconnect(self, selector) -> None:
+        if self._sock is not None:
+            try:
+                selector.unregister(self._sock)
+            except (KeyError, ValueError):
+                pass
+            self._sock.close()
+        self._sock, self._epoch = None, None
+        self._writable = {}
+        while self._sent:
+            self._drop(self._sent.popleft()[1].values())
+        self._drop(list(self._offered))
+
+    def _send(self, frame: bytes) -> bool:
+        """Frames are small and the desk reads at once: a full socket buffer waits for it, up to ANSWER_S."""
+        try:
+            self._sock.sendall(frame)
+            return True
+        except OSError:
+            return False
+
+    def _send_gifts(self) -> None:
+        """Tell the desk of the records queued, one give per layer; dropped while no desk takes them."""
+        by_layer: dict[int, dict[int, Gift]] = collections.defaultdict(dict)
+        keeps: dict[int, set[int]] = collections.defaultdict(set)
+        try:
+            while True:
+                layer, gifts, keep = self._gifts.get_nowait()
+                for gift in gifts:
+                    self._drop([by_layer[layer].pop(gift.expert)] if gift.expert in by_layer[layer] else [])
+                    by_layer[layer][gift.expert] = gift
+                keeps[layer].update(keep)
+        except queue.Empty:
+            pass
+        for layer, gifts in by_layer.items():
+            if (self._sock is not None and layer in self._writable
+                    and self._send(encode("give", model=self.files.fingerprint, layer=layer, experts=list(gifts),
+                                          keep=sorted(keeps[layer])))):
+                self._sent.append((layer, gifts))
+                self.counts.given += len(gifts)
+            else:
+                self._drop(gifts.values())
+
+    def _receive(self) -> bool:
+        """Take the desk's offers; False once the connection is gone or broke the protocol."""
+        try:
+            data = self._sock.recv(65536)  # readable: returns at once
+        except OSError:
+            return False
+        if not data:
+            return False
+        try:
+            for message in self._reader.feed(data):
+                self._on_offer(message)
+        except FillProtocolError as exc:
+            log.warning("dropped the fill connection to moe-l2d: %s", exc)
+            return False
+        return True
+
+    def _on_offer(self, message) -> None:
+        """Copy each record offered into its slot and say filled, or cancelled; one offer answers each give."""
+        if message.type != "offer" or not self._sent:
+            raise FillProtocolError(f"an unexpected {message.type!r} from the fill desk")
+        layer, gifts = self._sent.popleft()
+        if message.layer != layer or message.model != self.files.fingerprint:
+            raise FillProtocolError("an offer for another give than the one sent")
+        for expert, slot in message.slots:
+            gift = gifts.pop(expert, None)
+            if gift is None:
+                self._answer(Gift(layer, expert, None, -1, -1, read=False, slot=slot))
+                continue
+            gift.slot = slot
+            if gift.read is None:
+                self._offered.add(gift)  # copied once its read has ended (_take_reads)
+            else:
+                self._answer(gift)
+        self._drop(gifts.values())  # those L2 holds or loads already, or has no room for
+
+    def _take_reads(self) -> None:
+        """Answer the offers whose reads ended since."""
+        try:
+            while True:
+                gift = self._read.get_nowait()
+                if gift in self._offered:
+                    self._offered.discard(gift)
+                    self._answer(gift)
+        except queue.Empty:
+            pass
+
+    def _answer(self, gift: Gift) -> None:
+        """Copy an offered gift into its slot and say filled, or say cancelled."""
+        checksum = self._copy(gift, gift.slot) if gift.read and not gift.done else None
+        self._drop([gift])
+        fields = {"model": self.files.fingerprint, "layer": gift.layer, "expert": gift.expert, "slot": gift.slot}
+        if checksum is None:
+            self.counts.cancelled += 1
+            self._send(encode("cancelled", **fields))
+        else:
+            self.counts.filled += 1
+            self._send(encode("filled", checksum=checksum, **fields))
+
+    def _drop(self, gifts) -> None:
+        """The donor is done with these gifts' rows (copied, cancelled or not wanted); an offered one not
+        answered yet is cancelled."""
+        for gift in list(gifts):
+            if gift.done:
+                continue
+            gift.done = True
+            if gift.pool is not None:
+                gift.pool.giving(gift.row, False)
+            if gift in self._offered:
+                self._offered.discard(gift)
+                if self._sock is not None:
+                    self.counts.cancelled += 1
+                    self._send(encode("cancelled", model=self.files.fingerprint, layer=gift.layer,
+                                      expert=gift.expert, slot=gift.slot))
+
+    def _copy(self, gift: Gift, slot: int) -> int | None:
+        """Copy the gift's row into the slot; its checksum, or None when the row was handed out again since the
+        record was read (before or during the copy) or the slot is not one of the layer's."""
+        attachment = self.client.attachment
+        if attachment is None or not 0 <= slot < attachment.slots[gift.layer]:
+            return None
+        memory, offset, writes = gift.pool.row_state(gift.row)
+        if writes != gift.writes:
+            return None
+        layout, stride = self.files.layout, attachment.geometry.slot_stride
+        # With a manifest the daemon checks the slot against it, and the donor's checksum is not needed.
+        pieces = [] if self.files.checksums is not None else [(p.offset, p.nbytes) for p in layout.pieces]
+        checksum = _native.copy_record(memory, offset, self._writable[gift.layer], slot * stride, layout.nbytes,
+                                       pieces)
+        return checksum if gift.pool.writes_of(gift.row) == writes else None
+
+    def _drain(self, selector) -> None:
+        """Closing: give what is queued, and answer the offers for every give sent (a slot offered to a live
+        process stays reserved until it answers; a record reported as given is read by no one else), within
+        ANSWER_S each."""
+        self._send_gifts()
+        self._take_reads()
+        if self._sock is None:
+            return
+        try:
+            while self._sent:
+                data = self._sock.recv(65536)
+                if not data:
+                    return
+                for message in self._reader.feed(data):
+                    self._on_offer(message)
+            self._take_reads()
+            self._drop(list(self._offered))  # no read is running any more: none of these will be whole
+        except (OSError, FillProtocolError):
+            return
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+        self._thread.join(timeout=ANSWER_S + 1)
+        if not self._thread.is_alive():
+            self._wake_r.close()
+            self._wake_w.close()
+

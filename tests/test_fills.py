@@ -1,0 +1,280 @@
+"""Issue 36: fills. A process of the daemon's uid reads its misses itself and gives them to L2 (client/donor.py,
+daemon/fills.py); the daemon never reads them again, publishes only bytes that pass its own check, never takes a
+fill from another uid, and never hands a slot offered to a donor to anything else while that process lives."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moe_l2 import _native
+from moe_l2.client.connection import L2Client
+from moe_l2.client.pool import ExpertPool
+from moe_l2.fill_protocol import FrameReader, encode, fill_socket_path
+from moe_l2.layout import IndexHeader
+from moe_l2.model import ModelFiles
+
+from .conftest import AS_NOBODY, daemon_segments, nobody_runs_python, quarter_budget, stats, wait_for
+
+
+def fills(daemon) -> dict:
+    return stats(daemon)["models"][0]["fills"]
+
+
+def slot_record(files, daemon, layer: int, expert: int) -> bytes | None:
+    """The expert's record as L2 holds it now (copied through the seqlock), or None when L2 lacks it."""
+    index_name, data_names = daemon_segments(daemon, files)
+    index = _native.Segment.open(index_name, readonly=True)
+    data = _native.Segment.open(data_names[layer], readonly=True)
+    try:
+        g = IndexHeader.unpack(index.view()).geometry
+        slots = g.layer_slots(range(files.n_layers))[layer]
+        out = _native.Buffer(g.slot_stride)
+        if not g.slot_index(index, layer, slots, data).copy([(0, files.layout.nbytes, out, g.slot_stride)],
+                                                            [expert], [0])[0]:
+            return None
+        return bytes(out.view()[:files.layout.nbytes])
+    finally:
+        index.close()
+        data.close()
+
+
+@contextlib.contextmanager
+def filling_pool(files, daemon):
+    """A pool of this process (the daemon's uid) that gives its misses to L2, once the fill desk took it."""
+    client = L2Client(files, daemon.socket, wait_s=5)
+    pool = ExpertPool(files, capacity=4, client=client, fill_l2=True, lend=False)
+    try:
+        wait_for(lambda: pool.donor.accepting, what="the fill desk's welcome")
+        yield pool
+    finally:
+        pool.close()
+        client.close()
+
+
+def assert_given(pool, daemon, files, layer: int, expert: int) -> None:
+    """A miss the pool reads is donated to L2, exact."""
+    donated = fills(daemon)["donated"]
+    assert pool.fetch(layer, [expert]).l3_reads == 1
+    wait_for(lambda: fills(daemon)["donated"] == donated + 1, what="the donation")
+    assert slot_record(files, daemon, layer, expert) == files.read_record(layer, expert)
+
+
+def test_misses_read_by_a_process_of_the_daemons_uid_are_given_to_l2_exact_and_never_read_again(
+        running_daemon, model_files):
+    with filling_pool(model_files, running_daemon) as pool:
+        for layer, experts in ((0, [2, 9]), (1, [3, 7])):
+            assert pool.fetch(layer, experts).l3_reads == len(experts)  # read by this process, as with no daemon
+        wait_for(lambda: fills(running_daemon)["donated"] == 4, what="four donations",
+                 detail=lambda: fills(running_daemon))
+    model = stats(running_daemon)["models"][0]
+    assert model["loads_done"] == 0  # the daemon read nothing: one disk read per miss
+    assert model["fills"]["rejected"] == model["fills"]["cancelled"] == 0
+    for layer, experts in ((0, [2, 9]), (1, [3, 7])):
+        for expert in experts:
+            assert slot_record(model_files, running_daemon, layer, expert) == model_files.read_record(layer, expert)
+
+
+needs_root = pytest.mark.skipif(not nobody_runs_python(),
+                                reason="the hostile side runs as uid 65534: needs root, setpriv, and this "
+                                       "interpreter's packages readable by other users (a private venv is not)")
+
+
+class RawDonor:
+    """The fill socket spoken by hand: a donor that gives, copies and answers as a test tells it."""
+
+    def __init__(self, daemon):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(fill_socket_path(daemon.socket))
+        self.reader = FrameReader(("welcome", "refused", "offer"))
+        assert self.next().type == "welcome"
+
+    def next(self):
+        messages = []
+        while not messages:
+            data = self.sock.recv(65536)
+            assert data, "the fill desk closed the connection"
+            messages = self.reader.feed(data)
+        assert len(messages) == 1
+        return messages[0]
+
+    def offer(self, files, layer: int, expert: int) -> int:
+        """Give one record; the slot offered for it."""
+        self.sock.sendall(encode("give", model=files.fingerprint, layer=layer, experts=[expert], keep=[]))
+        offer = self.next()
+        assert offer.type == "offer" and [e for e, _ in offer.slots] == [expert]
+        return offer.slots[0][1]
+
+
+def slot_stride(files, daemon) -> int:
+    index = _native.Segment.open(daemon_segments(daemon, files)[0], readonly=True)
+    try:
+        return IndexHeader.unpack(index.view()).geometry.slot_stride
+    finally:
+        index.close()
+
+
+def slot_meta(files, daemon, layer: int, slot: int) -> tuple[int, int, int]:
+    """(expert, seq, checksum) of a slot as the index holds it now."""
+    index_name, data_names = daemon_segments(daemon, files)
+    index = _native.Segment.open(index_name, readonly=True)
+    try:
+        g = IndexHeader.unpack(index.view()).geometry
+        return g.slot_index(index, layer, g.layer_slots(range(files.n_layers))[layer]).meta(slot)
+    finally:
+        index.close()
+
+
+@pytest.fixture(scope="module")
+def packed_model(tmp_path_factory, model_dir):
+    from moe_l2.model.packer import pack
+    return pack(model_dir, tmp_path_factory.mktemp("fills") / "packed", progress=False, moe_l2_only=True).path
+
+
+@pytest.mark.parametrize("manifest", [False, True], ids=["no-manifest", "manifest"])
+def test_a_fill_claimed_but_not_made_publishes_nothing(daemon_factory, model_dir, packed_model, manifest):
+    """A donor says filled with the record's true checksum, yet copied only half of it: the daemon's own check of
+    the slot (against the manifest where there is one, the donor's checksum where not) refuses it."""
+    path = packed_model if manifest else model_dir
+    files = ModelFiles.open(path)
+    assert (files.checksums is not None) == manifest
+    daemon = daemon_factory([path], quarter_budget(files))
+    donor = RawDonor(daemon)
+    slot = donor.offer(files, 1, 6)
+    record = files.read_record(1, 6)
+    _, data_names = daemon_segments(daemon, files)
+    data = _native.Segment.open(data_names[1], readonly=False)
+    stride = slot_stride(files, daemon)
+    half = len(record) // 2
+    data.view()[slot * stride:slot * stride + half] = record[:half]
+    donor.sock.sendall(encode("filled", model=files.fingerprint, layer=1, expert=6, slot=slot,
+                              checksum=files.layout.checksum(record)))
+    wait_for(lambda: fills(daemon)["rejected"] == 1, what="the fill rejected", detail=lambda: fills(daemon))
+    assert slot_record(files, daemon, 1, 6) is None  # L2 does not hold it: nothing was published
+    expert, seq, _ = slot_meta(files, daemon, 1, slot)
+    assert expert == -1 and seq % 2 == 0  # the slot is free again, closed
+    assert fills(daemon)["donated"] == 0
+    donor.sock.close()
+    data.close()
+
+
+KILLED_DONOR = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from moe_l2 import _native
+    from moe_l2.model import ModelFiles
+    from tests.test_fills import RawDonor
+    class Daemon:
+        socket = {address!r}
+    files = ModelFiles.open({model!r})
+    donor = RawDonor(Daemon)
+    slot = donor.offer(files, 0, 5)
+    data = _native.Segment.open({data!r}, readonly=False)
+    data.view()[slot * {stride}:slot * {stride} + 4096] = b"\\xab" * 4096  # a quarter of a fill, then stopped
+    print(slot, flush=True)
+    donor.sock.close()
+    os.kill(os.getpid(), signal.SIGSTOP)
+""")
+
+
+def test_a_donor_stopped_mid_fill_keeps_its_slot_until_its_process_is_gone_and_nothing_torn_is_published(
+        running_daemon, model_dir, model_files):
+    _, data_names = daemon_segments(running_daemon, model_files)
+    stride = slot_stride(model_files, running_daemon)
+    code = KILLED_DONOR.format(tests=str(os.path.dirname(os.path.dirname(__file__))), address=running_daemon.socket,
+                               model=str(model_dir), data=data_names[0], stride=stride)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        slot = int(child.stdout.readline())
+        # Its connection is closed, its process stopped (it could still write): the slot stays its own.
+        wait_for(lambda: stats(running_daemon)["daemon"]["fills"]["awaiting_exit"] == 1, what="the hang-up seen")
+        expert, seq, _ = slot_meta(model_files, running_daemon, 0, slot)
+        assert expert == -1 and seq % 2 == 1  # still being filled: every reader passes it by
+        assert slot_record(model_files, running_daemon, 0, 5) is None
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    wait_for(lambda: fills(running_daemon)["reclaimed"] == 1, what="the slot reclaimed once the donor was gone")
+    assert stats(running_daemon)["daemon"]["fills"]["awaiting_exit"] == 0
+    expert, seq, _ = slot_meta(model_files, running_daemon, 0, slot)
+    assert expert == -1 and seq % 2 == 0 and slot_record(model_files, running_daemon, 0, 5) is None
+    # The record can be given again, whole, by a live donor.
+    with filling_pool(model_files, running_daemon) as pool:
+        assert_given(pool, running_daemon, model_files, 0, 5)
+
+
+NOBODY_DONOR = textwrap.dedent("""
+    import socket
+    from moe_l2 import _native
+    from moe_l2.fill_protocol import FrameReader, encode
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect({path!r})
+    reader, messages = FrameReader(("welcome", "refused", "offer")), []
+    while data := s.recv(65536):
+        messages += reader.feed(data)
+    print(" ".join(m.type for m in messages))
+    try:
+        s.sendall(encode("give", model={model!r}, layer=0, experts=[1], keep=[]))
+    except OSError:
+        pass
+    try:
+        _native.Segment.open({data!r}, readonly=False)
+        print("opened writable")
+    except PermissionError:
+        print("not writable")
+""")
+
+
+@needs_root
+def test_a_process_of_another_uid_is_refused_a_fill_and_cannot_write_l2(running_daemon, model_files):
+    path = fill_socket_path(running_daemon.socket)
+    assert os.stat(path).st_mode & 0o777 == 0o600  # the file's mode keeps other users out first
+    os.chmod(running_daemon.runtime_dir, 0o755)
+    os.chmod(path, 0o666)  # past the mode: the desk's own check of the peer's uid refuses it
+    _, data_names = daemon_segments(running_daemon, model_files)
+    result = subprocess.run([*AS_NOBODY, sys.executable, "-P", "-c",
+                             NOBODY_DONOR.format(path=path, model=model_files.fingerprint, data=data_names[0])],
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout.split("\n")[:2] == ["refused", "not writable"], result.stderr
+    assert stats(running_daemon)["daemon"]["fills"]["turned_away"] == 1
+    assert fills(running_daemon)["offered"] == 0
+    assert slot_record(model_files, running_daemon, 0, 1) is None
+
+
+def test_a_donor_follows_the_daemon_across_a_restart(daemon_factory, model_dir, model_files):
+    daemon = daemon_factory([model_dir], quarter_budget(model_files))
+    client = L2Client(model_files, daemon.socket, wait_s=5, heartbeat_s=0.2)
+    pool = ExpertPool(model_files, capacity=4, client=client, fill_l2=True, lend=False)
+    try:
+        wait_for(lambda: pool.donor.accepting, what="the fill desk's welcome")
+        pool.fetch(0, [3])
+        wait_for(lambda: fills(daemon)["donated"] == 1, what="the first daemon's donation")
+        first = client.attachment.epoch
+        daemon.stop()
+        daemon.unlink_leftovers()
+        again = daemon_factory([model_dir], quarter_budget(model_files), runtime_dir=daemon.runtime_dir)
+        wait_for(lambda: client.attached and client.attachment.epoch != first and pool.donor.accepting,
+                 what="the donor welcomed by the new daemon")
+        assert_given(pool, again, model_files, 0, 4)
+    finally:
+        pool.close()
+        client.close()
+
+
+def test_a_donation_cancelled_is_read_by_the_daemon_so_that_l2_holds_the_record(running_daemon, model_files):
+    donor = RawDonor(running_daemon)
+    slot = donor.offer(model_files, 2, 8)
+    donor.sock.sendall(encode("cancelled", model=model_files.fingerprint, layer=2, expert=8, slot=slot))
+    wait_for(lambda: stats(running_daemon)["models"][0]["loads_done"] == 1, what="the daemon's read")
+    assert fills(running_daemon)["cancelled"] == 1 and fills(running_daemon)["donated"] == 0
+    assert slot_record(model_files, running_daemon, 2, 8) == model_files.read_record(2, 8)
+    donor.sock.close()
