@@ -3,10 +3,11 @@
 Every `interval` seconds it reads available memory (moe_l2.plan.read_memory; on Linux through a descriptor of
 /proc/meminfo kept open from start, so that it still reads while a flood of connections fills the daemon's
 descriptor table). Below the floor, every served model shrinks by as many slots per layer as the shortfall
-pays for (at least one), evicting by policy and releasing the slots' pages (ServedModel.resize); never below
-its pins. Once available memory is back above the floor by a quarter of the floor plus what a slot per layer
-costs, the models grow back, one step per check, up to their configured slots (docs/architecture.md,
-"Memory governor").
+pays for (at least one; pages still on their way back count as paid), evicting by policy (ServedModel.resize);
+never below its pins. The taken slots' pages go back to the system RELEASE_GRACE_S later. Once available memory
+is back above the floor by a quarter of the floor plus what a slot per layer costs, the models grow back, one
+step per check, up to their configured slots, each slot only once its pages are reserved again; those that
+cannot be (a full /dev/shm) are tried again at every check (docs/architecture.md, "Memory governor").
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from moe_l2.plan import open_meminfo, read_memory
 from moe_l2.sizes import format_size
@@ -23,6 +25,10 @@ from .served import ServedModel
 log = logging.getLogger("moe-l2d.governor")
 
 INTERVAL_S = 1.0
+# How long a taken slot's pages stay before they go back to the system: longer than a client reads a slot it
+# looked up just before (a layer's evaluation on it in place, or a copy), since reading a released page where
+# /dev/shm is full is a SIGBUS.
+RELEASE_GRACE_S = 5.0
 
 
 class Governor:
@@ -64,11 +70,14 @@ class Governor:
         self.total, self.available = memory.total, memory.available
         self.checks += 1
         for model in self.models:
+            model.release_due(time.monotonic() - RELEASE_GRACE_S)
             per_slot = model.geometry.served * model.geometry.slot_stride  # served layers only
             fewest, most, short = _slots(model)
+            was_unbacked = bool(model.unbacked)
             if memory.available < self.floor:
-                step = max(1, -(-(self.floor - memory.available) // per_slot))
-                if model.resize(fewest - step):
+                shortfall = self.floor - memory.available - model.releasing_bytes
+                step = -(-shortfall // per_slot)
+                if step > 0 and model.resize(fewest - step):
                     self.shrinks += 1
                     log.warning("available memory %s is below the floor %s: %s now holds %d slots per layer "
                                 "(of %d); it grows back when memory recovers", format_size(memory.available),
@@ -82,11 +91,23 @@ class Governor:
                     log.info("available memory %s: %s grows back to %d slots per layer (of %d)",
                              format_size(memory.available), model.files.path, _slots(model)[0],
                              model.geometry.n_slots)
+            if bool(model.unbacked) != was_unbacked:
+                _log_unbacked(model)
 
     def figures(self) -> dict:
         return {"total_bytes": self.total, "available_bytes": self.available, "floor_bytes": self.floor,
                 "checks": self.checks,
                 "shrinks": self.shrinks, "grows": self.grows}
+
+
+def _log_unbacked(model: ServedModel) -> None:
+    """Once when slots cannot be backed, once when they all are again."""
+    if model.unbacked:
+        log.warning("%d slots of %s stay out of use: %s; they are tried again every %g s (moe-l2 stats and "
+                    "moe-l2 doctor show them)", len(model.unbacked), model.files.path,
+                    next(reversed(model.unbacked.values())), INTERVAL_S)
+    else:
+        log.info("every slot of %s is backed again", model.files.path)
 
 
 def _slots(model: ServedModel) -> tuple[int, int, bool]:

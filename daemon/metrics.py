@@ -58,6 +58,7 @@ def families(payload: dict) -> list:
     gauges = {name: GaugeMetricFamily(f"moe_l2_{name}", doc, labels=["model"]) for name, doc in (
         ("slots_per_layer", "L2 slots per layer configured"),
         ("released_bytes", "shared memory the governor gave back to the system"),
+        ("unbacked_slots", "L2 slots out of use because their pages could not be reserved again (a full /dev/shm)"),
         ("model_loads_in_flight", "this model's loads in flight"),
         ("served_layers", "MoE layers this daemon serves (moe-l2d --layers; the others are read from the files)"))}
     layer_gauges = {name: GaugeMetricFamily(f"moe_l2_layer_{name}", doc, labels=["model", "layer"]) for name, doc
@@ -76,7 +77,7 @@ def families(payload: dict) -> list:
                           ("served_bytes", "served_bytes")):
             counters[name].add_metric(label, m[key])
         for name, key in (("slots_per_layer", "slots_per_layer"), ("released_bytes", "released_bytes"),
-                          ("model_loads_in_flight", "loads_in_flight")):
+                          ("unbacked_slots", "unbacked_slots"), ("model_loads_in_flight", "loads_in_flight")):
             gauges[name].add_metric(label, m[key])
         gauges["served_layers"].add_metric(label, len(m["layers"]))
         for source, n in m.get("tiers", {}).items():

@@ -69,7 +69,11 @@ class ServedModel:
         self.routing: dict[str, list[list[int]]] = {}
         self.layer_hits = [0] * files.n_layers  # clients' L2 lookups per layer, for moe-l2 stats --watch
         self.layer_misses = [0] * files.n_layers
-        self.released: set[tuple[int, int]] = set()  # (layer, slot) whose pages the governor gave back
+        # (layer, slot) the governor took: when, while their pages wait out the grace (release_due), those given
+        # back to the system, and those it could not reserve again (restore's error): out of use until it can.
+        self.releasing: dict[tuple[int, int], float] = {}
+        self.released: set[tuple[int, int]] = set()
+        self.unbacked: dict[tuple[int, int], str] = {}
         self.index = None
         self.data: dict = {}  # served layer -> its data segment
         self.slot_indexes: dict = {}  # served layer -> its _native.SlotIndex, through which every fill goes
@@ -237,12 +241,13 @@ class ServedModel:
         """Shrink or grow every layer toward `target` slots for the memory governor; returns the slots changed.
 
         A taken slot is cleared under its seqlock, so a client copying it sees the sequence move and counts a
-        miss, and one that looks later finds no expert; its pages are released after the lock is dropped
-        (releasing or re-locking a GiB takes a second or more, and reports must not wait): a taken slot is
-        never written, and only the governor's one thread gives it back (docs/architecture.md, "Memory
-        governor")."""
+        miss, and one that looks later finds no expert; its pages go back to the system later (release_due). A
+        slot comes back into use only once its pages are reserved again (Segment.restore), outside the lock
+        (reserving or re-locking a GiB takes a second or more, and reports must not wait): one that cannot be
+        backed (a full /dev/shm) stays out of use, in `unbacked`, and is tried again at the next call. Only the
+        governor's one thread calls this and release_due (docs/architecture.md, "Memory governor")."""
         g = self.geometry
-        taken, given = [], []
+        taken, offered = [], []
         with self.lock:
             for layer, store in self.stores.items():
                 for r in store.shrink(target):
@@ -250,15 +255,41 @@ class ServedModel:
                     self.slot_indexes[layer].begin_fill(r.slot, r.evicted)
                     self.slot_indexes[layer].abort_fill(r.slot)
                     taken.append((layer, r.slot))
-                given += [(layer, slot) for slot in store.grow(target)]
-        for layer, slot in taken:
-            if self.data[layer].release(slot * g.slot_stride, g.slot_stride):
-                self.released.add((layer, slot))
-        for layer, slot in given:
-            # The slot may be filling already: locking pages under a write is harmless.
-            self.data[layer].restore(slot * g.slot_stride, g.slot_stride)
+                offered += [(layer, slot) for slot in store.off_slots(target)]
+        now = time.monotonic()
+        self.releasing.update((key, now) for key in taken)
+        backed: dict[int, list[int]] = {}
+        for layer, slot in offered:
+            try:
+                self.data[layer].restore(slot * g.slot_stride, g.slot_stride)
+            except OSError as exc:
+                self.unbacked[layer, slot] = str(exc)
+                continue
+            for kept in (self.unbacked, self.releasing):
+                kept.pop((layer, slot), None)
             self.released.discard((layer, slot))
-        return len(taken) + len(given)
+            backed.setdefault(layer, []).append(slot)
+        with self.lock:
+            for layer, slots in backed.items():
+                self.stores[layer].grow(slots)
+        return len(taken) + sum(map(len, backed.values()))
+
+    def release_due(self, taken_before: float) -> None:
+        """Give back to the system the pages of the slots taken before `taken_before` (time.monotonic()).
+
+        The wait is for clients: one that looked a slot up just before it was taken may still be reading it in
+        place, and reading a released page allocates it again, which is a SIGBUS where /dev/shm has filled."""
+        g = self.geometry
+        for (layer, slot), taken_at in list(self.releasing.items()):
+            if taken_at < taken_before:
+                del self.releasing[layer, slot]
+                if self.data[layer].release(slot * g.slot_stride, g.slot_stride):
+                    self.released.add((layer, slot))
+
+    @property
+    def releasing_bytes(self) -> int:
+        """Shared memory of taken slots whose pages have not gone back yet."""
+        return len(self.releasing) * self.geometry.slot_stride
 
     @property
     def released_bytes(self) -> int:
@@ -378,8 +409,10 @@ class ServedModel:
         """The stats of this model: hit rate, per-layer occupancy, pins, loads, bytes; with `routing`, the
         online routing counts too."""
         with self.lock:
+            unbacked = list(self.unbacked.items())
             layers = [{"layer": layer, "layer_id": self.files.layer_ids[layer], "resident": s.resident,
                        "loading": s.loading, "pinned": s.pin_count, "slots": s.capacity,
+                       "unbacked": sum(1 for (at, _), _ in unbacked if at == layer),
                        "hits": self.layer_hits[layer], "misses": self.layer_misses[layer],
                        "permanent_pins": s.pins("permanent"), "domain_pins": s.pins("domain"),
                        "experts": s.residents()}
@@ -402,6 +435,9 @@ class ServedModel:
             "direct_io": self.direct_io,
             "shm_bytes": self.shm_bytes,
             "released_bytes": self.released_bytes,
+            # Slots out of use because their pages could not be reserved again, and why (the last error).
+            "unbacked_slots": len(unbacked),
+            "unbacked_error": unbacked[-1][1] if unbacked else None,
             "loads_in_flight": sum(layer["loading"] for layer in layers),
             "layers": layers,
             "profile": self.profile.path if self.profile is not None else None,

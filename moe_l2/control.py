@@ -257,7 +257,8 @@ _MODEL = {
     "corrupt_records?": int, "corrupt_loads?": int, "corrupt?": [[int]], "loads_in_flight": int,
     "load_latency_p50_s": (None, _NUM), "load_latency_p99_s": (None, _NUM), "prefetch?": _COUNTERS, "tiers?": _TIERS,
     "shm_bytes": int,
-    "released_bytes?": int, "layers": [_LAYER], "routing?": {"*": [[int]]},
+    "released_bytes?": int, "unbacked_slots?": int, "unbacked_error?": (None, str), "layers": [_LAYER],
+    "routing?": {"*": [[int]]},
     "warm_start?": (None, {"saved_at": _NUM, "records": int, "preloaded": int, "preloaded_bytes": int, "pending": int}),
 }
 _CLIENT = {"name": str, "pid": (None, int), "idle_s": _NUM, "layer_ids?": (None, [int]), "unserved_layer_ids?": [int],

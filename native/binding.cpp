@@ -204,7 +204,8 @@ void init_memory(nb::module_& m) {
            "the range reads as zeros until written). False where the platform cannot (macOS).")
       .def("restore", &Segment::restore, "offset"_a, "nbytes"_a,
            nb::call_guard<nb::gil_scoped_release>(),
-           "Take a released range back into use: lock it again if the segment was locked.")
+           "Take a released range back into use: reserve its pages again (Linux: posix_fallocate; OSError, "
+           "e.g. ENOSPC where /dev/shm is full, leaves it unusable), then lock them if the segment was locked.")
       .def("close", &Segment::close,
            "Drop this object's mapping (idempotent); the memory is unmapped once no view uses it.")
       .def("__repr__", [](const Segment& self) {

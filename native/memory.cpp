@@ -259,11 +259,19 @@ mx::array Buffer::array(int64_t offset_in, const std::vector<int64_t>& shape_in,
 namespace {
 
 struct Mapping : Region {
-  Mapping(void* addr, size_t len) {
+  // fd: the segment's descriptor, kept by its creator to reserve released pages again (Segment::restore);
+  // -1 for a segment opened by name.
+  Mapping(void* addr, size_t len, int fd = -1) : fd(fd) {
     data = static_cast<std::byte*>(addr);
     nbytes = len;
   }
-  ~Mapping() override { munmap(data, nbytes); }
+  ~Mapping() override {
+    munmap(data, nbytes);
+    if (fd >= 0) {
+      ::close(fd);
+    }
+  }
+  int fd;
 };
 
 // macOS allows 31 characters (PSHMNAMLEN); POSIX wants one leading '/' and no other.
@@ -362,6 +370,23 @@ std::string space_hint(int err) {
   return "";
 }
 
+// Allocates the pages of [offset, offset + nbytes) of a segment (Linux; elsewhere 0, nothing to do): 0 or the
+// errno, ENOSPC where /dev/shm is full.
+int reserve_pages(int fd, size_t offset, size_t nbytes) {
+#ifdef __linux__
+  int err;
+  do {
+    err = posix_fallocate(fd, static_cast<off_t>(offset), static_cast<off_t>(nbytes));
+  } while (err == EINTR);
+  return err;
+#else
+  (void)fd;
+  (void)offset;
+  (void)nbytes;
+  return 0;
+#endif
+}
+
 }  // namespace
 
 Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mode) {
@@ -403,24 +428,20 @@ Segment Segment::create(const std::string& name, int64_t nbytes_in, unsigned mod
   if (ftruncate(fd, static_cast<off_t>(nbytes)) != 0) {
     fail("size (" + std::to_string(nbytes) + " bytes)", errno);
   }
-#ifdef __linux__
   // Reserve the pages now: a full tmpfs then fails here with ENOSPC instead of killing the
   // writer with SIGBUS when it first touches a page that cannot be backed.
-  int err;
-  do {
-    err = posix_fallocate(fd, 0, static_cast<off_t>(nbytes));
-  } while (err == EINTR);
+  int err = reserve_pages(fd, 0, nbytes);
   if (err != 0 && err != EOPNOTSUPP && err != ENOSYS && err != EINVAL) {
     fail("reserve " + std::to_string(nbytes) + " bytes for", err);
   }
-#endif
   void* addr = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (addr == MAP_FAILED) {
     fail("map", errno);
   }
-  ::close(fd);
-  Segment segment(name, std::make_shared<Mapping>(addr, nbytes), false, static_cast<unsigned>(st.st_uid),
-                  mode);
+  // The descriptor stays open with the mapping: restore() reserves released pages through it, and a flood
+  // that fills the descriptor table cannot keep it from doing so.
+  Segment segment(name, std::make_shared<Mapping>(addr, nbytes, fd), false,
+                  static_cast<unsigned>(st.st_uid), mode);
   // Neither system wires shared memory by itself: tmpfs pages can be swapped, macOS pages
   // compressed or swapped. Lock them where the limits allow (root, CAP_IPC_LOCK, or a
   // large enough RLIMIT_MEMLOCK); otherwise commit every page now by touching it, so that the
@@ -491,7 +512,21 @@ void Segment::restore(int64_t offset, int64_t nbytes) {
     throw_value_error(fn, describe() + " is closed or read-only");
   }
   auto [addr, len] = page_range(fn, *this, offset, nbytes, region_->data);
-  if (locked_ && len > 0) {
+  if (len == 0) {
+    return;
+  }
+  int fd = static_cast<const Mapping&>(*region_).fd;
+  if (fd < 0) {
+    throw_value_error(fn, "only the process that created " + describe() + " can take its pages back");
+  }
+  // Released pages are holes in /dev/shm: the first touch of one would allocate it, and where /dev/shm has
+  // filled meanwhile that touch is a SIGBUS. Allocated now, a full /dev/shm is an error here instead.
+  int err = reserve_pages(fd, static_cast<size_t>(addr - region_->data), len);
+  if (err != 0) {
+    throw OsError(err, prefixed(fn, "cannot reserve " + std::to_string(len) + " bytes of " + describe() +
+                                        " again: " + errno_text(err) + space_hint(err)));
+  }
+  if (locked_) {
     mlock(addr, len);  // best effort, as at create(): the limit may have shrunk since
   }
 }

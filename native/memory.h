@@ -140,7 +140,10 @@ class Segment : public Memory {
   // the pages were freed: false where the platform cannot (macOS keeps them, see
   // docs/architecture.md, "Memory governor"). Both calls take page-aligned ranges.
   bool release(int64_t offset, int64_t nbytes);
-  // Takes a released range back: locks it again when create() locked the segment.
+  // Takes a released range back: reserves its pages again (Linux: posix_fallocate through the descriptor
+  // create() kept), so that no later touch of them can meet a full /dev/shm with SIGBUS, then locks them
+  // again when create() locked the segment. An OSError (ENOSPC where /dev/shm is full) leaves the range
+  // unusable: nothing may touch it until a later call succeeds. Only for segments this process created.
   void restore(int64_t offset, int64_t nbytes);
   // Drops this object's mapping; the memory is unmapped once no view or running call uses it.
   void close() { region_.reset(); }

@@ -7,12 +7,15 @@ that reading; the slots it shrinks, the pages it releases and the bytes clients 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 
 import psutil
@@ -22,10 +25,11 @@ from moe_l2 import protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 from moe_l2.commands.stats import render
+from moe_l2.daemon.process import DaemonProcess
 from moe_l2.layout import Geometry
 from moe_l2.plan import GiB, MEMORY_FILE_ENV
 
-from .conftest import assert_resident_exact, budget_for, stats, wait_for
+from .conftest import assert_resident_exact, budget_for, retire, stats, wait_for
 
 SLOTS = 8
 PINS = [0, 1, 2]
@@ -177,3 +181,123 @@ def test_the_governor_reads_memory_with_the_descriptor_table_full():
     assert figures["checks"] == 1
     assert figures["total_bytes"] == psutil.virtual_memory().total
     assert 0 < figures["available_bytes"] <= figures["total_bytes"]
+
+
+# ---- issue 37.3: a /dev/shm that fills while L2 is shrunk -------------------------------------------------------
+
+@functools.cache
+def private_shm_works() -> bool:
+    """Whether this process may give a command a private mount namespace with a tmpfs of its own over /dev/shm
+    (root, unshare, nsenter)."""
+    if sys.platform != "linux" or os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("nsenter")):
+        return False
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs -o size=64k tmpfs /dev/shm"], capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+# Run in the daemon's mount namespace (nsenter): the client copies the residents named in argv out of the L2 that
+# /dev/shm holds there, and checks each against the model files; prints its L2 hits.
+CHECK_RESIDENTS = textwrap.dedent("""
+    import json, sys
+    from moe_l2.client.connection import L2Client
+    from moe_l2.client.pool import ExpertPool
+    from moe_l2.model import ModelFiles
+    files = ModelFiles.open(sys.argv[1])
+    client = L2Client(files, sys.argv[2], wait_s=10)
+    assert client.attached, client.last_error
+    pool = ExpertPool(files, capacity=2, client=client)
+    hits = 0
+    for layer, experts in enumerate(json.loads(sys.argv[3])):
+        for expert in experts:
+            hits += pool.fetch(layer, [expert]).l2_hits
+            assert pool.layers[layer].record(expert) == files.read_record(layer, expert), (layer, expert)
+    pool.close()
+    client.close()
+    print(hits)
+""")
+
+# Run there too: fills /dev/shm (what another user could do); prints the bytes taken.
+FILL = textwrap.dedent("""
+    import os
+    room = os.statvfs("/dev/shm")
+    fd = os.open("/dev/shm/filler", os.O_CREAT | os.O_WRONLY, 0o600)
+    os.posix_fallocate(fd, 0, room.f_bavail * room.f_frsize)
+    print(room.f_bavail * room.f_frsize)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not private_shm_works(), reason="needs root, unshare and nsenter: the daemon runs with a small "
+                                                    "tmpfs of its own over /dev/shm, in a private mount namespace")
+def test_a_dev_shm_filled_while_l2_is_shrunk_leaves_slots_out_of_use_never_a_sigbus(model_dir, model_files,
+                                                                                  tmp_path, monkeypatch):
+    """Issue 37.3: the governor released slots' pages, another user filled /dev/shm, memory recovered and the
+    governor grew back without reserving the pages: the first direct load into one was a SIGBUS (exit 135).
+    Now a slot comes back only once its pages are reserved; the others stay out of use, reported, and come back
+    when /dev/shm has room."""
+    memory = tmp_path / "memory.json"
+    write_memory(memory, 8 * GiB)
+    monkeypatch.setenv(MEMORY_FILE_ENV, str(memory))
+    budget = budget_for(model_files, SLOTS)
+    page = os.sysconf("SC_PAGE_SIZE")
+    geometry = Geometry.for_budget(model_files.n_layers, model_files.n_experts, model_files.layout.nbytes, budget)
+    tmpfs = (geometry.shm_bytes // page + 16) * page  # the segments and a little more
+    private_shm = ("unshare", "-m", "--propagation", "private", "sh", "-c",
+                   f'mount -t tmpfs -o size={tmpfs} tmpfs /dev/shm && exec "$@"', "sh")
+    daemon = DaemonProcess.serving([model_dir], str(budget), "--memory-floor", "1GiB", "--direct-io", "on",
+                                   wrapper=private_shm).start()
+    inside = ("nsenter", "-t", str(daemon.proc.pid), "-m", sys.executable, "-P", "-c")
+    fp, n_layers = model_files.fingerprint, model_files.n_layers
+
+    def model() -> dict:
+        assert daemon.proc.poll() is None, f"moe-l2d exited with {daemon.proc.returncode}:\n{daemon.log()}"
+        return stats(daemon)["models"][0]
+
+    def load(experts, per_layer: int) -> None:
+        """Prefetch `experts` in every layer, and wait for the per_layer loads that make in each."""
+        done = model()["loads_done"]
+        for layer in range(n_layers):
+            request(daemon.socket, protocol.Prefetch(id=1, model=fp, layer=layer, experts=list(experts)))
+        wait_for(lambda: model()["loads_done"] == done + per_layer * n_layers, what="the loads")
+
+    def check_residents() -> int:
+        residents = json.dumps([layer["experts"] for layer in model()["layers"]])
+        out = subprocess.run([*inside, CHECK_RESIDENTS, str(model_dir), daemon.socket, residents],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout)
+
+    try:
+        load(range(SLOTS), SLOTS)
+        write_memory(memory, GiB // 2)  # below the floor: every layer down to one slot
+        wait_for(lambda: layer_slots(daemon) == [1] * n_layers, what="L2 shrunk")
+        taken = n_layers * (SLOTS - 1)
+        stride = geometry.slot_stride
+        wait_for(lambda: model()["released_bytes"] == taken * stride, what="the pages released after the grace")
+        filled = subprocess.run([*inside, FILL], capture_output=True, text=True, timeout=60)
+        assert filled.returncode == 0 and int(filled.stdout) >= taken * stride, filled.stderr
+
+        write_memory(memory, 8 * GiB)  # memory is back, /dev/shm is not
+        wait_for(lambda: model()["unbacked_slots"] == taken, what="the slots reported unbacked")
+        m = model()
+        assert [layer["slots"] for layer in m["layers"]] == [1] * n_layers  # none came back unbacked
+        assert [layer["unbacked"] for layer in m["layers"]] == [SLOTS - 1] * n_layers
+        assert "No space left on device" in m["unbacked_error"]
+        assert f"{taken} slots cannot be backed" in render(stats(daemon))
+        doctor = subprocess.run([sys.executable, "-P", "-m", "moe_l2.cli", "doctor", "--json", "--socket",
+                                 daemon.socket], capture_output=True, text=True, timeout=120)
+        (verdict,) = [c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "daemon"]
+        assert verdict["status"] == "warn" and f"{taken} slots of L2" in verdict["detail"], verdict
+        load(range(SLOTS, 2 * SLOTS), 1)  # direct loads go on, into the one slot per layer still backed
+        assert check_residents() == n_layers
+        assert "slots of" in daemon.log() and "stay out of use" in daemon.log()
+
+        subprocess.run([*inside, "import os; os.unlink('/dev/shm/filler')"], check=True, timeout=60)
+        wait_for(lambda: layer_slots(daemon) == [SLOTS] * n_layers, what="L2 grown back once /dev/shm has room")
+        assert model()["unbacked_slots"] == 0 and model()["released_bytes"] == 0
+        load(range(SLOTS), SLOTS)
+        assert check_residents() == n_layers * SLOTS
+        assert model()["load_errors"] == 0 and "every slot of" in daemon.log()
+    finally:
+        retire([daemon])

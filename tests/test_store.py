@@ -89,8 +89,11 @@ def test_shrink_takes_free_slots_then_victims_never_pins_or_loads_and_grow_gives
     assert store.reserve(5) is None  # no room: the remaining slots are pinned or loading
     store.commit(loading)
     assert store.shrink(0) == [] and store.capacity == 2  # never below the pins + 1
-    given = store.grow(10)
-    assert sorted(given) == sorted(r.slot for r in taken) and store.capacity == 6
+    given = store.off_slots(10)
+    assert given == [r.slot for r in reversed(taken)] and store.capacity == 2  # offered, not given yet
+    assert store.off_slots(3) == given[:1]
+    store.grow(given)
+    assert store.capacity == 6 and store.off_slots(10) == []
     for e in (5, 6, 7, 1):
         fill(store, e)
     assert store.residents() == [0, 1, 4, 5, 6, 7]

@@ -200,16 +200,18 @@ class LayerStore:
         self._capacity_changed()
         return taken
 
-    def grow(self, target: int) -> list[int]:
-        """Give back slots shrink() took, until `target` are in use (at most n_slots); returns them."""
-        given = []
-        while self._off and self.capacity < target:
-            slot = self._off.pop()
+    def off_slots(self, target: int) -> list[int]:
+        """The slots shrink() took that grow() may give back to have `target` in use, the last taken first.
+        The caller makes each usable first (the daemon reserves its pages again)."""
+        return self._off[::-1][:max(0, target - self.capacity)]
+
+    def grow(self, slots: list[int]) -> None:
+        """Give back slots shrink() took (of off_slots)."""
+        for slot in slots:
+            self._off.remove(slot)
             self._state[slot] = FREE
             self._free.append(slot)
-            given.append(slot)
         self._capacity_changed()
-        return given
 
     def _capacity_changed(self) -> None:
         if hasattr(self.policy, "set_capacity"):

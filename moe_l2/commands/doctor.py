@@ -308,11 +308,20 @@ def check_daemon(address: str, timeout_s: float, leave: bool) -> tuple[dict, lis
     d = payload["daemon"]
     facts.update(daemon_answers=True, daemon={"version": d["version"], "pid": d["pid"], "uptime_s": d["uptime_s"],
                                               "shm_bytes": d["shm_bytes"],
-                                              "shm_unlocked_bytes": d.get("shm_unlocked_bytes")})
+                                              "shm_unlocked_bytes": d.get("shm_unlocked_bytes"),
+                                              "unbacked_slots": sum(m.get("unbacked_slots", 0)
+                                                                    for m in payload["models"])})
     detail = f"moe-l2d {d['version']} pid {d['pid']} answers on {address}, socket owned by {facts['owner_name'] or '-'}"
     if d["version"] != __version__:
         return facts, [Check("daemon", "warn", f"{detail}: another version than this moe-l2 {__version__}",
                              "restart the daemon after upgrading (systemctl restart moe-l2d)")]
+    unbacked = [m for m in payload["models"] if m.get("unbacked_slots")]
+    if unbacked:
+        return facts, [Check("daemon", "warn", f"{detail}; {unbacked[0]['unbacked_slots']} slots of L2 for "
+                             f"{unbacked[0]['path']} cannot be backed and are out of use: "
+                             f"{unbacked[0]['unbacked_error']}",
+                             "make room in /dev/shm (df /dev/shm; remove what fills it, or enlarge it): the daemon "
+                             "takes the slots back by itself once it can")]
     if d.get("shm_unlocked_bytes") and leave:
         return facts, [Check("daemon", "warn", f"{detail}; {format_size(d['shm_unlocked_bytes'])} of its shared "
                              "memory is not locked", _lock_fix())]

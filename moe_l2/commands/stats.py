@@ -118,6 +118,7 @@ def render(reply: dict) -> str:
             f"  occupancy {resident}/{slots} slots ({format_size(m['shm_bytes'])}"
             + (f", {format_size(m['released_bytes'])} given back to the system" if m.get("released_bytes") else "")
             + ")",
+            *_unbacked(m),
             "  layer  resident  loading  pinned  slots in use  decoder layer",
         ]
         lines += [f"  {_layer_number(i, layer):5d}  {layer['resident']:8d}  {layer['loading']:7d}  "
@@ -130,6 +131,14 @@ def render(reply: dict) -> str:
         lines += [f"{c['name']}  {c['pid'] or '-'}  {c['idle_s']:.0f} s  {client_l0(c)}  {client_layers(c)}  "
                   f"{describe_sources(c['tiers']) if c.get('tiers') else '-'}" for c in clients]
     return "\n".join(lines)
+
+
+def _unbacked(m: dict) -> list[str]:
+    """Slots the governor could not take back (a daemon from before it: none)."""
+    if not m.get("unbacked_slots"):
+        return []
+    return [f"  {m['unbacked_slots']} slots cannot be backed and stay out of use until they can: "
+            f"{m['unbacked_error']}"]
 
 
 def _prefetch(m: dict) -> list[str]:
