@@ -21,6 +21,14 @@ RSS, threads and descriptors idle, while they are held and after they are closed
 gate.py) held and refused. Before the gate, a daemon under a low descriptor limit died of SIGABRT here.
 
     python bench/bench_flood.py --connections 3000 [--seconds 3] [--before 15b2a7d]
+
+With --group N the floods are those a member of the socket's group can send at no cost to itself (issue 37.12),
+each from N connections in a process of its own: `stats` requests it never reads the replies of, ZMTP PING
+commands whose PONGs it never reads, and connection churn (connect, greet, one request, close), then all three
+at once; printed: `stats` p50 / p99 and the daemon's RSS idle, during each flood, just after and --settle seconds
+after.
+
+    python bench/bench_flood.py --group 256 [--seconds 3] [--settle 10] [--before 15b2a7d]
 """
 
 from __future__ import annotations
@@ -369,7 +377,7 @@ def print_connection_flood(model: Path, trees: dict, work: Path, args) -> None:
         print(f"  {label}")
         for phase, samples, figures, gate in rows:
             if not figures:
-                print(f"    {phase:<10} the daemon died")
+                print(f"    {phase:<16} the daemon died")
                 continue
             line = phase_line(phase, samples, figures, idle)
             if gate:
@@ -381,9 +389,147 @@ def print_connection_flood(model: Path, trees: dict, work: Path, args) -> None:
 def phase_line(phase: str, samples: list[float], figures: dict, idle: tuple[float, float]) -> str:
     """One phase of a flood: stats p50 and p99 (ms, and against the idle daemon's), RSS, threads, descriptors."""
     p50, p99 = percentiles(samples)
-    return (f"    {phase:<10} p50 {p50 * 1e3:8.2f} (x{p50 / idle[0]:5.1f})  p99 {p99 * 1e3:8.2f} "
+    return (f"    {phase:<16} p50 {p50 * 1e3:8.2f} (x{p50 / idle[0]:5.1f})  p99 {p99 * 1e3:8.2f} "
             f"(x{p99 / idle[1]:5.1f})  rss {figures['rss'] / 2**20:7.1f}  threads {figures['threads']:4d}"
             f"  fds {figures['fds']:5d}")
+
+
+# ZMTP 3.1's PING command (a name, a 2-byte TTL, no context) and a stats request as one frame each.
+PING = bytes([4, 7]) + b"\x04PING" + bytes(2)
+STATS_FRAME = bytes([0, len(protocol.Stats(id=1).encode())]) + protocol.Stats(id=1).encode()
+GROUP_FLOODS = ("never-read stats", "PINGs", "churn")
+
+
+def _opened(path: str) -> socket.socket | None:
+    """A connection that has sent its ZMTP opening (greeting and READY), or None when the daemon turned it away."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        sock.sendall(ZMTP_OPENING)
+    except OSError:
+        sock.close()
+        return None
+    sock.setblocking(False)
+    return sock
+
+
+def group_flood(kind: str, path: str, n: int, stop, out) -> None:
+    """In a process of its own: n connections sending `kind` as fast as the daemon takes it, never reading, or for
+    churn n connections opened, sent one request and closed in turn; puts None once flooding, then its counts."""
+    counts = {"sent": 0, "turned away": 0}
+    if kind == "churn":
+        out.put(None)
+        while not stop.is_set():
+            for _ in range(n):
+                sock = _opened(path)
+                if sock is None:
+                    counts["turned away"] += 1
+                    continue
+                try:
+                    sock.send(STATS_FRAME)
+                    counts["sent"] += 1
+                except OSError:
+                    pass
+                sock.close()
+        out.put(counts)
+        return
+    chunk = (STATS_FRAME if kind == "never-read stats" else PING) * 256
+    selector = selectors.DefaultSelector()
+    for _ in range(n):
+        sock = _opened(path)
+        if sock is None:
+            counts["turned away"] += 1
+        else:
+            selector.register(sock, selectors.EVENT_WRITE)
+    out.put(None)
+    while not stop.is_set():
+        for key, _ in selector.select(0.1):
+            try:
+                counts["sent"] += key.fileobj.send(chunk)
+            except BlockingIOError:
+                pass
+            except OSError:  # the daemon closed it
+                selector.unregister(key.fileobj)
+                key.fileobj.close()
+    for key in list(selector.get_map().values()):
+        key.fileobj.close()
+    selector.close()
+    out.put(counts)
+
+
+def group_floods(address: str, pid: int, args) -> list[tuple[str, list[float], dict, dict]]:
+    """(phase, stats latencies, the daemon's figures at the phase's end, the flood's counts): idle, each of
+    GROUP_FLOODS from args.group connections, all three at once, just after and args.settle seconds after. The
+    timing connection is opened first: the floods come from the same user, whose share they may fill."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # importing mlx_lm left it at 2048
+    timer = dealer(address)
+    path = address[len("ipc://"):]
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    try:
+        rows.append(("idle", timed_stats(timer, args.seconds)[0], daemon_figures(pid), {}))
+        refused = 0
+        for kinds in [(kind,) for kind in GROUP_FLOODS] + [GROUP_FLOODS]:
+            stop, out = context.Event(), context.Queue()
+            floods = [context.Process(target=group_flood, args=(kind, path, args.group, stop, out)) for kind in kinds]
+            for p in floods:
+                p.start()
+            for _ in floods:
+                out.get(timeout=120)
+            try:
+                samples, daemon = timed_stats(timer, args.seconds)
+                figures = daemon_figures(pid)
+            except psutil.NoSuchProcess:
+                rows.append((" + ".join(kinds), [GIVE_UP_S], {}, {}))
+                return rows
+            finally:
+                stop.set()
+            counts: dict = {}
+            for _ in floods:
+                for key, value in out.get(timeout=60).items():
+                    counts[key] = counts.get(key, 0) + value
+            for p in floods:
+                p.join()
+            gate = (daemon or {}).get("gate") or {}
+            counts["closed"] = sum(gate.get("refused", {}).values()) - refused
+            refused += counts["closed"]
+            rows.append(("all three" if len(kinds) > 1 else kinds[0], samples, figures, counts))
+        rows.append(("just after", timed_stats(timer, args.seconds)[0], daemon_figures(pid), {}))
+        time.sleep(args.settle)
+        rows.append((f"{args.settle:g} s after", timed_stats(timer, args.seconds)[0], daemon_figures(pid), {}))
+    finally:
+        timer.close(0)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return rows
+
+
+def print_group_floods(model: Path, trees: dict, work: Path, args) -> None:
+    results = {}
+    for label, tree in trees.items():
+        directory = work / f"group-{label}"
+        directory.mkdir()
+        command = (sys.executable, "-P", "-c", LAUNCH_TREE, str(tree)) if tree else None
+        daemon = DaemonProcess.serving([model], "8MiB", runtime_dir=directory, command=command).start()
+        try:
+            results[label] = group_floods(daemon.socket, daemon.proc.pid, args)
+        finally:
+            daemon.stop(timeout=10)
+    print(f"stats round trip (ms) and the daemon's RSS (MiB), threads and descriptors: idle, during each flood of "
+          f"{args.group} connections ({', '.join(GROUP_FLOODS)}, then all three), just after, and {args.settle:g} s "
+          f"after; {args.seconds:g} s each")
+    for label, rows in results.items():
+        idle = percentiles(rows[0][1])
+        print(f"  {label}")
+        for phase, samples, figures, counts in rows:
+            if not figures:
+                print(f"    {phase:<16} the daemon died")
+                continue
+            line = phase_line(phase, samples, figures, idle)
+            if counts:
+                line += (f"  sent {counts['sent']}, turned away {counts['turned away']}, closed by the gate "
+                         f"{counts['closed']}")
+            print(line)
 
 
 def print_metrics_flood(model: Path, trees: dict, work: Path, args) -> None:
@@ -427,6 +573,9 @@ def main() -> None:
                         help="flood the daemon's HTTP metrics endpoint instead of its control socket")
     parser.add_argument("--scrapers", type=int, default=16, help="with --metrics: concurrent scrapers")
     parser.add_argument("--idle-http", type=int, default=200, help="with --metrics: idle HTTP connections held")
+    parser.add_argument("--group", type=int, default=0, metavar="N",
+                        help="flood as a member of the socket's group, from N connections per flood, instead")
+    parser.add_argument("--settle", type=float, default=10.0, help="with --group: seconds before the last row")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ml2-bench-", dir="/tmp"))
     try:
@@ -443,6 +592,9 @@ def main() -> None:
             return
         if args.connections:
             print_connection_flood(model, trees, work, args)
+            return
+        if args.group:
+            print_group_floods(model, trees, work, args)
             return
         for label, tree in trees.items():
             directory = work / f"run-{label}"
