@@ -401,11 +401,19 @@ GROUP_FLOODS = ("never-read stats", "PINGs", "churn")
 
 
 def _opened(path: str) -> socket.socket | None:
-    """A connection that has sent its ZMTP opening (greeting and READY), or None when the daemon turned it away."""
+    """A connection whose ZMTP handshake is done (libzmq 4.3 fails one whose peer sends messages before it has
+    answered the greeting), non-blocking; None when the daemon turned it away."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(GIVE_UP_S)
     try:
         sock.connect(path)
         sock.sendall(ZMTP_OPENING)
+        answer = b""
+        while len(answer) < 66 or len(answer) < 66 + answer[65]:  # its greeting, then its READY (a short frame)
+            more = sock.recv(256)
+            if not more:
+                raise ConnectionResetError
+            answer += more
     except OSError:
         sock.close()
         return None
@@ -444,13 +452,17 @@ def group_flood(kind: str, path: str, n: int, stop, out) -> None:
     out.put(None)
     while not stop.is_set():
         for key, _ in selector.select(0.1):
+            left = key.data or chunk  # the rest of a chunk sent in part: frames stay whole
             try:
-                counts["sent"] += key.fileobj.send(chunk)
+                sent = key.fileobj.send(left)
             except BlockingIOError:
-                pass
+                continue
             except OSError:  # the daemon closed it
                 selector.unregister(key.fileobj)
                 key.fileobj.close()
+                continue
+            counts["sent"] += sent
+            selector.modify(key.fileobj, selectors.EVENT_WRITE, left[sent:])
     for key in list(selector.get_map().values()):
         key.fileobj.close()
     selector.close()

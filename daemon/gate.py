@@ -13,8 +13,11 @@ binds a private ipc socket (mode 0600, in the daemon's private state dir). On th
   LONG=2, COMMAND=4, and a size of 1 or 8 bytes) and closes the connection at a frame over FRAME_LIMIT, a
   message of more parts than the protocol allows, a message left unfinished for UNFINISHED_S, or a greeting not
   whole within HANDSHAKE_S. Under CurveZMQ every message frame is an encrypted command whose parts cannot be
-  counted: there frames are bounded in size and the connection's bytes in rate;
-- buffers at most BUFFER_BYTES per direction per connection, and stops reading a side while its peer lags;
+  counted: there frames are bounded in size and the connection's bytes in rate; under NULL, commands (PINGs)
+  are bounded in rate;
+- buffers at most BUFFER_BYTES per direction per connection (and the kernel SOCKET_BUFFER_BYTES), stops reading
+  a side while its peer lags, stops reading and relaying a client that leaves what it was sent unread, and
+  closes it once it has read nothing for STALLED_S;
 - logs refusals through a RefusalLog, never aborts on a full descriptor table, and gives freed heap back to the
   system (malloc_trim) once a flood has passed (docs/security.md, "Connections and memory").
 """
@@ -52,10 +55,21 @@ RESERVE_FDS = HTTP_CONNECTIONS + 64
 USER_SHARE = 4
 HANDSHAKE_S = 5.0
 UNFINISHED_S = 5.0
-BUFFER_BYTES = 64 << 10
+BUFFER_BYTES = 16 << 10
+# The kernel's send buffer of each socket a relayed connection has (the client's, the gate's to the ROUTER; the
+# ROUTER's own, ZMQ_SNDBUF, daemon/server.py), where Linux's default is 208 KiB: what a client sends and does not
+# read the answers of waits in its own socket, not as requests queued for the server (docs/security.md).
+SOCKET_BUFFER_BYTES = 4 << 10
+# A client whose socket is full (it leaves what the daemon sends it unread) is closed once it has read nothing
+# for this long.
+STALLED_S = 10.0
 # CurveZMQ: a connection's bytes per second, and the burst it may send at once.
 CURVE_BYTES_PER_S = 16 << 20
 CURVE_BURST_BYTES = 2 * COMMAND_LIMIT
+# NULL: after its READY a client sends commands only as heartbeats (ZMQ_HEARTBEAT_IVL; clients of moe-l2 send
+# none): more than this burst, refilled at this rate, closes the connection.
+COMMANDS_PER_S = 20
+COMMAND_BURST = 20
 # After accept fails for want of descriptors, the listener rests this long; a ROUTER with a full backlog is
 # connected to again after INNER_RETRY_S, until the handshake's deadline.
 ACCEPT_PAUSE_S = 0.1
@@ -67,8 +81,10 @@ DRAIN_S = 5.0
 TICK_S = 0.5
 # Heap given back (malloc_trim) after this much relayed traffic, counting a closed connection as
 # CLOSED_CONNECTION_BYTES, once a tick relays less than a sixteenth of it.
-TRIM_AFTER_BYTES = 32 << 20
+TRIM_AFTER_BYTES = 8 << 20
 CLOSED_CONNECTION_BYTES = 64 << 10
+# <malloc.h>: mallopt's parameter for the most arenas glibc makes.
+M_ARENA_MAX = -8
 # macOS refuses a soft descriptor limit above OPEN_MAX (<sys/syslimits.h>) when the hard one is unlimited.
 MACOS_OPEN_MAX = 10240
 # <sys/un.h> on macOS and the BSDs: the peer's credentials, struct xucred {u_int version; uid_t uid; ...}.
@@ -120,13 +136,20 @@ def peer_uid(sock: socket.socket) -> int | None:
 
 
 def _malloc_trim():
-    """glibc's malloc_trim, or None (macOS, musl): freed heap pages that glibc keeps would stay in RSS."""
+    """glibc's malloc_trim, or None (macOS, musl): freed heap pages that glibc keeps would stay in RSS.
+
+    Threads started from now on (the gate's, libzmq's) allocate from glibc's main arena (mallopt M_ARENA_MAX): the
+    top of a thread's own arena is never given back, malloc_trim or not (docs/security.md, "Connections and
+    memory")."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(None).malloc_trim
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
     except (OSError, AttributeError):
         return None
+    libc.mallopt(M_ARENA_MAX, 1)
+    return trim
 
 
 def _tcp_sockaddr(address: str) -> tuple[int, tuple]:
@@ -150,7 +173,8 @@ class Relay:
     """One accepted connection, its twin to the ROUTER, and what is on its way each way."""
 
     __slots__ = ("client", "inner", "uid", "up", "down", "framing", "masks", "client_done", "inner_done",
-                 "closed", "paused", "tokens", "tokens_at", "timed_message", "moved", "inner_shut")
+                 "closed", "paused", "tokens", "tokens_at", "timed_message", "moved", "inner_shut", "stall_timed",
+                 "unread")
 
     def __init__(self, client: socket.socket, uid: int | None, curve: bool, now: float):
         self.client = client
@@ -160,10 +184,12 @@ class Relay:
         self.down = bytearray()  # ROUTER -> client
         self.framing = Framing(curve)
         self.masks: dict[socket.socket, int] = {client: 0}
-        self.client_done = self.inner_done = self.closed = self.paused = self.inner_shut = False
-        self.tokens, self.tokens_at = float(CURVE_BURST_BYTES), now
+        self.client_done = self.inner_done = self.closed = self.paused = self.inner_shut = self.stall_timed = False
+        # CurveZMQ's bytes, or NULL's commands, it may still send at once.
+        self.tokens, self.tokens_at = float(CURVE_BURST_BYTES if curve else COMMAND_BURST), now
         self.timed_message = -1  # the message whose UNFINISHED_S deadline is set
         self.moved = 0  # bytes passed on either way, which a drain's deadline watches
+        self.unread = 0  # bytes of answers that came after the client hung up
 
 
 class Gate:
@@ -193,6 +219,7 @@ class Gate:
         self._seq = 0
         self._dirty = self._recent = 0
         self._next_tick = 0.0
+        self._retrim_at = float("inf")
         self._trim = _malloc_trim()
         self._stop = False
         self._path = address[len("ipc://"):] if address.startswith("ipc://") else None
@@ -296,8 +323,11 @@ class Gate:
             elif what == "greeting" and not relay.framing.greeted:
                 self._refuse(relay, "handshake timeout", f"no ZMTP greeting within {HANDSHAKE_S:g} s")
             elif what == "message" and relay.framing.unfinished and relay.framing.messages == token:
-                self._refuse(relay, "unfinished message", f"a message left unfinished for "
-                                                          f"{UNFINISHED_S:g} s")
+                if relay.down:  # not read meanwhile: the stall's own deadline applies, then this one again
+                    self._timer(UNFINISHED_S, relay, "message", token)
+                else:
+                    self._refuse(relay, "unfinished message", f"a message left unfinished for "
+                                                              f"{UNFINISHED_S:g} s")
             elif what == "drain":
                 if relay.moved == token:
                     self._close(relay)
@@ -306,6 +336,12 @@ class Gate:
             elif what == "resume":
                 relay.paused = False
                 self._update(relay)
+            elif what == "stalled":
+                relay.stall_timed = False
+                if relay.down and relay.moved == token:
+                    self._refuse(relay, "not reading", f"what it was sent left unread for {STALLED_S:g} s")
+                else:
+                    self._update(relay)
             elif what == "connect" and relay.inner is None:
                 self._connect_inner(relay)
 
@@ -317,9 +353,13 @@ class Gate:
             log.warning("the descriptor limit changed from %d to %d: the connection caps follow", self.fd_limit,
                         fd_limit)
             self._set_caps(fd_limit)
-        if self._dirty >= TRIM_AFTER_BYTES and self._recent < TRIM_AFTER_BYTES // 16 and self._trim is not None:
+        quiet = self._recent < TRIM_AFTER_BYTES // 16
+        if quiet and self._trim is not None and (self._dirty >= TRIM_AFTER_BYTES or now >= self._retrim_at):
             self._trim(0)  # the flood has passed: give its freed heap back
             self.trims += 1
+            # Once more a while later: libzmq lets go of a closed connection's pipes only as the server takes in its
+            # commands, after the trim that followed the flood.
+            self._retrim_at = now + DRAIN_S if self._dirty >= TRIM_AFTER_BYTES else float("inf")
             self._dirty = 0
         self._recent = 0
 
@@ -364,6 +404,7 @@ class Gate:
     def _open(self, client: socket.socket, uid: int | None) -> None:
         if client.family != socket.AF_UNIX:
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as libzmq: requests are small
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         relay = Relay(client, uid, self.curve, time.monotonic())
         self._relays.add(relay)
         if uid is not None:
@@ -379,6 +420,7 @@ class Gate:
             self._refuse(relay, "no descriptor", f"cannot open a socket to the server: {exc.strerror}")
             return
         inner.setblocking(False)
+        inner.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         try:
             inner.connect(self.inner)
         except OSError as exc:
@@ -441,18 +483,26 @@ class Gate:
             if data is not None:
                 relay.client_done = True
                 self._timer(DRAIN_S, relay, "drain", relay.moved)
+                self._unread(relay, len(relay.down))
+                relay.down.clear()
             return
         framing = relay.framing
+        commands = framing.commands
         try:
-            framing.feed(data)
+            framing.feed(data, None if self.curve else int(self._refill(relay, COMMANDS_PER_S, COMMAND_BURST)))
         except Refused as exc:
             self._refuse(relay, exc.kind, exc.detail)
             return
+        if not self.curve:
+            relay.tokens -= framing.commands - commands
         if framing.unfinished and relay.timed_message != framing.messages:
             relay.timed_message = framing.messages
             self._timer(UNFINISHED_S, relay, "message", framing.messages)
         if self.curve:
-            self._spend(relay, len(data))
+            relay.tokens = self._refill(relay, CURVE_BYTES_PER_S, CURVE_BURST_BYTES) - len(data)
+            if relay.tokens < 0:  # in debt: not read until it is paid off
+                relay.paused = True
+                self._timer(-relay.tokens / CURVE_BYTES_PER_S, relay, "resume")
         relay.up += data
         self._dirty += len(data)
         self._recent += len(data)
@@ -468,9 +518,18 @@ class Gate:
             return
         if relay.client_done:  # the client hung up: nobody reads the answers
             relay.moved += len(data)
+            self._unread(relay, len(data))
             return
         relay.down += data
         self._send(relay, relay.client, relay.down)
+
+    def _unread(self, relay: Relay, n: int) -> None:
+        """Count answers to a client that hung up. Its last reports have none, so they pass; past BUFFER_BYTES it
+        left requests behind that cost the server work for nobody, and the rest of them goes with the connection."""
+        relay.unread += n
+        if relay.unread > BUFFER_BYTES:
+            self._refuse(relay, "hung up unread", f"it hung up leaving more than {BUFFER_BYTES} bytes of answers "
+                                                  "unread")
 
     def _recv(self, relay: Relay, sock: socket.socket, room: int) -> bytes | None:
         """Up to `room` bytes; b"" at the end of the stream, None when nothing came (or the relay was closed)."""
@@ -497,14 +556,13 @@ class Gate:
         del buffer[:sent]
         relay.moved += sent
 
-    def _spend(self, relay: Relay, n: int) -> None:
-        """CurveZMQ's rate bound: a token bucket; in debt, the client is not read until it is paid off."""
+    def _refill(self, relay: Relay, rate: float, burst: float) -> float:
+        """The relay's token bucket (CurveZMQ's bytes, NULL's commands) refilled for the time since last: what
+        the client may send now."""
         now = time.monotonic()
-        relay.tokens = min(CURVE_BURST_BYTES, relay.tokens + (now - relay.tokens_at) * CURVE_BYTES_PER_S) - n
+        relay.tokens = min(burst, relay.tokens + (now - relay.tokens_at) * rate)
         relay.tokens_at = now
-        if relay.tokens < 0:
-            relay.paused = True
-            self._timer(-relay.tokens / CURVE_BYTES_PER_S, relay, "resume")
+        return relay.tokens
 
     def _update(self, relay: Relay) -> None:
         """Watch each side for what it can do now; close once a finished side's last bytes are passed on."""
@@ -523,12 +581,18 @@ class Gate:
             except OSError:
                 self._close(relay)
                 return
-        client = ((READ if not (relay.client_done or relay.paused) and len(relay.up) < BUFFER_BYTES else 0)
-                  | (WRITE if relay.down and not relay.client_done else 0))
+        # A client whose socket is full leaves what it was sent unread: it gets no more read or relayed until it
+        # reads, so what it asks and never reads costs the server a few replies, then nothing.
+        stalled = bool(relay.down) and not relay.client_done
+        if stalled and not relay.stall_timed:
+            relay.stall_timed = True
+            self._timer(STALLED_S, relay, "stalled", relay.moved)
+        client = ((READ if not (relay.client_done or relay.paused or stalled) and len(relay.up) < BUFFER_BYTES else 0)
+                  | (WRITE if stalled else 0))
         self._watch(relay, relay.client, client)
         if relay.inner is not None:
-            inner = ((READ if not relay.inner_done and len(relay.down) < BUFFER_BYTES else 0)
-                     | (WRITE if relay.up else 0))
+            inner = ((READ if not (relay.inner_done or stalled) and len(relay.down) < BUFFER_BYTES else 0)
+                     | (WRITE if relay.up and not stalled else 0))
             self._watch(relay, relay.inner, inner)
 
     def _watch(self, relay: Relay, sock: socket.socket, mask: int) -> None:

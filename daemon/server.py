@@ -15,7 +15,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import psutil
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -23,13 +22,13 @@ from moe_l2 import __version__, protocol
 from moe_l2.protocol import ProtocolError
 
 from .config import CurveKeys
-from .gate import Gate, bind_socket_file
+from .gate import SOCKET_BUFFER_BYTES, Gate, bind_socket_file
 from .zmtp import FRAME_LIMIT
 from .loader import Loader
 from .notices import LoadNotices
 from .refusals import RefusalLog
 from .served import ServedModel
-from .stats import shm_lock_figures
+from .stats import OwnRss, shm_lock_figures
 
 log = logging.getLogger("moe-l2d.server")
 
@@ -59,6 +58,10 @@ MAX_QUEUED_CALLS = 256
 # bound on parts and frames, what one connection can make the daemon hold (docs/security.md, "Connections and
 # memory"). Past it libzmq stops reading that connection, and drops replies to a peer that does not read them.
 PIPE_MESSAGES = 8
+# A peer a reply could not be sent to (its pipe full: it does not read them; or gone) is forgotten as a client,
+# and for this long after, its requests that have a reply are dropped undone: their replies would be dropped
+# too. Reports and prefetches, which have none, are still carried out (a closing client's last reports).
+DEAF_S = 1.0
 # Where the daemon's own threads ask it (the metrics exporter, through moe_l2/control.py): an endpoint of the
 # server's ZeroMQ context, which needs no socket permission and bypasses CurveZMQ, never leaving the process.
 INPROC_ADDRESS = "inproc://moe-l2d"
@@ -111,6 +114,8 @@ class Server:
             collections.OrderedDict()
         self.requests = 0
         self.errors = 0
+        self.unanswered = 0  # requests of peers that do not read their replies, dropped undone
+        self._deaf: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # identity -> when, oldest first
         # Report pieces waiting to be folded in, and the requests their senders made after them (see _run_work);
         # the pieces' total cost; how many requests wait; per identity, how many of its items are queued.
         self._work: collections.deque = collections.deque()
@@ -119,6 +124,7 @@ class Server:
         self._waiting: dict[bytes, int] = {}
         self.model_paths = {m.files.fingerprint: os.path.realpath(m.files.path) for m in models}
         self.notices = LoadNotices()
+        self._rss = OwnRss()
         for m in models:
             m.on_fill_ended = functools.partial(self.notices.fill_ended, m.files.fingerprint)
         self._context = zmq.Context()
@@ -129,6 +135,7 @@ class Server:
         self._socket.setsockopt(zmq.MAXMSGSIZE, FRAME_LIMIT)
         self._socket.setsockopt(zmq.RCVHWM, PIPE_MESSAGES)
         self._socket.setsockopt(zmq.SNDHWM, PIPE_MESSAGES)
+        self._socket.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # A send to a full pipe fails (EAGAIN) instead of vanishing, so that _send can tell a pipe that is full
         # from one that only looks full.
@@ -205,6 +212,9 @@ class Server:
         except ProtocolError as exc:
             self._send(identity, self._refuse(exc.req_id, exc.ename, exc.evalue))
             return
+        if identity in self._deaf and not isinstance(request, (protocol.Report, protocol.Prefetch)):
+            self.unanswered += 1
+            return
         if identity in self._waiting and not isinstance(request, (protocol.Hello, protocol.Report)):
             # This connection's earlier reports are still being folded in: keep its order (a stats after a
             # report sees the report; a hint after a report does not claim its counts). Heartbeats never wait;
@@ -238,7 +248,8 @@ class Server:
         libzmq learns that the peer has read its messages from commands that a send takes in at most once a
         millisecond or so: a pipe the peer has drained can still look full, and a reply to a client that reads
         every one was lost under load. So a full pipe is looked at again after the pending commands are taken in
-        (reading ZMQ_EVENTS does that at once), and the reply is dropped only if it is full still."""
+        (reading ZMQ_EVENTS does that at once), and the reply is dropped only if it is full still. A peer a reply
+        was dropped for is deaf for DEAF_S (see there)."""
         for attempt in range(2):
             try:
                 self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
@@ -248,8 +259,14 @@ class Server:
                     self._socket.getsockopt(zmq.EVENTS)
             except zmq.ZMQError as exc:  # the peer is gone (EHOSTUNREACH)
                 log.debug("reply dropped: %s", exc)
-                return
-        log.debug("reply dropped: the peer does not read its replies")
+                break
+        else:
+            if identity not in self._deaf:
+                self._refusals.refused("NotReading", "a peer does not read its replies: forgotten as a client, and "
+                                       "what it asks is dropped undone for %g s", DEAF_S)
+        self._deaf.pop(identity, None)
+        self._deaf[identity] = time.monotonic()
+        self.clients.pop(identity, None)
 
     def _enqueue(self, item: QueuedWork) -> None:
         self._work.append(item)
@@ -329,9 +346,11 @@ class Server:
             layers=list(model.layers), notices=True).encode(req.id)
 
     def _expire_clients(self) -> None:
-        cutoff = time.monotonic() - CLIENT_TIMEOUT_S
-        while self.clients and next(iter(self.clients.values()))[1] < cutoff:
+        now = time.monotonic()
+        while self.clients and next(iter(self.clients.values()))[1] < now - CLIENT_TIMEOUT_S:
             self.clients.popitem(last=False)
+        while self._deaf and next(iter(self._deaf.values())) < now - DEAF_S:
+            self._deaf.popitem(last=False)
 
     def attached_clients(self) -> int:
         self._expire_clients()
@@ -355,14 +374,13 @@ class Server:
         return out
 
     def _stats(self, identity: bytes, req: protocol.Stats) -> bytes:
-        process = psutil.Process()
         return protocol.encode_reply(
             req.id,
             daemon={
                 "version": __version__, "pid": os.getpid(), "epoch": self.epoch, "socket": self.address,
-                "uptime_s": time.time() - self.started, "rss_bytes": process.memory_info().rss,
+                "uptime_s": time.time() - self.started, "rss_bytes": self._rss.read(),
                 "clients": self.attached_clients(), "client_list": self._client_list(),
-                "requests": self.requests, "errors": self.errors,
+                "requests": self.requests, "errors": self.errors, "unanswered": self.unanswered,
                 "loads_in_flight": self.loader.in_flight,
                 "shm_bytes": sum(m.shm_bytes for m in self.models.values()),
                 **shm_lock_figures(self.models.values()),
@@ -447,6 +465,7 @@ class Server:
     def close(self) -> None:
         self._refusals.flush(final=True)
         self.notices.close()
+        self._rss.close()
         self._socket.close(0)
         if self._auth is not None:
             self._auth.stop()

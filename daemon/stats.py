@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import collections
+import os
+import sys
 import threading
+
+import psutil
 
 from moe_l2.protocol import PREFETCH_COUNTERS, TIER_COUNTERS
 
@@ -121,3 +125,25 @@ def shm_lock_figures(models) -> dict:
     segments = [s for m in models for s in (m.index, *m.data.values()) if s is not None]
     locked = sum(s.nbytes for s in segments if s.locked)
     return {"shm_locked_bytes": locked, "shm_unlocked_bytes": sum(s.nbytes for s in segments) - locked}
+
+
+class OwnRss:
+    """The daemon's resident memory, for every stats reply: on Linux from /proc/self/statm through a descriptor
+    opened once (procfs makes the file anew at every read from offset 0), where psutil opened two files a call,
+    half of what a stats request cost, and none at all once a flood filled the descriptor table; elsewhere
+    psutil, which asks the kernel."""
+
+    def __init__(self) -> None:
+        self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC) if sys.platform == "linux" else None
+        self._process = psutil.Process() if self._statm is None else None
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def read(self) -> int:
+        if self._statm is None:
+            return self._process.memory_info().rss
+        return int(os.pread(self._statm, 256, 0).split()[1]) * self._page  # "size resident shared ..." in pages
+
+    def close(self) -> None:
+        if self._statm is not None:
+            os.close(self._statm)
+            self._statm = None

@@ -34,7 +34,8 @@ class Refused(Exception):
 class Framing:
     """The client's side of a ZMTP 3 stream as the gate reads it: the greeting, then only frame headers."""
 
-    __slots__ = ("curve", "greeting", "header", "body_left", "parts", "last", "messages")
+    __slots__ = ("curve", "greeting", "header", "body_left", "parts", "last", "messages", "commands",
+                 "command_limit")
 
     def __init__(self, curve: bool):
         self.curve = curve
@@ -44,6 +45,8 @@ class Framing:
         self.parts = 0  # parts of the message in progress
         self.last = False  # the frame in progress ends its message (or is a command)
         self.messages = 0  # messages and commands complete
+        self.commands = 0  # commands begun (READY, PING, PONG; under CurveZMQ every message)
+        self.command_limit: int | None = None
 
     @property
     def greeted(self) -> bool:
@@ -54,8 +57,10 @@ class Framing:
         """Inside a message or a command: libzmq holds what came of it so far."""
         return bool(self.parts or self.body_left or self.header)
 
-    def feed(self, data: bytes) -> None:
-        """Follow `data`; raise Refused at the first byte past a limit."""
+    def feed(self, data: bytes, commands: int | None = None) -> None:
+        """Follow `data`; raise Refused at the first byte past a limit, among them the first command past
+        `commands` more (the gate's rate bound: a flood of PINGs is refused at its first frames, not parsed)."""
+        self.command_limit = None if commands is None else self.commands + commands
         i, n = 0, len(data)
         while i < n:
             if len(self.greeting) < GREETING_BYTES:
@@ -69,12 +74,19 @@ class Framing:
                 i += step
                 if not self.body_left:
                     self._frame_done()
+            elif not self.header and n - i >= 9:  # a whole header in hand, the usual case: read in place
+                flags = data[i]
+                _check_flags(flags)
+                if flags & LONG:
+                    size, i = int.from_bytes(data[i + 1:i + 9], "big"), i + 9
+                else:
+                    size, i = data[i + 1], i + 2
+                self._frame(flags, size)
             else:
                 self.header.append(data[i])
                 i += 1
                 flags = self.header[0]
-                if flags & ~(MORE | LONG | COMMAND):
-                    raise Refused("bad framing", f"a frame with reserved flag bits ({flags:#04x})")
+                _check_flags(flags)
                 if len(self.header) == (9 if flags & LONG else 2):
                     size = int.from_bytes(self.header[1:], "big")
                     self.header.clear()
@@ -99,6 +111,10 @@ class Framing:
             if size > COMMAND_LIMIT:
                 raise Refused("frame too large", f"a command of {size} bytes; the limit is {COMMAND_LIMIT}")
             self.last = True
+            self.commands += 1
+            if self.command_limit is not None and self.commands > self.command_limit:
+                raise Refused("command flood", "more ZMTP commands (PINGs) than a client sends: the gate allows "
+                                               "a burst of a few, then a few a second")
         else:
             if size > FRAME_LIMIT:
                 raise Refused("frame too large", f"a frame of {size} bytes; the limit is {FRAME_LIMIT}")
@@ -115,3 +131,8 @@ class Framing:
         if self.last:
             self.parts = 0
             self.messages += 1
+
+
+def _check_flags(flags: int) -> None:
+    if flags & ~(MORE | LONG | COMMAND):
+        raise Refused("bad framing", f"a frame with reserved flag bits ({flags:#04x})")

@@ -8,6 +8,7 @@ run (docs/security.md, "Connections and memory").
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -20,11 +21,11 @@ import zmq
 
 from moe_l2 import protocol
 from moe_l2.client.connection import L2Client
-from moe_l2.daemon.gate import HANDSHAKE_S, UNFINISHED_S
+from moe_l2.daemon.gate import HANDSHAKE_S, STALLED_S, UNFINISHED_S
 from moe_l2.daemon.zmtp import FRAME_LIMIT
 from moe_l2.daemon.process import DaemonProcess, short_tempdir
 from moe_l2.daemon.refusals import FIRST_LOGGED
-from moe_l2.daemon.server import PIPE_MESSAGES
+from moe_l2.daemon.server import CLIENT_TIMEOUT_S, PIPE_MESSAGES
 
 from .conftest import ANSWER_MS, NOBODY, nobody_runs_python, quarter_budget, retire, stats, wait_for
 
@@ -161,22 +162,105 @@ def test_a_connection_that_never_speaks_zmtp_3_is_closed(running_daemon, zmtp, o
     assert gate_figures(running_daemon)["refused"] == {kind: 1}
 
 
-def test_a_client_that_never_reads_holds_a_bounded_backlog(running_daemon, zmtp):
-    """Requests sent without reading a reply: libzmq keeps PIPE_MESSAGES replies, the gate BUFFER_BYTES, and the
-    rest waits in the sender's own socket (backpressure), never in the daemon."""
-    rss = stats(running_daemon)["daemon"]["rss_bytes"]
-    greedy = [zmtp() for _ in range(8)]
-    ask = frame(protocol.Stats(id=9, routing=True).encode())
-    for conn in greedy:
-        conn.sock.settimeout(0.5)
+# ---- 37.12: floods from inside the group ------------------------------------------------------------------
+
+STATS_FRAME = frame(protocol.Stats(id=9).encode())
+PING = frame(b"\x04PING" + bytes(2), COMMAND)  # ZMTP 3.1: a TTL, no context
+
+
+def send_unread(conn: Zmtp, data: bytes, rounds: int) -> int:
+    """Send `data` up to `rounds` times, reading nothing; the rounds sent whole before the daemon stopped reading
+    (a send waited a second)."""
+    conn.sock.settimeout(1)
+    for i in range(rounds):
         try:
-            for _ in range(20_000):
-                conn.sock.sendall(ask)
+            conn.sock.sendall(data)
         except TimeoutError:
-            pass  # the daemon stopped reading this connection
-    d = stats(running_daemon)["daemon"]
-    assert d["rss_bytes"] - rss < 64 << 20, (rss, d["rss_bytes"])
-    assert running_daemon.proc.poll() is None
+            return i
+    return rounds
+
+
+class Asked:
+    """stats of a daemon, counting the requests this test sends, so that the daemon's own counts can be told apart."""
+
+    def __init__(self, daemon):
+        self.daemon, self.count = daemon, 0
+
+    def __call__(self) -> dict:
+        self.count += 1
+        return stats(self.daemon)["daemon"]
+
+
+def test_a_client_that_never_reads_gets_a_few_answers_then_is_neither_read_nor_kept(running_daemon, zmtp):
+    """Issue 37.12: stats requests sent without reading an answer took stats p99 to 318 ms: the daemon answered
+    every one. Now it answers until the answers fill the sockets on the way, drops what is already on its way
+    undone, reads no more of the client, and closes it STALLED_S later."""
+    asked = Asked(running_daemon)
+    before = asked()
+    greedy = zmtp()
+    sent = send_unread(greedy, STATS_FRAME * 100, 1000)
+    assert 20 <= sent < 1000  # thousands of requests went out, then the daemon stopped reading
+    wait_for(lambda: asked()["gate"]["refused"] == {"not reading": 1}, timeout=STALLED_S + 20,
+             what="the connection closed for not reading")
+    after = asked()
+    answered = after["requests"] - before["requests"] - after["unanswered"] - (asked.count - 1)
+    assert after["unanswered"] > 0 and answered < 200, (sent * 100, after["unanswered"], answered)
+    assert after["rss_bytes"] - before["rss_bytes"] < 24 << 20
+    assert "does not read its replies" in running_daemon.log()
+
+
+@pytest.mark.slow
+def test_a_heartbeat_client_that_never_reads_is_detached(running_daemon, zmtp, model_files):
+    """Issue 37.12: hellos sent without reading the answers kept a client attached for good. Now its connection is
+    closed STALLED_S after its answers filled the sockets on the way, and its last hello expires as a silent
+    client's does (CLIENT_TIMEOUT_S), while a client that reads stays attached."""
+    hello = frame(protocol.Hello(id=1, model=os.path.realpath(model_files.path), fingerprint=model_files.fingerprint,
+                                 client="deaf:1:x").encode())
+    reading = L2Client(model_files, running_daemon.socket, wait_s=5)
+    try:
+        send_unread(zmtp(), hello * 50, 40)
+
+        def names() -> list[str]:
+            return [c["name"] for c in stats(running_daemon)["daemon"]["client_list"]]
+
+        wait_for(lambda: gate_figures(running_daemon)["refused"] == {"not reading": 1}, timeout=STALLED_S + 20,
+                 what="its connection closed")
+        wait_for(lambda: "deaf:1:x" not in names(), timeout=CLIENT_TIMEOUT_S + 20,
+                 what="the client that never reads to be detached")
+        assert reading.attached and reading.name in names()
+    finally:
+        reading.close()
+
+
+def test_a_flood_of_pings_is_closed_at_its_first_frames(running_daemon, zmtp):
+    flood = zmtp()
+    flood.sock.sendall(PING * 1000)
+    assert flood.closed()
+    assert gate_figures(running_daemon)["refused"] == {"command flood": 1}
+    heartbeat = zmtp()  # a few, as a client's ZMQ_HEARTBEAT_IVL sends them, pass
+    heartbeat.sock.sendall(PING * 3)
+    heartbeat.send(protocol.Stats(id=5).encode())
+    while (answer := heartbeat.read_frame())[0] & COMMAND:
+        assert answer[1].startswith(b"\x04PONG")
+    assert protocol.decode_reply(answer[1]).id == 5
+
+
+def test_a_client_that_hangs_up_leaving_requests_costs_a_few_answers(running_daemon, zmtp):
+    """Connection churn: connect, send a buffer's worth of stats requests, hang up. The gate used to pass every
+    one on, and the server answered each for nobody."""
+    asked = Asked(running_daemon)
+    before = asked()
+    for _ in range(4):
+        churn = zmtp()
+        churn.sock.sendall(STATS_FRAME * 600)
+        churn.close()
+    wait_for(lambda: asked()["gate"]["connections"] == 1, what="the connections closed")  # all but the asking one
+    seen = []  # the requests of others than this test, handled so far: until they stop growing
+    wait_for(lambda: seen.append(asked()["requests"] - asked.count) or seen[-1:] == seen[-2:-1],
+             what="what reached the server handled")
+    after = asked()
+    answered = after["requests"] - before["requests"] - after["unanswered"] - (asked.count - 1)
+    assert answered < 4 * 600 // 4, (after["unanswered"], answered)
 
 
 # ---- 7: memory returns after a flood -------------------------------------------------------------------------
