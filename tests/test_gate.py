@@ -415,6 +415,27 @@ def test_connections_past_the_descriptor_limit_are_refused_and_the_daemon_lives(
     assert "Traceback" not in log and log.count("closed a new connection of uid 65534") == FIRST_LOGGED
 
 
+@pytest.mark.skipif(not (sys.platform == "linux" and shutil.which("prlimit") and shutil.which("setpriv")),
+                    reason="needs util-linux prlimit and setpriv")
+def test_a_hard_descriptor_limit_below_mlx_lms_is_named_with_its_fix(model_dir, tmp_path):
+    """Issue 37.12: under a hard limit below 4096, mlx-lm's import-time setrlimit(NOFILE, (2048, 4096)) made moe-l2d
+    refuse with "not allowed to raise maximum limit". Root may raise a hard limit: there it runs without
+    CAP_SYS_RESOURCE. An empty cache dir makes the daemon build the model's switch layers, which imports mlx-lm."""
+    unprivileged = ("setpriv", "--bounding-set=-sys_resource") if os.geteuid() == 0 else ()
+    directory = short_tempdir()
+    try:
+        result = subprocess.run(["prlimit", "--nofile=1024:2048", *unprivileged,
+                                 sys.executable, "-P", "-m", "moe_l2.daemon.main", "--model", str(model_dir), "--budget",
+                                 "1MiB", "--runtime-dir", str(directory)],
+                                capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache")))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert result.returncode == 1, result.stderr
+    assert "mlx-lm sets the open-files limit" in result.stderr and "hard limit is 2048" in result.stderr
+    assert "LimitNOFILE=4096" in result.stderr and "Traceback" not in result.stderr
+
+
 @needs_root
 def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(limited_daemon):
     daemon = limited_daemon(256, 2048)

@@ -87,10 +87,34 @@ def _modules_at_most(limit: int | None):
         nn.Module.__init__ = init
 
 
+# What importing mlx_lm.utils sets RLIMIT_NOFILE to (mlx_lm/utils.py: "For large models with lots of files").
+MLX_LM_FILES = (2048, 4096)
+
+
+def _mlx_lm_utils():
+    """mlx_lm.utils, imported (with the package, which imports it), or a ValueError that names the cause where its
+    import-time setrlimit fails: under a hard open-files limit below MLX_LM_FILES[1] only a privileged process may
+    raise it, and mlx-lm's own message ("not allowed to raise maximum limit") names neither the limit nor mlx-lm."""
+    import resource
+
+    try:
+        from mlx_lm import utils
+    except ValueError:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if hard == resource.RLIM_INFINITY or hard >= MLX_LM_FILES[1]:
+            raise
+        raise ValueError(f"mlx-lm sets the open-files limit to {MLX_LM_FILES[0]} soft, {MLX_LM_FILES[1]} hard when it "
+                         f"is imported, and this process' hard limit is {hard}, which only a privileged process may "
+                         f"raise: raise the hard limit to {MLX_LM_FILES[1]} or more (LimitNOFILE={MLX_LM_FILES[1]} in "
+                         f"the systemd unit, ulimit -Hn {MLX_LM_FILES[1]} in the shell that starts it)") from None
+    return utils
+
+
 def _build(config: dict, tensors: int | None):
     import mlx.core as mx
     from mlx.utils import tree_map
-    from mlx_lm.utils import _get_classes
+
+    _get_classes = _mlx_lm_utils()._get_classes
 
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
@@ -211,6 +235,8 @@ def _keep(path: Path, text: str) -> None:
 def _switch_layers_here(config: dict, tensors: int | None = None) -> list[SwitchLayer]:
     import mlx.core as mx
     import mlx.nn as nn
+
+    _mlx_lm_utils()  # first: any import of mlx_lm imports it
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
