@@ -360,30 +360,39 @@ def connection_flood(address: str, pid: int, args) -> list[tuple[str, list[float
 
 
 def print_connection_flood(model: Path, trees: dict, work: Path, args) -> None:
+    results = per_tree(model, trees, work, "connections",
+                       lambda daemon: connection_flood(daemon.socket, daemon.proc.pid, args))
+    print(f"stats round trip (ms) and the daemon's RSS (MiB), threads and descriptors: idle, while "
+          f"{args.connections} connections are held (a ZeroMQ greeting each, then silence), and after")
+    print_phases(results, lambda gate: f"  gate: {gate['connections']} open of {gate['max_connections']} "
+                                       f"({gate['max_per_user']} per user), refused {sum(gate['refused'].values())}")
+
+
+def per_tree(model: Path, trees: dict, work: Path, name: str, measure) -> dict:
+    """{label: measure(daemon)} for a daemon of each tree (None: this checkout's), each in a runtime dir of its own."""
     results = {}
     for label, tree in trees.items():
-        directory = work / f"connections-{label}"
+        directory = work / f"{name}-{label}"
         directory.mkdir()
         command = (sys.executable, "-P", "-c", LAUNCH_TREE, str(tree)) if tree else None
         daemon = DaemonProcess.serving([model], "8MiB", runtime_dir=directory, command=command).start()
         try:
-            results[label] = connection_flood(daemon.socket, daemon.proc.pid, args)
+            results[label] = measure(daemon)
         finally:
             daemon.stop(timeout=10)
-    print(f"stats round trip (ms) and the daemon's RSS (MiB), threads and descriptors: idle, while "
-          f"{args.connections} connections are held (a ZeroMQ greeting each, then silence), and after")
+    return results
+
+
+def print_phases(results: dict, describe) -> None:
+    """Each tree's phases (phase, samples, figures, what describe() adds to the line when the phase has any)."""
     for label, rows in results.items():
         idle = percentiles(rows[0][1])
         print(f"  {label}")
-        for phase, samples, figures, gate in rows:
+        for phase, samples, figures, extra in rows:
             if not figures:
                 print(f"    {phase:<16} the daemon died")
                 continue
-            line = phase_line(phase, samples, figures, idle)
-            if gate:
-                line += (f"  gate: {gate['connections']} open of {gate['max_connections']} "
-                         f"({gate['max_per_user']} per user), refused {sum(gate['refused'].values())}")
-            print(line)
+            print(phase_line(phase, samples, figures, idle) + (describe(extra) if extra else ""))
 
 
 def phase_line(phase: str, samples: list[float], figures: dict, idle: tuple[float, float]) -> str:
@@ -517,31 +526,12 @@ def group_floods(address: str, pid: int, args) -> list[tuple[str, list[float], d
 
 
 def print_group_floods(model: Path, trees: dict, work: Path, args) -> None:
-    results = {}
-    for label, tree in trees.items():
-        directory = work / f"group-{label}"
-        directory.mkdir()
-        command = (sys.executable, "-P", "-c", LAUNCH_TREE, str(tree)) if tree else None
-        daemon = DaemonProcess.serving([model], "8MiB", runtime_dir=directory, command=command).start()
-        try:
-            results[label] = group_floods(daemon.socket, daemon.proc.pid, args)
-        finally:
-            daemon.stop(timeout=10)
+    results = per_tree(model, trees, work, "group", lambda daemon: group_floods(daemon.socket, daemon.proc.pid, args))
     print(f"stats round trip (ms) and the daemon's RSS (MiB), threads and descriptors: idle, during each flood of "
           f"{args.group} connections ({', '.join(GROUP_FLOODS)}, then all three), just after, and {args.settle:g} s "
           f"after; {args.seconds:g} s each")
-    for label, rows in results.items():
-        idle = percentiles(rows[0][1])
-        print(f"  {label}")
-        for phase, samples, figures, counts in rows:
-            if not figures:
-                print(f"    {phase:<16} the daemon died")
-                continue
-            line = phase_line(phase, samples, figures, idle)
-            if counts:
-                line += (f"  sent {counts['sent']}, turned away {counts['turned away']}, closed by the gate "
-                         f"{counts['closed']}")
-            print(line)
+    print_phases(results, lambda counts: f"  sent {counts['sent']}, turned away {counts['turned away']}, closed by "
+                                         f"the gate {counts['closed']}")
 
 
 def print_metrics_flood(model: Path, trees: dict, work: Path, args) -> None:
@@ -562,15 +552,8 @@ def print_metrics_flood(model: Path, trees: dict, work: Path, args) -> None:
     print(f"stats round trip (ms) and the daemon's RSS (MiB), threads and descriptors: idle, during "
           f"{args.scrapers} scrapers of /metrics and {args.idle_http} idle HTTP connections, and after; "
           f"{args.seconds:g} s each")
-    for label, rows in results.items():
-        idle = percentiles(rows[0][1])
-        print(f"  {label}")
-        for phase, samples, figures, counts in rows:
-            line = phase_line(phase, samples, figures, idle)
-            if counts:
-                line += (f"  scrapes {counts['ok']} answered, {counts['failed']} refused or failed; "
-                         f"{counts['opened']} idle connections opened")
-            print(line)
+    print_phases(results, lambda counts: f"  scrapes {counts['ok']} answered, {counts['failed']} refused or "
+                                         f"failed; {counts['opened']} idle connections opened")
 
 
 def main() -> None:
