@@ -171,7 +171,7 @@ class Server:
         poller.register(self.notices.fileno(), zmq.POLLIN)
         while not should_stop():
             if self._work or poller.poll(100):
-                self.notices.send_due(self._send)
+                self.notices.send_due(self._send_notice)
                 for _ in range(RECEIVE_BATCH):
                     message = self._receive()
                     if message is None and not (self._work and self._socket.poll(REFILL_MS)):
@@ -242,14 +242,16 @@ class Server:
         if reply is not None:
             self._send(identity, reply)
 
-    def _send(self, identity: bytes, reply: bytes) -> None:
+    def _send(self, identity: bytes, reply: bytes, answer: bool = True) -> None:
         """Never blocks: a reply or notice to a peer whose pipe is full (PIPE_MESSAGES) or gone is dropped.
 
         libzmq learns that the peer has read its messages from commands that a send takes in at most once a
         millisecond or so: a pipe the peer has drained can still look full, and a reply to a client that reads
         every one was lost under load. So a full pipe is looked at again after the pending commands are taken in
-        (reading ZMQ_EVENTS does that at once), and the reply is dropped only if it is full still. A peer a reply
-        was dropped for is deaf for DEAF_S (see there)."""
+        (reading ZMQ_EVENTS does that at once), and the reply is dropped only if it is full still. A peer an
+        `answer` to a request was dropped for is deaf for DEAF_S (see there); a notice lost is only lost (its
+        client's wait ends at its own deadline)."""
+        gone = False
         for attempt in range(2):
             try:
                 self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
@@ -259,14 +261,19 @@ class Server:
                     self._socket.getsockopt(zmq.EVENTS)
             except zmq.ZMQError as exc:  # the peer is gone (EHOSTUNREACH)
                 log.debug("reply dropped: %s", exc)
+                gone = True
                 break
-        else:
-            if identity not in self._deaf:
-                self._refusals.refused("NotReading", "a peer does not read its replies: forgotten as a client, and "
-                                       "what it asks is dropped undone for %g s", DEAF_S)
+        if not answer:
+            return
+        if not gone and identity not in self._deaf:
+            self._refusals.refused("NotReading", "a peer does not read its replies: forgotten as a client, and what "
+                                   "it asks is dropped undone for %g s", DEAF_S)
         self._deaf.pop(identity, None)
         self._deaf[identity] = time.monotonic()
         self.clients.pop(identity, None)
+
+    def _send_notice(self, identity: bytes, notice: bytes) -> None:
+        self._send(identity, notice, answer=False)
 
     def _enqueue(self, item: QueuedWork) -> None:
         self._work.append(item)
@@ -296,7 +303,7 @@ class Server:
         try:
             model.report(piece.layers, piece.routed, self.loader, piece.keep, piece.given)
             if piece.notify:
-                self.notices.want(identity, model, piece.notify, self._send)
+                self.notices.want(identity, model, piece.notify, self._send_notice)
         except Exception:  # validated when received: only a bug gets here
             self.errors += 1
             log.exception("report work failed")
