@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"moe_l2": "moe_l2", "daemon": "moe_l2.daemon", "client": "moe_l2.client"}
 CORE = ("moe_l2.protocol", "moe_l2.control", "moe_l2.atomic_file", "moe_l2.layout", "moe_l2.plan", "moe_l2.sizes",
         "moe_l2.runtime", "moe_l2.random_models", "moe_l2.cgroup", "moe_l2.machine", "moe_l2.model", "moe_l2.cache",
-        "moe_l2._native", "moe_l2.exports", "moe_l2.tiers", "moe_l2.ranges", "moe_l2.lifeline")
+        "moe_l2._native", "moe_l2.exports", "moe_l2.tiers", "moe_l2.ranges", "moe_l2.lifeline",
+        "moe_l2.fill_protocol")
 # Part -> the parts it may import (its own included). "package" is moe_l2/__init__.py: __version__, which every
 # part reads, and moe_l2.load & co., which it imports from the client on first use.
 ALLOWED = {
