@@ -28,10 +28,10 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from moe_l2.client.connection import wait_idle
-from moe_l2.client.generation import encode_prompt
-from moe_l2.client.streamed_lm import StreamedLM
-from moe_l2.daemon.process import DaemonProcess
-from moe_l2.random_models import make_model
+from moe_l2.lm.generation import encode_prompt
+from moe_l2.lm.streamed_lm import StreamedLM
+from moe_l2.lab.daemon_process import DaemonProcess
+from moe_l2.lab.random_models import make_model
 from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
 

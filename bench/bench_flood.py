@@ -52,8 +52,8 @@ import psutil
 import zmq
 
 from moe_l2 import protocol
-from moe_l2.daemon.process import DaemonProcess
-from moe_l2.random_models import make_model
+from moe_l2.lab.daemon_process import DaemonProcess
+from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 
 

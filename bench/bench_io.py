@@ -60,9 +60,9 @@ from pathlib import Path
 from moe_l2 import _native
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
-from moe_l2.daemon.process import DaemonProcess
+from moe_l2.lab.daemon_process import DaemonProcess
 from moe_l2.layout import Geometry
-from moe_l2.random_models import make_model
+from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.packer import pack
 from moe_l2.sizes import format_size

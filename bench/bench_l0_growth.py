@@ -19,7 +19,7 @@ import time
 from moe_l2.cache.trace import read_traces
 from moe_l2.client.layerpool import Rows
 from moe_l2.client.pool import ExpertPool
-from moe_l2.client.replayer import replay
+from moe_l2.lab.replayer import replay
 from moe_l2.model import ModelFiles
 from moe_l2.sizes import format_size
 

@@ -89,9 +89,9 @@ def worker(args) -> int:
     import mlx.core as mx
     from mlx_lm import load
 
-    from moe_l2.client.distributed import gather_json
-    from moe_l2.client.generation import encode_prompt
-    from moe_l2.client.streamed_lm import StreamedLM, peak_rss_bytes
+    from moe_l2.lm.distributed import gather_json
+    from moe_l2.lm.generation import encode_prompt
+    from moe_l2.lm.streamed_lm import StreamedLM, peak_rss_bytes
 
     group = mx.distributed.init()
     pipelined = group.size() > 1
@@ -160,8 +160,8 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args)
 
-    from moe_l2.daemon.process import DaemonProcess
-    from moe_l2.random_models import make_model
+    from moe_l2.lab.daemon_process import DaemonProcess
+    from moe_l2.lab.random_models import make_model
     from moe_l2.layout import Geometry
     from moe_l2.model import ModelFiles
 

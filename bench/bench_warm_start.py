@@ -4,11 +4,11 @@ L0 of the whole budget, as `moe-l2 bench`'s pread).
 
 A daemon first learns a workload (--teach tokens of the trace through a real client) and is stopped with SIGTERM,
 which saves its heat. Then each run, with the model's page cache dropped, starts a daemon as a restart does (in a
-fresh state dir holding that heat, or none) and one client process (moe_l2.client.replayer, already imported and
+fresh state dir holding that heat, or none) and one client process (moe_l2.lab.replayer, already imported and
 waiting) that replays the trace's next --tokens tokens at once: `warm start` as soon as the daemon is ready, its
 preload still running; `warm start settled` once the preload is done; `cold daemon` at once; `pread` alone. The
 configurations take turns (--repeat), each figure is the median of its runs, each ratio the median of the ratios
-of runs side by side. The memory split is `moe-l2 bench`'s (moe_l2.commands.bench._plan).
+of runs side by side. The memory split is `moe-l2 bench`'s (moe_l2.cli.bench._plan).
 
     python bench/bench_warm_start.py --geometry gpt-oss-20b --first-layers 6 \\
         --trace ../shared/traces/gpt-oss-20b.jsonl.gz --budget-share 50% --tokens 100 --repeat 3
@@ -28,15 +28,17 @@ from pathlib import Path
 
 import platformdirs
 
-from moe_l2 import lifeline, protocol
+from moe_l2 import protocol
+
+from moe_l2.lab import lifeline
 from moe_l2.cache.trace import read_traces
 from moe_l2.client.connection import request
 from moe_l2.client.options import DEFAULTS
-from moe_l2.commands.bench import DEFAULT_COMPUTE_MS, _drop_page_cache, _plan
+from moe_l2.cli.bench import DEFAULT_COMPUTE_MS, _drop_page_cache, _plan
 from moe_l2.daemon.heat_file import file_name
-from moe_l2.daemon.process import DaemonProcess, short_tempdir
+from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.model import ModelFiles
-from moe_l2.model.synthetic import GEOMETRIES, build
+from moe_l2.lab.synthetic import GEOMETRIES, build
 from moe_l2.sizes import format_size
 
 CONFIGS = ("warm start", "warm start settled", "cold daemon", "pread")
@@ -46,7 +48,7 @@ class Replayer:
     """A client process of `moe-l2 bench`, started ahead so that its imports are done when its job is given."""
 
     def __init__(self):
-        self.proc = subprocess.Popen(lifeline.command("moe_l2.client.replayer"), stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(lifeline.command("moe_l2.lab.replayer"), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
 
     def say(self, line: str) -> None:

@@ -1,9 +1,8 @@
-"""moe_l2.client: a process' side of moe-l2 (docs/architecture.md, "Modules").
+"""moe_l2.client: L0 and the link to L2, a process' side of moe-l2 (docs/architecture.md, "The tree").
 
-`load`, `close`, `stats` and `StreamOptions` are the mlx-lm-shaped entry points (also at the top of the
-package: `moe_l2.load`); `ExpertPool` (L0 and the L0 -> L2 -> L3 walk) and `L2Client` (the link to moe-l2d)
-are the layers beneath. Each name is imported on first use, so that `import moe_l2.client` loads neither MLX
-nor mlx-lm.
+`ExpertPool` (L0 and the L0 -> L2 -> L3 walk), `L2Client` (the link to moe-l2d) and `StreamOptions` (every
+streaming option, once); moe_l2.lm builds mlx-lm models on them. Each name is imported on first use, so that
+`import moe_l2.client` loads neither MLX nor mlx-lm.
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ from moe_l2.exports import lazy_exports
 
 # Name -> the module that defines it.
 _EXPORTS = {
-    "load": "streamed_lm", "close": "streamed_lm", "stats": "streamed_lm", "ExpertStats": "streamed_lm",
-    "StreamedLM": "streamed_lm",
     "StreamOptions": "options", "OptionError": "options",
     "ExpertPool": "pool", "TierCounts": "pool", "PoolTooSmall": "pool",
     "L2Client": "connection",

@@ -8,7 +8,7 @@ reads from the model file and never notices anything but the tier it was served 
 A client uses a daemon only when the socket file, its directory and every segment it maps belong to a trusted
 user (its own, root, the service account, or MOE_L2_TRUSTED_UIDS), and no segment is writable by others: any
 local user can listen on a socket path or a TCP port while the real daemon is down (docs/security.md). The
-socket's checks, the CurveZMQ keys, the bounded socket and `request` are moe_l2/control.py's, shared with every
+socket's checks, the CurveZMQ keys, the bounded socket and `request` are src/moe_l2/control.py's, shared with every
 other asker of the daemon.
 
 Until a peer has passed those checks it is given nothing and nothing is taken from it but its hello's reply: a

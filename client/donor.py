@@ -2,7 +2,7 @@
 
 A miss is read by the process that needs it, into its L0 row, as with no daemon at all. As the read starts, `give`
 queues the record here and returns, and this thread tells the daemon's fill desk (daemon/fills.py,
-moe_l2/fill_protocol.py), so that the desk reserves a slot while the read runs; `read_done` says when the row is
+src/moe_l2/fill_protocol.py), so that the desk reserves a slot while the read runs; `read_done` says when the row is
 whole. Once both are there the thread copies the row into the offered slot through a writable mapping of the
 layer's data segment (checksummed as it lands: _native.copy_record) and says `filled`, or `cancelled` when the
 read failed or the row was handed out again since (its writes count moved: a fetch never waits for a donation).

@@ -34,7 +34,7 @@ of it is: the client's donor (client/donor.py) copies a record out of a row with
 only if the count did not move meanwhile, so a fetch never waits for a donation and a row refilled under the copy
 is never given.
 
-Autopin (`autopin=True`, per-layer rows only: moe_l2/cache/heat.py) pins each layer's hottest experts where they
+Autopin (`autopin=True`, per-layer rows only: src/moe_l2/cache/heat.py) pins each layer's hottest experts where they
 are resident, chosen again as their heat decays; those pins yield to a batch that needs their rows, so they never
 make a batch too big for the pool, where the caller's pins (`pin`) do.
 """
@@ -217,7 +217,7 @@ class LayerPool:
         self._row_of: dict[int, int] = {}
         self._pinned: set[int] = set()  # the caller's pins and autopin's
         self._held_pins: set[int] = set()  # the caller's (`pin`): autopin's yield to a batch, these never do
-        # Autopin (moe_l2/cache/heat.py): the hot set is pinned where resident, at each choice and as it loads.
+        # Autopin (src/moe_l2/cache/heat.py): the hot set is pinned where resident, at each choice and as it loads.
         self._heat = Heat(files.n_experts, pin_limit(self.capacity, files.top_k)) if autopin else None
         self._policy = make_policy(policy)
         self._guess_row: dict[int, int] = {}  # guessed expert -> the side row holding it, whole

@@ -255,7 +255,7 @@ class StreamOptions:
     def l0_capacity(self, files, layers: list[int], slots: int) -> int | dict[int, int]:
         """ExpertPool's capacity for `files`' `layers`: `slots` in every layer, or with `l0_ceilings` each layer
         its own: the number given for each MoE layer of the model, or the `slots` per layer split by the
-        profile's hit curves (moe_l2/cache/ceilings.py)."""
+        profile's hit curves (src/moe_l2/cache/ceilings.py)."""
         ceilings = self.l0_ceilings
         if ceilings is None:
             return slots

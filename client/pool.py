@@ -95,7 +95,7 @@ class ExpertPool:
         A context manager that closes it.
 
         capacity: the most demand rows of each layer (in all, with a shared L0), or a mapping of every layer in
-        `layers` to its own (per-layer ceilings: moe_l2/cache/ceilings.py).
+        `layers` to its own (per-layer ceilings: src/moe_l2/cache/ceilings.py).
 
         direct: read the model files with direct I/O (O_DIRECT / F_NOCACHE): True, False, or None for
         the model's default (ModelFiles.direct_default: on for packed models).
@@ -117,7 +117,7 @@ class ExpertPool:
         `side_rows`: per layer, or in all when shared), counted in `ceiling`; without them `prefetch` loads
         nothing.
         autopin: pin each layer's hottest experts, up to a share of its ceiling, chosen again as their heat
-        decays (moe_l2/cache/heat.py); per-layer rows only.
+        decays (src/moe_l2/cache/heat.py); per-layer rows only.
         fill_l2: give the L2 misses this process reads to the daemon's L2 (client/donor.py) where the daemon's
         fill desk takes them (this process runs as its user), instead of waiting for load-through or having the
         daemon read them again."""

@@ -24,7 +24,7 @@ from moe_l2.ranges import parse_ranges
 from moe_l2.runtime import SOCKET_NAME, runtime_dir
 from moe_l2.sizes import parse_size
 
-from .heat_file import default_state_dir
+from moe_l2.daemon.heat_file import default_state_dir
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

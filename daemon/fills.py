@@ -1,5 +1,5 @@
 """The fill desk: records that clients of the daemon's own uid read themselves, copied into L2 by those clients
-(moe_l2/fill_protocol.py has the conversation, docs/architecture.md "Fills" the design, docs/security.md "Who may
+(src/moe_l2/fill_protocol.py has the conversation, docs/architecture.md "Fills" the design, docs/security.md "Who may
 write L2" the argument).
 
 One thread owns the fill socket (mode 0600, beside the control socket) and its connections. A connection is
@@ -28,10 +28,10 @@ from functools import partial
 from moe_l2.cache.store import Reservation
 from moe_l2.fill_protocol import FillProtocolError, FrameReader, encode
 
-from .gate import bind_socket_file
-from .peers import Credentials, ExitWatch, peer_credentials
-from .refusals import RefusalLog
-from .served import ServedModel
+from moe_l2.daemon.gate import bind_socket_file
+from moe_l2.daemon.peers import Credentials, ExitWatch, peer_credentials
+from moe_l2.daemon.refusals import RefusalLog
+from moe_l2.daemon.served import ServedModel
 
 log = logging.getLogger("moe-l2d.fills")
 

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import psutil
 
-from .http import MAX_CONNECTIONS as HTTP_CONNECTIONS
-from .refusals import RefusalLog
-from .zmtp import COMMAND_LIMIT, Framing, Refused
+from moe_l2.daemon.http import MAX_CONNECTIONS as HTTP_CONNECTIONS
+from moe_l2.daemon.refusals import RefusalLog
+from moe_l2.daemon.zmtp import COMMAND_LIMIT, Framing, Refused
 
 log = logging.getLogger("moe-l2d.gate")
 

@@ -20,7 +20,7 @@ import time
 from moe_l2.plan import open_meminfo, read_memory
 from moe_l2.sizes import format_size
 
-from .served import ServedModel
+from moe_l2.daemon.served import ServedModel
 
 log = logging.getLogger("moe-l2d.governor")
 

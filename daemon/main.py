@@ -28,17 +28,17 @@ from moe_l2.plan import ModelSizes, default_floor, plan, read_memory
 from moe_l2.runtime import instance_tag
 from moe_l2.sizes import format_size
 
-from . import activation
-from .activation import ActivationError, Handed
-from .config import ConfigError, DaemonConfig, build_parser, resolve
-from .gate import Gate, raise_fd_limit
-from .governor import Governor
-from .fills import FillDesk
-from .loader import Loader
-from .notify import sd_notify
-from .served import ServedModel
-from .server import INPROC_ADDRESS, Server
-from .warm_start import WarmStart
+from moe_l2.daemon import activation
+from moe_l2.daemon.activation import ActivationError, Handed
+from moe_l2.daemon.config import ConfigError, DaemonConfig, build_parser, resolve
+from moe_l2.daemon.gate import Gate, raise_fd_limit
+from moe_l2.daemon.governor import Governor
+from moe_l2.daemon.fills import FillDesk
+from moe_l2.daemon.loader import Loader
+from moe_l2.daemon.notify import sd_notify
+from moe_l2.daemon.served import ServedModel
+from moe_l2.daemon.server import INPROC_ADDRESS, Server
+from moe_l2.daemon.warm_start import WarmStart
 
 log = logging.getLogger("moe-l2d")
 
@@ -347,7 +347,7 @@ class Daemon:
             self.fills.start()
         self.governor.start()
         if self.config.metrics is not None:
-            from .metrics import serve_metrics  # prometheus_client only when asked for
+            from moe_l2.daemon.metrics import serve_metrics  # prometheus_client only when asked for
 
             host, port = self.config.metrics
             try:

@@ -16,7 +16,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from moe_l2 import control
 
-from .http import HttpServer, Page, message
+from moe_l2.daemon.http import HttpServer, Page, message
 
 log = logging.getLogger("moe-l2d.metrics")
 
@@ -89,7 +89,7 @@ def families(payload: dict) -> list:
 
 
 class StatsCollector:
-    """Asks the daemon it runs in for stats through the one request helper (moe_l2/control.py), over the
+    """Asks the daemon it runs in for stats through the one request helper (src/moe_l2/control.py), over the
     server's inproc:// endpoint in the server's ZeroMQ context (daemon/server.py, INPROC_ADDRESS): whatever
     --socket is, a scrape needs no socket permission and no CurveZMQ key, and never leaves the process."""
 

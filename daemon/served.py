@@ -26,8 +26,8 @@ from moe_l2.model import CorruptRecord, ModelFiles
 from moe_l2.ranges import format_ranges
 from moe_l2.protocol import ProtocolError
 
-from .loader import Preload
-from .stats import ModelCounters
+from moe_l2.daemon.loader import Preload
+from moe_l2.daemon.stats import ModelCounters
 
 log = logging.getLogger("moe-l2d.loader")
 
@@ -98,7 +98,7 @@ class ServedModel:
         for layer in self.layers:
             self.data[layer] = new_segment(layer, self.slots[layer] * g.slot_stride)
             self.data_names[layer] = self.data[layer].name
-        # An unserved layer's name is empty: clients read it from the model files (moe_l2/layout.py).
+        # An unserved layer's name is empty: clients read it from the model files (src/moe_l2/layout.py).
         names = tuple(self.data_names.get(layer, "") for layer in range(g.n_layers))
         header = IndexHeader(g, epoch, self.files.fingerprint, self.index_name, names).pack()
         view = self.index.view()

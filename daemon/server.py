@@ -21,14 +21,14 @@ from zmq.auth.thread import ThreadAuthenticator
 from moe_l2 import __version__, protocol
 from moe_l2.protocol import ProtocolError
 
-from .config import CurveKeys
-from .gate import SOCKET_BUFFER_BYTES, Gate, bind_socket_file
-from .zmtp import FRAME_LIMIT
-from .loader import Loader
-from .notices import LoadNotices
-from .refusals import RefusalLog
-from .served import ServedModel
-from .stats import OwnRss, shm_lock_figures
+from moe_l2.daemon.config import CurveKeys
+from moe_l2.daemon.gate import SOCKET_BUFFER_BYTES, Gate, bind_socket_file
+from moe_l2.daemon.zmtp import FRAME_LIMIT
+from moe_l2.daemon.loader import Loader
+from moe_l2.daemon.notices import LoadNotices
+from moe_l2.daemon.refusals import RefusalLog
+from moe_l2.daemon.served import ServedModel
+from moe_l2.daemon.stats import OwnRss, shm_lock_figures
 
 log = logging.getLogger("moe-l2d.server")
 
@@ -62,7 +62,7 @@ PIPE_MESSAGES = 8
 # and for this long after, its requests that have a reply are dropped undone: their replies would be dropped
 # too. Reports and prefetches, which have none, are still carried out (a closing client's last reports).
 DEAF_S = 1.0
-# Where the daemon's own threads ask it (the metrics exporter, through moe_l2/control.py): an endpoint of the
+# Where the daemon's own threads ask it (the metrics exporter, through src/moe_l2/control.py): an endpoint of the
 # server's ZeroMQ context, which needs no socket permission and bypasses CurveZMQ, never leaving the process.
 INPROC_ADDRESS = "inproc://moe-l2d"
 

@@ -15,7 +15,7 @@ from xml.sax.saxutils import escape
 from moe_l2.control import SERVICE_USERS
 from moe_l2.runtime import SOCKET_NAME, SYSTEM_DIRS
 
-from .activation import SOCKET_NAME as HANDED_NAME
+from moe_l2.daemon.activation import SOCKET_NAME as HANDED_NAME
 
 SYSTEM, USER = "system", "user"
 UNIT = "moe-l2d"  # moe-l2d.service and moe-l2d.socket

@@ -23,9 +23,9 @@ from moe_l2.cache.policy import restored_policy
 from moe_l2.cache.store import PIN_KINDS
 from moe_l2.sizes import format_size
 
-from .heat_file import Heat, HeatError, LayerHeat, file_name, max_bytes, read, write
-from .loader import Loader, Preload
-from .served import ServedModel
+from moe_l2.daemon.heat_file import Heat, HeatError, LayerHeat, file_name, max_bytes, read, write
+from moe_l2.daemon.loader import Loader, Preload
+from moe_l2.daemon.served import ServedModel
 
 log = logging.getLogger("moe-l2d.warm")
 

@@ -254,7 +254,7 @@ void init_slot_index(nb::module_& m) {
         return "<moe_l2._native.SlotIndex n_experts=" + std::to_string(self.n_experts()) +
                " n_slots=" + std::to_string(self.n_slots()) + ">";
       });
-  // The sizes moe_l2/layout.py lays each layer's part of the index out with.
+  // The sizes src/moe_l2/layout.py lays each layer's part of the index out with.
   cls.attr("SLOT_OF_BYTES") = kSlotOfBytes;
   cls.attr("META_BYTES") = sizeof(SlotMeta);
 }

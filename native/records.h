@@ -33,7 +33,7 @@ void run_on_threads(size_t n_threads, Loop&& loop) {
 
 // Reads are cut into units of at most this many bytes by default: one large record is read by
 // several threads at once (SSDs want a deep queue). Callers that know their records pass their own
-// (moe_l2/model/packed.py; docs/formats.md, "Direct I/O", has the measurement).
+// (src/moe_l2/model/packed.py; docs/formats.md, "Direct I/O", has the measurement).
 constexpr int64_t kReadUnitBytes = int64_t(8) << 20;
 
 // (fd, file_offset, nbytes, dst, dst_offset): read nbytes of a file into dst.

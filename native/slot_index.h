@@ -1,7 +1,7 @@
 // The shared-memory slot format and its seqlock, defined here and nowhere else (docs/architecture.md,
 // "Shared memory"). Per MoE layer the index segment holds slot_of (n_experts x int32: the slot holding
 // the expert, -1 when absent) and the slots' metadata (n_slots x SlotMeta); the layer's data segment
-// holds slot s's record at s * slot_stride. moe_l2/layout.py places the layers' parts and reads the
+// holds slot s's record at s * slot_stride. src/moe_l2/layout.py places the layers' parts and reads the
 // sizes below from SlotIndex.SLOT_OF_BYTES and META_BYTES.
 //
 // The seqlock, writer side (the daemon, one writer per slot, all under its lock):

@@ -26,8 +26,8 @@ from moe_l2 import _native, protocol
 from moe_l2.cache.trace import TraceWriter
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
-from moe_l2.daemon.process import DaemonProcess, short_tempdir
-from moe_l2.random_models import make_model
+from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
+from moe_l2.lab.random_models import make_model
 from moe_l2.layout import Geometry, IndexHeader
 from moe_l2.model import ModelFiles
 

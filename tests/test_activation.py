@@ -15,14 +15,16 @@ from pathlib import Path
 import pytest
 import zmq
 
-from moe_l2 import lifeline, protocol
+from moe_l2 import protocol
+
+from moe_l2.lab import lifeline
 from moe_l2.client.connection import L2Client
 from moe_l2.control import dealer
 from moe_l2.daemon.activation import ActivationError, Handed, _from_systemd, listener, take
-from moe_l2.daemon.process import short_tempdir
+from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.model import ModelFiles
 
-from .conftest import NOBODY, budget_for, free_port, wait_for
+from moe_l2.tests.conftest import NOBODY, budget_for, free_port, wait_for
 
 ACTIVATE = shutil.which("systemd-socket-activate")
 needs_activate = pytest.mark.skipif(ACTIVATE is None, reason="systemd-socket-activate (Debian's systemd package) "

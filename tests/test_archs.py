@@ -24,11 +24,11 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models import switch_layers
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from moe_l2.client.streamed_lm import StreamedLM
-from moe_l2.random_models import make_mlx_lm_model
+from moe_l2.lm.streamed_lm import StreamedLM
+from moe_l2.lab.random_models import make_mlx_lm_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.packer import PackError, pack
-from .conftest import budget_for
+from moe_l2.tests.conftest import budget_for
 
 # Sizes every small model starts from, of which each takes the keys its args class has: a config holds no key
 # its architecture ignores, so the experts per token and the expert count are found under the arch's own names.

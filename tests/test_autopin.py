@@ -1,4 +1,4 @@
-"""Autopin (moe_l2/cache/heat.py, client/layerpool.py): each layer's hottest experts pinned in L0, so that a burst
+"""Autopin (src/moe_l2/cache/heat.py, client/layerpool.py): each layer's hottest experts pinned in L0, so that a burst
 of cold experts cannot flush them; chosen again as heat decays; no device sync of its own; tokens as the model
 loaded whole; replay --autopin models it."""
 
@@ -16,9 +16,9 @@ from moe_l2.cache.trace import TraceWriter, read_traces
 from moe_l2.cli import main
 from moe_l2.client.options import OptionError
 from moe_l2.client.pool import ExpertPool
-from moe_l2.client.streamed_lm import StreamedLM
+from moe_l2.lm.streamed_lm import StreamedLM
 
-from .conftest import PREFETCH_TEXT, assert_resident_exact
+from moe_l2.tests.conftest import PREFETCH_TEXT, assert_resident_exact
 
 
 def _warm_then_burst(pool: ExpertPool, files, rng: random.Random) -> None:

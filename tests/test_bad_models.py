@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from moe_l2.daemon.process import short_tempdir
-from moe_l2.random_models import make_gguf_model
+from moe_l2.lab.daemon_process import short_tempdir
+from moe_l2.lab.random_models import make_gguf_model
 
 # Address space a tool may take: healthy runs here take well under it; a million decoder layers built took 12 GB
 # of memory (issue 37).
@@ -142,7 +142,7 @@ def test_a_shard_swapped_for_a_fifo_after_the_open_is_refused_by_verify(copy_of,
     there too, and verify says so instead of a traceback (or a hang)."""
     import argparse
 
-    from moe_l2.commands import verify
+    from moe_l2.cli import verify
     from moe_l2.model import ModelFiles
 
     opened = ModelFiles.open

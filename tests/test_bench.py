@@ -17,11 +17,11 @@ import pytest
 from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main
 from moe_l2.client.donor import SHARED_ROWS
-from moe_l2.random_models import make_model
+from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
-from moe_l2.model.synthetic import GEOMETRIES, build
-from .conftest import segment_exists, synthetic_trace, wait_for
+from moe_l2.lab.synthetic import GEOMETRIES, build
+from moe_l2.tests.conftest import segment_exists, synthetic_trace, wait_for
 
 FIELDS = {"name": str, "budget_share": float, "processes": int, "stall_s_per_token": float,
           "tok_s_projected": float, "hit_rates": dict, "disk_bytes_per_token": float, "peak_bytes": int}
@@ -99,7 +99,7 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
 
 
 def test_repeat_takes_turns_and_reports_medians_in_their_range_and_ratios_pair_by_pair(tiny, capsys, monkeypatch):
-    from moe_l2.commands import bench
+    from moe_l2.cli import bench
 
     model, trace = tiny
     order = []
@@ -300,7 +300,7 @@ def test_an_interrupted_bench_leaves_nothing_behind(tiny, tmp_path, config, how)
         cgroups = [root / f"moe-l2-bench-{bench.pid}"
                    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory"))]
         # Up: both clients started and, for moe-l2, its daemon serving (it lists its segments once it does).
-        wait_for(lambda: len(_started(parent, "moe_l2.client.replayer")) == 2 or bench.poll() is not None,
+        wait_for(lambda: len(_started(parent, "moe_l2.lab.replayer")) == 2 or bench.poll() is not None,
                  60, "the bench's client processes")
         if bench.poll() is not None:
             err = log.read_text()

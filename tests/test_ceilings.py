@@ -1,4 +1,4 @@
-"""Per-layer L0 ceilings (moe_l2/cache/ceilings.py): hit curves against a real pool's hits, the split, the
+"""Per-layer L0 ceilings (src/moe_l2/cache/ceilings.py): hit curves against a real pool's hits, the split, the
 profile's curves, the option end to end (tokens against the model loaded whole) and replay --ceilings."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.replay import replay
 from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main
-from moe_l2.client.generation import encode_prompt
+from moe_l2.lm.generation import encode_prompt
 from moe_l2.client.options import OptionError
 from moe_l2.client.pool import ExpertPool
-from moe_l2.client.streamed_lm import StreamedLM
+from moe_l2.lm.streamed_lm import StreamedLM
 
-from .conftest import synthetic_trace
+from moe_l2.tests.conftest import synthetic_trace
 
 
 def test_hit_curves_are_a_real_lru_pools_hits_at_every_capacity(model_files):

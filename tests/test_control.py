@@ -1,7 +1,7 @@
-"""Asking moe-l2d (moe_l2/control.py, issues 20 and 21.3): every asker goes through one helper that speaks
+"""Asking moe-l2d (src/moe_l2/control.py, issues 20 and 21.3): every asker goes through one helper that speaks
 CurveZMQ, refuses an impostor before saying anything, takes a bounded reply and reads a malformed one as a clear
 error; the metrics exporter asks the same way; and files moe-l2 writes in a directory other users can write are
-never written through a link planted there (moe_l2/atomic_file.py), a routing trace included (issue 37.4)."""
+never written through a link planted there (src/moe_l2/atomic_file.py), a routing trace included (issue 37.4)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from moe_l2 import control, protocol
 from moe_l2.atomic_file import UnsafeFile
 from moe_l2.cache.trace import TraceWriter, read_traces
 from moe_l2.cli import main as moe_l2_main
-from moe_l2.daemon.process import short_tempdir
+from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.model import MANIFEST_NAME, ModelFiles
 from moe_l2.model.packer import pack
-from moe_l2.random_models import make_model
+from moe_l2.lab.random_models import make_model
 
-from .conftest import AS_NOBODY, NOBODY, budget_for, nobody_runs_python, wait_for
+from moe_l2.tests.conftest import AS_NOBODY, NOBODY, budget_for, nobody_runs_python, wait_for
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown and the planted links of another user need root")
 

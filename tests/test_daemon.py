@@ -22,7 +22,7 @@ from moe_l2.layout import IndexHeader
 from moe_l2.machine import SharedMemoryRoom
 from moe_l2.sizes import format_size
 
-from .conftest import ANSWER_MS, budget_for, daemon_segments, run_daemon, segment_exists, stats, wait_for
+from moe_l2.tests.conftest import ANSWER_MS, budget_for, daemon_segments, run_daemon, segment_exists, stats, wait_for
 
 
 def test_stats_describe_the_served_model(running_daemon, model_files):
@@ -365,7 +365,7 @@ def test_console_script_is_installed():
 
 STARTER = """
 import json, sys, time
-from moe_l2.daemon.process import DaemonProcess
+from moe_l2.lab.daemon_process import DaemonProcess
 daemon = DaemonProcess.serving([sys.argv[1]], sys.argv[2]).start()
 print(json.dumps({"pid": daemon.proc.pid, "segments": daemon.segments, "dir": str(daemon.runtime_dir)}), flush=True)
 time.sleep(600)
@@ -374,7 +374,7 @@ time.sleep(600)
 
 def test_a_daemon_process_ends_with_its_starter_killed_outright(model_dir, model_files):
     """A demo, bench or test run killed with SIGKILL cleans nothing itself: its DaemonProcess ends on its own
-    (moe_l2/lifeline.py), unlinking its segments, instead of serving on as an orphan."""
+    (lab/lifeline.py), unlinking its segments, instead of serving on as an orphan."""
     starter = subprocess.Popen([sys.executable, "-P", "-c", STARTER, str(model_dir), str(budget_for(model_files, 2))],
                                stdout=subprocess.PIPE, text=True)
     started = {}

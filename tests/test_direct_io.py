@@ -11,12 +11,12 @@ import pytest
 
 from moe_l2 import _native
 from moe_l2.client.pool import ExpertPool
-from moe_l2.random_models import make_model
+from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.packer import pack
 from moe_l2.model.records import record_checksum
 
-from .conftest import budget_for, stats, wait_for
+from moe_l2.tests.conftest import budget_for, stats, wait_for
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="O_DIRECT and posix_fadvise are Linux's")
 MIB = 1 << 20

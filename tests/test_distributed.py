@@ -22,13 +22,13 @@ from mlx_lm.generate import stream_generate
 
 from moe_l2.cache.profile import Profile
 from moe_l2.cache.trace import read_traces
-from moe_l2.client.generation import encode_prompt
-from moe_l2.client.streamed_lm import l0_slots_for
+from moe_l2.lm.generation import encode_prompt
+from moe_l2.lm.streamed_lm import l0_slots_for
 from moe_l2.client.pool import ExpertPool
-from moe_l2.daemon.process import short_tempdir
-from moe_l2.random_models import make_model
+from moe_l2.lab.daemon_process import short_tempdir
+from moe_l2.lab.random_models import make_model
 
-from .conftest import budget_for, stats, synthetic_trace, wait_for
+from moe_l2.tests.conftest import budget_for, stats, synthetic_trace, wait_for
 
 PROMPT = "what is the integral of this derivative"
 TOKENS = 16

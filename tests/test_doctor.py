@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 
 from moe_l2 import _native as native
-from moe_l2.daemon.process import short_tempdir
+from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.model import ModelFiles
 from moe_l2.plan import ModelSizes, plan, read_memory
 
@@ -147,7 +147,7 @@ def test_a_low_soft_limit_is_no_failure_the_daemon_raises_it_to_the_hard_one():
 def test_l2_pages_are_what_dev_shm_is_mounted_with(tmp_path):
     """/dev/shm's huge= option, as /proc/mounts has it, decides whether L2's segments get huge pages: the
     machine's own is reported, and each option is read as the kernel applies it (the last mount wins)."""
-    from moe_l2.commands.doctor import check_l2_pages
+    from moe_l2.cli.doctor import check_l2_pages
 
     with open("/proc/mounts") as f:
         shm = [line.split()[3] for line in f if line.split()[1:2] == ["/dev/shm"]]

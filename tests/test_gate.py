@@ -23,11 +23,11 @@ from moe_l2 import protocol
 from moe_l2.client.connection import L2Client
 from moe_l2.daemon.gate import HANDSHAKE_S, STALLED_S, UNFINISHED_S
 from moe_l2.daemon.zmtp import FRAME_LIMIT
-from moe_l2.daemon.process import DaemonProcess, short_tempdir
+from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.daemon.refusals import FIRST_LOGGED
 from moe_l2.daemon.server import CLIENT_TIMEOUT_S, PIPE_MESSAGES
 
-from .conftest import ANSWER_MS, NOBODY, nobody_runs_python, quarter_budget, retire, stats, wait_for
+from moe_l2.tests.conftest import ANSWER_MS, NOBODY, nobody_runs_python, quarter_budget, retire, stats, wait_for
 
 # ZMTP 3.0 (rfc.zeromq.org/spec/23): the greeting of a NULL-mechanism peer, and frame flags.
 GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
@@ -503,7 +503,7 @@ def expected_tokens(model_dir) -> list[int]:
     from mlx_lm import load
     from mlx_lm.generate import stream_generate
 
-    from moe_l2.client.generation import encode_prompt
+    from moe_l2.lm.generation import encode_prompt
 
     whole, tokenizer = load(str(model_dir))
     ids = encode_prompt(tokenizer, SOAK_PROMPT)

@@ -16,16 +16,16 @@ from mlx_lm.generate import stream_generate
 
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.connection import wait_idle
-from moe_l2.client.generation import encode_prompt
-from moe_l2.commands.demo import COLUMN_WIDTH, DEMO_NAME, LABEL_WIDTH, ensure_demo_model, render_verdict
-from moe_l2.commands.generate import render
-from moe_l2.commands.stats import model_rates
-from moe_l2.commands.stats import render as render_stats
+from moe_l2.lm.generation import encode_prompt
+from moe_l2.cli.demo import COLUMN_WIDTH, DEMO_NAME, LABEL_WIDTH, ensure_demo_model, render_verdict
+from moe_l2.cli.generate import render
+from moe_l2.cli.stats import model_rates
+from moe_l2.cli.stats import render as render_stats
 from moe_l2.cache.trace import read_traces
 from moe_l2.model import ModelFiles
 from moe_l2.sizes import format_pct, format_size
 
-from .conftest import budget_for, free_port, scrape, stats, wait_for
+from moe_l2.tests.conftest import budget_for, free_port, scrape, stats, wait_for
 
 
 PROMPT = "Which experts does the router pick for this sentence?"
@@ -288,7 +288,7 @@ def test_every_mlx_lm_generate_flag_is_taken_with_its_default_or_refused_with_a_
     nargs, numeric types and kinds of action, flag by flag; its flags that moe-l2 lacks are NOT_TAKEN's."""
     from mlx_lm.generate import setup_arg_parser
 
-    from moe_l2.commands.generate import NOT_TAKEN, _NotTaken
+    from moe_l2.cli.generate import NOT_TAKEN, _NotTaken
 
     ours = {a.dest: a for a in _generate_parser()._actions if not isinstance(a, _NotTaken)}
     theirs = [a for a in setup_arg_parser()._actions if a.dest != "help"]
@@ -306,7 +306,7 @@ def test_every_mlx_lm_generate_flag_is_taken_with_its_default_or_refused_with_a_
 
 @pytest.mark.parametrize("flag", ["--draft-model", "--adapter-path", "--image", "--num-draft-tokens"])
 def test_an_mlx_lm_flag_moe_l2_does_not_take_is_refused_with_the_reason(capsys, flag):
-    from moe_l2.commands.generate import NOT_TAKEN
+    from moe_l2.cli.generate import NOT_TAKEN
 
     with pytest.raises(SystemExit) as exit_:
         moe_l2_main(["generate", "--model", "m", flag, "x"])

@@ -24,12 +24,12 @@ import pytest
 from moe_l2 import protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
-from moe_l2.commands.stats import render
-from moe_l2.daemon.process import DaemonProcess
+from moe_l2.cli.stats import render
+from moe_l2.lab.daemon_process import DaemonProcess
 from moe_l2.layout import Geometry
 from moe_l2.plan import GiB, MEMORY_FILE_ENV
 
-from .conftest import assert_resident_exact, budget_for, retire, stats, wait_for
+from moe_l2.tests.conftest import assert_resident_exact, budget_for, retire, stats, wait_for
 
 SLOTS = 8
 PINS = [0, 1, 2]

@@ -24,11 +24,11 @@ from moe_l2 import protocol
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.arrivals import WaitCounts
 from moe_l2.client.connection import UNTRUSTED_FRAMES, L2Client, request
-from moe_l2.client.generation import encode_prompt
+from moe_l2.lm.generation import encode_prompt
 from moe_l2.client.pool import ExpertPool
-from moe_l2.daemon.process import short_tempdir
+from moe_l2.lab.daemon_process import short_tempdir
 
-from .conftest import AS_NOBODY, NOBODY, assert_resident_exact, free_port, nobody_runs_python, wait_for
+from moe_l2.tests.conftest import AS_NOBODY, NOBODY, assert_resident_exact, free_port, nobody_runs_python, wait_for
 
 PROMPT = "Which experts does the router pick for this sentence?"
 

@@ -14,15 +14,15 @@ from mlx_lm.generate import stream_generate
 
 from moe_l2 import protocol
 from moe_l2.cli import main as moe_l2_main
-from moe_l2.client.generation import encode_prompt
+from moe_l2.lm.generation import encode_prompt
 from moe_l2.client.layerpool import GROWTH
-from moe_l2.client.streamed_lm import StreamedLM
+from moe_l2.lm.streamed_lm import StreamedLM
 from moe_l2.client.pool import ExpertPool
-from moe_l2.client.serving_metrics import _l0_rows
-from moe_l2.commands.stats import render
+from moe_l2.serve.metrics import _l0_rows
+from moe_l2.cli.stats import render
 from moe_l2.control import request
 
-from .conftest import assert_resident_exact, budget_for, stats, wait_for
+from moe_l2.tests.conftest import assert_resident_exact, budget_for, stats, wait_for
 
 PROMPT = "Which experts does the router pick for this sentence?"
 TOKENS = 24

@@ -12,12 +12,12 @@ from mlx_lm import load
 
 from moe_l2 import _native
 from moe_l2.client.l2view import L2View
-from moe_l2.client.streamed_lm import StreamedLM
+from moe_l2.lm.streamed_lm import StreamedLM
 from moe_l2.client.pool import ExpertPool
 from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
 
-from .conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, made_and_loaded_whole,
+from moe_l2.tests.conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, made_and_loaded_whole,
                        stats, wait_for)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

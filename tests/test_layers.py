@@ -21,17 +21,17 @@ from moe_l2.cache.profile import Profile
 from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main as cli
 from moe_l2.client.connection import L2Client, request
-from moe_l2.client.streamed_lm import StreamedLM
+from moe_l2.lm.streamed_lm import StreamedLM
 from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.daemon.metrics import families
-from moe_l2.random_models import make_model
+from moe_l2.lab.random_models import make_model
 from moe_l2.layout import Geometry, align, page_size
 from moe_l2.model import ModelFiles
 from moe_l2.plan import DEFAULT_KV_BYTES, MEMORY_FILE_ENV, Memory, ModelSizes, os_headroom, plan
 from moe_l2.sizes import size_arg
 
-from .conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, segment_exists,
+from moe_l2.tests.conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, segment_exists,
                        stats, synthetic_trace, wait_for)
 
 SERVED, UNSERVED = [0, 1], 2  # MoE layers of --layers 0-2

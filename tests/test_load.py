@@ -17,9 +17,11 @@ from mlx_lm import batch_generate, generate, load as load_whole, stream_generate
 import moe_l2
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client import ExpertPool, L2Client, OptionError, StreamOptions
-from moe_l2.client.streamed_lm import streamed
+from moe_l2.lm.streamed_lm import streamed
 from moe_l2.client.options import DEFAULTS, add_arguments, from_args
-from moe_l2.commands import bench, generate as generate_command, serve
+from moe_l2.cli import bench
+from moe_l2.cli import generate as generate_command
+from moe_l2.cli import serve
 
 PROMPTS = ["Which experts does the router pick?", "The cache keeps what the router picks most often"]
 TOKENS = 6

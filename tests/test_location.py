@@ -18,13 +18,13 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 
 from moe_l2.cli import main as moe_l2_main
-from moe_l2.client.generation import encode_prompt
+from moe_l2.lm.generation import encode_prompt
 from moe_l2.daemon.config import ConfigError, build_parser, resolve
-from moe_l2.daemon.process import DaemonProcess, short_tempdir
+from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.model import ModelFiles
 from moe_l2.model.location import ModelNotFound, PathError, expand_path, expand_socket, resolve_model
 
-from .conftest import quarter_budget, stats
+from moe_l2.tests.conftest import quarter_budget, stats
 
 REPO = "acme/qwen3-tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

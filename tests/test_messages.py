@@ -1,4 +1,4 @@
-"""Anthropic's Messages API on `moe-l2 serve` (client/messages.py), through the official anthropic client and raw
+"""Anthropic's Messages API on `moe-l2 serve` (serve/messages.py), through the official anthropic client and raw
 HTTP, against the chat completions of the same server process: the same text and token counts at temperature 0,
 streamed or not, its stop reasons, and its errors as Anthropic's error object."""
 
@@ -11,7 +11,7 @@ import anthropic
 import openai
 import pytest
 
-from .conftest import ServeProcess
+from moe_l2.tests.conftest import ServeProcess
 
 PROMPTS = ["Which experts does the router pick?", "Tell me about shared memory caches.",
            "one two three four five six seven eight nine ten", "Why?"]
@@ -102,7 +102,7 @@ def test_a_stop_sequence_ends_the_reply_and_is_named(server, tokenizer):
 
 
 def test_stop_reasons_of_mlx_lm_finishes(tokenizer):
-    from moe_l2.client.messages import stop_reason
+    from moe_l2.serve.messages import stop_reason
 
     eos = next(iter(tokenizer.eos_token_ids))
     word = tokenizer.encode(" the", add_special_tokens=False)

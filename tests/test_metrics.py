@@ -18,12 +18,12 @@ import pytest
 from moe_l2 import __version__, protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
-from moe_l2.commands.stats import render
+from moe_l2.cli.stats import render
 from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.daemon.http import MAX_CONNECTIONS, MAX_HEAD_BYTES
-from moe_l2.daemon.process import DaemonProcess, short_tempdir
+from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 
-from .conftest import AS_NOBODY, budget_for, free_port, scrape, nobody_runs_python, quarter_budget, retire, stats, wait_for
+from moe_l2.tests.conftest import AS_NOBODY, budget_for, free_port, scrape, nobody_runs_python, quarter_budget, retire, stats, wait_for
 
 REFUSAL = "metrics endpoint at its limit"
 

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moe_l2.random_models import make_model
+from moe_l2.lab.random_models import make_model
 from moe_l2.model import ALIGN, ModelFiles, RecordLayout
 
 DIMS = dict(layers=3, experts=4, top_k=2, hidden_size=64, moe_hidden_size=64)
@@ -338,7 +338,7 @@ def test_expert_count_and_experts_per_token_come_from_the_model_mlx_lm_builds(tm
     config["num_experts_per_tok"] = 3
     (path / "config.json").write_text(json.dumps(config))
     assert (ModelFiles.open(path).n_experts, ModelFiles.open(path).top_k) == (4, 3)
-    config["num_local_experts"] = 8  # refused before mlx-lm builds anything (moe_l2/model/bounds.py)
+    config["num_local_experts"] = 8  # refused before mlx-lm builds anything (src/moe_l2/model/bounds.py)
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="num_local_experts is 8, but the files' tensors hold 4 experts at most"):
         ModelFiles.open(path)

@@ -18,12 +18,12 @@ import pytest
 from moe_l2 import _native
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
-from moe_l2.random_models import make_model
+from moe_l2.lab.random_models import make_model
 from moe_l2.model import MANIFEST_NAME, PACK_ALIGN, PACK_MARKER, ModelFiles
 from moe_l2.model import packer
 from moe_l2.model.packer import PackError, pack
 
-from .conftest import budget_for, stats, wait_for
+from moe_l2.tests.conftest import budget_for, stats, wait_for
 
 DIMS = dict(layers=3, experts=8, top_k=2, hidden_size=64, moe_hidden_size=64)
 CASES = {
@@ -286,7 +286,7 @@ def test_bad_outputs_and_inputs_are_refused(sources, tmp_path, packed):
     _, out = packed("mixtral-4bit")
     with pytest.raises(PackError, match="already packed"):
         pack(out.path, tmp_path / "again", progress=False)
-    from moe_l2.random_models import make_gguf_model
+    from moe_l2.lab.random_models import make_gguf_model
 
     with pytest.raises(PackError, match="GGUF models are served as they are"):
         pack(make_gguf_model(tmp_path / "g" / "m.gguf"), tmp_path / "g-out", progress=False)
@@ -366,7 +366,7 @@ def test_pack_and_verify_from_the_command_line(sources, tmp_path):
 def test_a_packed_model_streams_through_the_mlx_lm_integration_bit_identically(packed):
     from mlx_lm import load
 
-    from moe_l2.client.streamed_lm import StreamedLM
+    from moe_l2.lm.streamed_lm import StreamedLM
 
     src, out = packed("mixtral-4bit")
     whole, tokenizer = load(str(src.path))

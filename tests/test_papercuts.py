@@ -14,12 +14,12 @@ import pytest
 
 from moe_l2 import __version__, protocol
 from moe_l2.client.connection import request
-from moe_l2.client.streamed_lm import l0_slots_for
+from moe_l2.lm.streamed_lm import l0_slots_for
 from moe_l2.daemon.config import ConfigError, build_parser, resolve
-from moe_l2.daemon.process import short_tempdir
+from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.sizes import format_size
 
-from .conftest import quarter_budget, stats
+from moe_l2.tests.conftest import quarter_budget, stats
 
 ROOT = Path(__file__).resolve().parents[1]
 

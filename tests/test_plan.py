@@ -21,13 +21,13 @@ from mlx_lm.generate import stream_generate
 from moe_l2 import cli
 from moe_l2.cache.replay import order_sequences
 from moe_l2.cache.trace import read_traces
-from moe_l2.client.streamed_lm import StreamedLM, l0_slots_for
+from moe_l2.lm.streamed_lm import StreamedLM, l0_slots_for
 from moe_l2.layout import Geometry, record_stride
 from moe_l2.plan import (DEFAULT_KV_BYTES, GiB, MEMORY_FILE_ENV, Memory, ModelSizes, default_l0_slots, os_headroom,
                          plan)
 from moe_l2.sizes import parse_size
 
-from .conftest import stats, synthetic_trace
+from moe_l2.tests.conftest import stats, synthetic_trace
 
 SIZES = ModelSizes(n_layers=4, n_experts=32, top_k=4, record_bytes=3 * 4096 + 100, non_expert_bytes=50 << 20)
 

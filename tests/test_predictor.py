@@ -11,12 +11,12 @@ import time
 import pytest
 
 from moe_l2.cache import embedding as emb
-from moe_l2.commands import predict as pr
+from moe_l2.cli import predict as pr
 from moe_l2.cache.prediction import NaiveBayes, PredictorError, cross_validate, features
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.trace import read_traces
 
-from .conftest import shared_trace, synthetic_trace
+from moe_l2.tests.conftest import shared_trace, synthetic_trace
 
 
 EXAMPLES = [

@@ -17,11 +17,11 @@ from moe_l2.cache.replay import replay
 from moe_l2.cache.trace import TraceWriter, read_traces
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.connection import L2Client
-from moe_l2.client.streamed_lm import StreamedLM
-from moe_l2.client.nextlayer import NextLayer
+from moe_l2.lm.streamed_lm import StreamedLM
+from moe_l2.lm.nextlayer import NextLayer
 from moe_l2.client.pool import ExpertPool
 
-from .conftest import (assert_every_tier_exact, assert_resident_exact, budget_for, greedy,
+from moe_l2.tests.conftest import (assert_every_tier_exact, assert_resident_exact, budget_for, greedy,
                        PREFETCH_TEXT as TEXT, stats, wait_for)
 
 def assert_counts_add_up(pool: ExpertPool) -> None:

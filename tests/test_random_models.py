@@ -8,7 +8,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from moe_l2.cli import main as moe_l2_main
-from moe_l2.random_models import ARCHS, make_model
+from moe_l2.lab.random_models import ARCHS, make_model
 
 DIMS = dict(layers=3, experts=4, top_k=2, hidden_size=64, moe_hidden_size=64)
 PROMPT = "The morning was"

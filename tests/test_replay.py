@@ -14,9 +14,9 @@ from moe_l2.cache import replay as rp
 from moe_l2.cache.policy import BeladyMIN
 from moe_l2.cache.profile import Profile
 from moe_l2.cache.trace import TraceError, TraceSet, TraceWriter, iter_traces, read_traces
-from moe_l2.commands import replay as replay_cmd
+from moe_l2.cli import replay as replay_cmd
 
-from .conftest import shared_trace, synthetic_trace
+from moe_l2.tests.conftest import shared_trace, synthetic_trace
 
 
 # ---- the trace format --------------------------------------------------------------------------------

@@ -21,10 +21,10 @@ import pytest
 from moe_l2.cache.profile import Profile
 from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main as moe_l2_main
-from moe_l2.daemon.process import short_tempdir
+from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.runtime import default_socket
 
-from .conftest import ServeProcess, budget_for, free_port, stats, synthetic_trace, wait_for
+from moe_l2.tests.conftest import ServeProcess, budget_for, free_port, stats, synthetic_trace, wait_for
 
 PROMPTS = ["Which experts does the router pick?", "Tell me about shared memory caches.",
            "one two three four five six seven eight nine ten", "Why?"]
@@ -501,9 +501,9 @@ def test_the_provider_loads_the_streamed_model_and_batches_exactly(model_dir, mo
 
     from moe_l2.cli import build_parser
     from moe_l2.client.options import StreamOptions
-    from moe_l2.client.serving import StreamedModelProvider
-    from moe_l2.client.switch import StreamedSwitch
-    from moe_l2.commands.serve import mlx_lm_args
+    from moe_l2.serve.server import StreamedModelProvider
+    from moe_l2.lm.switch import StreamedSwitch
+    from moe_l2.cli.serve import mlx_lm_args
 
     args = build_parser("serve").parse_args(["serve", "--model", str(model_dir), "--no-daemon",
                                       "--chat-template", "{{ messages[0]['content'] }} =>"])
@@ -547,8 +547,8 @@ def test_use_default_chat_template_on_a_model_without_one_loads_and_says_there_i
 
     from moe_l2.cli import build_parser
     from moe_l2.client.options import StreamOptions
-    from moe_l2.client.serving import StreamedModelProvider
-    from moe_l2.commands.serve import mlx_lm_args
+    from moe_l2.serve.server import StreamedModelProvider
+    from moe_l2.cli.serve import mlx_lm_args
 
     bare = tmp_path / "no-template"
     shutil.copytree(model_dir, bare)

@@ -1,4 +1,4 @@
-"""`moe-l2 service` (moe_l2/commands/service.py): what install writes, checked by systemd-analyze verify and by the
+"""`moe-l2 service` (cli/service.py): what install writes, checked by systemd-analyze verify and by the
 daemon's own config loader; its refusals where it cannot act, with the fix; launchd's install, status and
 uninstall with launchctl faked (no Mac here: launchd is the one thing these tests mock)."""
 
@@ -19,11 +19,11 @@ import pytest
 
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.daemon.config import OPTIONS, build_parser, resolve
-from moe_l2.daemon.process import short_tempdir
+from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.daemon.service_files import LABEL, MARKER
 from moe_l2.runtime import SOCKET_NAME
 
-from .conftest import AS_NOBODY, nobody_runs_python
+from moe_l2.tests.conftest import AS_NOBODY, nobody_runs_python
 
 ANALYZE = shutil.which("systemd-analyze")
 
@@ -165,7 +165,7 @@ def test_a_system_install_needs_root(model_dir):
 def mac(tmp_path, monkeypatch):
     """This process as a Mac user's: sys.platform darwin, a home of its own (short: the socket's path must fit
     sun_path), and a launchctl that records its calls (and says the job is loaded once bootstrapped)."""
-    from moe_l2.commands import service
+    from moe_l2.cli import service
 
     home = short_tempdir()
     bin_dir, calls = tmp_path / "bin", tmp_path / "launchctl.calls"
@@ -255,7 +255,7 @@ def test_clients_on_a_mac_find_the_login_agents_socket(tmp_path, monkeypatch):
 
 
 def test_a_system_service_is_warned_of_a_moe_l2d_its_account_cannot_reach(tmp_path, capsys):
-    from moe_l2.commands.service import warn_if_hidden
+    from moe_l2.cli.service import warn_if_hidden
 
     venv = tmp_path / "home" / "venv" / "bin"
     venv.mkdir(parents=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-# Run from a source checkout (tests/ beside systemd/): the wheel ships systemd/ as moe_l2/systemd, not the tests.
+# Run from a source checkout (tests/ beside systemd/): the wheel ships systemd/ as src/moe_l2/systemd, not the tests.
 SERVICE_DIR = Path(__file__).resolve().parents[1] / "systemd"
 UNIT = SERVICE_DIR / "moe-l2d.service"
 SOCKET = SERVICE_DIR / "moe-l2d.socket"

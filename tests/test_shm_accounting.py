@@ -13,9 +13,9 @@ import pytest
 
 from moe_l2 import _native, protocol
 from moe_l2.client.connection import request
-from moe_l2.daemon.process import DaemonProcess, short_tempdir
+from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 
-from .conftest import budget_for
+from moe_l2.tests.conftest import budget_for
 
 # Root without CAP_IPC_LOCK and with RLIMIT_MEMLOCK 0: mlock fails as it does for a service account without
 # LimitMEMLOCK=, while the process can still read the test's models.
@@ -96,7 +96,7 @@ def test_stats_count_locked_shm_and_the_table_shows_it(running_daemon):
     assert table.returncode == 0, table.stderr
     assert "(locked " in table.stdout and "unlocked 0 B)" in table.stdout
     # A daemon from before locking reports neither figure; the table leaves them out.
-    from moe_l2.commands.stats import render as render_stats
+    from moe_l2.cli.stats import render as render_stats
 
     payload = request(running_daemon.socket, protocol.Stats(id=1)).payload
     del payload["daemon"]["shm_locked_bytes"], payload["daemon"]["shm_unlocked_bytes"]

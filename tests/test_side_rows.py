@@ -12,9 +12,9 @@ import pytest
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool, TierCounts
 from moe_l2.client.prefetcher import side_rows
-from moe_l2.client.streamed_lm import StreamedLM
+from moe_l2.lm.streamed_lm import StreamedLM
 
-from .conftest import assert_resident_exact, budget_for, greedy, stats, wait_for
+from moe_l2.tests.conftest import assert_resident_exact, budget_for, greedy, stats, wait_for
 
 
 def tally(counts: TierCounts) -> tuple[int, ...]:

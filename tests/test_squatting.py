@@ -29,11 +29,11 @@ from moe_l2 import _native, protocol
 from moe_l2.client.connection import L2Client, request, trusted_uids
 from moe_l2.daemon.config import build_parser, resolve
 from moe_l2.daemon.main import NAME_ATTEMPTS, Daemon, StartupError
-from moe_l2.daemon.process import DaemonProcess, short_tempdir
+from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.layout import MAX_SHM_NAME, Geometry, IndexHeader, new_token, segment_name
 from moe_l2.runtime import instance_tag
 
-from .conftest import budget_for, segment_exists
+from moe_l2.tests.conftest import budget_for, segment_exists
 
 SHM_DIR = "/dev/shm"  # where Linux keeps segments as files, and where another user can plant other files
 needs_shm_files = pytest.mark.skipif(not os.path.isdir(SHM_DIR),

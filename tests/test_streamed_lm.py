@@ -15,12 +15,12 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from moe_l2.client.streamed_lm import StreamedLM, l0_slots_for
-from moe_l2.client.switch import StreamedSwitch, quantized_sorted
-from moe_l2.random_models import make_model
+from moe_l2.lm.streamed_lm import StreamedLM, l0_slots_for
+from moe_l2.lm.switch import StreamedSwitch, quantized_sorted
+from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 
-from .conftest import assert_same_as_whole, budget_for, made_and_loaded_whole, stats, wait_for
+from moe_l2.tests.conftest import assert_same_as_whole, budget_for, made_and_loaded_whole, stats, wait_for
 
 DIMS = dict(layers=3, experts=16, top_k=4, hidden_size=128, moe_hidden_size=64, seed=5)
 ARCHS = {
@@ -282,8 +282,8 @@ def test_l0_size_from_slots_or_budget(model_files):
 MEMORY_PROBE = r"""
 import json, sys
 import psutil
-from moe_l2.client.streamed_lm import StreamedLM, peak_rss_bytes
-from moe_l2.client.generation import encode_prompt, generate_streamed
+from moe_l2.lm.streamed_lm import StreamedLM, peak_rss_bytes
+from moe_l2.lm.generation import encode_prompt, generate_streamed
 from mlx_lm import load
 import mlx.core as mx
 from mlx_lm.generate import stream_generate

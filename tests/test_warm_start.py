@@ -13,13 +13,13 @@ from moe_l2 import _native, protocol
 from moe_l2.cache.policy import make_policy
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
-from moe_l2.commands.stats import render
+from moe_l2.cli.stats import render
 from moe_l2.daemon.heat_file import Heat, LayerHeat, file_name, max_bytes
 from moe_l2.daemon.loader import Loader, Preload
 from moe_l2.daemon.served import ServedModel
 from moe_l2.layout import Geometry, new_token, segment_name
 
-from .conftest import assert_resident_exact, budget_for, stats, wait_for
+from moe_l2.tests.conftest import assert_resident_exact, budget_for, stats, wait_for
 
 SLOTS = 4
 
@@ -167,7 +167,7 @@ def test_a_heat_file_that_is_not_the_daemons_own_is_ignored_in_one_line(case, da
                                                                            model_files):
     if case == "another user's" and os.geteuid() != 0:
         pytest.skip("giving a file to another user needs root")
-    from moe_l2.daemon.process import short_tempdir
+    from moe_l2.lab.daemon_process import short_tempdir
 
     directory = short_tempdir()
     says = plant(directory / file_name(model_files.fingerprint), case, model_files)

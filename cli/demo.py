@@ -1,0 +1,295 @@
+"""`moe-l2 demo`: the whole system on a small built-in model, in about a minute.
+
+Creates the demo model in the user cache dir (once), drops its pages from the page cache (Linux), starts a
+private moe-l2d for it and generates from a few prompts three times: L2 cold, then warm (each with a fresh L0),
+then in a second process started against the warm daemon. It shows side by side where the experts came from,
+the bytes read from disk, the time spent waiting for experts per token and the time to the first token, says
+whether compute or the experts dominate on this machine, checks the tokens against the model loaded whole, and
+stops the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from moe_l2.model.location import path_arg
+
+DEMO_NAME = "demo-qwen3-moe-v2"
+# Small enough to run in about a minute on two CPU cores (MLX's CPU float16 kernels are slow: a token's compute
+# grows with the expert size), with many experts, so that a cold run reads many records from disk.
+DEMO_MODEL = dict(arch="qwen3_moe", layers=4, experts=128, top_k=4, hidden_size=128, moe_hidden_size=128, bits=4,
+                  seed=7)
+PROMPTS = (
+    "Explain how a cache hierarchy keeps the hot data close.",
+    "Write a short story about a lighthouse keeper.",
+    "What is a mixture of experts model?",
+)
+
+
+def default_cache_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("moe-l2"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per prompt (default 16)")
+    parser.add_argument("--l0-slots", type=int, default=None,
+                        help="experts in each run's L0, one set of rows for all layers as moe-l2 generate has "
+                             "with a daemon (default: moe-l2 plan's for this machine)")
+    parser.add_argument("--cache-dir", type=path_arg, default=None,
+                        help="where the demo model lives (default: the user cache dir)")
+    return parser
+
+
+def ensure_demo_model(cache_dir: Path | None = None, out=sys.stderr) -> Path:
+    """The demo model's directory, made (with a progress bar) if it is not there yet."""
+    from tqdm import tqdm
+
+    from moe_l2.lab.random_models import make_model
+
+    cache_dir = cache_dir or default_cache_dir()
+    path = cache_dir / DEMO_NAME
+    if (path / "config.json").exists():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Built beside its final place and renamed, so that an interrupted build leaves no half model.
+    work = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=cache_dir))
+    try:
+        with tqdm(total=4, desc="creating the demo model", unit="step", file=out, leave=True) as bar:
+            def step(message: str) -> None:
+                bar.set_postfix_str(message[:60])
+                bar.update(1)
+
+            make_model(work / "model", progress=step, **DEMO_MODEL)
+            bar.n = bar.total
+            bar.refresh()
+        # On disk before the rename, and so cleanly cached: the page cache can drop only written-back pages.
+        for file in (work / "model").iterdir():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(work / "model", path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return path
+
+
+def _run_prompts(model: Path, socket: str | None, l0_slots: int | None, max_tokens: int) -> dict:
+    """Generate from every prompt with a fresh L0 in this process; what `render_table` shows of one run."""
+    from moe_l2.lm.streamed_lm import StreamedLM
+    from moe_l2.client.pool import TierCounts
+    from moe_l2.lm.generation import encode_prompt, generate_streamed
+
+    counts = TierCounts()
+    tokens, texts = [], []
+    generated = 0
+    wall_s = stall_s = 0.0
+    first_token_s = None
+    with StreamedLM(model, l0_slots=l0_slots, socket=socket, daemon=socket is not None, client_wait_s=5.0) as lm:
+        attached = lm.client.attached if lm.client is not None else False
+        for prompt in PROMPTS:
+            start = time.perf_counter()
+            r = generate_streamed(lm, encode_prompt(lm.tokenizer, prompt), max_tokens)
+            wall_s += time.perf_counter() - start
+            # The streamed forward's time in the pool's fetches and loans: waiting for experts, prefill included.
+            stall_s += r.stats["fetch_s"]
+            if first_token_s is None:  # mlx-lm's prompt time ends with the first token
+                first_token_s = r.prompt_tokens / r.prompt_tps
+            counts.add(r.counts)
+            tokens.append(r.tokens)
+            texts.append(r.text)
+            generated += r.generation_tokens
+        slots = f"{lm.pool.capacity} experts {'in all layers' if lm.pool.shared_l0 else 'per layer'}"
+    return {"counts": counts, "tokens": tokens, "texts": texts, "attached": attached, "l0_slots": slots,
+            "generated": generated, "wall_s": wall_s, "stall_s": stall_s, "first_token_s": first_token_s}
+
+
+def _run_in_second_process(model: Path, socket: str, l0_slots: int | None, max_tokens: int) -> dict:
+    """`_run_prompts` in a fresh Python process (python -m moe_l2.cli.demo), as another user's would be."""
+    from moe_l2.client.pool import TierCounts
+
+    job = json.dumps({"model": str(model), "socket": socket, "l0_slots": l0_slots, "max_tokens": max_tokens})
+    # -P: a source checkout in the working directory must not shadow the installed package.
+    done = subprocess.run([sys.executable, "-P", "-m", __name__, job], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the second process exited with {done.returncode}: {last}")
+    result = json.loads(done.stdout.splitlines()[-1])
+    result["counts"] = TierCounts(**result["counts"])
+    return result
+
+
+def _daemon_figures(socket: str) -> tuple[int, int, int]:
+    """(bytes moe-l2d has read from the model files, experts it holds in L2, experts processes gave it), once its
+    loads and fills are done."""
+    from moe_l2 import protocol
+    from moe_l2.client.connection import request, wait_idle
+
+    wait_idle(socket)
+    served = request(socket, protocol.Stats(id=1)).payload["models"][0]
+    return (served["loaded_bytes"], sum(layer["resident"] for layer in served["layers"]),
+            served["fills"]["donated"])
+
+
+def _whole_model_tokens(model: Path, max_tokens: int) -> list[list[int]]:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    from moe_l2.lm.generation import encode_prompt
+
+    whole, tokenizer = load(str(model))
+    return [[r.token for r in stream_generate(whole, tokenizer, mx.array(encode_prompt(tokenizer, p)),
+                                              max_tokens=max_tokens)] for p in PROMPTS]
+
+
+# The runs, in order: a name, and the state of L2 as each began.
+RUNS = (("run 1", "L2 cold"), ("run 2", "L2 warm"), ("process 2", "L2 warm"))
+LABEL_WIDTH, COLUMN_WIDTH = 32, 20
+
+
+def _per_token_ms(run: dict, seconds: float) -> float:
+    return 1e3 * seconds / run["generated"]
+
+
+def render_table(*runs: dict) -> str:
+    """The runs side by side (RUNS names them); each has `_run_prompts`' figures and `daemon_read`, the bytes
+    moe-l2d read from the model files meanwhile."""
+    from moe_l2.lm.streamed_lm import hit_rates
+    from moe_l2.sizes import format_pct, format_size
+
+    def rows(run):
+        c = run["counts"]
+        rates = hit_rates(c)
+        return [f"{rates['lookups']}", format_pct(rates["l0"]), format_pct(rates["l2"]),
+                format_pct(rates["daemon_disk"]), format_pct(rates["own_disk"]), format_size(run["daemon_read"]),
+                format_size(c.bytes_read), format_size(c.bytes_copied),
+                f"{_per_token_ms(run, run['stall_s']):.2f}", f"{1e3 * run['first_token_s']:.0f}"]
+
+    # Each lookup by where its bytes came from: a miss the daemon loads while the process waits (load-through)
+    # is read from disk once, by the daemon, and is no cache hit.
+    labels = ["expert lookups", "L0 hits (this process)", "L2 hits (shared memory)", "disk, read by moe-l2d",
+              "disk, read by this process", "read from disk by moe-l2d", "read from disk by this process",
+              "copied from L2", "waiting for experts, ms/token", "time to first token, ms"]
+    lines = ["".ljust(LABEL_WIDTH) + "".join(f"{f'{name}: {l2}':>{COLUMN_WIDTH}s}" for name, l2 in RUNS[:len(runs)])]
+    lines += [f"{label:{LABEL_WIDTH}s}" + "".join(f"{v:>{COLUMN_WIDTH}s}" for v in values)
+              for label, *values in zip(labels, *map(rows, runs))]
+    return "\n".join(lines)
+
+
+def render_verdict(cold: dict, *warm: dict) -> str:
+    """What dominates a token's time on this machine, computing or waiting for experts, and what L2 changed."""
+    compute = _per_token_ms(cold, cold["wall_s"] - cold["stall_s"])
+    stall = _per_token_ms(cold, cold["stall_s"])
+    after = ", ".join(f"{_per_token_ms(run, run['stall_s']):.2f} ms ({name})" for (name, _), run in zip(RUNS[1:], warm))
+    return (f"on this machine {'compute' if compute >= stall else 'waiting for experts'} dominates: run 1 spent "
+            f"{compute:.1f} ms per token computing and {stall:.2f} ms waiting for experts; with L2 warm, the wait "
+            f"was {after}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_l2.cli.bench import _drop_page_cache
+    from moe_l2.lab.daemon_process import DaemonProcess
+    from moe_l2.layout import Geometry
+    from moe_l2.model import ModelFiles
+    from moe_l2.sizes import format_size
+
+    if args.max_tokens < 1:
+        print("moe-l2 demo: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    model = ensure_demo_model(args.cache_dir)
+    files = ModelFiles.open(model)
+    record = files.layout.nbytes
+    print(f"demo model: {model}\n  {files.model_type}, {files.n_layers} MoE layers x {files.n_experts} experts "
+          f"(top {files.top_k}), {format_size(record)} per expert")
+    # So that run 1 reads the disk, not what the last run (or the model's creation) left in memory.
+    dropped = hasattr(os, "posix_fadvise")
+    _drop_page_cache(files)
+    every_expert = Geometry.budget_for(files.n_layers, files.n_experts, record, files.n_experts)
+    daemon = DaemonProcess.serving([model], every_expert)
+    print("starting moe-l2d for it ...", flush=True)
+    try:
+        daemon.start()
+    except RuntimeError as exc:
+        daemon.cleanup()
+        print(f"moe-l2 demo: cannot start moe-l2d: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(f"  serving on {daemon.socket}")
+        print("run 1 (L2 cold: experts come from the model file, read by this process, which gives them to L2) ...",
+              flush=True)
+
+        def measured(run_prompts) -> tuple[dict, tuple[int, int]]:
+            before = _daemon_figures(daemon.socket)[0]
+            one = run_prompts()
+            read, resident, given = _daemon_figures(daemon.socket)
+            return dict(one, daemon_read=read - before), (resident, given)
+
+        cold, (cold_resident, cold_given) = measured(
+            lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
+        print("run 2 (L2 warm: a fresh L0 in this process finds the experts in shared memory) ...", flush=True)
+        warm, _ = measured(lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
+        print("process 2 (L2 warm: a second process, started now, finds them there too) ...", flush=True)
+        second, _ = measured(lambda: _run_in_second_process(model, daemon.socket, args.l0_slots, args.max_tokens))
+    except RuntimeError as exc:
+        print(f"moe-l2 demo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        code = daemon.stop()
+        left = daemon.cleanup()
+
+    print("checking against the model loaded whole ...", flush=True)
+    whole = _whole_model_tokens(model, args.max_tokens)
+    runs = (cold, warm, second)
+    same = [all(run["tokens"][i] == tokens for run in runs) for i, tokens in enumerate(whole)]
+
+    print()
+    for prompt, text in zip(PROMPTS, cold["texts"]):
+        print(f"> {prompt}\n{text.strip()[:200]}\n")
+    print("(random weights: the text is noise; what matters is where the experts came from)\n")
+    print(f"L0: {cold['l0_slots']} in each process (a layer has {files.n_experts} experts); "
+          f"L2: every expert fits the daemon's shared memory")
+    print(render_table(*runs))
+    print()
+    print(f"run 1: L2 took in {cold_resident} experts of {format_size(record)} "
+          f"({format_size(cold_resident * record)}): {cold_given} read by this process and given to it, "
+          f"{cold_resident - cold_given} read by moe-l2d; "
+          + ("from disk: the model's pages were dropped from the page cache first" if dropped else
+             "perhaps from the page cache: nothing drops one file's cached pages here"))
+    print("ms/token: over the tokens generated, prefill included; waiting for experts: the forward's time in L0 "
+          "fills, L2 copies and loans, disk reads and load-through; time to first token: the first prompt's")
+    print(render_verdict(*runs))
+    print("attached to the daemon: " + ", ".join(f"{name} {'yes' if r['attached'] else 'NO'}"
+                                                 for (name, _), r in zip(RUNS, runs)))
+    print(f"tokens identical to the whole model: {sum(same)}/{len(same)} prompts")
+    print(f"daemon stopped (exit {code}); shared memory "
+          f"{'cleaned up' if not left else 'left behind and now removed: ' + ', '.join(left)}")
+    print(f"done in {time.perf_counter() - started:.1f} s")
+    ok = all(same) and all(r["attached"] for r in runs) and not left and code == 0
+    return 0 if ok else 1
+
+
+def _second_process(job: str) -> int:
+    """The second process' side of `_run_in_second_process`: one JSON line of its figures."""
+    options = json.loads(job)
+    result = _run_prompts(Path(options["model"]), options["socket"], options["l0_slots"], options["max_tokens"])
+    result["counts"] = dataclasses.asdict(result["counts"])
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_second_process(sys.argv[1]))

@@ -1,0 +1,491 @@
+"""Replay: routing traces through the daemon's own slot store and eviction policies (`moe-l2 replay`).
+
+Every layer gets a `moe_l2.cache.store.LayerStore` with the policy under test, as the daemon builds them,
+and sees the trace's tokens as the daemon sees a client's reports: for each token the experts the router
+picked are looked up (hit: resident), the policy is told of every access, and the misses are loaded
+(reserve + commit, evicting what the policy names). Loads complete before the next token, so the numbers
+are the policy's, not the disk's. No shared memory is touched.
+
+Beside the chosen policy every capacity is also run with the comparison policies (LRU and LFU by default)
+and with Belady's MIN, the offline optimum, as the ceiling. `--hints` sends each sequence's prompt as a
+hint first, through the daemon's hint code (`LayerStore.apply_hint`: predict the domain, pin its top
+experts within the pin budget and load them). Layers are independent, so they run on a process pool.
+
+Sequence order: `blocked` groups the sequences by domain (domains in name order, file order inside),
+`interleave` shuffles them with `--seed`. Results are deterministic for a given seed.
+
+`--prefetch` scores next-layer predictors (moe_l2.cache.prefetch) with the chosen policy: the sequences are
+split, the predictor learns from the first `train` share and every policy is scored on the rest only.
+At each token, layer l+1's guesses (made at layer l, from layer l's experts) are loaded before layer l+1's
+lookup, never evicting another guess: every prefetch is taken to land in time, since it has layer l's whole
+compute to do so. The predictor keeps learning online, a block of tokens after guessing it.
+
+`--ceilings` runs the policy under test and LRU (L0's policy) also with per-layer ceilings: the slots of a
+capacity in all layers, split by the hit curves of the first `train` share (src/moe_l2/cache/ceilings.py, what
+`moe-l2 profile` learns and `l0_ceilings` uses), scored on the rest only: the held-out figure of the split.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, fields
+from multiprocessing import get_context
+
+import numpy as np
+
+from moe_l2.cache.ceilings import sequence_curves, split_rows
+from moe_l2.cache.heat import Heat, pin_limit
+from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
+from moe_l2.cache.prediction import PredictorError
+from moe_l2.cache.prefetch import REPLAY_PREDICTORS, guess_streams
+from moe_l2.cache.score import Score
+from moe_l2.cache.profile import MIN_CONFIDENCE, Profile
+from moe_l2.cache.store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, LayerStore
+from moe_l2.cache.trace import TraceSet
+
+ORDERS = ("interleave", "blocked")
+DEFAULT_FRACTIONS = (0.25, 0.375, 0.5)
+SWITCH_WINDOW = 32  # tokens after a domain switch whose hit rate is reported on its own
+
+
+class ReplayError(ValueError):
+    pass
+
+
+def order_sequences(sequences: list, order: str, seed: int = 0) -> list:
+    if order == "blocked":
+        domains = sorted({s.domain or "" for s in sequences})
+        return [s for d in domains for s in sequences if (s.domain or "") == d]
+    if order == "interleave":
+        out = list(sequences)
+        random.Random(seed).shuffle(out)
+        return out
+    raise ReplayError(f"unknown order {order!r}; choose {' or '.join(ORDERS)}")
+
+
+@dataclass(frozen=True)
+class HintPlan:
+    """What a client would send before each sequence, decided once for all layers: the domain per
+    sequence start (None: send nothing, the daemon keeps its current pins; "" : release the pins)."""
+
+    starts: tuple[int, ...]
+    domains: tuple[str | None, ...]
+
+
+def plan_hints(sequences: list, profile: Profile, source: str = "prompt") -> tuple[HintPlan, dict]:
+    """Predict each sequence's domain from its prompt, as the daemon's hint handler does."""
+    starts, domains = [], []
+    sent = correct = confident = 0
+    t = 0
+    for s in sequences:
+        starts.append(t)
+        t += s.n_tokens
+        domain = None
+        if source == "oracle":
+            domain = s.domain if s.domain in profile.domains else None
+            sent += domain is not None
+        elif s.prompt:
+            sent += 1
+            p = profile.predict(s.prompt)
+            if p.confidence >= MIN_CONFIDENCE:
+                domain = p.domain
+                confident += 1
+            correct += p.domain == s.domain
+        domains.append(domain)
+    return HintPlan(tuple(starts), tuple(domains)), {"hints_sent": sent, "confident": confident,
+                                                     "predicted_correctly": correct}
+
+
+def _rate(hits: int, lookups: int) -> float | None:
+    return hits / lookups if lookups else None
+
+
+@dataclass(frozen=True)
+class _Lookups:
+    """Lookups over the replayed layers, and of them the hits; to_json leads with the hit rate."""
+
+    hits: int
+    lookups: int
+
+    @property
+    def hit_rate(self) -> float | None:
+        return _rate(self.hits, self.lookups)
+
+    def to_json(self) -> dict:
+        return {"hit_rate": self.hit_rate, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class PolicyResult(_Lookups):
+    """One policy at one capacity, over the replayed layers."""
+
+    loads: int
+    preloads: int                     # loads a hint made before its sequence
+    per_layer: list[float | None]     # each replayed layer's hit rate, in ReplayResult.layers' order
+    records_per_token: float | None   # loads per token over all layers
+    switch_hit_rate: float | None = None  # over the tokens after domain switches (the policy under test and LRU)
+
+
+@dataclass(frozen=True)
+class PrefetchResult(_Lookups):
+    """The policy under test at one capacity with a next-layer predictor's guesses loaded ahead."""
+
+    loads: int                         # demand loads
+    prefetch_loads: int
+    useful: int                        # prefetched experts demanded before their eviction
+    wasted: int                        # prefetched experts evicted undemanded
+    records_per_token: float | None    # demand loads and prefetches per token over all layers
+    records_vs_demand: float | None    # against the demand policy's records_per_token
+    per_layer: list[float | None]
+
+
+@dataclass(frozen=True)
+class CapacityResult:
+    """Every policy (and prefetch predictor) at one capacity."""
+
+    slots: int                             # expert slots per layer
+    share: float                           # of the layer's experts
+    policies: dict[str, PolicyResult]      # the policy under test first, then the comparisons and "min"
+    prefetch: dict[str, PrefetchResult]    # per predictor (--prefetch)
+    gap_closed_vs_lru: float | None = None  # the share of LRU's distance to MIN the policy under test covers
+
+    def to_json(self) -> dict:
+        return {"slots": self.slots, "share": self.share,
+                "policies": {name: r.to_json() for name, r in self.policies.items()},
+                "prefetch": {name: r.to_json() for name, r in self.prefetch.items()},
+                "gap_closed_vs_lru": self.gap_closed_vs_lru}
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What `replay` measured, and the run's settings (to_json: `moe-l2 replay --json`'s object)."""
+
+    traces: list[str]
+    model: str
+    n_layers: int
+    n_experts: int
+    top_k: int
+    sequences: int                   # scored (with --prefetch: those the predictors did not learn from)
+    tokens: int
+    order: str
+    seed: int
+    policy: str
+    compare: list[str]               # the other policies run, "min" included
+    profile: str | None
+    hints: str | None                # None, "prompt" or "oracle"
+    hint_stats: dict | None          # hints_sent, confident, predicted_correctly (plan_hints)
+    prior: float
+    hint_share: float
+    hint_prior: float
+    hint_lift: float
+    layers: list[int]
+    switch_window: int               # tokens after a domain switch that switch_hit_rate covers
+    domain_switches: int
+    capacities: list[CapacityResult]
+    prefetch: list[str]              # the predictors scored
+    prefetch_k: int | None           # their guesses per token and layer
+    trained_on: dict                 # sequences and tokens the predictors and ceilings learned from
+    ceilings: dict[int, list[int]]   # --ceilings: per capacity (slots), each replayed layer's slots
+    autopin: bool                    # --autopin: "<policy>+autopin" and "lru+autopin" were run
+    prefetch_scores: dict[str, Score]
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["capacities"] = [c.to_json() for c in self.capacities]
+        out["ceilings"] = {str(slots): rows for slots, rows in self.ceilings.items()}
+        out["prefetch_scores"] = {name: score.as_dict() for name, score in self.prefetch_scores.items()}
+        return out
+
+
+@dataclass(frozen=True)
+class Task:
+    layer: int
+    slots: int
+    policy: str
+    batches: list
+    n_experts: int
+    hints: HintPlan | None = None
+    profile: Profile | None = None
+    prior: float = 0.0       # strength of the profile's all-domain prior seeded at start
+    hint_share: float = HINT_PIN_SHARE
+    hint_prior: float = HINT_PRIOR  # strength of the domain prior a hint adds
+    record_tokens: bool = False
+    hint_lift: float = HINT_MIN_LIFT
+    guesses: list | None = None  # per token, experts to load before its lookup (next-layer prefetch)
+    label: str = ""  # the result's name when it is not the policy's (a prefetch predictor, ceilings)
+    point: int = 0   # the capacity it is reported under, where that is not `slots` (ceilings); 0: slots
+    autopin_top_k: int = 0  # autopin: pin the layer's hottest experts (src/moe_l2/cache/heat.py), leaving this many
+
+
+def replay_layer(task: Task) -> dict:
+    """One layer, one capacity, one policy: the daemon's own LayerStore over the layer's token batches."""
+    batches = task.batches
+    if task.policy == "min":
+        policy = BeladyMIN(batches)
+    else:
+        policy = make_policy(task.policy, capacity=task.slots)
+    store = LayerStore(task.n_experts, task.slots, policy)
+    if task.profile is not None and task.prior > 0 and hasattr(policy, "set_prior"):
+        policy.set_prior(task.profile.shares(None, task.layer), task.prior)
+    hint_at = {}
+    if task.hints is not None:
+        hint_at = {t: d for t, d in zip(task.hints.starts, task.hints.domains) if d is not None}
+    at = getattr(policy, "at", None)
+    load_order = getattr(policy, "load_order", None)
+    slot, access, reserve, commit = store.slot, store.access, store.reserve, store.commit
+    heat = Heat(task.n_experts, pin_limit(task.slots, task.autopin_top_k)) if task.autopin_top_k else None
+    hits = lookups = loads = preloads = 0
+    prefetch_loads = useful = wasted = 0
+    prefetched: set[int] = set()
+    per_token = array("H", bytes(2 * len(batches))) if task.record_tokens else None
+    for t, batch in enumerate(batches):
+        if task.guesses is not None:
+            keep = frozenset(task.guesses[t])
+            for e in task.guesses[t]:
+                r = reserve(e, keep) if not store.has(e) else None
+                if r is not None:
+                    wasted += r.evicted in prefetched
+                    prefetched.discard(r.evicted)
+                    commit(r)
+                    prefetched.add(e)
+                    prefetch_loads += 1
+        if t in hint_at:
+            domain = hint_at[t]
+            pinned = store.apply_hint(task.profile, domain, task.layer, share=task.hint_share,
+                                      prior=task.hint_prior, min_lift=task.hint_lift)
+            for e in pinned:
+                if not store.has(e):
+                    r = reserve(e)
+                    if r is not None:
+                        commit(r)
+                        preloads += 1
+        if at is not None:
+            at(t)
+        misses = [e for e in batch if slot(e) < 0]
+        h = len(batch) - len(misses)
+        hits += h
+        lookups += len(batch)
+        if per_token is not None:
+            per_token[t] = h
+        for e in batch:
+            access(e)
+        if prefetched:
+            demanded = prefetched.intersection(batch)
+            useful += len(demanded)
+            prefetched -= demanded
+        if heat is not None and heat.add(batch):
+            # As L0 does (client/layerpool.py): the new hot set is pinned where resident, the rest unpinned.
+            store.unpin(store.pins("auto"), "auto")
+            store.pin([e for e in heat.hot if slot(e) >= 0], "auto")
+        if load_order is not None:
+            misses = load_order(misses)
+        for e in misses:
+            r = reserve(e)
+            if r is not None:
+                if r.evicted in prefetched:
+                    wasted += 1
+                    prefetched.discard(r.evicted)
+                commit(r)
+                loads += 1
+                if heat is not None and e in heat.hot:
+                    store.pin([e], "auto")
+    return {"layer": task.layer, "slots": task.slots, "policy": task.label or task.policy, "hits": hits,
+            "lookups": lookups, "loads": loads, "preloads": preloads, "prefetch_loads": prefetch_loads,
+            "useful": useful, "wasted": wasted,
+            "per_token": per_token.tobytes() if per_token is not None else None}
+
+
+def _routed(sequences: list) -> np.ndarray:
+    """(tokens, n_layers, top_k) expert ids of the sequences, in order."""
+    tokens = [token for s in sequences for token in s.experts]
+    try:
+        return np.asarray(tokens, dtype=np.int64)
+    except ValueError:
+        raise ReplayError("--prefetch needs every token to pick the same number of experts at every layer") from None
+
+
+def parse_slots(text: str | None, n_experts: int) -> list[int]:
+    if not text:
+        values = sorted({max(1, round(f * n_experts)) for f in DEFAULT_FRACTIONS})
+    else:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise ReplayError(f"--slots takes integers separated by commas, e.g. 8,12,16; got {text!r}") from None
+    for v in values:
+        if not 1 <= v <= n_experts:
+            raise ReplayError(f"--slots {v}: a layer holds 1..{n_experts} experts")
+    return values
+
+
+def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, compare=("lru", "lfu"),
+           order: str = "interleave", seed: int = 0, profile: Profile | None = None, hints: str | None = None,
+           prior: float = 0.0, hint_share: float = HINT_PIN_SHARE, hint_prior: float = HINT_PRIOR,
+           hint_lift: float = HINT_MIN_LIFT,
+           layers: list[int] | None = None, jobs: int = 1, switch_window: int = SWITCH_WINDOW,
+           belady: bool = True, prefetch: tuple[str, ...] = (), train: float = 0.5,
+           prefetch_k: int | None = None, ceilings: bool = False, autopin: bool = False,
+           layer_rows: list[int] | None = None) -> ReplayResult:
+    """Run the trace and return what it measured (`moe-l2 replay` renders it as a table or JSON).
+
+    hints: None, "prompt" (predict each sequence's domain from its prompt) or "oracle" (use the trace's
+    domain label: what a perfect predictor would give).
+    prefetch: next-layer predictors to score (REPLAY_PREDICTORS) with `policy`, each making prefetch_k
+    guesses per token and layer (default top_k), trained on the first `train` share of the sequences;
+    with any, every policy is scored on the other sequences only.
+    ceilings: also run `policy` and LRU with per-layer slots split by the hit curves of that share, each capacity
+    `slots` times the layers in all (named "<policy>+ceilings").
+    autopin: also run `policy` and LRU pinning each layer's hottest experts as L0's autopin does
+    (src/moe_l2/cache/heat.py; named "<policy>+autopin"), on the same sequences.
+    layer_rows: ceilings given instead of learned (one per replayed layer, as `--l0-ceilings` sets them), run as
+    the ceilings variants are, on every sequence and reported under each capacity alike."""
+    if policy not in POLICIES:
+        raise ReplayError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    for name in compare:
+        if name not in POLICIES:
+            raise ReplayError(f"unknown comparison policy {name!r}; choose from {', '.join(POLICIES)}")
+    if profile is not None:
+        profile.check_model(traces.n_layers, traces.n_experts, f"trace {traces.paths[0]}")
+    if hints and profile is None:
+        raise ReplayError("--hints needs --profile: the predictor and the domains' experts come from a profile")
+    sequences = order_sequences(traces.sequences, order, seed)
+    trained_on = []
+    for name in prefetch:
+        if name not in REPLAY_PREDICTORS:
+            raise ReplayError(f"unknown prefetch predictor {name!r}; choose from {', '.join(REPLAY_PREDICTORS)}")
+    if prefetch and traces.n_layers < 2:
+        raise ReplayError("--prefetch needs a trace of at least two MoE layers")
+    if prefetch or ceilings:
+        if not 0 <= train < 1:
+            raise ReplayError(f"--train is the share of sequences to learn from, in [0, 1); got {train}")
+        split = round(train * len(sequences))
+        if split >= len(sequences):
+            raise ReplayError("--train leaves no sequence to score on: lower it or give more sequences")
+        trained_on, sequences = sequences[:split], sequences[split:]
+    layers = list(range(traces.n_layers)) if layers is None else layers
+    for layer in layers:
+        if not 0 <= layer < traces.n_layers:
+            raise ReplayError(f"layer {layer} out of range 0..{traces.n_layers - 1}")
+    plan, hint_stats = (None, None)
+    if hints:
+        try:
+            plan, hint_stats = plan_hints(sequences, profile, hints)
+        except PredictorError as exc:
+            raise ReplayError(str(exc)) from None
+    streams = {layer: [tuple(token[layer]) for s in sequences for token in s.experts] for layer in layers}
+    names = [policy] + [c for c in compare if c != policy] + (["min"] if belady else [])
+    tasks = []
+    for n_slots in slots:
+        for name in names:
+            chosen = name == policy
+            for layer in layers:
+                tasks.append(Task(layer, n_slots, name, streams[layer], traces.n_experts,
+                                  hints=plan if chosen else None, profile=profile if chosen else None,
+                                  prior=prior if chosen else 0.0, hint_share=hint_share,
+                                  hint_prior=hint_prior, record_tokens=name in (policy, "lru"),
+                                  hint_lift=hint_lift))
+    # The variants (ceilings, autopin) run the policy under test and L0's LRU.
+    variants = list(dict.fromkeys((policy, "lru")))
+    split_slots = {}
+    if layer_rows is not None and len(layer_rows) != len(layers):
+        raise ReplayError(f"{len(layer_rows)} layer ceilings for {len(layers)} replayed layers: give one per layer")
+    if ceilings or layer_rows is not None:
+        curves = sequence_curves(trained_on, layers, traces.n_experts) if layer_rows is None else None
+        for n_slots in slots:
+            split_slots[n_slots] = list(layer_rows) if curves is None else \
+                split_rows(curves, n_slots * len(layers), min(traces.top_k, n_slots), traces.n_experts)
+            for name in variants:
+                for layer, rows in zip(layers, split_slots[n_slots]):
+                    tasks.append(Task(layer, rows, name, streams[layer], traces.n_experts, point=n_slots,
+                                      label=f"{name}+ceilings"))
+    if autopin:
+        for n_slots in slots:
+            for name in variants:
+                for layer in layers:
+                    tasks.append(Task(layer, n_slots, name, streams[layer], traces.n_experts,
+                                      autopin_top_k=traces.top_k, label=f"{name}+autopin"))
+    k = traces.top_k if prefetch_k is None else prefetch_k
+    if prefetch:
+        if k < 1:
+            raise ReplayError(f"--prefetch-k must be at least 1, got {k}")
+        routed = _routed(sequences)
+    scores = {}
+    for name in prefetch:
+        guesses = guess_streams(name, trained_on, routed, traces.n_experts, k)
+        score = Score()
+        for layer in range(1, traces.n_layers):
+            for guess, batch in zip(guesses[layer], routed[:, layer].tolist()):
+                score.add(guess, batch)
+        scores[name] = score
+        for n_slots in slots:
+            for layer in layers:
+                tasks.append(Task(layer, n_slots, policy, streams[layer], traces.n_experts, guesses=guesses[layer],
+                                  label=f"prefetch:{name}"))
+    if jobs > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn")) as pool:
+            results = list(pool.map(replay_layer, tasks, chunksize=1))
+    else:
+        results = [replay_layer(t) for t in tasks]
+    n_tokens = sum(s.n_tokens for s in sequences)
+    # Sequence starts that follow a sequence of another domain: the cold start hints are meant for.
+    starts, t, previous = [], 0, None
+    for s in sequences:
+        if previous is not None and s.domain != previous:
+            starts.append(t)
+        previous = s.domain
+        t += s.n_tokens
+    by_key = {(t.point or t.slots, r["policy"], r["layer"]): r for t, r in zip(tasks, results)}
+    for extra, asked in (("ceilings", ceilings or layer_rows is not None), ("autopin", autopin)):
+        names += [f"{name}+{extra}" for name in variants] if asked else []
+    capacities = []
+    for n_slots in slots:
+        policies = {}
+        for name in names:
+            rs = [by_key[(n_slots, name, layer)] for layer in layers]
+            loads = sum(r["loads"] for r in rs)
+            switch_hit_rate = None
+            if rs[0]["per_token"] is not None:
+                total = array("l", [0]) * n_tokens
+                for r in rs:
+                    per = array("H")
+                    per.frombytes(r["per_token"])
+                    for i, h in enumerate(per):
+                        total[i] += h
+                sw_hits = sw_lookups = 0
+                for start in starts:
+                    for i in range(start, min(start + switch_window, n_tokens)):
+                        sw_hits += total[i]
+                        sw_lookups += sum(len(streams[layer][i]) for layer in layers)
+                switch_hit_rate = _rate(sw_hits, sw_lookups)
+            policies[name] = PolicyResult(
+                hits=sum(r["hits"] for r in rs), lookups=sum(r["lookups"] for r in rs), loads=loads,
+                preloads=sum(r["preloads"] for r in rs), per_layer=[_rate(r["hits"], r["lookups"]) for r in rs],
+                records_per_token=loads / n_tokens if n_tokens else None, switch_hit_rate=switch_hit_rate)
+        demand = policies[policy].records_per_token
+        ahead = {}
+        for name in prefetch:
+            rs = [by_key[(n_slots, f"prefetch:{name}", layer)] for layer in layers]
+            loaded = sum(r["loads"] + r["prefetch_loads"] for r in rs)
+            per_token = loaded / n_tokens if n_tokens else None
+            ahead[name] = PrefetchResult(
+                hits=sum(r["hits"] for r in rs), lookups=sum(r["lookups"] for r in rs),
+                loads=sum(r["loads"] for r in rs), prefetch_loads=sum(r["prefetch_loads"] for r in rs),
+                useful=sum(r["useful"] for r in rs), wasted=sum(r["wasted"] for r in rs),
+                records_per_token=per_token, records_vs_demand=per_token / demand if demand else None,
+                per_layer=[_rate(r["hits"], r["lookups"]) for r in rs])
+        p, base, ceiling = (policies[n].hit_rate if n in policies else None for n in (policy, "lru", "min"))
+        gap = None
+        if None not in (p, base, ceiling) and ceiling > base and policy != "lru":
+            gap = (p - base) / (ceiling - base)
+        capacities.append(CapacityResult(n_slots, n_slots / traces.n_experts, policies, ahead, gap))
+    return ReplayResult(
+        traces=traces.paths, model=traces.model, n_layers=traces.n_layers, n_experts=traces.n_experts,
+        top_k=traces.top_k, sequences=len(sequences), tokens=n_tokens, order=order, seed=seed, policy=policy,
+        compare=[n for n in names if n != policy], profile=profile.path if profile is not None else None,
+        hints=hints, hint_stats=hint_stats, prior=prior, hint_share=hint_share, hint_prior=hint_prior,
+        hint_lift=hint_lift, layers=layers, switch_window=switch_window, domain_switches=len(starts),
+        capacities=capacities, prefetch=list(prefetch), prefetch_k=k if prefetch else None,
+        trained_on={"sequences": len(trained_on), "tokens": sum(s.n_tokens for s in trained_on)},
+        ceilings=split_slots, autopin=autopin, prefetch_scores=scores)
