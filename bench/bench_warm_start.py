@@ -8,7 +8,7 @@ fresh state dir holding that heat, or none) and one client process (moe_l2.lab.r
 waiting) that replays the trace's next --tokens tokens at once: `warm start` as soon as the daemon is ready, its
 preload still running; `warm start settled` once the preload is done; `cold daemon` at once; `pread` alone. The
 configurations take turns (--repeat), each figure is the median of its runs, each ratio the median of the ratios
-of runs side by side. The memory split is `moe-l2 bench`'s (moe_l2.cli.bench._plan).
+of runs side by side. The memory split is `moe-l2 bench`'s (moe_l2.lab.bench.plan_memory).
 
     python bench/bench_warm_start.py --geometry gpt-oss-20b --first-layers 6 \\
         --trace ../shared/traces/gpt-oss-20b.jsonl.gz --budget-share 50% --tokens 100 --repeat 3
@@ -34,7 +34,7 @@ from moe_l2.lab import lifeline
 from moe_l2.cache.trace import read_traces
 from moe_l2.client.connection import request
 from moe_l2.client.options import DEFAULTS
-from moe_l2.cli.bench import DEFAULT_COMPUTE_MS, _drop_page_cache, _plan
+from moe_l2.lab.bench import DEFAULT_COMPUTE_MS, drop_page_cache, plan_memory
 from moe_l2.daemon.heat_file import file_name
 from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.model import ModelFiles
@@ -94,7 +94,7 @@ def settle(daemon: DaemonProcess) -> float:
 
 def run(config: str, files: ModelFiles, jobs: dict, l2_budget: int, heat: bytes) -> dict:
     """One run of a configuration after a restart: the client's counts, and the daemon's preload."""
-    _drop_page_cache(files)
+    drop_page_cache(files)
     client = Replayer()
     directory = short_tempdir("ml2ws-")
     daemon = None
@@ -191,8 +191,8 @@ def main() -> None:
                                   say=print))
     tokens = tokens_of(traces, files.n_layers)
     taught, measured = tokens[:args.teach], tokens[args.teach:args.teach + args.tokens]
-    moe_l2 = _plan(files, "moe-l2", share, 1, 0.0 if DEFAULTS.lend else 0.5, DEFAULTS.l0_shared)
-    pread = _plan(files, "pread", share, 1, 0.0)
+    moe_l2 = plan_memory(files, "moe-l2", share, 1, 0.0 if DEFAULTS.lend else 0.5, DEFAULTS.l0_shared)
+    pread = plan_memory(files, "pread", share, 1, 0.0)
     common = {"model": str(files.path), "policy": DEFAULTS.policy, "compute_ms": args.compute_ms, "cgroup": None,
               "prefetch": False}
     jobs = {"moe-l2": dict(common, capacity=moe_l2["capacity"], direct=True, lend=DEFAULTS.lend,

@@ -200,7 +200,7 @@ def render_verdict(cold: dict, *warm: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_l2.cli.bench import _drop_page_cache
+    from moe_l2.lab.bench import drop_page_cache
     from moe_l2.lab.daemon_process import DaemonProcess
     from moe_l2.layout import Geometry
     from moe_l2.model import ModelFiles
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
           f"(top {files.top_k}), {format_size(record)} per expert")
     # So that run 1 reads the disk, not what the last run (or the model's creation) left in memory.
     dropped = hasattr(os, "posix_fadvise")
-    _drop_page_cache(files)
+    drop_page_cache(files)
     every_expert = Geometry.budget_for(files.n_layers, files.n_experts, record, files.n_experts)
     daemon = DaemonProcess.serving([model], every_expert)
     print("starting moe-l2d for it ...", flush=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import selectors
 import socket

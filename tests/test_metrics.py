@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import urllib.request
 
 import pytest
 
