@@ -24,7 +24,7 @@ from moe_l2.daemon.activation import ActivationError, Handed, _from_systemd, lis
 from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.model import ModelFiles
 
-from moe_l2.tests.conftest import NOBODY, budget_for, free_port, wait_for
+from .conftest import NOBODY, budget_for, free_port, wait_for
 
 ACTIVATE = shutil.which("systemd-socket-activate")
 needs_activate = pytest.mark.skipif(ACTIVATE is None, reason="systemd-socket-activate (Debian's systemd package) "

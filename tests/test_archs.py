@@ -28,7 +28,7 @@ from moe_l2.lm.streamed_lm import StreamedLM
 from moe_l2.lab.random_models import make_mlx_lm_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.packer import PackError, pack
-from moe_l2.tests.conftest import budget_for
+from .conftest import budget_for
 
 # Sizes every small model starts from, of which each takes the keys its args class has: a config holds no key
 # its architecture ignores, so the experts per token and the expert count are found under the arch's own names.

@@ -18,7 +18,7 @@ from moe_l2.client.options import OptionError
 from moe_l2.client.pool import ExpertPool
 from moe_l2.lm.streamed_lm import StreamedLM
 
-from moe_l2.tests.conftest import PREFETCH_TEXT, assert_resident_exact
+from .conftest import PREFETCH_TEXT, assert_resident_exact
 
 
 def _warm_then_burst(pool: ExpertPool, files, rng: random.Random) -> None:

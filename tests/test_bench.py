@@ -21,7 +21,7 @@ from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
 from moe_l2.lab.synthetic import GEOMETRIES, build
-from moe_l2.tests.conftest import segment_exists, synthetic_trace, wait_for
+from .conftest import segment_exists, synthetic_trace, wait_for
 
 FIELDS = {"name": str, "budget_share": float, "processes": int, "stall_s_per_token": float,
           "tok_s_projected": float, "hit_rates": dict, "disk_bytes_per_token": float, "peak_bytes": int}

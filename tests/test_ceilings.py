@@ -20,7 +20,7 @@ from moe_l2.client.options import OptionError
 from moe_l2.client.pool import ExpertPool
 from moe_l2.lm.streamed_lm import StreamedLM
 
-from moe_l2.tests.conftest import synthetic_trace
+from .conftest import synthetic_trace
 
 
 def test_hit_curves_are_a_real_lru_pools_hits_at_every_capacity(model_files):

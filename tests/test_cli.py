@@ -13,7 +13,7 @@ from moe_l2 import __version__ as moe_l2_version
 from moe_l2 import protocol
 from moe_l2.client.connection import request
 
-from moe_l2.tests.conftest import corrupt_in_place, stats, wait_for
+from .conftest import corrupt_in_place, stats, wait_for
 
 
 
@@ -61,7 +61,7 @@ def test_verify_passes_on_a_healthy_daemon(running_daemon, model_dir, model_file
 
 def test_verify_catches_l2_bytes_that_differ_from_the_file(daemon_factory, tmp_path, model_dir, model_files):
     """Bit rot on disk after the daemon loaded the model: same size, same mtime, different bytes."""
-    from moe_l2.tests.conftest import budget_for
+    from .conftest import budget_for
 
     model = tmp_path / "model"
     shutil.copytree(model_dir, model)

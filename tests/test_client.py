@@ -18,7 +18,7 @@ from moe_l2.client.pool import ExpertPool, PoolTooSmall
 from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 
-from moe_l2.tests.conftest import assert_every_tier_exact, assert_resident_exact, budget_for, quarter_budget, stats, wait_for
+from .conftest import assert_every_tier_exact, assert_resident_exact, budget_for, quarter_budget, stats, wait_for
 
 HAMMER = Path(__file__).with_name("hammer.py")
 
@@ -248,7 +248,7 @@ def test_a_client_killed_while_copying_leaves_the_daemon_unaffected(running_daem
 
 def test_client_without_daemon_serves_from_the_file_and_attaches_when_it_starts(daemon_factory, model_dir,
                                                                                  model_files):
-    from moe_l2.tests.conftest import short_tempdir
+    from .conftest import short_tempdir
 
     directory = short_tempdir()
     socket = f"ipc://{directory / 'moe-l2d.sock'}"
@@ -373,7 +373,7 @@ def test_wait_idle_says_when_the_daemon_is_still_loading_at_its_timeout(running_
 
 
 def test_wait_attached_says_false_when_no_daemon_answers_in_time(model_files):
-    from moe_l2.tests.conftest import short_tempdir
+    from .conftest import short_tempdir
 
     client = L2Client(model_files, f"ipc://{short_tempdir() / 'moe-l2d.sock'}", wait_s=0)
     try:

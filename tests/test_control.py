@@ -27,7 +27,7 @@ from moe_l2.model import MANIFEST_NAME, ModelFiles
 from moe_l2.model.packer import pack
 from moe_l2.lab.random_models import make_model
 
-from moe_l2.tests.conftest import AS_NOBODY, NOBODY, budget_for, nobody_runs_python, wait_for
+from .conftest import AS_NOBODY, NOBODY, budget_for, nobody_runs_python, wait_for
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown and the planted links of another user need root")
 

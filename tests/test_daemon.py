@@ -22,7 +22,7 @@ from moe_l2.layout import IndexHeader
 from moe_l2.machine import SharedMemoryRoom
 from moe_l2.sizes import format_size
 
-from moe_l2.tests.conftest import ANSWER_MS, budget_for, daemon_segments, run_daemon, segment_exists, stats, wait_for
+from .conftest import ANSWER_MS, budget_for, daemon_segments, run_daemon, segment_exists, stats, wait_for
 
 
 def test_stats_describe_the_served_model(running_daemon, model_files):

@@ -16,7 +16,7 @@ from moe_l2.model import ModelFiles
 from moe_l2.model.packer import pack
 from moe_l2.model.records import record_checksum
 
-from moe_l2.tests.conftest import budget_for, stats, wait_for
+from .conftest import budget_for, stats, wait_for
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="O_DIRECT and posix_fadvise are Linux's")
 MIB = 1 << 20

@@ -28,7 +28,7 @@ from moe_l2.client.pool import ExpertPool
 from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.lab.random_models import make_model
 
-from moe_l2.tests.conftest import budget_for, stats, synthetic_trace, wait_for
+from .conftest import budget_for, stats, synthetic_trace, wait_for
 
 PROMPT = "what is the integral of this derivative"
 TOKENS = 16

@@ -20,7 +20,7 @@ from moe_l2.fill_protocol import FrameReader, encode, fill_socket_path
 from moe_l2.layout import IndexHeader
 from moe_l2.model import ModelFiles
 
-from moe_l2.tests.conftest import AS_NOBODY, daemon_segments, nobody_runs_python, quarter_budget, stats, wait_for
+from .conftest import AS_NOBODY, daemon_segments, nobody_runs_python, quarter_budget, stats, wait_for
 
 
 def fills(daemon) -> dict:

@@ -16,7 +16,7 @@ from moe_l2 import protocol
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
 
-from moe_l2.tests.conftest import wait_for
+from .conftest import wait_for
 
 # Every ename a refusal may carry; InternalError (a handler bug) is not one of them.
 ENAMES = {"MalformedFrame", "FrameTooLarge", "VersionMismatch", "UnknownType", "BadField", "TooManyIds",

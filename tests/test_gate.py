@@ -27,7 +27,7 @@ from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.daemon.refusals import FIRST_LOGGED
 from moe_l2.daemon.server import CLIENT_TIMEOUT_S, PIPE_MESSAGES
 
-from moe_l2.tests.conftest import ANSWER_MS, NOBODY, nobody_runs_python, quarter_budget, retire, stats, wait_for
+from .conftest import ANSWER_MS, NOBODY, nobody_runs_python, quarter_budget, retire, stats, wait_for
 
 # ZMTP 3.0 (rfc.zeromq.org/spec/23): the greeting of a NULL-mechanism peer, and frame flags.
 GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)

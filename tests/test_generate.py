@@ -25,7 +25,7 @@ from moe_l2.cache.trace import read_traces
 from moe_l2.model import ModelFiles
 from moe_l2.sizes import format_pct, format_size
 
-from moe_l2.tests.conftest import budget_for, free_port, scrape, stats, wait_for
+from .conftest import budget_for, free_port, scrape, stats, wait_for
 
 
 PROMPT = "Which experts does the router pick for this sentence?"

@@ -20,7 +20,7 @@ from moe_l2.lab.random_models import make_gguf_model
 from moe_l2.model.gguf import transcode_reference
 from moe_l2.model import ModelFiles
 
-from moe_l2.tests.conftest import assert_every_tier_exact, budget_for
+from .conftest import assert_every_tier_exact, budget_for
 
 PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "MXFP4": 4}

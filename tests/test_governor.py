@@ -29,7 +29,7 @@ from moe_l2.lab.daemon_process import DaemonProcess
 from moe_l2.layout import Geometry
 from moe_l2.plan import GiB, MEMORY_FILE_ENV
 
-from moe_l2.tests.conftest import assert_resident_exact, budget_for, retire, stats, wait_for
+from .conftest import assert_resident_exact, budget_for, retire, stats, wait_for
 
 SLOTS = 8
 PINS = [0, 1, 2]

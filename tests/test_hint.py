@@ -16,7 +16,7 @@ from moe_l2.cache.store import LayerStore
 from moe_l2.cache.trace import read_traces
 from moe_l2.client.connection import request
 
-from moe_l2.tests.conftest import budget_for, stats, synthetic_trace, wait_for
+from .conftest import budget_for, stats, synthetic_trace, wait_for
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from moe_l2.lm.generation import encode_prompt
 from moe_l2.client.pool import ExpertPool
 from moe_l2.lab.daemon_process import short_tempdir
 
-from moe_l2.tests.conftest import AS_NOBODY, NOBODY, assert_resident_exact, free_port, nobody_runs_python, wait_for
+from .conftest import AS_NOBODY, NOBODY, assert_resident_exact, free_port, nobody_runs_python, wait_for
 
 PROMPT = "Which experts does the router pick for this sentence?"
 

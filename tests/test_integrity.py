@@ -18,7 +18,7 @@ from moe_l2.lab.random_models import make_gguf_model
 from moe_l2.model import MANIFEST_NAME, CorruptRecord, ModelFiles
 from moe_l2.model.packer import pack
 
-from moe_l2.tests.conftest import assert_resident_exact, budget_for, corrupt_in_place, stats, wait_for
+from .conftest import assert_resident_exact, budget_for, corrupt_in_place, stats, wait_for
 
 
 def moe_l2(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

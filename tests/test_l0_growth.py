@@ -22,7 +22,7 @@ from moe_l2.serve.metrics import _l0_rows
 from moe_l2.cli.stats import render
 from moe_l2.control import request
 
-from moe_l2.tests.conftest import assert_resident_exact, budget_for, stats, wait_for
+from .conftest import assert_resident_exact, budget_for, stats, wait_for
 
 PROMPT = "Which experts does the router pick for this sentence?"
 TOKENS = 24

@@ -17,7 +17,7 @@ from moe_l2.client.pool import ExpertPool
 from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
 
-from moe_l2.tests.conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, made_and_loaded_whole,
+from .conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, made_and_loaded_whole,
                        stats, wait_for)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

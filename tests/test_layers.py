@@ -31,7 +31,7 @@ from moe_l2.model import ModelFiles
 from moe_l2.plan import DEFAULT_KV_BYTES, MEMORY_FILE_ENV, Memory, ModelSizes, os_headroom, plan
 from moe_l2.sizes import size_arg
 
-from moe_l2.tests.conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, segment_exists,
+from .conftest import (assert_resident_exact, assert_same_as_whole, budget_for, daemon_segments, segment_exists,
                        stats, synthetic_trace, wait_for)
 
 SERVED, UNSERVED = [0, 1], 2  # MoE layers of --layers 0-2

@@ -20,7 +20,7 @@ from moe_l2.client.l2view import L2View
 from moe_l2.client.pool import ExpertPool
 from moe_l2.lab.daemon_process import short_tempdir
 
-from moe_l2.tests.conftest import assert_resident_exact, stats, wait_for
+from .conftest import assert_resident_exact, stats, wait_for
 
 # Far longer than the daemon takes to load a record of the test model (milliseconds): a wait that reached it
 # would show as `expired`.

@@ -24,7 +24,7 @@ from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.model import ModelFiles
 from moe_l2.model.location import ModelNotFound, PathError, expand_path, expand_socket, resolve_model
 
-from moe_l2.tests.conftest import quarter_budget, stats
+from .conftest import quarter_budget, stats
 
 REPO = "acme/qwen3-tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

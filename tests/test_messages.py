@@ -11,7 +11,7 @@ import anthropic
 import openai
 import pytest
 
-from moe_l2.tests.conftest import ServeProcess
+from .conftest import ServeProcess
 
 PROMPTS = ["Which experts does the router pick?", "Tell me about shared memory caches.",
            "one two three four five six seven eight nine ten", "Why?"]

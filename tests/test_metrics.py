@@ -22,7 +22,7 @@ from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.daemon.http import MAX_CONNECTIONS, MAX_HEAD_BYTES
 from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 
-from moe_l2.tests.conftest import AS_NOBODY, budget_for, free_port, scrape, nobody_runs_python, quarter_budget, retire, stats, wait_for
+from .conftest import AS_NOBODY, budget_for, free_port, scrape, nobody_runs_python, quarter_budget, retire, stats, wait_for
 
 REFUSAL = "metrics endpoint at its limit"
 

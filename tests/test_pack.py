@@ -23,7 +23,7 @@ from moe_l2.model import MANIFEST_NAME, PACK_ALIGN, PACK_MARKER, ModelFiles
 from moe_l2.model import packer
 from moe_l2.model.packer import PackError, pack
 
-from moe_l2.tests.conftest import budget_for, stats, wait_for
+from .conftest import budget_for, stats, wait_for
 
 DIMS = dict(layers=3, experts=8, top_k=2, hidden_size=64, moe_hidden_size=64)
 CASES = {

@@ -19,7 +19,7 @@ from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.sizes import format_size
 
-from moe_l2.tests.conftest import quarter_budget, stats
+from .conftest import quarter_budget, stats
 
 ROOT = Path(__file__).resolve().parents[1]
 

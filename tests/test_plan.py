@@ -27,7 +27,7 @@ from moe_l2.plan import (DEFAULT_KV_BYTES, GiB, MEMORY_FILE_ENV, Memory, ModelSi
                          plan)
 from moe_l2.sizes import parse_size
 
-from moe_l2.tests.conftest import stats, synthetic_trace
+from .conftest import stats, synthetic_trace
 
 SIZES = ModelSizes(n_layers=4, n_experts=32, top_k=4, record_bytes=3 * 4096 + 100, non_expert_bytes=50 << 20)
 

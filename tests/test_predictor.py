@@ -16,7 +16,7 @@ from moe_l2.cache.prediction import NaiveBayes, PredictorError, cross_validate, 
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.trace import read_traces
 
-from moe_l2.tests.conftest import shared_trace, synthetic_trace
+from .conftest import shared_trace, synthetic_trace
 
 
 EXAMPLES = [

@@ -21,7 +21,7 @@ from moe_l2.lm.streamed_lm import StreamedLM
 from moe_l2.lm.nextlayer import NextLayer
 from moe_l2.client.pool import ExpertPool
 
-from moe_l2.tests.conftest import (assert_every_tier_exact, assert_resident_exact, budget_for, greedy,
+from .conftest import (assert_every_tier_exact, assert_resident_exact, budget_for, greedy,
                        PREFETCH_TEXT as TEXT, stats, wait_for)
 
 def assert_counts_add_up(pool: ExpertPool) -> None:

@@ -11,7 +11,7 @@ from moe_l2.cli import profile as profile_cmd
 from moe_l2.cache.profile import Profile, ProfileError
 from moe_l2.cache.trace import read_traces
 
-from moe_l2.tests.conftest import synthetic_trace
+from .conftest import synthetic_trace
 
 
 

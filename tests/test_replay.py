@@ -16,7 +16,7 @@ from moe_l2.cache.profile import Profile
 from moe_l2.cache.trace import TraceError, TraceSet, TraceWriter, iter_traces, read_traces
 from moe_l2.cli import replay as replay_cmd
 
-from moe_l2.tests.conftest import shared_trace, synthetic_trace
+from .conftest import shared_trace, synthetic_trace
 
 
 # ---- the trace format --------------------------------------------------------------------------------

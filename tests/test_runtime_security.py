@@ -18,7 +18,7 @@ from moe_l2.client.connection import request
 from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.runtime import instance_tag
 
-from moe_l2.tests.conftest import budget_for, segment_exists
+from .conftest import budget_for, segment_exists
 
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"  # one that uid 65534 can run (the test's own may sit under /root)

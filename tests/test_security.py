@@ -28,7 +28,7 @@ from moe_l2.lab.random_models import make_model
 from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.model import ModelFiles
 
-from moe_l2.tests.conftest import ANSWER_MS, AS_NOBODY, NOBODY, budget_for, nobody_runs_python, retire, run_daemon, stats, wait_for
+from .conftest import ANSWER_MS, AS_NOBODY, NOBODY, budget_for, nobody_runs_python, retire, run_daemon, stats, wait_for
 
 needs_root = pytest.mark.skipif(not nobody_runs_python(),
                                 reason="the hostile side runs as uid 65534: needs root, setpriv, and this "

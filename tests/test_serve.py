@@ -24,7 +24,7 @@ from moe_l2.cli import main as moe_l2_main
 from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.runtime import default_socket
 
-from moe_l2.tests.conftest import ServeProcess, budget_for, free_port, stats, synthetic_trace, wait_for
+from .conftest import ServeProcess, budget_for, free_port, stats, synthetic_trace, wait_for
 
 PROMPTS = ["Which experts does the router pick?", "Tell me about shared memory caches.",
            "one two three four five six seven eight nine ten", "Why?"]

@@ -23,7 +23,7 @@ from moe_l2.lab.daemon_process import short_tempdir
 from moe_l2.daemon.service_files import LABEL, MARKER
 from moe_l2.runtime import SOCKET_NAME
 
-from moe_l2.tests.conftest import AS_NOBODY, nobody_runs_python
+from .conftest import AS_NOBODY, nobody_runs_python
 
 ANALYZE = shutil.which("systemd-analyze")
 

@@ -15,7 +15,7 @@ from moe_l2 import _native, protocol
 from moe_l2.client.connection import request
 from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 
-from moe_l2.tests.conftest import budget_for
+from .conftest import budget_for
 
 # Root without CAP_IPC_LOCK and with RLIMIT_MEMLOCK 0: mlock fails as it does for a service account without
 # LimitMEMLOCK=, while the process can still read the test's models.

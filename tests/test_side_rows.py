@@ -14,7 +14,7 @@ from moe_l2.client.pool import ExpertPool, TierCounts
 from moe_l2.client.prefetcher import side_rows
 from moe_l2.lm.streamed_lm import StreamedLM
 
-from moe_l2.tests.conftest import assert_resident_exact, budget_for, greedy, stats, wait_for
+from .conftest import assert_resident_exact, budget_for, greedy, stats, wait_for
 
 
 def tally(counts: TierCounts) -> tuple[int, ...]:

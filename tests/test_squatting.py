@@ -33,7 +33,7 @@ from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.layout import MAX_SHM_NAME, Geometry, IndexHeader, new_token, segment_name
 from moe_l2.runtime import instance_tag
 
-from moe_l2.tests.conftest import budget_for, segment_exists
+from .conftest import budget_for, segment_exists
 
 SHM_DIR = "/dev/shm"  # where Linux keeps segments as files, and where another user can plant other files
 needs_shm_files = pytest.mark.skipif(not os.path.isdir(SHM_DIR),

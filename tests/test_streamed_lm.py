@@ -20,7 +20,7 @@ from moe_l2.lm.switch import StreamedSwitch, quantized_sorted
 from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 
-from moe_l2.tests.conftest import assert_same_as_whole, budget_for, made_and_loaded_whole, stats, wait_for
+from .conftest import assert_same_as_whole, budget_for, made_and_loaded_whole, stats, wait_for
 
 DIMS = dict(layers=3, experts=16, top_k=4, hidden_size=128, moe_hidden_size=64, seed=5)
 ARCHS = {

@@ -19,7 +19,7 @@ from moe_l2.daemon.loader import Loader, Preload
 from moe_l2.daemon.served import ServedModel
 from moe_l2.layout import Geometry, new_token, segment_name
 
-from moe_l2.tests.conftest import assert_resident_exact, budget_for, stats, wait_for
+from .conftest import assert_resident_exact, budget_for, stats, wait_for
 
 SLOTS = 4
 

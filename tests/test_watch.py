@@ -16,7 +16,7 @@ from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
 from moe_l2.cli.stats import model_rates
 
-from moe_l2.tests.conftest import budget_for, stats, wait_for
+from .conftest import budget_for, stats, wait_for
 
 
 def watch_command(daemon, *extra: str) -> list[str]:
