@@ -35,8 +35,8 @@ from moe_l2.sizes import format_pct, format_size
 
 CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch", "moe-l2+autopin", "moe-l2+load-through")
 # moe-l2+autopin and moe-l2+load-through are asked for by name: autopin is off by default
-# (docs/policy-report.md, "Autopin"), and load-through is what a process of another user than the daemon's gets
-# (moe-l2 with --no-fill-l2: docs/benchmarks.md, "Fills").
+# (docs/benchmarks.md, "Experimental options"), and load-through is what a process of another user than the
+# daemon's gets (moe-l2 with --no-fill-l2: docs/benchmarks.md, "Fills").
 DEFAULT_CONFIGS = CONFIGS[:4]
 # The streaming options the moe-l2 configurations take, as `generate` and `serve` do (client/options.py).
 STREAMING = ("shared_l0", "l2_reads", "load_through_ms", "l0_grow", "fill_l2")
