@@ -68,8 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs of each configuration at each point, taking turns (A B A B ...): each figure is "
                              "the median of its runs, with min-max, and each ratio the median of the ratios of "
                              "runs side by side (default 1)")
-    options.add_arguments(parser.add_argument_group("moe-l2 and moe-l2+prefetch: streaming, as moe-l2 generate"),
-                          STREAMING)
+    options.add_arguments(parser, STREAMING, "moe-l2 and moe-l2+prefetch: streaming, as moe-l2 generate")
     parser.add_argument("--l0-share", type=float, metavar="F",
                         help="moe-l2: share of a process' part of the budget that its L0 gets, at least top-k rows "
                              "(a layer's, or in all for a shared L0: twice that with --fill-l2); one daemon's L2 "

@@ -34,8 +34,8 @@ from moe_l2.model import DIRECT_IO
 from moe_l2.model.location import path_arg, socket_arg
 from moe_l2.sizes import parse_size
 
-__all__ = ["StreamOptions", "OptionError", "DEFAULTS", "VERIFY", "L2_READS", "add_arguments", "from_args",
-           "milliseconds"]
+__all__ = ["StreamOptions", "OptionError", "DEFAULTS", "VERIFY", "L2_READS", "EXPERIMENTAL", "add_arguments",
+           "from_args", "milliseconds"]
 
 # verify: which records are checked against the model's checksum manifest, if it has one: none, those read from
 # the model file, or those and the ones copied from L2 (docs/architecture.md, "Integrity").
@@ -44,6 +44,10 @@ VERIFY = ("off", "file", "all")
 L2_READS = ("in-place", "copy")
 # shared_l0 as `--l0` gives it, the flag `moe-l2 bench` has always taken.
 _L0_LAYOUTS = {"shared": True, "per-layer": False}
+# The heading of the experimental options in every command's --help.
+EXPERIMENTAL = "experimental options"
+_EXPERIMENTAL_NOTE = ("off by default; what each gained or cost where it was measured, and the command that "
+                      "measures it: docs/benchmarks.md, \"Experimental options\"")
 
 
 class OptionError(ValueError):
@@ -83,7 +87,8 @@ def milliseconds(text: str) -> float:
 def _option(default, help: str, flag: str | None = None, **how):
     """A field: its default, its help, and how the command line gives it: `flag` (None: the library alone),
     `choices`, `type`, `metavar`, `action`, `exclusive` (a group of flags that exclude each other), `flag_help`
-    (the flag's help where it says the opposite of the field: a store_false flag)."""
+    (the flag's help where it says the opposite of the field: a store_false flag), `experimental` (listed
+    under EXPERIMENTAL in --help)."""
     return field(default=default, metadata={"help": help, "flag": flag, **how})
 
 
@@ -108,21 +113,18 @@ class StreamOptions:
     l0_grow: bool = _option(
         False, "L0 starts with the model's top-k rows (per layer, or in all when shared) and grows them by half at "
                "a time while the experts in use outgrow them, up to {l0_slots} (what the budget gives), evicting only "
-               "there: a short prompt holds less memory than a long one; off by default, since on the machine "
-               "measured growing cost the first tokens time (docs/benchmarks.md, \"L0 grown on demand\")",
-        "--l0-grow", action=argparse.BooleanOptionalAction)
+               "there: a short prompt holds less memory than a long one; each growth copies the rows held so far",
+        "--l0-grow", action=argparse.BooleanOptionalAction, experimental=True)
     l0_ceilings: str | Path | tuple[int, ...] | None = _option(
         None, "each layer its own L0 ceiling instead of {l0_slots} in every one: a profile from moe-l2 profile "
               "--traces (P.json), whose LRU hit curves split the rows the budget gives among the layers where "
-              "they gain most, or every layer's ceiling (on the command line N,N,...); L0 is per layer then; off "
-              "by default, since it needs a profile (docs/policy-report.md, \"Per-layer ceilings\")",
-        "--l0-ceilings", type=ceilings_arg, metavar="P.json|N,N,...")
+              "they gain most, or every layer's ceiling (on the command line N,N,...); L0 is per layer then",
+        "--l0-ceilings", type=ceilings_arg, metavar="P.json|N,N,...", experimental=True)
     l0_autopin: bool = _option(
         False, "pin each layer's hottest experts in L0 (counted from the router's picks, no extra sync), up to a "
                "quarter of its rows, chosen again as their heat decays, so that a burst of cold experts cannot "
-               "flush them; L0 is per layer then; off by default: in replay it gained under a point on one trace and "
-               "lost on the other, and the bench tied (docs/policy-report.md, \"Autopin\")",
-        "--l0-autopin", action=argparse.BooleanOptionalAction)
+               "flush them; L0 is per layer then",
+        "--l0-autopin", action=argparse.BooleanOptionalAction, experimental=True)
     policy: str = _option(
         "lru", "how L0 evicts (per-layer rows; a shared L0 evicts the least recently used expert)",
         choices=tuple(POLICIES))
@@ -164,12 +166,12 @@ class StreamOptions:
         "off", "while a MoE layer computes, load the next layer's guessed experts in the background: guessed by "
                "the next layer's router (router), by a logistic model of the expert ids this token and the one "
                "before it picked (logistic) or by expert co-occurrence (cooccurrence), both learned online, or "
-               "router where the model has one and logistic where not (auto); off until benchmarks show it wins",
-        "--prefetch", choices=PREFETCH)
+               "router where the model has one and logistic where not (auto)",
+        "--prefetch", choices=PREFETCH, experimental=True)
     prefetch_from: str | Path | None = _option(
         None, "a routing trace of this model (moe-l2 generate --trace-out writes one) that the learned "
               "{prefetch} predictors (logistic, cooccurrence) start from instead of from nothing",
-        "--prefetch-from", type=path_arg, metavar="TRACE")
+        "--prefetch-from", type=path_arg, metavar="TRACE", experimental=True)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -279,8 +281,9 @@ class StreamOptions:
 DEFAULTS = StreamOptions()
 _NAMES = {f.name: f.name for f in dataclasses.fields(StreamOptions)}
 # help(StreamOptions): each field, its default and its help, in the library's terms.
-StreamOptions.__doc__ += "\n\n" + "\n".join(f"{f.name} = {f.default!r}: {f.metadata['help'].format_map(_NAMES)}"
-                                             for f in dataclasses.fields(StreamOptions))
+StreamOptions.__doc__ += "\n\n" + "\n".join(
+    f"{f.name} = {f.default!r}{' (experimental)' if f.metadata.get('experimental') else ''}: "
+    f"{f.metadata['help'].format_map(_NAMES)}" for f in dataclasses.fields(StreamOptions))
 
 
 def _with_flags(template: str) -> str:
@@ -295,18 +298,24 @@ def _help(f: dataclasses.Field) -> str:
     return text
 
 
-def add_arguments(parser: argparse.ArgumentParser, names=None) -> None:
+def add_arguments(parser: argparse.ArgumentParser, names=None, title: str | None = None) -> None:
     """Add the flags of the fields named (None: every field that has one), with the fields' names as their
-    destinations and the fields' defaults, choices and help: `from_args` reads them back."""
+    destinations and the fields' defaults, choices and help: `from_args` reads them back. The experimental
+    ones go under EXPERIMENTAL; the others under `title` (None: among the parser's own options)."""
+    containers: dict[bool, argparse._ActionsContainer] = {}
     groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
     for f in dataclasses.fields(StreamOptions):
         flag = f.metadata["flag"]
         if flag is None or names is not None and f.name not in names:
             continue
+        experimental = f.metadata.get("experimental", False)
+        if experimental not in containers:
+            containers[experimental] = (parser.add_argument_group(EXPERIMENTAL, _EXPERIMENTAL_NOTE) if experimental
+                                        else parser if title is None else parser.add_argument_group(title))
         exclusive = f.metadata.get("exclusive")
         if exclusive is not None and exclusive not in groups:
-            groups[exclusive] = parser.add_mutually_exclusive_group()
-        target = parser if exclusive is None else groups[exclusive]
+            groups[exclusive] = containers[experimental].add_mutually_exclusive_group()
+        target = containers[experimental] if exclusive is None else groups[exclusive]
         how = {k: f.metadata[k] for k in ("type", "choices", "metavar", "action") if f.metadata.get(k) is not None}
         target.add_argument(flag, dest=f.name, default=f.default, help=_help(f), **how)
         if f.name == "shared_l0":

@@ -117,6 +117,52 @@ def test_every_option_of_every_command_has_help_text():
     assert len(COMMANDS) >= 9
 
 
+def _entries_by_heading(help_text: str) -> dict[str, list[str]]:
+    """A --help text as each section's heading -> the flags of the options listed under it."""
+    sections: dict[str, list[str]] = {}
+    heading = None
+    for line in help_text.splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            heading = line[:-1]
+            sections[heading] = []
+        elif line.startswith("  -") and heading is not None:
+            entry = line.strip().split("  ")[0]  # the flags and their metavar, before the help on the same line
+            sections[heading] += [part.split()[0] for part in entry.split(", ")]
+    return sections
+
+
+def test_the_experimental_options_are_listed_under_their_heading_alone():
+    """Every command that takes an experimental streaming option (client/options.py) lists it under the
+    experimental heading of its --help and nowhere else, and nothing else there; generate and serve take them
+    all. A command's option is the streaming one where its flag, destination and help are StreamOptions'."""
+    import argparse
+    import dataclasses
+
+    from moe_l2.cli import COMMANDS, build_parser
+    from moe_l2.client.options import EXPERIMENTAL, StreamOptions, add_arguments
+
+    reference = argparse.ArgumentParser()
+    add_arguments(reference)
+    streaming = {a.option_strings[0]: a for a in reference._actions}
+    experimental = {f.metadata["flag"] for f in dataclasses.fields(StreamOptions) if f.metadata.get("experimental")}
+    assert experimental == {"--l0-grow", "--l0-ceilings", "--l0-autopin", "--prefetch", "--prefetch-from"}
+    taken = {}
+    for command in COMMANDS:
+        (sub,) = [a for a in build_parser(command)._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = sub.choices[command]
+        takes = {a.option_strings[0] for a in parser._actions if a.option_strings
+                 and a.option_strings[0] in experimental and a.dest == streaming[a.option_strings[0]].dest
+                 and a.help == streaming[a.option_strings[0]].help}
+        sections = _entries_by_heading(parser.format_help())
+        for flag in takes:
+            assert [h for h, flags in sections.items() if flag in flags] == [EXPERIMENTAL], (command, flag)
+        assert {flag for flag in sections.get(EXPERIMENTAL, []) if not flag.startswith("--no-")} == takes, command
+        if takes:
+            taken[command] = takes
+    assert taken == {"generate": experimental, "serve": experimental, "bench": {"--l0-grow"},
+                     "plan": {"--l0-ceilings"}}
+
+
 def test_version_and_short_prompt_flag():
     result = moe_l2("--version")
     assert result.returncode == 0 and result.stdout.split() == ["moe-l2", moe_l2_version]
