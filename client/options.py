@@ -3,16 +3,18 @@
 Each field carries its default, its choices and its help (dataclasses.field metadata); nothing else restates
 them. `moe_l2.load` takes the fields as keyword arguments, `StreamedLM` takes the dataclass, `moe-l2
 generate`, `serve` and `bench` derive their flags from it (`add_arguments`, `from_args`), and `moe-l2 plan`
-reads the L0 policy from it.
+reads the L0 policy and `--l0-ceilings` from it.
 
 The defaults are the configuration `moe-l2 bench` measured as best, the one every table of docs/benchmarks.md
-runs as "moe-l2" (architecture.md, "The bench"), step by step in "How it got there" (gpt-oss, 6 layers, one
-process, 25% and 50%, against pread): the experts L2 holds computed on in place (copies cost what a page-cache
-read costs: "Zero-copy L2 reads"); with a daemon and in-place reads, one shared set of L0 rows for every layer,
-so that L2 gets the memory (0.31x and 0.29x pread, then 0.52x and 0.60x); a miss waiting for the daemon to load
-it, read once instead of twice (then 1.15x at 50%; the tables ran with 100 ms, ten reads of a 12.6 MiB record on
-the slowest disk measured here); LRU in L0, the only policy a shared L0 has and the one every measured L0 ran.
-Without a daemon, L0 keeps rows in every layer, as the bench's pread (the same memory, no L2) does.
+runs as "moe-l2" (architecture.md, "The bench"; the figures, step by step, in benchmarks.md's "How it got
+there"): the experts L2 holds computed on in place (a copy costs what a page-cache read costs: "Zero-copy L2
+reads"); with a daemon and in-place reads, one shared set of L0 rows for every layer, so that L2 gets the
+memory; a miss read once instead of twice (by this process, which gives it to L2, or by the daemon while this
+process waits: 100 ms is ten reads of a 12.6 MiB record on the slowest disk measured here); LRU in L0, the only
+policy a shared L0 has and the one every measured L0 ran. Without a daemon, L0 keeps rows in every layer, as the
+bench's pread (the same memory, no L2) does. The experimental options (`experimental=True`) are off by default
+until a benchmark shows that they win; `--help` lists them under EXPERIMENTAL, and what each was measured to
+give is in benchmarks.md, "Experimental options", never in its help.
 
 Help texts name other options as `{name}`: the field's name in the library, its flag on the command line. So do
 the messages of `OptionError`, which `str()` gives in the library's terms and `on_command_line()` in flags.
