@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     options.add_arguments(parser)
 
-    limits = parser.add_argument_group("request limits (docs/security.md, \"moe-l2 serve\")")
+    limits = parser.add_argument_group("request limits (docs/security.md, \"moe-l2 serve's HTTP API\")")
     limits.add_argument("--max-tokens-limit", type=int, default=32768,
                         help="the most tokens a request may ask to generate (max_tokens); the model's context "
                              "bounds it too (default: 32768)")

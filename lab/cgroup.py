@@ -1,8 +1,7 @@
 """A Linux memory cgroup that holds a group of processes' memory, their page cache included, to a limit: how
-`moe-l2 bench` gives the page cache the same memory as moe-l2's tiers (docs/architecture.md, "Measured
-against the page cache"). cgroup v2 (one hierarchy at /sys/fs/cgroup) and v1 (the memory controller at
-/sys/fs/cgroup/memory) are both handled; macOS has no such thing, and `MemoryCgroup.make` says why none can
-be made instead of raising.
+`moe-l2 bench` gives the page cache the same memory as moe-l2's tiers (docs/architecture.md, "The bench"). cgroup
+v2 (one hierarchy at /sys/fs/cgroup) and v1 (the memory controller at /sys/fs/cgroup/memory) are both handled;
+macOS has no such thing, and `MemoryCgroup.make` says why none can be made instead of raising.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ every field mlx_lm.server reads, by type and range, for chat and text completion
 which runs as a chat completion). mlx_lm.server trusts what it is given: a `stop` that is not strings, a
 `logit_bias` id past the vocabulary or an empty prompt kills its generation thread or the process; a `max_tokens`
 of 2^70 runs until the context is full. A refusal is a `RequestRefused`: its status and the field it is about,
-for the handler's error object (docs/security.md, "moe-l2 serve").
+for the handler's error object (docs/security.md, "`moe-l2 serve`'s HTTP API").
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ The client's `request` and the trust checks of its L2Client, `moe-l2 stats`, `pr
 
 - refuses a daemon run by a user it does not trust before sending it anything: an ipc socket, or its directory,
   owned by another uid, or a link or file posing as the socket (`check_socket`); any local user can listen on
-  the socket path or a TCP port while the real daemon is down (docs/security.md, "What a client trusts");
+  the socket path or a TCP port while the real daemon is down (docs/security.md, "Clients trust only a daemon
+  run by a trusted user");
 - fails at once, naming the cause, when there is no socket file or the user may not use it (`check_access`);
 - speaks CurveZMQ to a tcp:// daemon when the environment names the keys (`curve_keys`);
 - takes a reply of at most protocol.MAX_REPLY_BYTES (ZMQ_MAXMSGSIZE: libzmq drops a larger one unread) and

@@ -20,7 +20,8 @@ import msgpack
 PROTOCOL_VERSION = 1
 
 # Every request is bounded in size and in the work it asks for, so that one cheap message never costs the
-# daemon's serving thread more than milliseconds (docs/security.md, "Denial of service").
+# daemon's serving thread more than milliseconds (docs/security.md, "Every request is bounded in work and
+# memory").
 # A control-plane message is small; anything bigger is a bug or an attack, refused with an error reply.
 MAX_FRAME_BYTES = 256 << 10
 # ZeroMQ frames of a request: the client's identity (added by the ROUTER), an optional empty delimiter
