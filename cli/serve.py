@@ -2,7 +2,7 @@
 
 The options after the model, L0, daemon and request-limit ones are mlx_lm.server's own, with its names and
 defaults (it builds its parser inside main(), so they are restated here); they land in the namespace
-mlx_lm.server's ModelProvider and handler read (docs/architecture.md, "moe-l2 serve").
+mlx_lm.server's ModelProvider and handler read (docs/decisions.md, "Restated mlx-lm flags").
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"moe-l2 serve: {exc}", file=sys.stderr)
     # Everything is shut down in order (the requests, the generation thread, the pool, the daemon link): leave
     # at once. mlx 0.32.4 aborts at interpreter exit after a model was loaded on another thread, as
-    # mlx_lm.server does on Ctrl-C (docs/architecture.md, "moe-l2 serve").
+    # mlx_lm.server does on Ctrl-C (docs/decisions.md, "serve leaves with os._exit").
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -3,7 +3,7 @@
 The connection thread counts the daemon's Loaded notices per MoE layer (protocol.Loaded); a waiting lookup
 notes the layer's count, looks at L2, and sleeps until the count moves or its deadline passes, then looks again.
 A notice is only a wake-up: the lookup trusts what L2's seqlock says, never the notice, so a lost notice costs a
-wait until the deadline and a false or hostile one one more look (docs/architecture.md, "Client pool (L0)").
+wait until the deadline and a false or hostile one one more look (docs/architecture.md, "Load-through").
 """
 
 from __future__ import annotations

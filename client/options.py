@@ -234,8 +234,8 @@ class StreamOptions:
     @property
     def l0_shared(self) -> bool:
         """Whether L0 is one set of rows for all layers: `shared_l0`, or where it is None, whether L2's records
-        are computed on in place with an LRU L0 (what `moe-l2 bench` measured as best: docs/architecture.md,
-        "The bench")."""
+        are computed on in place with an LRU L0 (what `moe-l2 bench` measured as best: docs/decisions.md, "A
+        shared L0 where L2 is read in place")."""
         if self.shared_l0 is not None:
             return self.shared_l0
         if self.l0_ceilings is not None or self.l0_autopin:

@@ -12,7 +12,8 @@ row is never referenced before it holds its whole record.
 With a checksum manifest, records read from the model file are checked before they are published (a damaged
 one raises CorruptRecord instead of feeding a wrong weight to a forward pass); records copied from L2 were
 checked by the daemon before it published them, and are checked again only with verify="all"
-(docs/architecture.md, "Integrity", has the measured cost).
+(docs/architecture.md, "Integrity"; the measured cost: docs/decisions.md, "The client checks what it reads from
+the files, not L2's copies").
 
 `prefetch(layer, guesses)` hands guesses for a layer to a background worker (client/prefetcher.py) that loads
 the ones not in L0 into the pool's side rows (rows past the demand ceiling, for guesses only, that no queued
@@ -103,7 +104,7 @@ class ExpertPool:
         load_through_s: on an L2 miss, report it at once and wait up to this long for the daemon to load the
         record, woken by the daemon's notice that it landed, then use it in L2 (lent by `borrow`, copied by
         `fetch`) instead of reading the file as well (0, or a daemon that sends no notices: read the file at
-        once; docs/architecture.md, "Client pool (L0)").
+        once; docs/architecture.md, "Load-through").
         layers: the MoE layers this process runs (a pipeline stage's: docs/distributed.md); L0 rows are
         allocated for those only. None: every layer.
         lend: `borrow` may lend L2's records in place (where MLX can compute on shared memory: L2View.supported);

@@ -338,7 +338,7 @@ class ServedModel:
             hits_total += len(hits)
             misses_total += len(misses)
             # The batch's own experts are never evicted for its misses: a client may be computing on them in
-            # place right now (docs/architecture.md, "Zero-copy L2 reads").
+            # place right now (docs/architecture.md, "Load-through").
             batch = frozenset(lookups[layer]).union(routed.get(layer, ()), (keep or {}).get(layer, ()))
             read = set((given or {}).get(layer, ()))
             self.demand(layer, [e for e in misses if e not in read], loader, keep=batch)

@@ -41,7 +41,7 @@ DEFAULT_CONFIGS = CONFIGS[:4]
 # The streaming options the moe-l2 configurations take, as `generate` and `serve` do (client/options.py).
 STREAMING = ("shared_l0", "l2_reads", "load_through_ms", "l0_grow", "fill_l2")
 # Decode on Apple Silicon, per MoE layer: gpt-oss-20b (24 layers), MLX 4-bit, 91.5 tok/s on an M2 Max
-# (docs/architecture.md, "The bench", cites the measurement): 1000 / 91.5 / 24 ms.
+# (docs/decisions.md, "The bench's compute per layer", cites the measurement): 1000 / 91.5 / 24 ms.
 DEFAULT_COMPUTE_MS = 0.45
 # page-cache: room per client process for its heap to grow past what it held warm, inside the cgroup's limit.
 HEAP_ROOM = 16 << 20

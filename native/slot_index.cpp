@@ -17,7 +17,8 @@ namespace moe_l2 {
 namespace {
 
 // Records are copied in pieces of at most this many bytes, so that several threads share one large
-// record (one core does not reach the machine's memory bandwidth; docs/architecture.md, "Native module").
+// record (one core does not reach the machine's memory bandwidth; docs/decisions.md, "Large copies from L2
+// run on several threads").
 constexpr size_t kChunk = size_t(1) << 20;
 
 struct Piece {

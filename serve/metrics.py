@@ -6,7 +6,8 @@ first and last token; the generation thread's own counts (`ServedResponseGenerat
 requests it holds) and the expert pool's tiers (the StreamedLM's counters, lm/streamed_lm.py `stats`, what
 `moe-l2 generate --json` reports) are read at each scrape, on this process' rank only. Rates are for the scraper:
 rate(moe_l2_serve_generated_tokens_total) is tokens/s over time, and its ratio to
-rate(moe_l2_serve_generation_seconds_total) the decode speed a request sees (docs/architecture.md, "moe-l2 serve").
+rate(moe_l2_serve_generation_seconds_total) the decode speed a request sees (docs/decisions.md, "serve's
+/metrics").
 """
 
 from __future__ import annotations

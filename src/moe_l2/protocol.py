@@ -33,7 +33,7 @@ MAX_IDS = 16384
 # Longest value of each string field, in characters.
 MAX_STRING = {"model": 4096, "fingerprint": 64, "client": 256, "text": 64 << 10, "domain": 256, "kind": 32}
 # Next-layer prefetch counters a report may carry: increments since the client's previous report, times in
-# microseconds (docs/architecture.md, "Next-layer prefetch"). Each at most 2**53, so any sum stays exact.
+# microseconds (docs/decisions.md, "Prefetch is counted"). Each at most 2**53, so any sum stays exact.
 PREFETCH_COUNTERS = ("issued", "useful", "wasted", "guessed", "picked", "right", "worker_us", "wait_us")
 # Where a client's expert lookups got their bytes, as a report may carry them (increments since its previous
 # report, client.pool.TierCounts.by_source): its L0; L2, held when looked up; the disk, read by the daemon while
@@ -410,7 +410,7 @@ class Loaded:
     """Daemon -> client notice: these experts of a MoE layer of the model (its fingerprint) were published in L2,
     as the client's report asked (Report.notify); one notice per layer batches those that landed together.
     Only a wake-up: the client still checks L2 itself (its seqlock), so a lost notice costs a wait until the
-    client's deadline and a false one a look at L2 (docs/architecture.md, "Client pool (L0)")."""
+    client's deadline and a false one a look at L2 (docs/architecture.md, "Load-through")."""
 
     TYPE: ClassVar[str] = "loaded"
     model: str

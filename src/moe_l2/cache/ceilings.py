@@ -1,5 +1,6 @@
 """Per-layer L0 ceilings: each layer's LRU hit curve from routing traces, and the split of a process' L0 rows
-among its layers where the curves gain most (docs/architecture.md, "Per-layer ceilings").
+among its layers where the curves gain most (docs/architecture.md, "Client pool (L0)"; docs/decisions.md,
+"Per-layer ceilings, off by default").
 
 A layer's *hit curve* is, for every capacity c of 1..n_experts, how many of the layer's lookups an LRU pool of c
 rows would have hit. One pass gives every capacity at once (Mattson's stack distances): before each token, an

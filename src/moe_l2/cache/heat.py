@@ -1,6 +1,6 @@
 """Autopin: each layer's expert heat, and the hottest experts to pin so that a burst of cold ones cannot flush
-them (docs/architecture.md, "Autopin"). The client's L0 pool (client/layerpool.py) and `moe-l2 replay
---autopin` use the same `Heat`, so replay's figures are the pool's.
+them (docs/architecture.md, "Client pool (L0)"; docs/decisions.md, "Autopin, off by default"). The client's L0
+pool (client/layerpool.py) and `moe-l2 replay --autopin` use the same `Heat`, so replay's figures are the pool's.
 
 Heat is a count of the lookups (one per expert a lookup) that decays by half every `half_life` lookups of the
 layer; it is counted from the experts the router picked, which the pool gets as a host list after the one sync
