@@ -9,12 +9,13 @@ benchmarks.md, name their points so). A cited name matches a title equal to it, 
 from __future__ import annotations
 
 import functools
+import os
 import re
-import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = re.compile(r"\.(py|pyi|cpp|h|md|toml|txt)$")
+SKIPPED = {"build", "dist", "venv", "node_modules", "__pycache__"}
 # A page's name, optionally as a markdown link, then its section names in quotes: `docs/x.md, "A"`,
 # `[x.md](x.md), "A", "B"`, `docs/x.md ("A")`, `x.md "A" and "B"`. The separator must not be empty, so that a
 # page named at the end of a string ('... docs/x.md")') is not read as a citation of what follows.
@@ -30,15 +31,23 @@ def joined(text: str) -> str:
     return re.sub(r"[ \t]*\n[ \t]*(?:#+(?!#)|//|\*(?!\*))?[ \t]*", " ", text)
 
 
-def citations() -> list[tuple[str, str, str]]:
-    """(file, page, section name) for every citation in the tracked source and documentation files."""
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+def source_files() -> list[Path]:
+    """The checkout's source and documentation files: not build outputs, virtual environments or hidden folders."""
     found = []
-    for name in files:
-        path = ROOT / name
-        # This file's examples of the spellings are not citations.
-        if not SOURCES.search(name) or not path.is_file() or path == Path(__file__).resolve():
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in SKIPPED
+                         and not d.endswith(".egg-info")]
+        found += [Path(folder, f) for f in files if SOURCES.search(f)]
+    return sorted(found)
+
+
+def citations() -> list[tuple[str, str, str]]:
+    """(file, page, section name) for every citation in the checkout's source and documentation files."""
+    found = []
+    for path in source_files():
+        if path == Path(__file__).resolve():  # this file's examples of the spellings are not citations
             continue
+        name = str(path.relative_to(ROOT))
         for match in CITATION.finditer(joined(path.read_text(errors="replace"))):
             found += [(name, match["page"], section) for section in re.findall(r'"([^"]+)"', match["names"])]
     return found
