@@ -27,6 +27,7 @@ from functools import partial
 
 from moe_l2.cache.store import Reservation
 from moe_l2.fill_protocol import FillProtocolError, FrameReader, encode
+from moe_l2.protocol import ProtocolError
 
 from moe_l2.daemon.gate import bind_socket_file
 from moe_l2.daemon.peers import Credentials, ExitWatch, peer_credentials
@@ -223,10 +224,10 @@ class FillDesk:
     def _give(self, donor: Donor, model: ServedModel, layer: int, experts: list[int],
               keep: list[int]) -> list[Reservation]:
         """Reserve slots for the records the donor holds that L2 neither holds nor loads, up to its bound: the
-        slots to offer."""
+        slots to offer; none when an id is out of range (checked here, where the give enters: check_ids)."""
         try:
             model.check_ids({layer: [*experts, *keep]})
-        except IndexError:
+        except ProtocolError:
             return []
         fp = model.files.fingerprint
         wanted = [e for e in dict.fromkeys(experts) if (fp, layer, e) not in donor.offers]

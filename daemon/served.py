@@ -125,14 +125,14 @@ class ServedModel:
 
     def check_layer(self, layer: int) -> LayerStore:
         if not 0 <= layer < self.geometry.n_layers:
-            raise IndexError(f"layer {layer} out of range: {self.files.path} has MoE layers "
-                             f"0..{self.geometry.n_layers - 1}")
+            raise ProtocolError("OutOfRange", f"layer {layer} out of range: {self.files.path} has MoE layers "
+                                              f"0..{self.geometry.n_layers - 1}")
         store = self.stores.get(layer)
         if store is None:
-            raise IndexError(f"MoE layer {layer} (decoder layer {self.files.layer_ids[layer]}) of {self.files.path} "
-                             f"is not served by this daemon, which serves decoder layers "
-                             f"{format_ranges(self.layer_ids)} (moe-l2d --layers): its clients read it from the "
-                             "model files")
+            raise ProtocolError("OutOfRange", f"MoE layer {layer} (decoder layer {self.files.layer_ids[layer]}) of "
+                                              f"{self.files.path} is not served by this daemon, which serves decoder "
+                                              f"layers {format_ranges(self.layer_ids)} (moe-l2d --layers): its "
+                                              "clients read it from the model files")
         return store
 
     def served_part(self, layers: dict) -> dict:
@@ -144,18 +144,22 @@ class ServedModel:
                 self.check_layer(layer)
         return {layer: value for layer, value in layers.items() if layer in self.stores}
 
-    def check_ids(self, layers) -> None:
-        """Raise IndexError for the first layer or expert of {layer: expert ids} out of range. Every request
-        is checked whole before it touches a store, so that a refused one changes nothing: no slot left
-        reserved, no pin half taken (docs/security.md)."""
+    def check_ids(self, layers: dict[int, list[int]]) -> None:
+        """The one check of a request's layer and expert ids, where it enters (the server's handlers, the fill
+        desk's give): ProtocolError OutOfRange for the first layer not served or expert out of range. A request
+        is checked whole before it touches a store, so that a refused one changes nothing: no slot left reserved,
+        no pin half taken (docs/security.md). demand, reserve, report, pin and unpin trust the ids they get."""
+        n_experts = self.geometry.n_experts
         for layer, experts in layers.items():
-            store = self.check_layer(layer)
+            self.check_layer(layer)
             for expert in experts:
-                store.check_expert(expert)
+                if not 0 <= expert < n_experts:
+                    raise ProtocolError("OutOfRange", f"expert {expert} out of range: this layer has experts "
+                                                      f"0..{n_experts - 1}")
 
     def demand(self, layer: int, experts, loader, keep: frozenset[int] = frozenset()) -> int:
         """Load the experts that are neither resident nor on their way, evicting none in `keep`; returns how
-        many loads started."""
+        many loads started. Its ids are checked (check_ids) where the request entered."""
         reservations = self.reserve(layer, experts, keep)
         for r in reservations:
             loader.submit(partial(self.fill, layer, r), partial(self.abort_fill, layer, r))
@@ -163,8 +167,8 @@ class ServedModel:
 
     def reserve(self, layer: int, experts, keep: frozenset[int] = frozenset()) -> list[Reservation]:
         """Slots for the experts that are neither resident nor on their way, evicting none in `keep`, each begun
-        (seq odd, the evicted expert unmapped): to be ended by `fill`, `take_donation` or `abort_fill`."""
-        self.check_ids({layer: experts})
+        (seq odd, the evicted expert unmapped): to be ended by `fill`, `take_donation` or `abort_fill`. Its ids
+        are checked (check_ids) where the request entered."""
         store = self.stores[layer]
         reservations = []
         with self.lock:
@@ -315,12 +319,11 @@ class ServedModel:
                keep: dict[int, frozenset[int]] | None = None, given: dict[int, list[int]] | None = None) -> None:
         """Fold a client's lookups into the policy and counters, load its misses but those it `given` (it read
         them and gives them through the fill socket: daemon/fills.py), and count its routing (every pick, L0
-        hits included; a client that sends no `routed` is counted by its L2 lookups).
+        hits included; a client that sends no `routed` is counted by its L2 lookups). Its ids are checked
+        (check_ids, served layers only) where the report entered.
         keep: per layer, experts the loads must not evict beside the report's own (a piece of a larger
         report keeps the whole report's: daemon.server.report_pieces)."""
         lookups = {layer: [*hits, *misses] for layer, (hits, misses) in layers.items()}
-        self.check_ids(lookups)
-        self.check_ids(routed)
         picks = routed or lookups
         with self.lock:
             routing = self._routing_counts(self.active_domain or "")
@@ -348,7 +351,8 @@ class ServedModel:
         self.counters.add_lookups(hits_total, misses_total, self.files.layout.nbytes, n_picks)
 
     def pin(self, layer: int, experts: list[int], kind: str, loader) -> tuple[list[int], list[int]]:
-        self.check_ids({layer: experts})
+        """Pin and load the experts, within the pin limit: (pinned, refused). Its ids are checked (check_ids)
+        where the request entered."""
         store = self.stores[layer]
         with self.lock:
             pinned, refused = store.pin(experts, kind)
@@ -356,7 +360,7 @@ class ServedModel:
         return pinned, refused
 
     def unpin(self, layer: int, experts: list[int], kind: str) -> None:
-        self.check_ids({layer: experts})
+        """Its ids are checked (check_ids) where the request entered."""
         store = self.stores[layer]
         with self.lock:
             store.unpin(experts, kind)

@@ -233,9 +233,8 @@ class Server:
             reply = self._handlers[type(request)](identity, request)
         except ProtocolError as exc:
             reply = self._refuse(request.id, exc.ename, exc.evalue)
-        except (IndexError, ValueError, KeyError) as exc:
-            reply = self._refuse(request.id, "OutOfRange" if isinstance(exc, IndexError) else "BadRequest",
-                                 str(exc).strip("'\"") or type(exc).__name__)
+        except (ValueError, KeyError) as exc:
+            reply = self._refuse(request.id, "BadRequest", str(exc).strip("'\"") or type(exc).__name__)
         except Exception as exc:  # a handler bug must not take the daemon down
             log.exception("request failed")
             reply = self._refuse(request.id, "InternalError", f"{type(exc).__name__}: {exc}")
@@ -412,13 +411,14 @@ class Server:
         return protocol.encode_reply(req.id, **result)
 
     def _prefetch(self, identity: bytes, req: protocol.Prefetch) -> None:
-        self._model(req.model).demand(req.layer, req.experts, self.loader)
+        self._checked(req).demand(req.layer, req.experts, self.loader)
 
     def _report(self, identity: bytes, req: protocol.Report) -> None:
         """Check the whole report now (a refusal reaches its sender before any later reply on the
         connection), queue it in pieces folded in between other requests, or fold it in now when its sender
         waits for its misses, it is small and nothing is queued. Layers the daemon does not serve are left out
-        (their clients read them from the model files)."""
+        (their clients read them from the model files). The check here is the only one of its ids: `notify` and
+        `given` only pick among the checked misses (report_pieces)."""
         model = self._model(req.model)
         layers, routed = model.served_part(req.layers), model.served_part(req.routed)
         model.check_ids({layer: [*hits, *misses] for layer, (hits, misses) in layers.items()})
@@ -445,19 +445,22 @@ class Server:
         for piece in pieces:
             self._enqueue(QueuedWork(identity, model, piece))
 
-    def _pin_kind(self, kind: str) -> str:
-        if kind not in protocol.PIN_KINDS:
-            raise ProtocolError("BadField", f"pin kind {protocol.quote(kind)} is not one of "
+    def _checked(self, req: protocol.Prefetch | protocol.Pin) -> ServedModel:
+        """The model a prefetch, pin or unpin names, the request checked whole: a pin's kind, then its layer and
+        experts (ServedModel.check_ids), which nothing after checks again."""
+        model = self._model(req.model)
+        if isinstance(req, protocol.Pin) and req.kind not in protocol.PIN_KINDS:
+            raise ProtocolError("BadField", f"pin kind {protocol.quote(req.kind)} is not one of "
                                             f"{', '.join(protocol.PIN_KINDS)}")
-        return kind
+        model.check_ids({req.layer: req.experts})
+        return model
 
     def _pin(self, identity: bytes, req: protocol.Pin) -> bytes:
-        pinned, refused = self._model(req.model).pin(req.layer, req.experts, self._pin_kind(req.kind),
-                                                      self.loader)
+        pinned, refused = self._checked(req).pin(req.layer, req.experts, req.kind, self.loader)
         return protocol.encode_reply(req.id, pinned=pinned, refused=refused)
 
     def _unpin(self, identity: bytes, req: protocol.Unpin) -> bytes:
-        self._model(req.model).unpin(req.layer, req.experts, self._pin_kind(req.kind))
+        self._checked(req).unpin(req.layer, req.experts, req.kind)
         return protocol.encode_reply(req.id)
 
     def _bye(self, identity: bytes, req: protocol.Bye) -> bytes:

@@ -278,3 +278,16 @@ def test_a_donation_cancelled_is_read_by_the_daemon_so_that_l2_holds_the_record(
     assert fills(running_daemon)["cancelled"] == 1 and fills(running_daemon)["donated"] == 0
     assert slot_record(model_files, running_daemon, 2, 8) == model_files.read_record(2, 8)
     donor.sock.close()
+
+
+def test_a_give_with_an_id_out_of_range_is_offered_nothing_and_changes_nothing(running_daemon, model_files):
+    donor = RawDonor(running_daemon)
+    fp, n = model_files.fingerprint, model_files.n_experts
+    for experts, keep in (([3, n], []), ([3], [-1])):
+        donor.sock.sendall(encode("give", model=fp, layer=1, experts=experts, keep=keep))
+        offer = donor.next()
+        assert (offer.type, offer.slots) == ("offer", [])
+    layer = stats(running_daemon)["models"][0]["layers"][1]
+    assert (layer["loading"], layer["resident"], fills(running_daemon)["offered"]) == (0, 0, 0)
+    donor.offer(model_files, 1, 3)  # the desk serves on
+    donor.sock.close()
