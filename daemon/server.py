@@ -81,6 +81,22 @@ class ReportPiece:
     given: dict = field(default_factory=dict)
 
 
+@dataclass
+class Client:
+    """An attached client, as its hellos and reports say: its name (L2Client names itself host:pid:nonce,
+    client/connection.py), its last hello (time.monotonic()), its model, the MoE layers it streams (() when it did
+    not say), where its lookups got their bytes as its reports said (protocol.TIER_COUNTERS) and its L0's rows held
+    and ceiling (None when not said)."""
+
+    name: str
+    seen: float
+    model: ServedModel
+    layers: tuple[int, ...] = ()
+    tiers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(protocol.TIER_COUNTERS, 0))
+    l0_rows: int | None = None
+    l0_ceiling: int | None = None
+
+
 @dataclass(frozen=True)
 class QueuedWork:
     """An item of the work queue: a report piece of `model` to fold in, or (model None) a request its sender
@@ -106,12 +122,7 @@ class Server:
         self.loader = loader
         self.epoch = epoch
         self.started = time.time()
-        # identity -> (client name, last hello, its model, the MoE layers it streams or () when it did not
-        # say, where its lookups got their bytes as its reports said: protocol.TIER_COUNTERS, its L0's (rows held,
-        # ceiling) or None), oldest hello first.
-        self.clients: collections.OrderedDict[bytes, tuple[str, float, ServedModel, tuple[int, ...],
-                                                           dict[str, int], tuple[int, int] | None]] = \
-            collections.OrderedDict()
+        self.clients: collections.OrderedDict[bytes, Client] = collections.OrderedDict()  # oldest hello first
         self.requests = 0
         self.errors = 0
         self.unanswered = 0  # requests of peers that do not read their replies, dropped undone
@@ -338,10 +349,12 @@ class Server:
         if not 0 <= req.l0_rows <= req.l0_ceiling <= protocol.MAX_COUNTER and (req.l0_rows, req.l0_ceiling) != (0, 0):
             raise ProtocolError("BadField", f"hello: an L0 of {req.l0_rows} rows held of at most {req.l0_ceiling}: "
                                             f"give 0 <= l0_rows <= l0_ceiling <= {protocol.MAX_COUNTER}")
-        l0 = (req.l0_rows, req.l0_ceiling) if req.l0_ceiling else None
+        client = Client(req.client, time.monotonic(), model, tuple(sorted(set(req.layers))),
+                        l0_rows=req.l0_rows if req.l0_ceiling else None, l0_ceiling=req.l0_ceiling or None)
         known = self.clients.pop(identity, None)
-        tiers = known[4] if known is not None and known[0] == req.client else dict.fromkeys(protocol.TIER_COUNTERS, 0)
-        self.clients[identity] = (req.client, time.monotonic(), model, tuple(sorted(set(req.layers))), tiers, l0)
+        if known is not None and known.name == req.client:
+            client.tiers = known.tiers  # its reports' sums go on
+        self.clients[identity] = client
         while len(self.clients) > MAX_CLIENTS:
             self.clients.popitem(last=False)
         g = model.geometry
@@ -353,7 +366,7 @@ class Server:
 
     def _expire_clients(self) -> None:
         now = time.monotonic()
-        while self.clients and next(iter(self.clients.values()))[1] < now - CLIENT_TIMEOUT_S:
+        while self.clients and next(iter(self.clients.values())).seen < now - CLIENT_TIMEOUT_S:
             self.clients.popitem(last=False)
         while self._deaf and next(iter(self._deaf.values())) < now - DEAF_S:
             self._deaf.popitem(last=False)
@@ -368,15 +381,14 @@ class Server:
         and they read from their files (docs/architecture.md, "Served layers")."""
         now = time.monotonic()
         out = []
-        for name, seen, model, layers, tiers, l0 in self.clients.values():
-            parts = name.split(":")
+        for c in self.clients.values():
+            parts = c.name.split(":")
             pid = int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
-            ids = model.files.layer_ids
-            out.append({"name": name, "pid": pid, "idle_s": now - seen, "model": str(model.files.path),
-                        "layer_ids": [ids[layer] for layer in layers] if layers else None,
-                        "unserved_layer_ids": [ids[layer] for layer in layers if layer not in model.layers],
-                        "tiers": dict(tiers), "l0_rows": l0[0] if l0 else None,
-                        "l0_ceiling": l0[1] if l0 else None})
+            ids = c.model.files.layer_ids
+            out.append({"name": c.name, "pid": pid, "idle_s": now - c.seen, "model": str(c.model.files.path),
+                        "layer_ids": [ids[layer] for layer in c.layers] if c.layers else None,
+                        "unserved_layer_ids": [ids[layer] for layer in c.layers if layer not in c.model.layers],
+                        "tiers": dict(c.tiers), "l0_rows": c.l0_rows, "l0_ceiling": c.l0_ceiling})
         return out
 
     def _stats(self, identity: bytes, req: protocol.Stats) -> bytes:
@@ -427,9 +439,9 @@ class Server:
         model.counters.add_prefetch(req.prefetch)  # a few integers: counted at once
         model.counters.add_tiers(req.tiers)
         client = self.clients.get(identity)
-        if client is not None and client[2] is model:
+        if client is not None and client.model is model:
             for name, n in req.tiers.items():
-                client[4][name] += n
+                client.tiers[name] += n
         pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS, notify, given)
         cost = sum(piece.cost for piece in pieces)
         if notify and not self._work and cost <= URGENT_REPORT_IDS:

@@ -399,15 +399,15 @@ def test_bad_curve_settings_are_refused(extra, words, model_dir):
 
 def test_silent_clients_expire_without_anyone_asking_for_stats():
     from moe_l2.daemon.loader import Loader
-    from moe_l2.daemon.server import CLIENT_TIMEOUT_S, Server
+    from moe_l2.daemon.server import CLIENT_TIMEOUT_S, Client, Server
 
     directory = short_tempdir()
     loader = Loader(1)
     server = Server(f"ipc://{directory}/s.sock", [], loader, epoch=1)
     try:
         stale = time.monotonic() - CLIENT_TIMEOUT_S - 1
-        server.clients.update({b"old-%d" % i: ("c", stale) for i in range(100)})
-        server.clients[b"fresh"] = ("c", time.monotonic())
+        server.clients.update({b"old-%d" % i: Client("c", stale, model=None) for i in range(100)})
+        server.clients[b"fresh"] = Client("c", time.monotonic(), model=None)
         passes = iter(range(2))
         server.serve(lambda: next(passes, None) is None)  # one pass of the serving loop, no request
         assert list(server.clients) == [b"fresh"]
