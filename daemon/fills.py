@@ -124,8 +124,8 @@ class FillDesk:
                     self._accept()
                 elif what == "wake":
                     self._wake_r.recv(64)
-                elif isinstance(what, tuple):  # (donor, "exit")
-                    self._reclaim(what[0])
+                elif key.fileobj is what.watch:  # the donor process exited
+                    self._reclaim(what)
                 else:
                     self._read(what)
             self._refusals.flush()
@@ -166,7 +166,7 @@ class FillDesk:
             return
         donor = Donor(sock, peer, watch)
         self._donors.add(donor)
-        self._selector.register(watch, selectors.EVENT_READ, (donor, "exit"))
+        self._selector.register(watch, selectors.EVENT_READ, donor)
         self._selector.register(sock, selectors.EVENT_READ, donor)
         self._send(donor, encode("welcome", epoch=self.epoch))
 
