@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 from moe_l2.plan import open_meminfo, read_memory
 from moe_l2.sizes import format_size
@@ -72,24 +73,24 @@ class Governor:
         for model in self.models:
             model.release_due(time.monotonic() - RELEASE_GRACE_S)
             per_slot = model.geometry.served * model.geometry.slot_stride  # served layers only
-            fewest, most, short = _slots(model)
+            slots = Slots.of(model)
             was_unbacked = bool(model.unbacked)
             if memory.available < self.floor:
                 shortfall = self.floor - memory.available - model.releasing_bytes
                 step = -(-shortfall // per_slot)
-                if step > 0 and model.resize(fewest - step):
+                if step > 0 and model.resize(slots.fewest - step):
                     self.shrinks += 1
                     log.warning("available memory %s is below the floor %s: %s now holds %d slots per layer "
                                 "(of %d); it grows back when memory recovers", format_size(memory.available),
-                                format_size(self.floor), model.files.path, _slots(model)[0],
+                                format_size(self.floor), model.files.path, Slots.of(model).fewest,
                                 model.geometry.n_slots)
-            elif short:
+            elif slots.short:
                 spare = memory.available - self.floor - self.floor // 4
                 step = spare // per_slot
-                if step > 0 and model.resize(most + step):
+                if step > 0 and model.resize(slots.most + step):
                     self.grows += 1
                     log.info("available memory %s: %s grows back to %d slots per layer (of %d)",
-                             format_size(memory.available), model.files.path, _slots(model)[0],
+                             format_size(memory.available), model.files.path, Slots.of(model).fewest,
                              model.geometry.n_slots)
             if bool(model.unbacked) != was_unbacked:
                 _log_unbacked(model)
@@ -110,12 +111,21 @@ def _log_unbacked(model: ServedModel) -> None:
         log.info("every slot of %s is backed again", model.files.path)
 
 
-def _slots(model: ServedModel) -> tuple[int, int, bool]:
-    """The fewest and the most slots a layer of the model holds now, and whether any layer holds fewer than
-    it was configured with (layers may differ by a slot: Geometry.layer_slots), in one walk of its stores."""
-    fewest, most, short = None, 0, False
-    for store in model.stores.values():
-        fewest = store.capacity if fewest is None else min(fewest, store.capacity)
-        most = max(most, store.capacity)
-        short |= store.capacity < store.n_slots
-    return fewest or 0, most, short
+@dataclass(frozen=True)
+class Slots:
+    """The fewest and the most slots a layer of a model holds now, and whether any layer holds fewer than it was
+    configured with (layers may differ by a slot: Geometry.layer_slots)."""
+
+    fewest: int
+    most: int
+    short: bool
+
+    @classmethod
+    def of(cls, model: ServedModel) -> "Slots":
+        """In one walk of the model's stores."""
+        fewest, most, short = None, 0, False
+        for store in model.stores.values():
+            fewest = store.capacity if fewest is None else min(fewest, store.capacity)
+            most = max(most, store.capacity)
+            short |= store.capacity < store.n_slots
+        return cls(fewest or 0, most, short)
