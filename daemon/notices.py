@@ -13,6 +13,7 @@ import collections
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from moe_l2 import protocol
 
@@ -23,11 +24,21 @@ MAX_WAITERS = 1024
 Send = Callable[[bytes, bytes], None]
 
 
+@dataclass(frozen=True)
+class EndedFill:
+    """A fill a loader thread ended: the record (its model's fingerprint, layer, expert), published or aborted."""
+
+    fingerprint: str
+    layer: int
+    expert: int
+    published: bool
+
+
 class LoadNotices:
     def __init__(self) -> None:
         # (model fingerprint, layer, expert) -> identities waiting for it, for records loading now only.
         self._waiting: dict[tuple[str, int, int], set[bytes]] = {}
-        self._ended: collections.deque = collections.deque()  # (fingerprint, layer, expert, published)
+        self._ended: collections.deque[EndedFill] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -50,7 +61,7 @@ class LoadNotices:
         with self._lock:
             if self._closed:
                 return
-            self._ended.append((fingerprint, layer, expert, published))
+            self._ended.append(EndedFill(fingerprint, layer, expert, published))
             try:
                 os.write(self._wake_w, b"\0")
             except BlockingIOError:
@@ -79,10 +90,10 @@ class LoadNotices:
             pass
         due: dict[tuple[bytes, str, int], list[int]] = collections.defaultdict(list)
         while self._ended:
-            fingerprint, layer, expert, published = self._ended.popleft()
-            for identity in self._waiting.pop((fingerprint, layer, expert), ()):
-                if published:  # an aborted load tells no one: its waiters' deadlines end their waits
-                    due[identity, fingerprint, layer].append(expert)
+            ended = self._ended.popleft()
+            for identity in self._waiting.pop((ended.fingerprint, ended.layer, ended.expert), ()):
+                if ended.published:  # an aborted load tells no one: its waiters' deadlines end their waits
+                    due[identity, ended.fingerprint, ended.layer].append(ended.expert)
         for (identity, fingerprint, layer), experts in due.items():
             self._send(send, identity, fingerprint, layer, sorted(experts))
 
