@@ -12,6 +12,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger("moe-l2d.loader")
 
@@ -33,10 +34,27 @@ class Preload:
         return self.records[taken:]
 
 
+@dataclass(frozen=True)
+class SlotWork:
+    """A client's slot work, its slot reserved: `work` ends the fill, `cancel` ends it unfilled."""
+
+    work: Callable[[], object]
+    cancel: Callable[[], object]
+
+
+@dataclass(frozen=True)
+class PreloadRecord:
+    """A record of a preload that a thread took."""
+
+    preload: Preload
+    layer: int
+    expert: int
+
+
 class Loader:
     def __init__(self, threads: int = 4):
         self._lock = threading.Condition()
-        self._urgent: collections.deque = collections.deque()  # (work, cancel)
+        self._urgent: collections.deque[SlotWork] = collections.deque()
         self._preloads: collections.deque[Preload] = collections.deque()
         self._in_flight = 0
         # Preloads read on at most half the threads, so that a client's miss that comes meanwhile finds one free.
@@ -59,7 +77,7 @@ class Loader:
         with self._lock:
             if not self._stopping:
                 self._in_flight += 1
-                self._urgent.append((work, cancel))
+                self._urgent.append(SlotWork(work, cancel))
                 self._lock.notify()
                 return
         cancel()
@@ -71,21 +89,20 @@ class Loader:
                 self._preloads.append(preload)
                 self._lock.notify_all()
 
-    def _next(self) -> tuple | None:
-        """The next item to work on, a client's first: ('work', work, cancel) or ('preload', preload, (layer,
-        expert)); None once stopping. Called with the lock held."""
+    def _next(self) -> SlotWork | PreloadRecord | None:
+        """The next item to work on, a client's first; None once stopping. Called with the lock held."""
         while not self._stopping:
             if self._urgent:
-                return ("work", *self._urgent.popleft())
+                return self._urgent.popleft()
             while self._preloads and self._preloading < self._preload_limit:
                 preload = self._preloads[0]
                 if preload.taken == len(preload.records):
                     self._preloads.popleft()
                     continue
-                record = preload.records[preload.taken]
+                layer, expert = preload.records[preload.taken]
                 preload.taken += 1
                 self._preloading += 1
-                return ("preload", preload, record)
+                return PreloadRecord(preload, layer, expert)
             self._lock.wait()
         return None
 
@@ -95,16 +112,15 @@ class Loader:
                 item = self._next()
             if item is None:
                 return
-            kind, target, what = item
-            if kind == "work":
+            if isinstance(item, SlotWork):
                 try:
-                    target()
+                    item.work()
                 except Exception:  # the work handles its own failures: only a bug gets here
                     log.exception("slot work failed")
                 with self._lock:
                     self._in_flight -= 1
             else:
-                self._preload_one(target, *what)
+                self._preload_one(item.preload, item.layer, item.expert)
 
     def _preload_one(self, preload: Preload, layer: int, expert: int) -> None:
         """Load a preload's record into a free slot, unless it is held already or no slot is free (clients' loads
