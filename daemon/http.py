@@ -49,6 +49,14 @@ class Page:
     body: bytes
 
 
+@dataclass(frozen=True)
+class Fresh:
+    """A page the worker computed, and when (time.monotonic()): requests of its path take it for FRESH_S."""
+
+    page: Page
+    at: float
+
+
 def message(status: int, text: str) -> Page:
     return Page(status, TEXT, (text + "\n").encode())
 
@@ -105,7 +113,7 @@ class HttpServer:
         self._jobs: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[tuple[str, Page]] = queue.SimpleQueue()
         self._waiting: dict[str, list[Connection]] = {}  # path -> connections waiting for its computation
-        self._fresh: dict[str, tuple[float, Page]] = {}  # path -> (computed at, page)
+        self._fresh: dict[str, Fresh] = {}  # path -> its page last computed
         self._accept_paused_until = 0.0
         self._evicted = 0  # connections closed at the cap since the last line saying so
         self._next_log: dict[str, float] = {}  # what -> when a line about it may be logged again
@@ -243,8 +251,8 @@ class HttpServer:
             self._respond(conn, message(404, f"no page {path[:64]}; try {' or '.join(sorted(self.pages))}"))
             return
         fresh = self._fresh.get(path)
-        if fresh is not None and time.monotonic() - fresh[0] < FRESH_S:
-            self._respond(conn, fresh[1])
+        if fresh is not None and time.monotonic() - fresh.at < FRESH_S:
+            self._respond(conn, fresh.page)
             return
         conn.waiting_for = path
         self._selector.unregister(conn.sock)
@@ -264,7 +272,7 @@ class HttpServer:
                 path, page = self._finished.get_nowait()
             except queue.Empty:
                 return
-            self._fresh[path] = (time.monotonic(), page)
+            self._fresh[path] = Fresh(page, time.monotonic())
             for conn in self._waiting.pop(path, []):
                 conn.waiting_for = None
                 conn.active = time.monotonic()
