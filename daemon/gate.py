@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -169,6 +170,18 @@ def _tcp_sockaddr(address: str) -> tuple[int, tuple]:
     raise GateError(f"cannot resolve the host of {address!r}: give an IP address, a host name or an interface")
 
 
+class Timer(NamedTuple):
+    """A deadline of the gate's loop: `what` is due for `relay` (None: the listener's rest) at `when`
+    (time.monotonic()); `token` says which state it was set for (a message's number, bytes moved). A tuple, so
+    that the heap orders timers by `when`, then by `seq`, which is unique."""
+
+    when: float
+    seq: int
+    relay: Relay | None
+    what: str
+    token: int
+
+
 class Relay:
     """One accepted connection, its twin to the ROUTER, and what is on its way each way."""
 
@@ -215,7 +228,7 @@ class Gate:
         self._refusals = RefusalLog(log, "connections")
         self._relays: set[Relay] = set()
         self._per_uid: dict[int, int] = {}
-        self._timers: list = []  # (when, seq, relay or None, what, token)
+        self._timers: list[Timer] = []  # a heap
         self._seq = 0
         self._dirty = self._recent = 0
         self._next_tick = 0.0
@@ -296,7 +309,7 @@ class Gate:
     def _run(self) -> None:
         while not self._stop:
             now = time.monotonic()
-            until = min(self._timers[0][0] if self._timers else now + TICK_S, self._next_tick)
+            until = min(self._timers[0].when if self._timers else now + TICK_S, self._next_tick)
             for key, mask in self._selector.select(max(0.0, until - now)):
                 if key.fileobj is self._listener:
                     self._accept()
@@ -311,11 +324,12 @@ class Gate:
 
     def _timer(self, delay: float, relay: Relay | None, what: str, token: int = 0) -> None:
         self._seq += 1
-        heapq.heappush(self._timers, (time.monotonic() + delay, self._seq, relay, what, token))
+        heapq.heappush(self._timers, Timer(time.monotonic() + delay, self._seq, relay, what, token))
 
     def _run_timers(self, now: float) -> None:
-        while self._timers and self._timers[0][0] <= now:
-            _, _, relay, what, token = heapq.heappop(self._timers)
+        while self._timers and self._timers[0].when <= now:
+            timer = heapq.heappop(self._timers)
+            relay, what, token = timer.relay, timer.what, timer.token
             if relay is None:  # the listener's rest is over
                 self._selector.register(self._listener, READ)
             elif relay.closed:
