@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
 
@@ -30,7 +31,7 @@ from moe_l2.sizes import format_size
 
 from moe_l2.daemon import activation
 from moe_l2.daemon.activation import ActivationError, Handed
-from moe_l2.daemon.config import ConfigError, DaemonConfig, build_parser, resolve
+from moe_l2.daemon.config import ConfigError, DaemonConfig, ModelConfig, build_parser, resolve
 from moe_l2.daemon.gate import Gate, raise_fd_limit
 from moe_l2.daemon.governor import Governor
 from moe_l2.daemon.fills import FillDesk
@@ -50,6 +51,17 @@ NAME_ATTEMPTS = 4
 
 class StartupError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class OpenedModel:
+    """A configured model opened and checked, before its segments are made (Daemon._open)."""
+
+    config: ModelConfig
+    files: ModelFiles
+    geometry: Geometry
+    profile: Profile | None
+    layers: tuple[int, ...] | None  # the MoE layers served; None: all
 
 
 def check_memory(needed: int) -> None:
@@ -170,6 +182,42 @@ class Daemon:
     def _state_name(self) -> str:
         return f"moe-l2d-{self.tag}.segments"
 
+    def _open(self, m: ModelConfig) -> OpenedModel:
+        """A configured model's files, profile, served layers and geometry, each checked (StartupError says what
+        is wrong); nothing is made yet."""
+        try:
+            # Never downloads: a repo id missing from the cache names the command that fetches it.
+            files = ModelFiles.open(resolve_model(m.path))
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"cannot serve {m.path}: {exc}") from None
+        profile = None
+        if m.profile is not None:
+            try:
+                profile = Profile.load(m.profile)
+                profile.check_model(files.n_layers, files.n_experts, str(m.path))
+            except ProfileError as exc:
+                raise StartupError(f"cannot serve {m.path}: {exc}") from None
+        try:
+            layers = None if m.layers is None else files.moe_layers_in(m.layers)
+        except ValueError as exc:
+            raise StartupError(f"cannot serve {m.path} with --layers: {exc}") from None
+        n_served = None if layers is None else len(layers)
+        budget = m.budget if m.budget is not None else self._auto_budget(files, n_served)
+        try:
+            geometry = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, budget, n_served)
+        except BudgetError as exc:
+            raise StartupError(f"cannot serve {m.path}: {exc}") from None
+        if budget - geometry.shm_bytes >= geometry.slot_stride:
+            # Capped at one slot per expert: said, so that the admin does not count on memory L2 never takes,
+            # nor on a budget the machine could never back (it would be refused once the model grew).
+            room = SharedMemoryRoom.read()
+            beyond = (f"this machine's memory ({room.refused_above_why()}) and more than "
+                      if budget > room.refused_above else "")
+            log.warning("--budget %s for %s is more than %severy expert of its %d served layers needs: L2 takes "
+                        "%s; the rest stays free", format_size(budget), files.path, beyond, geometry.served,
+                        format_size(geometry.shm_bytes))
+        return OpenedModel(m, files, geometry, profile, layers)
+
     def _acquire_lock(self) -> None:
         directory = self.state_dir
         self._dir_fd = open_private_dir(directory)
@@ -273,55 +321,23 @@ class Daemon:
                 raise StartupError(str(exc)) from None
             log.info("serving the socket %s passed (socket activation)", handed.manager)
         self._reclaim()
-        opened = []
-        for m in self.config.models:
-            try:
-                # Never downloads: a repo id missing from the cache names the command that fetches it.
-                files = ModelFiles.open(resolve_model(m.path))
-            except (OSError, ValueError) as exc:
-                raise StartupError(f"cannot serve {m.path}: {exc}") from None
-            profile = None
-            if m.profile is not None:
-                try:
-                    profile = Profile.load(m.profile)
-                    profile.check_model(files.n_layers, files.n_experts, str(m.path))
-                except ProfileError as exc:
-                    raise StartupError(f"cannot serve {m.path}: {exc}") from None
-            try:
-                layers = None if m.layers is None else files.moe_layers_in(m.layers)
-            except ValueError as exc:
-                raise StartupError(f"cannot serve {m.path} with --layers: {exc}") from None
-            n_served = None if layers is None else len(layers)
-            budget = m.budget if m.budget is not None else self._auto_budget(files, n_served)
-            try:
-                geometry = Geometry.for_budget(files.n_layers, files.n_experts, files.layout.nbytes, budget, n_served)
-            except BudgetError as exc:
-                raise StartupError(f"cannot serve {m.path}: {exc}") from None
-            if budget - geometry.shm_bytes >= geometry.slot_stride:
-                # Capped at one slot per expert: said, so that the admin does not count on memory L2 never takes,
-                # nor on a budget the machine could never back (it would be refused once the model grew).
-                room = SharedMemoryRoom.read()
-                beyond = (f"this machine's memory ({room.refused_above_why()}) and more than "
-                          if budget > room.refused_above else "")
-                log.warning("--budget %s for %s is more than %severy expert of its %d served layers needs: L2 takes "
-                            "%s; the rest stays free", format_size(budget), files.path, beyond, geometry.served,
-                            format_size(geometry.shm_bytes))
-            opened.append((m, files, geometry, profile, layers))
-        fingerprints = [files.fingerprint for _, files, *_ in opened]
+        opened = [self._open(m) for m in self.config.models]
+        fingerprints = [o.files.fingerprint for o in opened]
         if len(set(fingerprints)) != len(fingerprints):
             raise StartupError("the same model is listed twice; serve each model once")
-        check_memory(sum(g.shm_bytes for _, _, g, *_ in opened))
-        for i, (m, files, geometry, profile, layers) in enumerate(opened):
+        check_memory(sum(o.geometry.shm_bytes for o in opened))
+        for i, o in enumerate(opened):
             try:
-                served = ServedModel(files, geometry, lambda layer, nbytes, i=i: self._new_segment(i, layer, nbytes),
-                                     epoch=self.epoch, policy=m.policy, profile=profile, direct_io=m.direct_io,
-                                     layers=layers)
+                served = ServedModel(o.files, o.geometry,
+                                     lambda layer, nbytes, i=i: self._new_segment(i, layer, nbytes),
+                                     epoch=self.epoch, policy=o.config.policy, profile=o.profile,
+                                     direct_io=o.config.direct_io, layers=o.layers)
             except (OSError, ValueError, StartupError) as exc:
-                raise StartupError(f"cannot serve {m.path}: {exc}") from None
+                raise StartupError(f"cannot serve {o.config.path}: {exc}") from None
             self.models.append(served)
-            g = geometry
+            g = o.geometry
             log.info("serving %s: decoder layers %s (%d of %d MoE layers) x %d experts, %s (%s of shared memory)",
-                     files.path, format_ranges(served.layer_ids), g.served, g.n_layers, g.n_experts,
+                     o.files.path, format_ranges(served.layer_ids), g.served, g.n_layers, g.n_experts,
                      g.describe_slots(), format_size(served.shm_bytes))
         self._warn_unlocked()
         self.loader = Loader(self.config.loader_threads)
