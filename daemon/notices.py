@@ -52,10 +52,6 @@ class LoadNotices:
         """Readable when fills have ended: for the server's poller."""
         return self._wake_r
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
     def fill_ended(self, fingerprint: str, layer: int, expert: int, published: bool) -> None:
         """From a loader thread, once the record's fill was published (or aborted)."""
         with self._lock:

@@ -123,17 +123,15 @@ class ServedModel:
         """The decoder layer numbers (model.layers.N) of the served MoE layers."""
         return [self.files.layer_ids[layer] for layer in self.layers]
 
-    def check_layer(self, layer: int) -> LayerStore:
+    def check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.geometry.n_layers:
             raise ProtocolError("OutOfRange", f"layer {layer} out of range: {self.files.path} has MoE layers "
                                               f"0..{self.geometry.n_layers - 1}")
-        store = self.stores.get(layer)
-        if store is None:
+        if layer not in self.stores:
             raise ProtocolError("OutOfRange", f"MoE layer {layer} (decoder layer {self.files.layer_ids[layer]}) of "
                                               f"{self.files.path} is not served by this daemon, which serves decoder "
                                               f"layers {format_ranges(self.layer_ids)} (moe-l2d --layers): its "
                                               "clients read it from the model files")
-        return store
 
     def served_part(self, layers: dict) -> dict:
         """The entries of {layer: ...} for served layers. A report names the layers its client read from the
@@ -404,10 +402,6 @@ class ServedModel:
         self.active_domain, self.active_confidence = domain or None, confidence if domain else None
         return {"domain": domain or None, "confidence": confidence if domain else None, "scores": scores,
                 "applied": True, "active_domain": self.active_domain, "pinned": pinned, "loads": loads}
-
-    def online_stats(self) -> dict:
-        with self.lock:
-            return {d or "": [list(row) for row in counts] for d, counts in self.routing.items()}
 
     def describe(self, routing: bool = False) -> dict:
         """The stats of this model: hit rate, per-layer occupancy, pins, loads, bytes; with `routing`, the

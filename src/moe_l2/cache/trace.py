@@ -33,8 +33,6 @@ from pathlib import Path
 
 from moe_l2.atomic_file import AtomicFile
 
-TRACE_KEYS = ("model", "n_layers", "n_experts", "top_k", "seq", "domain", "prompt", "experts")
-
 
 class TraceError(ValueError):
     """A trace that cannot be read: names the file, the line and what is wrong."""
