@@ -127,8 +127,16 @@ class FillDesk:
                 elif key.fileobj is what.watch:  # the donor process exited
                     self._reclaim(what)
                 else:
-                    self._read(what)
+                    self._serve(what)
             self._refusals.flush()
+
+    def _serve(self, donor: Donor) -> None:
+        """Read a donor's messages; a bug costs that connection (its slots wait for its exit), never the desk."""
+        try:
+            self._read(donor)
+        except Exception:
+            log.exception("fill desk: closed a donor's connection (pid %d) after an internal error", donor.peer.pid)
+            self._hang_up(donor)
 
     def _accept(self) -> None:
         for _ in range(16):
