@@ -110,8 +110,13 @@ def _read_prompt(args) -> str:
     return sys.stdin.read() if prompt == "-" else prompt
 
 
-class _UnreadableCache(Exception):
-    """--prompt-cache-file is no file that mlx_lm.cache_prompt wrote."""
+class _Stopped(Exception):
+    """Ends the run before its summary: the exit status, and what to say on standard error (nothing where it was
+    said already)."""
+
+    def __init__(self, status: int, message: str = ""):
+        super().__init__(message)
+        self.status = status
 
 
 def _saved_cache(args) -> tuple[list, dict]:
@@ -122,8 +127,8 @@ def _saved_cache(args) -> tuple[list, dict]:
     try:
         cache, metadata = load_prompt_cache(str(args.prompt_cache_file), return_metadata=True)
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # mx.load's errors, or another file's metadata
-        raise _UnreadableCache(f"cannot read --prompt-cache-file {args.prompt_cache_file} ({exc}); give a file "
-                               "that mlx_lm.cache_prompt wrote") from None
+        raise _Stopped(1, f"cannot read --prompt-cache-file {args.prompt_cache_file} ({exc}); give a file "
+                          "that mlx_lm.cache_prompt wrote") from None
     if metadata.get("model") != args.model:
         raise ValueError(f"--prompt-cache-file {args.prompt_cache_file} was made with the model "
                          f"{metadata.get('model')!r}, not --model {args.model}: give that model, or cache the prompt "
@@ -177,93 +182,41 @@ def _render_prefetch(p: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
-    from mlx_lm.sample_utils import make_sampler
-
-    from moe_l2.lm.distributed import gather_json, rank_socket, share_text, speaks_for_daemon
-    from moe_l2.lm.generation import GenerationSummary, StreamFigures, encode_prompt, generate_streamed
-    from moe_l2.lm.streamed_lm import StreamedLM
-    from moe_l2.model import DamagedRecord
-    from moe_l2.cache.trace import TraceWriter
-
     # Under mlx.launch every rank runs this with the same flags: each runs its pipeline stage, rank 0 reads the
     # prompt and alone prints (docs/distributed.md).
     group = mx.distributed.init()
+    try:
+        summary = _generate(args, group)
+    except _Stopped as stop:
+        if str(stop):
+            print(f"moe-l2 generate: {stop}", file=sys.stderr)
+        return stop.status
+    if group.rank() == 0:
+        _print_summary(args, summary)
+    return 0
+
+
+def _generate(args: argparse.Namespace, group):
+    """Checks the flags, builds the model and generates; the run's GenerationSummary (every rank's, merged)."""
+    from moe_l2.lm.distributed import gather_json
+    from moe_l2.lm.generation import GenerationSummary, StreamFigures, encode_prompt, generate_streamed
+    from moe_l2.model import DamagedRecord
+
     pipelined = group.size() > 1
-    rank0 = group.rank() == 0
-    for flag, value, low in (("--max-tokens", args.max_tokens, 1), ("--max-kv-size", args.max_kv_size, 1),
-                             ("--prefill-step-size", args.prefill_step_size, 1),
-                             ("--min-tokens-to-keep", args.min_tokens_to_keep, 1),
-                             ("--kv-group-size", args.kv_group_size, 1),
-                             ("--quantized-kv-start", args.quantized_kv_start, 0)):
-        if value is not None and value < low:
-            print(f"moe-l2 generate: {flag} must be at least {low}, got {value}", file=sys.stderr)
-            return 2
-    if pipelined and args.trace_out is not None:
-        print("moe-l2 generate: --trace-out records one process' routing: run without mlx.launch to write a trace",
-              file=sys.stderr)
-        return 2
-    if pipelined and args.prompt_cache_file is not None:
-        print("moe-l2 generate: --prompt-cache-file holds every layer's KV cache: run without mlx.launch to use it",
-              file=sys.stderr)
-        return 2
+    _check_flags(args, pipelined)
     prompt_cache, tokenizer_config = None, {}
     if args.prompt_cache_file is not None:
         try:
             prompt_cache, tokenizer_config = _saved_cache(args)
-        except _UnreadableCache as exc:
-            print(f"moe-l2 generate: {exc}", file=sys.stderr)
-            return 1
         except ValueError as exc:  # a cache made for another model or KV quantization
-            print(f"moe-l2 generate: {exc}", file=sys.stderr)
-            return 2
-    prompt = None
-    if rank0:
-        try:
-            prompt = _read_prompt(args)
-        except OSError as exc:
-            print(f"moe-l2 generate: cannot read the prompt: {exc}", file=sys.stderr)
-    if pipelined:
-        prompt = share_text(group, prompt)
-    if prompt is None:
-        return 1
-    try:
-        lm = StreamedLM(args.model, options.from_args(args, socket=rank_socket(args.socket, group)),
-                        model_config={"quantize_activations": args.quantize_activations},
-                        tokenizer_config={**tokenizer_config, "trust_remote_code": args.trust_remote_code},
-                        download=True, record=args.trace_out is not None, group=group if pipelined else None)
-    except options.OptionError as exc:
-        print(f"moe-l2 generate: {exc.on_command_line()}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as exc:  # the model, or options that do not fit it (an L0 too small for a token)
-        print(f"moe-l2 generate: {exc}", file=sys.stderr)
-        return 1
+            raise _Stopped(2, str(exc)) from None
+    prompt = _shared_prompt(args, group)
+    lm = _open_model(args, group, tokenizer_config)
     with lm, contextlib.ExitStack() as stack:
-        writer = None
-        if args.trace_out is not None:
-            # Before generating: a path it may not write is said now, not after the run (docs/security.md).
-            f = lm.files
-            try:
-                writer = stack.enter_context(TraceWriter(args.trace_out, model=f.path.name, n_layers=f.n_layers,
-                                                         n_experts=f.n_experts, top_k=f.top_k, append=True))
-            except OSError as exc:
-                print(f"moe-l2 generate: cannot write the trace: {exc}", file=sys.stderr)
-                return 1
-        if lm.client is not None and not lm.client.attached:
-            print(f"moe-l2 generate: {f'rank {group.rank()}: ' if pipelined else ''}not attached to moe-l2d at "
-                  f"{lm.client.address} ({lm.client.last_error or 'no answer'}); reading experts from the model "
-                  "files", file=sys.stderr)
-        # A collective: every rank asks, whether or not it has a daemon link.
-        speaks = not pipelined or speaks_for_daemon(group, lm.client.address if lm.client is not None else None)
-        if lm.client is not None and speaks:
-            lm.client.hint(prompt)  # the daemon preloads the prompt's domain while we prefill
-        seed = args.seed
-        if pipelined and seed is None:  # every rank samples each token (docs/distributed.md): one seed for all
-            seed = gather_json(group, secrets.randbits(31) if rank0 else None)[0]
-        if seed is not None:
-            # Once the model is built, so that sampling draws as the whole model's does when seeded once loaded.
-            # mlx_lm.generate seeds before building its model, whose initial weights draw from the same
-            # generator, and moe-l2's build draws a different number of them.
-            mx.random.seed(seed)
+        # Before generating: a path it may not write is said now, not after the run (docs/security.md).
+        writer = None if args.trace_out is None else stack.enter_context(_trace_writer(args, lm))
+        _greet_daemon(lm, group, prompt)
+        _seed(args, group)
         tokenizer = lm.tokenizer
         for token in args.extra_eos_token:
             tokenizer.add_eos_token(token)
@@ -271,37 +224,133 @@ def run(args: argparse.Namespace) -> int:
                             prefill_response=args.prefill_response, template_args=args.chat_template_config,
                             after_cache=prompt_cache is not None)
         if not ids:
-            if rank0:
-                print("moe-l2 generate: the prompt is empty", file=sys.stderr)
-            return 2
-        show = None if args.json or not args.verbose or not rank0 else (lambda text: print(text, end="", flush=True))
-        # mlx_lm.generate's sampler, from the same flags.
-        sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
-                               xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
-                               xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
+            raise _Stopped(2, "the prompt is empty" if group.rank() == 0 else "")
+        show = (None if args.json or not args.verbose or group.rank() != 0
+                else (lambda text: print(text, end="", flush=True)))
         try:
-            result = generate_streamed(lm, ids, args.max_tokens, on_text=show, sampler=sampler,
+            result = generate_streamed(lm, ids, args.max_tokens, on_text=show, sampler=_sampler(args, tokenizer),
                                        max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size,
                                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                                        quantized_kv_start=args.quantized_kv_start, prompt_cache=prompt_cache)
         except DamagedRecord as exc:  # a record that fails its checksum, or a model file cut short while we ran
             print(f"\nmoe-l2 generate: {exc}", file=sys.stderr)
-            return 1
+            raise _Stopped(1) from None
         s = GenerationSummary.of(result, lm)
         if pipelined:
             s = s.merged([StreamFigures.from_json(one) for one in gather_json(group, s.stream.to_json())])
         if writer is not None:
             # Every token the model processed: the prompt's, then each generated one fed back.
-            routed = lm.recorder.take()[: len(ids) + len(result.tokens)]
-            writer.write(routed, seq=f"generate-{time.time_ns()}", domain=args.trace_domain, prompt=prompt)
-            try:
-                writer.close()
-            except OSError as exc:
-                print(f"moe-l2 generate: cannot write the trace: {exc}", file=sys.stderr)
-                return 1
+            _write_trace(writer, lm.recorder.take()[: len(ids) + len(result.tokens)], args, prompt)
             s = replace(s, trace_out=str(args.trace_out))
-    if not rank0:
-        return 0
+    return s
+
+
+def _check_flags(args: argparse.Namespace, pipelined: bool) -> None:
+    for flag, value, low in (("--max-tokens", args.max_tokens, 1), ("--max-kv-size", args.max_kv_size, 1),
+                             ("--prefill-step-size", args.prefill_step_size, 1),
+                             ("--min-tokens-to-keep", args.min_tokens_to_keep, 1),
+                             ("--kv-group-size", args.kv_group_size, 1),
+                             ("--quantized-kv-start", args.quantized_kv_start, 0)):
+        if value is not None and value < low:
+            raise _Stopped(2, f"{flag} must be at least {low}, got {value}")
+    if pipelined and args.trace_out is not None:
+        raise _Stopped(2, "--trace-out records one process' routing: run without mlx.launch to write a trace")
+    if pipelined and args.prompt_cache_file is not None:
+        raise _Stopped(2, "--prompt-cache-file holds every layer's KV cache: run without mlx.launch to use it")
+
+
+def _shared_prompt(args: argparse.Namespace, group) -> str:
+    """The prompt, read by rank 0 and sent to the others."""
+    from moe_l2.lm.distributed import share_text
+
+    prompt = None
+    if group.rank() == 0:
+        try:
+            prompt = _read_prompt(args)
+        except OSError as exc:
+            print(f"moe-l2 generate: cannot read the prompt: {exc}", file=sys.stderr)
+    if group.size() > 1:
+        prompt = share_text(group, prompt)  # None on every rank where rank 0 could not read it
+    if prompt is None:
+        raise _Stopped(1)
+    return prompt
+
+
+def _open_model(args: argparse.Namespace, group, tokenizer_config: dict):
+    from moe_l2.lm.distributed import rank_socket
+    from moe_l2.lm.streamed_lm import StreamedLM
+
+    pipelined = group.size() > 1
+    try:
+        return StreamedLM(args.model, options.from_args(args, socket=rank_socket(args.socket, group)),
+                          model_config={"quantize_activations": args.quantize_activations},
+                          tokenizer_config={**tokenizer_config, "trust_remote_code": args.trust_remote_code},
+                          download=True, record=args.trace_out is not None, group=group if pipelined else None)
+    except options.OptionError as exc:
+        raise _Stopped(2, exc.on_command_line()) from None
+    except (OSError, ValueError) as exc:  # the model, or options that do not fit it (an L0 too small for a token)
+        raise _Stopped(1, str(exc)) from None
+
+
+def _trace_writer(args: argparse.Namespace, lm):
+    from moe_l2.cache.trace import TraceWriter
+
+    f = lm.files
+    try:
+        return TraceWriter(args.trace_out, model=f.path.name, n_layers=f.n_layers, n_experts=f.n_experts,
+                           top_k=f.top_k, append=True)
+    except OSError as exc:
+        raise _Stopped(1, f"cannot write the trace: {exc}") from None
+
+
+def _write_trace(writer, routed, args: argparse.Namespace, prompt: str) -> None:
+    writer.write(routed, seq=f"generate-{time.time_ns()}", domain=args.trace_domain, prompt=prompt)
+    try:
+        writer.close()
+    except OSError as exc:
+        raise _Stopped(1, f"cannot write the trace: {exc}") from None
+
+
+def _greet_daemon(lm, group, prompt: str) -> None:
+    """Says when this rank reads without the daemon; hints the prompt to it, from the rank that speaks for it."""
+    from moe_l2.lm.distributed import speaks_for_daemon
+
+    pipelined = group.size() > 1
+    if lm.client is not None and not lm.client.attached:
+        print(f"moe-l2 generate: {f'rank {group.rank()}: ' if pipelined else ''}not attached to moe-l2d at "
+              f"{lm.client.address} ({lm.client.last_error or 'no answer'}); reading experts from the model "
+              "files", file=sys.stderr)
+    # A collective: every rank asks, whether or not it has a daemon link.
+    speaks = not pipelined or speaks_for_daemon(group, lm.client.address if lm.client is not None else None)
+    if lm.client is not None and speaks:
+        lm.client.hint(prompt)  # the daemon preloads the prompt's domain while we prefill
+
+
+def _seed(args: argparse.Namespace, group) -> None:
+    import mlx.core as mx
+
+    from moe_l2.lm.distributed import gather_json
+
+    seed = args.seed
+    if group.size() > 1 and seed is None:  # every rank samples each token (docs/distributed.md): one seed for all
+        seed = gather_json(group, secrets.randbits(31) if group.rank() == 0 else None)[0]
+    if seed is not None:
+        # Once the model is built, so that sampling draws as the whole model's does when seeded once loaded.
+        # mlx_lm.generate seeds before building its model, whose initial weights draw from the same
+        # generator, and moe-l2's build draws a different number of them.
+        mx.random.seed(seed)
+
+
+def _sampler(args: argparse.Namespace, tokenizer):
+    """mlx_lm.generate's sampler, from the same flags."""
+    from mlx_lm.sample_utils import make_sampler
+
+    return make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
+                        xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+                        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
+
+
+def _print_summary(args: argparse.Namespace, s) -> None:
     if args.json:
         print(json.dumps(s.to_json()))
     elif not args.verbose:
@@ -309,4 +358,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n")
         print(render(s.to_json()))
-    return 0
