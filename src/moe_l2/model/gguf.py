@@ -304,100 +304,44 @@ def _read_header(reader_class, path: Path):
         return reader, os.fstat(f.fileno())
 
 
+@dataclass(frozen=True)
+class _Tensor:
+    """A tensor as its file's header describes it."""
+
+    file: int  # index into the model's files
+    type_name: str
+    shape: tuple[int, ...]  # numpy's (GGUF's ne reversed)
+    start: int  # absolute offset in its file
+    nbytes: int
+
+
 def parse(path) -> GGUFModel:
     """Read a GGUF model's headers (tensor data is not touched) with the gguf package."""
     try:
-        from gguf import GGMLQuantizationType
+        reader_class = _reader_class()
     except ImportError as e:  # pragma: no cover - the dependency is declared
         raise ValueError(f"{path}: reading GGUF models needs the gguf package (pip install gguf)") from e
-    reader_class = _reader_class()
-
     path = Path(path)
     files = _find_files(path)
-    metadata: dict = {}
-    tensors = {}  # name -> (file index, type name, numpy shape, absolute offset, nbytes)
-    parts = []
-    for i, f in enumerate(files):
-        reader, st = _read_header(reader_class, f)
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF.") or key in metadata:
-                continue
-            metadata[key] = _scalar(field)
-        for t in reader.tensors:
-            if t.name in tensors:
-                raise ValueError(f"{path}: tensor {t.name} is named twice")
-            try:
-                type_name = GGMLQuantizationType(int(t.tensor_type)).name
-            except ValueError:
-                type_name = f"type {int(t.tensor_type)}"
-            shape = tuple(int(x) for x in reversed(list(t.shape)))
-            tensors[t.name] = (i, type_name, shape, t.data_offset, t.n_bytes)
-        check_extents(f, [Extent(t.name, tensors[t.name][3], tensors[t.name][4]) for t in reader.tensors],
-                      int(reader.data_offset), st.st_size, int(reader.alignment))
-        parts.append(json.dumps([f.name, st.st_size, st.st_mtime_ns]).encode())
-        parts.append(hashlib.sha256(reader.data[:int(reader.data_offset)]).digest())
-        del reader
-
-    arch = metadata.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ValueError(f"{path}: GGUF metadata has no general.architecture")
-    n_experts = _int(metadata, f"{arch}.expert_count")
-    if n_experts is None:
-        raise ValueError(f"{path}: GGUF metadata names no {arch}.expert_count: not a MoE model?")
-    top_k = _int(metadata, f"{arch}.expert_used_count")
-    if top_k is None:
-        raise ValueError(f"{path}: GGUF metadata names no {arch}.expert_used_count (experts per token)")
-    if top_k > n_experts:
-        raise ValueError(f"{path}: {top_k} experts per token but only {n_experts} experts")
-
-    found: dict[int, dict[str, str]] = {}
-    for name in tensors:
-        m = _EXPERT_TENSOR.match(name)
-        if m is None:
-            continue
-        kind = m.group(2)
-        if kind not in _PROJ:
-            raise ValueError(f"{path}: {name}: expert tensors {kind} are not supported "
-                             f"(moe-l2 reads {', '.join(sorted(_PROJ))})")
-        found.setdefault(int(m.group(1)), {})[f"{_PROJ[kind]}.{m.group(3)}"] = name
-    if not found:
-        raise ValueError(f"{path}: no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight): "
-                         "not a MoE model")
-
+    metadata, tensors, parts = _read_headers(path, files, reader_class)
+    arch, n_experts, top_k = _expert_counts(path, metadata)
+    found = _expert_tensors(path, tensors)
     layer_ids = sorted(found)
     sources: list[list[Source]] = []
     specs = None
     quantization: dict = {}
     for lid in layer_ids:
-        layer_sources = []
-        layer_specs = []
-        raw = 0
+        layer_sources, layer_specs, raw = [], [], 0
         for key in sorted(found[lid]):
-            name = found[lid][key]
-            fi, type_name, shape, start, nbytes = tensors[name]
+            source = _source(files, found[lid][key], key, tensors[found[lid][key]], n_experts, raw)
+            layer_sources.append(source)
+            raw = _align(raw + source.expert_bytes)
             bias = key.endswith(".bias")
-            if type_name not in SUPPORTED_TYPES or (bias and type_name not in _FLOAT):
-                allowed = ", ".join(_FLOAT) if bias else ", ".join(SUPPORTED_TYPES)
-                raise ValueError(f"{files[fi]}: {name} is {type_name}, which moe-l2 cannot convert to MLX's "
-                                 f"layout exactly (supported: {allowed})")
-            want_dims = 2 if bias else 3
-            if len(shape) != want_dims or shape[0] != n_experts:
-                raise ValueError(f"{files[fi]}: {name} has shape {list(shape)}, but the metadata says "
-                                 f"{n_experts} experts")
-            rows, cols = (1, shape[1]) if bias else (shape[1], shape[2])
-            if type_name in _QUANT and cols % GROUP_SIZE:
-                raise ValueError(f"{files[fi]}: {name} rows of {cols} are not whole blocks of {GROUP_SIZE}")
-            expert_bytes = _raw_bytes(type_name, rows, cols)
-            if expert_bytes * n_experts != nbytes:
-                raise ValueError(f"{files[fi]}: {name} ({type_name} {list(shape)}) spans {nbytes} bytes, "
-                                 f"expected {expert_bytes * n_experts}")
-            layer_sources.append(Source(key, fi, start, expert_bytes, type_name, rows, cols, raw))
-            raw = _align(raw + expert_bytes)
-            layer_specs += piece_specs(key, type_name, rows, cols, bias=bias)
-            if type_name in _QUANT and not bias:
-                quantization[key.split(".")[0]] = {"group_size": GROUP_SIZE, "bits": _QUANT[type_name][0],
-                                                   "mode": _QUANT[type_name][3]}
-        described = {found[lid][k]: (tensors[found[lid][k]][1], list(tensors[found[lid][k]][2])) for k in found[lid]}
+            layer_specs += piece_specs(key, source.type, source.rows, source.cols, bias=bias)
+            if source.type in _QUANT and not bias:
+                quantization[source.proj] = {"group_size": GROUP_SIZE, "bits": _QUANT[source.type][0],
+                                             "mode": _QUANT[source.type][3]}
+        described = {name: (tensors[name].type_name, list(tensors[name].shape)) for name in found[lid].values()}
         if specs is None:
             specs, first, first_described, raw_nbytes = layer_specs, lid, described, raw
         elif sorted(layer_specs) != sorted(specs):
@@ -414,6 +358,93 @@ def parse(path) -> GGUFModel:
         quantization=quantization, fingerprint_parts=parts,
         tensor_names=frozenset(n for d in found.values() for n in d.values()),
     )
+
+
+def _read_headers(path: Path, files: list[Path], reader_class) -> tuple[dict, dict[str, _Tensor], list[bytes]]:
+    """The files' metadata (a key's value from the first file that has it), their tensors by name, and the
+    parts of the model's fingerprint: each file's name, size and mtime and the hash of its header."""
+    from gguf import GGMLQuantizationType
+
+    metadata: dict = {}
+    tensors: dict[str, _Tensor] = {}
+    parts = []
+    for i, f in enumerate(files):
+        reader, st = _read_header(reader_class, f)
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key in metadata:
+                continue
+            metadata[key] = _scalar(field)
+        for t in reader.tensors:
+            if t.name in tensors:
+                raise ValueError(f"{path}: tensor {t.name} is named twice")
+            try:
+                type_name = GGMLQuantizationType(int(t.tensor_type)).name
+            except ValueError:
+                type_name = f"type {int(t.tensor_type)}"
+            shape = tuple(int(x) for x in reversed(list(t.shape)))
+            tensors[t.name] = _Tensor(i, type_name, shape, t.data_offset, t.n_bytes)
+        check_extents(f, [Extent(t.name, tensors[t.name].start, tensors[t.name].nbytes) for t in reader.tensors],
+                      int(reader.data_offset), st.st_size, int(reader.alignment))
+        parts.append(json.dumps([f.name, st.st_size, st.st_mtime_ns]).encode())
+        parts.append(hashlib.sha256(reader.data[:int(reader.data_offset)]).digest())
+        del reader
+    return metadata, tensors, parts
+
+
+def _expert_counts(path: Path, metadata: dict) -> tuple[str, int, int]:
+    """The architecture, its experts per MoE layer and per token, from the metadata."""
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{path}: GGUF metadata has no general.architecture")
+    n_experts = _int(metadata, f"{arch}.expert_count")
+    if n_experts is None:
+        raise ValueError(f"{path}: GGUF metadata names no {arch}.expert_count: not a MoE model?")
+    top_k = _int(metadata, f"{arch}.expert_used_count")
+    if top_k is None:
+        raise ValueError(f"{path}: GGUF metadata names no {arch}.expert_used_count (experts per token)")
+    if top_k > n_experts:
+        raise ValueError(f"{path}: {top_k} experts per token but only {n_experts} experts")
+    return arch, n_experts, top_k
+
+
+def _expert_tensors(path: Path, tensors: dict[str, _Tensor]) -> dict[int, dict[str, str]]:
+    """MoE layer id -> record key ("gate_proj.weight", ...) -> the routed-expert tensor's name."""
+    found: dict[int, dict[str, str]] = {}
+    for name in tensors:
+        m = _EXPERT_TENSOR.match(name)
+        if m is None:
+            continue
+        kind = m.group(2)
+        if kind not in _PROJ:
+            raise ValueError(f"{path}: {name}: expert tensors {kind} are not supported "
+                             f"(moe-l2 reads {', '.join(sorted(_PROJ))})")
+        found.setdefault(int(m.group(1)), {})[f"{_PROJ[kind]}.{m.group(3)}"] = name
+    if not found:
+        raise ValueError(f"{path}: no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight): "
+                         "not a MoE model")
+    return found
+
+
+def _source(files: list[Path], name: str, key: str, t: _Tensor, n_experts: int, raw_offset: int) -> Source:
+    """The record's slice of the stacked expert tensor `name` (record key `key`), checked against the type, the
+    shape and the size that MLX's layout and the metadata's expert count need."""
+    bias = key.endswith(".bias")
+    if t.type_name not in SUPPORTED_TYPES or (bias and t.type_name not in _FLOAT):
+        allowed = ", ".join(_FLOAT) if bias else ", ".join(SUPPORTED_TYPES)
+        raise ValueError(f"{files[t.file]}: {name} is {t.type_name}, which moe-l2 cannot convert to MLX's "
+                         f"layout exactly (supported: {allowed})")
+    want_dims = 2 if bias else 3
+    if len(t.shape) != want_dims or t.shape[0] != n_experts:
+        raise ValueError(f"{files[t.file]}: {name} has shape {list(t.shape)}, but the metadata says "
+                         f"{n_experts} experts")
+    rows, cols = (1, t.shape[1]) if bias else (t.shape[1], t.shape[2])
+    if t.type_name in _QUANT and cols % GROUP_SIZE:
+        raise ValueError(f"{files[t.file]}: {name} rows of {cols} are not whole blocks of {GROUP_SIZE}")
+    expert_bytes = _raw_bytes(t.type_name, rows, cols)
+    if expert_bytes * n_experts != t.nbytes:
+        raise ValueError(f"{files[t.file]}: {name} ({t.type_name} {list(t.shape)}) spans {t.nbytes} bytes, "
+                         f"expected {expert_bytes * n_experts}")
+    return Source(key, t.file, t.start, expert_bytes, t.type_name, rows, cols, raw_offset)
 
 
 def is_gguf(path: Path) -> bool:
