@@ -166,7 +166,9 @@ void init_memory(nb::module_& m) {
       .def("__repr__", [](const HostBuffer& self) {
         return "<moe_l2._native.HostBuffer nbytes=" + std::to_string(self.nbytes()) + ">";
       });
+}
 
+void init_segment(nb::module_& m) {
   nb::class_<Segment, Memory>(m, "Segment", "A mapped POSIX shared-memory object.")
       .def_static("create", &Segment::create, "name"_a, "nbytes"_a, "mode"_a = 0600,
                   nb::call_guard<nb::gil_scoped_release>(),
@@ -354,6 +356,7 @@ NB_MODULE(_native, m) {
     }
   });
   moe_l2::init_memory(m);
+  moe_l2::init_segment(m);  // after Memory, its base
   moe_l2::init_slot_index(m);
   moe_l2::init_pread(m);
   moe_l2::init_crc32(m);
