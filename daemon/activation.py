@@ -6,7 +6,7 @@ systemd (a socket unit) passes descriptors from 3 on with $LISTEN_FDS, $LISTEN_P
 launch_activate_socket(3) in libSystem. Connections made before the daemon is ready wait in the socket's
 backlog, and the gate accepts them once it runs.
 
-The socket is checked as strictly as one the daemon binds itself (gate.bind_socket_file): an AF_UNIX stream
+The socket is checked as strictly as one the daemon binds itself (sockets.bind_socket_file): an AF_UNIX stream
 socket, listening, bound to the configured path, owned by the daemon's user, with the configured mode and, where
 the mode lets a group connect, the configured group. Anything else is refused with what is wrong and the fix
 (docs/security.md, "Only permitted users reach the control plane").

@@ -29,10 +29,10 @@ from moe_l2.cache.store import Reservation
 from moe_l2.fill_protocol import FillProtocolError, FrameReader, encode
 from moe_l2.protocol import ProtocolError
 
-from moe_l2.daemon.gate import bind_socket_file
 from moe_l2.daemon.peers import Credentials, ExitWatch, peer_credentials
 from moe_l2.daemon.refusals import RefusalLog
 from moe_l2.daemon.served import ServedModel
+from moe_l2.daemon.sockets import bind_socket_file
 
 log = logging.getLogger("moe-l2d.fills")
 

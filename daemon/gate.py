@@ -32,7 +32,6 @@ import os
 import resource
 import selectors
 import socket
-import struct
 import sys
 import threading
 import time
@@ -42,7 +41,9 @@ from typing import NamedTuple
 import psutil
 
 from moe_l2.daemon.http import MAX_CONNECTIONS as HTTP_CONNECTIONS
+from moe_l2.daemon.peers import peer_uid
 from moe_l2.daemon.refusals import RefusalLog
+from moe_l2.daemon.sockets import bind_socket_file, tcp_sockaddr
 from moe_l2.daemon.zmtp import COMMAND_LIMIT, Framing, Refused
 
 log = logging.getLogger("moe-l2d.gate")
@@ -88,8 +89,6 @@ CLOSED_CONNECTION_BYTES = 64 << 10
 M_ARENA_MAX = -8
 # macOS refuses a soft descriptor limit above OPEN_MAX (<sys/syslimits.h>) when the hard one is unlimited.
 MACOS_OPEN_MAX = 10240
-# <sys/un.h> on macOS and the BSDs: the peer's credentials, struct xucred {u_int version; uid_t uid; ...}.
-SOL_LOCAL, LOCAL_PEERCRED, XUCRED_BYTES = 0, 1, 76
 
 READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 
@@ -113,29 +112,6 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def bind_socket_file(bind, path: str, mode: int, group: int | None) -> None:
-    """bind() a socket file that gets exactly `mode` (and `group`), never the umask's bits, with nobody able to
-    connect in between: it is created under umask 077 (docs/security.md)."""
-    previous = os.umask(0o077)
-    try:
-        bind()
-    finally:
-        os.umask(previous)
-    if group is not None:
-        os.chown(path, -1, group, follow_symlinks=False)
-    os.chmod(path, mode, follow_symlinks=False)
-
-
-def peer_uid(sock: socket.socket) -> int | None:
-    try:
-        if hasattr(socket, "SO_PEERCRED"):
-            cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            return struct.unpack("3i", cred)[1]
-        return struct.unpack_from("=II", sock.getsockopt(SOL_LOCAL, LOCAL_PEERCRED, XUCRED_BYTES))[1]
-    except OSError:
-        return None
-
-
 def _malloc_trim():
     """glibc's malloc_trim, or None (macOS, musl): freed heap pages that glibc keeps would stay in RSS.
 
@@ -151,23 +127,6 @@ def _malloc_trim():
         return None
     libc.mallopt(M_ARENA_MAX, 1)
     return trim
-
-
-def _tcp_sockaddr(address: str) -> tuple[int, tuple]:
-    """(family, sockaddr) of tcp://HOST:PORT as libzmq resolves it: IPv4 first, * for any, or an interface."""
-    host, _, port = address[len("tcp://"):].rpartition(":")
-    if not port.isdigit():
-        raise GateError(f"{address!r} needs a numeric port, e.g. tcp://127.0.0.1:5557")
-    host = "0.0.0.0" if host == "*" else host.strip("[]")
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            return family, socket.getaddrinfo(host, int(port), family, socket.SOCK_STREAM)[0][4]
-        except socket.gaierror:
-            continue
-    for addr in psutil.net_if_addrs().get(host, []):  # an interface name, e.g. tcp://eth0:5557
-        if addr.family in (socket.AF_INET, socket.AF_INET6):
-            return addr.family, (addr.address.split("%")[0], int(port))
-    raise GateError(f"cannot resolve the host of {address!r}: give an IP address, a host name or an interface")
 
 
 class Timer(NamedTuple):
@@ -257,7 +216,10 @@ class Gate:
                     pass
                 bind_socket_file(lambda: listener.bind(self._path), self._path, mode, group)
             else:
-                family, sockaddr = _tcp_sockaddr(self.address)
+                try:
+                    family, sockaddr = tcp_sockaddr(self.address)
+                except ValueError as exc:
+                    raise GateError(str(exc)) from None
                 listener = socket.socket(family, socket.SOCK_STREAM)
                 listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq binds
                 listener.bind(sockaddr)

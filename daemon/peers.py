@@ -2,10 +2,11 @@
 
 `peer_credentials` asks the kernel (SO_PEERCRED on Linux; LOCAL_PEERCRED and LOCAL_PEERPID on macOS) for the uid
 and pid of the process that connected: what the fill desk (daemon/fills.py) lets write into L2, and whose exit it
-waits for. `ExitWatch` is a descriptor that becomes readable once that process has exited: a pidfd on Linux
-(os.pidfd_open), a kqueue with EVFILT_PROC NOTE_EXIT on macOS. A pid taken at connect may be reused only once its
-process is gone; a watch opened after that waits for the new process instead, which only keeps a reservation
-longer, never frees one early (docs/security.md, "Who may write L2").
+waits for; `peer_uid` for the uid alone, by which the gate (daemon/gate.py) caps connections. `ExitWatch` is a
+descriptor that becomes readable once that process has exited: a pidfd on Linux (os.pidfd_open), a kqueue with
+EVFILT_PROC NOTE_EXIT on macOS. A pid taken at connect may be reused only once its process is gone; a watch opened
+after that waits for the new process instead, which only keeps a reservation longer, never frees one early
+(docs/security.md, "Who may write L2").
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ def peer_credentials(sock: socket.socket) -> Credentials | None:
         uid = struct.unpack_from("=II", sock.getsockopt(SOL_LOCAL, LOCAL_PEERCRED, XUCRED_BYTES))[1]
         pid = struct.unpack("i", sock.getsockopt(SOL_LOCAL, LOCAL_PEERPID, 4))[0]
         return Credentials(uid, pid)
+    except OSError:
+        return None
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The connecting process' uid, from the kernel; None where it cannot say (not a local socket)."""
+    try:
+        if hasattr(socket, "SO_PEERCRED"):
+            cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            return struct.unpack("3i", cred)[1]
+        return struct.unpack_from("=II", sock.getsockopt(SOL_LOCAL, LOCAL_PEERCRED, XUCRED_BYTES))[1]
     except OSError:
         return None
 

@@ -22,12 +22,13 @@ from moe_l2 import __version__, protocol
 from moe_l2.protocol import ProtocolError
 
 from moe_l2.daemon.config import CurveKeys
-from moe_l2.daemon.gate import SOCKET_BUFFER_BYTES, Gate, bind_socket_file
+from moe_l2.daemon.gate import SOCKET_BUFFER_BYTES, Gate
 from moe_l2.daemon.zmtp import FRAME_LIMIT
 from moe_l2.daemon.loader import Loader
 from moe_l2.daemon.notices import LoadNotices
 from moe_l2.daemon.refusals import RefusalLog
 from moe_l2.daemon.served import ServedModel
+from moe_l2.daemon.sockets import bind_socket_file
 from moe_l2.daemon.stats import OwnRss, shm_lock_figures
 
 log = logging.getLogger("moe-l2d.server")
