@@ -2,10 +2,10 @@
 
 Every change of a slot follows the seqlock (docs/architecture.md, "Shared memory"), so that a client copying
 concurrently either gets the whole record or gives up, and every writer call is here: `reserve` (SlotIndex.begin_fill:
-seq odd, the evicted expert unmapped), then either `fill` (the daemon reads the record into the slot, checksummed as
-it lands) or `take_donation` (a client of the daemon's uid copied it in: daemon/fills.py), each checking the bytes
-and ending in `finish_fill` (the slot's expert, seq even, then slot_of published) or `abort_fill`.
-"""
+seq odd, the evicted expert unmapped, slot_of saying the record is coming, which clients wait on), then either `fill`
+(the daemon reads the record into the slot, checksummed as it lands) or `take_donation` (a client of the daemon's uid
+copied it in: daemon/fills.py), each checking the bytes and ending in `finish_fill` (the slot's expert, seq even,
+then slot_of published) or `abort_fill` (the record absent again); both wake the clients waiting for it."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ class ServedModel:
                 reservation = store.reserve(expert, keep)
                 if reservation is None:
                     break  # every slot pinned or loading: later misses will come back
-                self.slot_indexes[layer].begin_fill(reservation.slot, reservation.evicted)
+                self.slot_indexes[layer].begin_fill(reservation.slot, reservation.evicted, reservation.expert)
                 reservations.append(reservation)
         return reservations
 
@@ -236,7 +236,7 @@ class ServedModel:
         with self.lock:
             reservation = self.stores[layer].reserve(expert, evict=False)
             if reservation is not None:
-                self.slot_indexes[layer].begin_fill(reservation.slot, reservation.evicted)
+                self.slot_indexes[layer].begin_fill(reservation.slot, reservation.evicted, reservation.expert)
         return reservation
 
     def resize(self, target: int) -> int:
@@ -308,7 +308,7 @@ class ServedModel:
 
     def abort_fill(self, layer: int, r: Reservation) -> None:
         with self.lock:
-            self.slot_indexes[layer].abort_fill(r.slot)
+            self.slot_indexes[layer].abort_fill(r.slot, r.expert)
             self.stores[layer].abort(r)
         if self.on_fill_ended is not None:
             self.on_fill_ended(layer, r.expert, False)

@@ -13,6 +13,7 @@
 #include "memory.h"
 #include "records.h"
 #include "slot_index.h"
+#include "word_wait.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -228,14 +229,16 @@ void init_slot_index(nb::module_& m) {
           "n_slots"_a, "slot_stride"_a, nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(),
           "The layer's slot_of at slot_of_offset and metadata at meta_offset of index, its records "
           "slot_stride apart in data (None: an unserved layer, which has none); bounds-checked here.")
-      .def("begin_fill", &SlotIndex::begin_fill, "slot"_a, "evicted"_a = -1,
+      .def("begin_fill", &SlotIndex::begin_fill, "slot"_a, "evicted"_a = -1, "incoming"_a = -1,
            "Writer: start filling slot (seq odd; RuntimeError if it already is), unmap the evicted "
-           "expert (-1: none) and mark the slot empty. Returns the new seq.")
+           "expert (-1: none), mark the slot empty, and say that the incoming expert's record is coming "
+           "into it (-1: none), waking its waiters. Returns the new seq.")
       .def("finish_fill", &SlotIndex::finish_fill, "slot"_a, "expert"_a, "checksum"_a = 0,
            "Writer: the slot now holds expert's whole record: set its checksum and expert, make seq "
            "even, then map expert to the slot. Returns the new seq.")
-      .def("abort_fill", &SlotIndex::abort_fill, "slot"_a,
-           "Writer: end a fill that wrote no record (seq even, the slot left empty). Returns the new seq.")
+      .def("abort_fill", &SlotIndex::abort_fill, "slot"_a, "incoming"_a = -1,
+           "Writer: end a fill that wrote no record (seq even, the slot left empty); the incoming expert "
+           "begin_fill named is absent again, its waiters woken. Returns the new seq.")
       .def("clear", &SlotIndex::clear, "Writer: every expert absent, every slot empty (a new index).")
       .def("copy", &SlotIndex::copy, "pieces"_a, "experts"_a, "rows"_a, "threads"_a = 1,
            "Copy the records of experts into rows of the pieces' destinations ((src_off, nbytes, dst, "
@@ -248,7 +251,13 @@ void init_slot_index(nb::module_& m) {
       .def("check", &SlotIndex::check, "slots"_a, "seqs"_a,
            "Once whatever read the lent records has finished: whether each slot still has the seq it "
            "was lent with (True: the bytes read were one whole record).")
-      .def("slot_of", &SlotIndex::slot_of, "expert"_a, "The slot that slot_of maps expert to (-1: none).")
+      .def("wait", &SlotIndex::wait, "experts"_a, "timeout_s"_a, "absent"_a = false,
+           "Sleep, with the GIL released, while each expert's record is coming into a slot (absent: also "
+           "while it is absent and no fill of it has begun), until it is published, its fill ends without "
+           "it, or timeout_s in all has passed; only a wake-up, never a promise: copy or lend it afterwards. "
+           "Result i: whether experts[i] was coming (or, absent, awaited).")
+      .def("slot_of", &SlotIndex::slot_of, "expert"_a,
+           "The slot that slot_of maps expert to (-1: none; -(s + 2): its record is coming into slot s).")
       .def("meta", &SlotIndex::meta, "slot"_a, "The slot's (expert, seq, checksum).")
       .def_prop_ro("n_experts", &SlotIndex::n_experts)
       .def_prop_ro("n_slots", &SlotIndex::n_slots)
@@ -259,6 +268,8 @@ void init_slot_index(nb::module_& m) {
   // The sizes src/moe_l2/layout.py lays each layer's part of the index out with.
   cls.attr("SLOT_OF_BYTES") = kSlotOfBytes;
   cls.attr("META_BYTES") = sizeof(SlotMeta);
+  // What SlotIndex.wait sleeps with here: "futex", "os_sync", "ulock" or "poll" (native/word_wait.h).
+  cls.attr("WAIT_KIND") = word_wait_kind();
 }
 
 void init_pread(nb::module_& m) {

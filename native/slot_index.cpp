@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -9,6 +10,7 @@
 #include <nanobind/nanobind.h>
 
 #include "records.h"
+#include "word_wait.h"
 
 namespace nb = nanobind;
 
@@ -57,6 +59,10 @@ struct Layer {
     return reinterpret_cast<SlotMeta*>(base + meta_off + sizeof(SlotMeta) * slot);
   }
 };
+
+// slot_of's value while a record is coming into `slot`, and back: any value below -1 says coming.
+constexpr int32_t coming_into(size_t slot) { return -static_cast<int32_t>(slot) - 2; }
+constexpr bool is_coming(int32_t slot_of) { return slot_of < -1; }
 
 // The slot holding `expert` whole right now, and its (even) seq; slot -1 when it is absent, being
 // filled, or slot_of names a slot that holds another expert (a fill in between the reader's loads).
@@ -119,11 +125,14 @@ size_t SlotIndex::check_expert(const char* fn, const char* what, int64_t expert,
 
 // --- writer ----------------------------------------------------------------------------
 
-uint32_t SlotIndex::begin_fill(int64_t slot_in, int64_t evicted) {
+uint32_t SlotIndex::begin_fill(int64_t slot_in, int64_t evicted, int64_t incoming) {
   const char* fn = "SlotIndex.begin_fill";
   size_t slot = check_slot(fn, "slot", slot_in);
   if (evicted != -1) {
     check_expert(fn, "evicted", evicted);
+  }
+  if (incoming != -1) {
+    check_expert(fn, "incoming", incoming);
   }
   auto region = index_.region(fn, true);
   Layer at{region->data, slot_of_off_, meta_off_};
@@ -145,6 +154,12 @@ uint32_t SlotIndex::begin_fill(int64_t slot_in, int64_t evicted) {
     store(at.slot_of(size_t(evicted)), int32_t(-1));
   }
   store(&meta->expert, int32_t(-1));
+  if (incoming >= 0) {
+    // After the odd seq: a reader that sees the record coming and then loads the seq finds it odd.
+    int32_t* coming = at.slot_of(size_t(incoming));
+    store(coming, coming_into(slot));
+    wake_word(coming);  // those waiting for it to be looked for (ExpertPool's load-through)
+  }
   return s + 1;
 }
 
@@ -165,15 +180,21 @@ uint32_t SlotIndex::finish_fill(int64_t slot_in, int64_t expert, uint32_t checks
   // The release store of the even seq orders the record's bytes and the metadata before it.
   store(&meta->seq, s + 1);
   // Published last: a reader that finds the slot through slot_of finds it whole.
-  store(at.slot_of(size_t(expert)), static_cast<int32_t>(slot));
+  int32_t* published = at.slot_of(size_t(expert));
+  store(published, static_cast<int32_t>(slot));
+  wake_word(published);
   return s + 1;
 }
 
-uint32_t SlotIndex::abort_fill(int64_t slot_in) {
+uint32_t SlotIndex::abort_fill(int64_t slot_in, int64_t incoming) {
   const char* fn = "SlotIndex.abort_fill";
   size_t slot = check_slot(fn, "slot", slot_in);
+  if (incoming != -1) {
+    check_expert(fn, "incoming", incoming);
+  }
   auto region = index_.region(fn, true);
-  SlotMeta* meta = Layer{region->data, slot_of_off_, meta_off_}.meta(slot);
+  Layer at{region->data, slot_of_off_, meta_off_};
+  SlotMeta* meta = at.meta(slot);
   uint32_t s = load(&meta->seq, __ATOMIC_RELAXED);
   if (!(s & 1u)) {
     throw std::runtime_error(prefixed(fn, "slot " + std::to_string(slot) + " is not being filled (seq " +
@@ -181,6 +202,13 @@ uint32_t SlotIndex::abort_fill(int64_t slot_in) {
   }
   // The slot stays empty (expert -1), so closing the seqlock publishes nothing.
   store(&meta->seq, s + 1);
+  if (incoming >= 0) {
+    int32_t* coming = at.slot_of(size_t(incoming));
+    int32_t here = coming_into(slot);
+    if (__atomic_compare_exchange_n(coming, &here, int32_t(-1), false, __ATOMIC_RELEASE, __ATOMIC_RELAXED)) {
+      wake_word(coming);  // its waiters read it themselves now
+    }
+  }
   return s + 1;
 }
 
@@ -327,6 +355,43 @@ std::vector<bool> SlotIndex::check(const std::vector<int64_t>& slots, const std:
     unchanged[i] = load(&at.meta(size_t(slots[i]))->seq, __ATOMIC_RELAXED) == static_cast<uint32_t>(seqs[i]);
   }
   return unchanged;
+}
+
+std::vector<bool> SlotIndex::wait(const std::vector<int64_t>& experts, double timeout_s, bool absent) const {
+  const char* fn = "SlotIndex.wait";
+  for (size_t i = 0; i < experts.size(); ++i) {
+    check_expert(fn, "experts", experts[i], int64_t(i));
+  }
+  if (!(timeout_s >= 0)) {
+    throw_value_error(fn, "timeout_s must be >= 0, got " + std::to_string(timeout_s));
+  }
+  auto region = index_.region(fn);  // held: the mapping stays while the GIL is released
+  Layer at{region->data, slot_of_off_, meta_off_};
+  std::vector<bool> waited(experts.size(), false);
+  {
+    nb::gil_scoped_release unlocked;
+    using clock = std::chrono::steady_clock;
+    auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                       std::chrono::duration<double>(std::min(timeout_s, 86400.0)));
+    for (size_t i = 0; i < experts.size(); ++i) {
+      const int32_t* word = at.slot_of(size_t(experts[i]));
+      bool began = false;  // seen coming: once it is absent again, its fill ended without it
+      for (;;) {
+        int32_t now = load(word, __ATOMIC_ACQUIRE);
+        began = began || is_coming(now);
+        if (!(is_coming(now) || (absent && now == -1 && !began))) {
+          break;
+        }
+        waited[i] = true;
+        auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - clock::now()).count();
+        if (left <= 0) {
+          break;
+        }
+        wait_on_word(word, now, left);
+      }
+    }
+  }
+  return waited;
 }
 
 int64_t SlotIndex::slot_of(int64_t expert) const {

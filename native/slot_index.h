@@ -1,17 +1,23 @@
 // The shared-memory slot format and its seqlock, defined here and nowhere else (docs/architecture.md,
 // "Shared memory"). Per MoE layer the index segment holds slot_of (n_experts x int32: the slot holding
-// the expert, -1 when absent) and the slots' metadata (n_slots x SlotMeta); the layer's data segment
-// holds slot s's record at s * slot_stride. src/moe_l2/layout.py places the layers' parts and reads the
-// sizes below from SlotIndex.SLOT_OF_BYTES and META_BYTES.
+// the expert; -1 when absent; -(s + 2) while its record is coming into slot s) and the slots' metadata
+// (n_slots x SlotMeta); the layer's data segment holds slot s's record at s * slot_stride.
+// src/moe_l2/layout.py places the layers' parts and reads the sizes below from SlotIndex.SLOT_OF_BYTES and
+// META_BYTES.
 //
 // The seqlock, writer side (the daemon, one writer per slot, all under its lock):
-//   begin_fill   seq odd (compare-exchange), release fence, the evicted expert's slot_of -1, expert -1
+//   begin_fill   seq odd (compare-exchange), release fence, the evicted expert's slot_of -1, expert -1,
+//                then the incoming expert's slot_of -(slot + 2), its waiters woken
 //   (the record's bytes are written)
-//   finish_fill  checksum, expert, seq even (release), then slot_of[expert] = slot (release)
-//   abort_fill   seq even, the slot left empty (expert -1)
+//   finish_fill  checksum, expert, seq even (release), then slot_of[expert] = slot (release), its waiters woken
+//   abort_fill   seq even, the slot left empty (expert -1), the incoming expert's slot_of -1 (if it still
+//                says coming into this slot), its waiters woken
 // Reader side (clients, never blocking the writer): acquire loads of slot_of and seq, the slot's expert
 // must be the one looked up and seq even; the bytes are read; an acquire fence; seq must be unchanged.
-// copy does it all in one call; lend + check split it around a computation on the record in place.
+// copy does it all in one call; lend + check split it around a computation on the record in place. Any
+// slot_of below 0 is absent to them. wait sleeps on a slot_of entry (native/word_wait.h) while it says the
+// record is coming, and is only a wake-up: what arrived is read through the seqlock as always, and a writer
+// that never wakes it costs the waiter its timeout, nothing else.
 #pragma once
 
 #include <cstddef>
@@ -50,10 +56,12 @@ class SlotIndex {
   SlotIndex(Memory& index, Memory* data, int64_t slot_of_offset, int64_t meta_offset, int64_t n_experts,
             int64_t n_slots, int64_t slot_stride);
 
-  // Writer side. Each returns the slot's new seq. begin_fill refuses a slot already being filled.
-  uint32_t begin_fill(int64_t slot, int64_t evicted);
+  // Writer side. Each returns the slot's new seq. begin_fill refuses a slot already being filled. incoming:
+  // the expert whose record is coming into the slot (-1: none, the slot is only emptied), which abort_fill
+  // names again.
+  uint32_t begin_fill(int64_t slot, int64_t evicted, int64_t incoming);
   uint32_t finish_fill(int64_t slot, int64_t expert, uint32_t checksum);
-  uint32_t abort_fill(int64_t slot);
+  uint32_t abort_fill(int64_t slot, int64_t incoming);
   // Every expert absent and every slot empty: a new index's state before its first fill.
   void clear();
 
@@ -66,8 +74,13 @@ class SlotIndex {
   std::vector<std::pair<int64_t, int64_t>> lend(const std::vector<int64_t>& experts) const;
   // Once whatever read the lent records is finished: whether each slot still has the seq it was lent with.
   std::vector<bool> check(const std::vector<int64_t>& slots, const std::vector<int64_t>& seqs) const;
+  // Sleeps, with the GIL released, while each expert's record is coming into a slot (with `absent`, also
+  // while it is absent and no fill of it has begun yet), until it is published, the fill ends without it, or
+  // timeout_s (all of them together) has passed. Result i: whether experts[i] was coming or awaited.
+  std::vector<bool> wait(const std::vector<int64_t>& experts, double timeout_s, bool absent) const;
 
-  // What a slot_of entry and a slot's metadata hold now (acquire loads; for inspection and tests).
+  // What a slot_of entry and a slot's metadata hold now (acquire loads; for inspection and tests): a slot,
+  // -1, or -(s + 2) for a record coming into slot s.
   int64_t slot_of(int64_t expert) const;
   std::tuple<int64_t, int64_t, int64_t> meta(int64_t slot) const;
 

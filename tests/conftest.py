@@ -253,6 +253,20 @@ def wait_for(predicate, timeout=20.0, what="condition", detail=None):
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}" + (f":\n{detail()}" if detail else ""))
 
 
+# Linux's futex syscall number per machine, for reading /proc/<pid>/syscall.
+FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
+
+
+def sleeping_on(task: str, address: int) -> int | None:
+    """The value a task (/proc/PID or /proc/PID/task/TID) sleeps expecting at `address` in a shared FUTEX_WAIT (not
+    FUTEX_PRIVATE_FLAG: op 0), as an int32; None while it does anything else. Linux only (SlotIndex.wait)."""
+    fields = Path(task, "syscall").read_text().split()
+    if len(fields) < 4 or fields[0] != str(FUTEX_SYSCALL) or int(fields[1], 16) != address or int(fields[2], 16):
+        return None
+    value = int(fields[3], 16) & 0xFFFFFFFF
+    return value - (1 << 32) if value >> 31 else value
+
+
 def segment_exists(name: str) -> bool:
     try:
         _native.Segment.open(name, readonly=True).close()

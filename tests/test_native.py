@@ -20,6 +20,8 @@ import pytest
 from moe_l2 import _native as native
 from moe_l2.layout import LAYOUT_VERSION, Geometry
 
+from .conftest import FUTEX_SYSCALL, sleeping_on, wait_for
+
 PAGE = os.sysconf("SC_PAGESIZE")
 _names = itertools.count()
 
@@ -330,8 +332,9 @@ class Store:
 
 def test_layout_places_the_index_with_slot_index_sizes():
     """The sizes layout.py places the index with are SlotIndex's, and lay a served model's index out as before
-    (layout version 2): slot_of int32 entries, 16-byte metadata."""
-    assert (native.SlotIndex.SLOT_OF_BYTES, native.SlotIndex.META_BYTES, LAYOUT_VERSION) == (4, 16, 2)
+    (layout version 3: as 2, slot_of also saying which records are coming in): slot_of int32 entries, 16-byte
+    metadata."""
+    assert (native.SlotIndex.SLOT_OF_BYTES, native.SlotIndex.META_BYTES, LAYOUT_VERSION) == (4, 16, 3)
     g = Geometry(n_layers=3, n_experts=10, n_slots=5, record_bytes=100)
     assert g.slot_of_offset(2) - g.slot_of_offset(1) == 40
     assert g.meta_offset(1) - g.meta_offset(0) == 80 and g.meta_base % 64 == 0
@@ -346,7 +349,7 @@ def test_slot_index_fills_read_back_byte_exact(shm_name):
     assert store.fill(3, 7, records[7], checksum=5) == 2
     assert store.slots.meta(0) == (2, 2, 0xDEADBEEF) and store.slots.meta(3) == (7, 2, 5)
     assert [store.slots.slot_of(e) for e in range(store.n_experts)] == [-1, -1, 0, -1, -1, -1, -1, 3]
-    # The bytes are the documented layout (the format of layout version 2, which clients of other builds read).
+    # The bytes are the documented layout (the format of layout version 3, which clients of other builds read).
     index = store.index.view()
     assert struct.unpack_from("<8i", index, store.SLOT_OF) == (-1, -1, 0, -1, -1, -1, -1, 3)
     assert [struct.unpack_from(META, index, store.meta + 16 * slot) for slot in range(4)] == \
@@ -419,6 +422,82 @@ def test_slot_index_seq_wraps_to_even(shm_name):
     assert store.slots.begin_fill(0) == 2**32 - 1
     assert store.slots.finish_fill(0, 6) == 0
     assert store.slots.lend([6]) == [(0, 0)]
+
+
+def test_a_record_coming_in_is_named_in_slot_of_and_absent_to_every_reader(shm_name):
+    """begin_fill with the incoming expert says in slot_of that its record is coming into that slot (-(slot + 2),
+    the documented bytes); copy and lend pass it by as absent; finish_fill publishes it, abort_fill makes it absent
+    again, but only while slot_of still names that fill. wait returns at once for what is not coming, and at its
+    timeout for what stays coming (a writer that died mid-fill)."""
+    store = Store(shm_name)
+    store.fill(0, 3, b"\x03" * 64)
+    assert store.slots.begin_fill(2, incoming=5) == 1
+    store.slots.begin_fill(0, evicted=3, incoming=6)
+    assert struct.unpack_from("<8i", store.index.view(), store.SLOT_OF) == (-1, -1, -1, -1, -1, -4, -2, -1)
+    assert (store.slots.slot_of(5), store.slots.slot_of(3)) == (-4, -1)
+    pool = native.Buffer(64)
+    assert store.copy([(0, 64, pool, 64)], [5, 6], [0, 0]) == [False, False]
+    assert store.slots.lend([5, 6]) == [(-1, 0), (-1, 0)]
+    assert store.slots.wait([1, 3], 600) == [False, False]  # absent, not coming: nothing to wait for
+    assert store.slots.wait([5, 1], 0.01) == [True, False]  # still coming at the timeout
+    assert store.slots.slot_of(5) == -4
+    store.slots.finish_fill(2, 5)
+    store.slots.abort_fill(0, incoming=6)
+    assert [store.slots.slot_of(e) for e in (5, 6)] == [2, -1]
+    assert store.slots.wait([5, 6], 600) == [False, False]
+    store.slots.begin_fill(1)
+    store.slots.abort_fill(1, incoming=5)  # 5 is not coming into slot 1: its slot_of stays
+    assert store.slots.slot_of(5) == 2 and store.copy([(0, 64, pool, 64)], [5], [0]) == [True]
+    with pytest.raises(ValueError, match=r"\[SlotIndex.begin_fill\] incoming = 8 is outside \[0, 8\)"):
+        store.slots.begin_fill(3, incoming=8)
+    with pytest.raises(ValueError, match=r"\[SlotIndex.wait\] experts\[1\] = -1 is outside \[0, 8\)"):
+        store.slots.wait([0, -1], 1)
+    with pytest.raises(ValueError, match=r"\[SlotIndex.wait\] timeout_s must be >= 0"):
+        store.slots.wait([0], float("nan"))
+
+
+# A client process, as ExpertPool waits: the index mapped read-only, one expert's slot_of waited on.
+WAITER = """
+import sys
+from moe_l2 import _native as native
+index = native.Segment.open(sys.argv[1], readonly=True)
+slot_of_offset, meta_offset, expert, absent = map(int, sys.argv[2:6])
+slots = native.SlotIndex(index, None, slot_of_offset=slot_of_offset, meta_offset=meta_offset, n_experts=8,
+                         n_slots=4, slot_stride=0)
+print(index.address + slot_of_offset + 4 * expert, flush=True)
+print(slots.wait([expert], 600, bool(absent))[0], slots.slot_of(expert), flush=True)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or FUTEX_SYSCALL is None, reason="reads a futex wait in /proc")
+@pytest.mark.parametrize("end", ["published", "aborted", "absent, then published"])
+def test_a_waiter_in_another_process_sleeps_on_slot_of_until_the_writer_wakes_it(shm_name, end):
+    """Another process waits for expert 5 with a 600 s timeout: it sleeps in a shared futex on the expert's slot_of
+    word (read from /proc, expecting the value it saw), and finish_fill or abort_fill wakes it, which ends its
+    wait at once. Asked to wait for an absent record too, it sleeps through begin_fill (woken, it sleeps again
+    on "coming") until the record is published."""
+    store = Store(shm_name)
+    absent = end.startswith("absent")
+    if not absent:
+        store.slots.begin_fill(2, incoming=5)
+    args = [store.index.name, str(store.SLOT_OF), str(store.meta), "5", str(int(absent))]
+    with subprocess.Popen([sys.executable, "-P", "-c", WAITER, *args], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            address = int(proc.stdout.readline())
+            sleeping = lambda value: lambda: sleeping_on(f"/proc/{proc.pid}", address) == value  # noqa: E731
+            if absent:
+                wait_for(sleeping(-1), what="the waiter asleep on an absent record")
+                store.slots.begin_fill(2, incoming=5)
+            wait_for(sleeping(-4), what="the waiter asleep on a record coming into slot 2")
+            if end == "aborted":
+                store.slots.abort_fill(2, incoming=5)
+            else:
+                store.data.view()[2 * store.stride:3 * store.stride] = b"\x05" * store.stride
+                store.slots.finish_fill(2, 5)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert out.split() == ["True", "-1" if end == "aborted" else "2"]
 
 
 def test_slot_index_bounds_are_checked(shm_name):

@@ -2,7 +2,8 @@
 
 Index segment:
     header   magic, layout version, epoch, fingerprint, geometry, one data-segment name per layer
-    slot_of  per layer, n_experts x int32: the slot holding the expert, -1 when absent
+    slot_of  per layer, n_experts x int32: the slot holding the expert, -1 when absent, -(s + 2) while its
+             record is coming into slot s (clients wait on the entry: SlotIndex.wait)
     meta     per layer, n_slots x SlotMeta (the slot's expert, seq, checksum)
 Data segment, one per served layer: its slots x slot_stride bytes; slot s holds one record at s * slot_stride.
 A budget that does not divide evenly over the served layers gives the last `n_short` of them one slot fewer
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from moe_l2.sizes import format_size
 
 MAGIC = b"MOEL2IDX"
-LAYOUT_VERSION = 2  # 2: n_short, the served layers with one slot fewer
+LAYOUT_VERSION = 3  # 2: n_short, the served layers with one slot fewer; 3: records coming in, woken on slot_of
 NAME_BYTES = 32
 FINGERPRINT_BYTES = 64
 MAX_SHM_NAME = 31  # macOS' PSHMNAMLEN; Linux allows more, but one name scheme must fit both
