@@ -4,7 +4,8 @@ and the L0 -> L2 -> L3 walk.
 `borrow(layer, experts)` lends the misses that L2 holds, to be computed on in shared memory without a copy
 (client/l2view.py), and makes only the rest resident as `fetch` does (docs/architecture.md, "Zero-copy L2
 reads"). For a layer's batch of experts, `fetch`: L0 hits touch nothing; misses get rows (evicting experts
-outside the batch), are copied from L2 shared memory through the native seqlock copy, and whatever L2 lacks
+outside the batch), are copied from L2 shared memory through the native seqlock copy, records on their way into L2
+(read by another process or the daemon) are waited for on their slot (client/slot_waits.py), and whatever L2 lacks
 (or tore) is read from the model file with the native parallel pread (one read per expert for packed models,
 converted to MLX's layout on the way for GGUF ones). Only then does the slot table point at the new rows, so a
 row is never referenced before it holds its whole record.
@@ -39,6 +40,7 @@ from moe_l2.client.l2view import L2View, Loan
 from moe_l2.client.layerpool import LayerPool, SharedRows, Synchronizes
 from moe_l2.client.options import DEFAULTS, VERIFY
 from moe_l2.client.prefetcher import PrefetchCounts, Prefetcher, side_rows
+from moe_l2.client.slot_waits import SlotWaits, WaitCounts
 
 log = logging.getLogger("moe-l2.client")
 
@@ -57,8 +59,9 @@ class TierCounts:
     l0_hits: int = 0
     l2_hits: int = 0
     l2_lent: int = 0       # of l2_hits, those computed on in place (ExpertPool.borrow), not copied
-    l2_awaited: int = 0    # of l2_hits, those L2 lacked when looked up: the daemon read them while the pool
-                           # waited (load-through), so they cost a disk read
+    l2_awaited: int = 0    # of l2_hits, those L2 lacked when looked up: on their way into it (another process'
+                           # read, or the daemon's) or loaded for this lookup (load-through) while the pool
+                           # waited, so they cost a disk read
     l3_reads: int = 0
     bytes_copied: int = 0  # from L2
     bytes_read: int = 0    # from the model files
@@ -102,9 +105,9 @@ class ExpertPool:
         the model's default (ModelFiles.direct_default: on for packed models).
         verify: which records to check against the model's checksum manifest, one of VERIFY.
         load_through_s: on an L2 miss, report it at once and wait up to this long for the daemon to load the
-        record, woken by the daemon's notice that it landed, then use it in L2 (lent by `borrow`, copied by
-        `fetch`) instead of reading the file as well (0, or a daemon that sends no notices: read the file at
-        once; docs/architecture.md, "Load-through").
+        record, woken on its slot_of entry (SlotIndex.wait), then use it in L2 (lent by `borrow`, copied by
+        `fetch`) instead of reading the file as well (0: read the file at once; docs/architecture.md, "Client
+        pool (L0)"). Where the misses are given (fill_l2), the longest wait for a record on its way into L2.
         layers: the MoE layers this process runs (a pipeline stage's: docs/distributed.md); L0 rows are
         allocated for those only. None: every layer.
         lend: `borrow` may lend L2's records in place (where MLX can compute on shared memory: L2View.supported);
@@ -171,6 +174,7 @@ class ExpertPool:
                        for layer, rows in capacities.items()}
         self._counts = TierCounts()
         self._counts_lock = threading.Lock()
+        self._waits = SlotWaits()
         self._fds = files.open_fds(direct)
         self._prefetcher = Prefetcher(self)
         self.donor = Donor(client, files) if client is not None and fill_l2 else None
@@ -184,6 +188,11 @@ class ExpertPool:
         """Where the experts of every lookup so far came from (a copy)."""
         with self._counts_lock:
             return replace(self._counts)
+
+    @property
+    def waits(self) -> WaitCounts:
+        """The waits for records on their way into L2 so far (a copy: client/slot_waits.py)."""
+        return self._waits.counts()
 
     @property
     def prefetch_counts(self) -> PrefetchCounts:
@@ -283,8 +292,7 @@ class ExpertPool:
         # Load-through: one read per miss, the daemon's, into L2, where the layer then computes on it; only where
         # L2 has room for the misses beside the batch's lent experts, which the daemon does not evict for them.
         room = view.attachment.slots[layer] - len(loan.experts)
-        reported = bool(absent and self.load_through_s and self.client.notifies and len(absent) <= room
-                        and not self._gives())
+        reported = bool(absent and self.load_through_s and len(absent) <= room and not self._gives())
         awaited = 0
         if reported:
             self.client.report(layer, list(loan.experts), absent, picks, now=True)
@@ -297,32 +305,11 @@ class ExpertPool:
         return self._fetch(layer, picks, rest, loan, reported, awaited), loan
 
     def _await_loan(self, view: L2View, loan: Loan, absent: list[int]) -> Loan:
-        """The loan, with what of `absent` the daemon loads into L2 within load_through_s."""
-        def lend_more() -> bool:
-            nonlocal loan, absent
-            more = view.lend(loan.layer, absent)
-            if more:
-                loan = loan.plus(more)
-                absent = sorted(set(absent) - set(more.experts))
-            return not absent
-
-        self._await(loan.layer, lend_more)
-        return loan
-
-    def _await(self, layer: int, look) -> None:
-        """Call look() (True: every awaited record was found in L2) now, at each of the daemon's Loaded notices
-        for the layer and once more at the deadline, until it is done, load_through_s has passed or the client
-        detached. The notice only wakes the lookup, which trusts what L2's seqlock says (client/arrivals.py)."""
-        deadline = time.perf_counter() + self.load_through_s
-        arrivals = self.client.arrivals
-        while self.client.attached:
-            seen = arrivals.generation(layer)  # before looking: a notice from here on ends the wait below
-            if look():
-                return
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                return
-            arrivals.wait(layer, seen, left)
+        """The loan, with what of `absent` the daemon loads into L2 within load_through_s (woken on their slot_of
+        entries: SlotIndex.wait)."""
+        self._waits.wait(view.attachment.slot_indexes[loan.layer], absent, self.load_through_s, absent=True)
+        more = view.lend(loan.layer, absent)
+        return loan.plus(more) if more else loan
 
     def _l2_view(self) -> L2View | None:
         """The L2View of the daemon epoch attached now, or None."""
@@ -395,38 +382,42 @@ class ExpertPool:
                    lent: list[int], reported: bool) -> tuple[list[bool], TierCounts, bool]:
         """Fill the rows taken for the misses and publish them: copied from L2, or loaded through (reported at
         once and waited for), or read by this process, which gives them to L2 (client/donor.py: told, and the
-        lookup reported, as their read starts; handed over once it ended). Returns which came from L2, the counts
-        and whether the lookup was reported already."""
+        lookup reported, as their read starts; handed over once it ended), or, on their way into L2 already,
+        waited for and copied. Returns which came from L2, the counts and whether the lookup was reported
+        already."""
         told, gifts = [], []
 
-        def load_through(copied: list[bool]) -> list[bool]:
+        def load_through(copied: list[bool], coming: list[bool]) -> list[bool]:
             # Report the L2 misses now, so that the daemon starts loading them, and copy them as they land.
             told.append(self.report_lookups(layer, missing, copied, picks, lent, now=True))
             return self._await_l2(layer, lp, missing, rows, copied)
 
-        def give(copied: list[bool]) -> list[bool]:
+        def give(copied: list[bool], coming: list[bool]) -> list[bool]:
             # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read, and
-            # report the lookup now, so that the daemon's policy knows of it before it picks their victims.
-            unread = [(e, r) for e, r, ok in zip(missing, rows, copied) if not ok]
+            # report the lookup now, so that the daemon's policy knows of it before it picks their victims. Those
+            # on their way into L2 are waited for (load_rows), not given.
+            unread = [(e, r) for e, r, ok, c in zip(missing, rows, copied, coming) if not (ok or c)]
             gifts.extend(self.donor.give(layer, lp, [e for e, _ in unread], [r for _, r in unread],
                                          keep=[*lent, *picks]))
             told.append(self.report_lookups(layer, missing, copied, picks, lent, now=True,
                                             given=[e for e, _ in unread]))
             return copied
 
-        gives = self._gives()
-        through = (self.load_through_s and self.client is not None and self.client.notifies and not reported
-                   and not gives)
-        try:
-            copied, loaded = self.load_rows(layer, missing, rows,
-                                            load_through if through else give if gives else None)
-        except BaseException:
+        def read(whole: bool) -> None:
+            # The donor may copy the gifts once their rows are whole: before this fetch waits for what is coming.
             if gifts:
-                self.donor.read_done(gifts, False)
+                self.donor.read_done(gifts, whole)
+                gifts.clear()
+
+        gives = self._gives()
+        through = self.load_through_s and self.client is not None and not reported and not gives
+        try:
+            copied, loaded = self.load_rows(layer, missing, rows, load_through if through else give if gives else None,
+                                            coming_s=self.load_through_s if gives else 0.0, on_read=read)
+        except BaseException:
+            read(False)
             raise
         lp.publish(missing, rows)
-        if gifts:
-            self.donor.read_done(gifts, True)
         return copied, loaded, any(told)
 
     def _gives(self) -> bool:
@@ -443,30 +434,41 @@ class ExpertPool:
         with self._counts_lock:
             self._counts.add(counts)
 
-    def load_rows(self, layer: int, experts: list[int], rows: list[int],
-                  on_l2_miss=None, side: bool = False) -> tuple[list[bool], TierCounts]:
+    def load_rows(self, layer: int, experts: list[int], rows: list[int], on_l2_miss=None, side: bool = False,
+                  coming_s: float = 0.0, on_read=None) -> tuple[list[bool], TierCounts]:
         """Fill rows taken for the experts with their records: L2 copies, the file for the rest, checked as
         configured; nothing is published. Returns which came from L2 and the counts; on failure the rows go
-        back (side: side rows, the prefetch worker's). For `fetch` and the prefetch worker. on_l2_miss(copied)
-        -> copied: called when L2 lacked some (load-through), before the file is read."""
+        back (side: side rows, the prefetch worker's). For `fetch` and the prefetch worker.
+        on_l2_miss(copied, coming) -> copied: called when L2 lacked some, before the file is read.
+        coming_s: the misses whose records are on their way into L2 (read by another process, or by the daemon)
+        are not read: once the rest are, they are waited for, up to coming_s after the lookup, and copied; only
+        those that have not landed by then are read too (docs/architecture.md, "Fills"). on_read(True): called once
+        the misses read at first are whole and checked, before that wait."""
         lp = self.layers[layer]
         counts = TierCounts()
         try:
             start = time.perf_counter()
             copied = self._copy_from_l2(layer, lp, experts, rows)
+            coming = self._coming(layer, experts, copied) if coming_s else [False] * len(experts)
             if on_l2_miss is not None and not all(copied):
                 present = sum(copied)
-                copied = on_l2_miss(copied)
+                copied = on_l2_miss(copied, coming)
                 counts.l2_awaited = sum(copied) - present
-            if self._check_l2:
-                copied = [ok and self._intact_copy(layer, lp, e, r) for e, r, ok in zip(experts, rows, copied)]
+            copied = self._checked_copies(layer, lp, experts, rows, copied)
             copied_at = time.perf_counter()
-            unread = [(e, r) for e, r, ok in zip(experts, rows, copied) if not ok]
-            sums = self._read_from_l3(layer, lp, unread)
-            if self._check_file:
-                for (expert, row), checksum in zip(unread, sums or [lp.checksum(row) for _, row in unread]):
-                    self.files.check_record(layer, expert, checksum, "the model file")
-            counts.copy_s, counts.read_s = copied_at - start, time.perf_counter() - copied_at
+            unread = [(e, r) for e, r, ok, c in zip(experts, rows, copied, coming) if not (ok or c)]
+            self._read_checked(layer, lp, unread)
+            if on_read is not None:
+                on_read(True)
+            read_at = waited_at = time.perf_counter()
+            if any(coming):
+                counts.l2_awaited += self._await_coming(layer, lp, experts, rows, copied, coming, start + coming_s)
+                waited_at = time.perf_counter()
+                late = [(e, r) for e, r, ok, c in zip(experts, rows, copied, coming) if c and not ok]
+                self._read_checked(layer, lp, late)
+                unread += late
+            counts.copy_s = (copied_at - start) + (waited_at - read_at)
+            counts.read_s = (read_at - copied_at) + (time.perf_counter() - waited_at)
         except BaseException:
             (lp.release_side if side else lp.release)(rows)  # nothing was published: the rows hold no expert
             raise
@@ -521,17 +523,45 @@ class ExpertPool:
 
     def _await_l2(self, layer: int, lp: LayerPool, missing: list[int], rows: list[int],
                   copied: list[bool]) -> list[bool]:
-        """Copy the misses from L2 as the daemon loads them, until load_through_s has passed."""
+        """Copy the misses from L2 once the daemon has loaded them, waiting up to load_through_s on their slot_of
+        entries (SlotIndex.wait: woken by the daemon's begin_fill, then by its publish)."""
         copied = list(copied)
-
-        def copy_more() -> bool:
-            todo = [i for i, ok in enumerate(copied) if not ok]
-            for i, ok in zip(todo, self._copy_from_l2(layer, lp, [missing[i] for i in todo], [rows[i] for i in todo])):
-                copied[i] = ok
-            return all(copied)
-
-        self._await(layer, copy_more)
+        self._copy_landed(layer, lp, missing, rows, copied, [not ok for ok in copied], self.load_through_s, True)
         return copied
+
+    def _coming(self, layer: int, experts: list[int], copied: list[bool]) -> list[bool]:
+        """Which of the experts not copied have records on their way into L2 now (SlotIndex.wait without a wait)."""
+        attachment = self.client.attachment if self.client is not None else None
+        if attachment is None or not attachment.serves(layer) or all(copied):
+            return [False] * len(experts)
+        todo = [i for i, ok in enumerate(copied) if not ok]
+        coming = [False] * len(experts)
+        for i, on_way in zip(todo, attachment.slot_indexes[layer].wait([experts[i] for i in todo], 0.0)):
+            coming[i] = on_way
+        return coming
+
+    def _await_coming(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int], copied: list[bool],
+                      coming: list[bool], deadline: float) -> int:
+        """Copy the records that were coming into L2 once they land, waiting until `deadline` (perf_counter) at
+        most; marks them in `copied`, checked as configured, and returns how many landed."""
+        todo = [c and not ok for ok, c in zip(copied, coming)]
+        self._copy_landed(layer, lp, experts, rows, copied, todo, max(0.0, deadline - time.perf_counter()), False)
+        landed = [i for i, t in enumerate(todo) if t and copied[i]]
+        for i in landed:
+            copied[i] = not self._check_l2 or self._intact_copy(layer, lp, experts[i], rows[i])
+        return sum(copied[i] for i in landed)
+
+    def _copy_landed(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int], copied: list[bool],
+                     todo: list[bool], timeout_s: float, absent: bool) -> None:
+        """Wait on the slot_of entries of the experts marked in `todo` (absent: also for those not yet coming) up to
+        timeout_s, then copy them from L2, marking in `copied` those that came."""
+        attachment = self.client.attachment if self.client is not None else None
+        picked = [i for i, t in enumerate(todo) if t]
+        if attachment is None or not attachment.serves(layer) or not picked:
+            return
+        self._waits.wait(attachment.slot_indexes[layer], [experts[i] for i in picked], timeout_s, absent)
+        for i, ok in zip(picked, self._copy_from_l2(layer, lp, [experts[i] for i in picked], [rows[i] for i in picked])):
+            copied[i] = ok
 
     def _copy_from_l2(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int]) -> list[bool]:
         attachment = self.client.attachment if self.client is not None else None
@@ -547,6 +577,20 @@ class ExpertPool:
         log.warning("%s: MoE layer %d expert %d copied from shared memory (L2) fails its checksum (crc32 %08x); "
                     "reading it from the model file", self.files.path, layer, expert, checksum)
         return False
+
+    def _checked_copies(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int],
+                        copied: list[bool]) -> list[bool]:
+        """`copied`, but for records copied from L2 that fail the manifest where verify="all" checks them."""
+        if not self._check_l2:
+            return copied
+        return [ok and self._intact_copy(layer, lp, e, r) for e, r, ok in zip(experts, rows, copied)]
+
+    def _read_checked(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> None:
+        """Read (expert, row) pairs from the model file and check them against the manifest as configured."""
+        sums = self._read_from_l3(layer, lp, todo)
+        if self._check_file:
+            for (expert, row), checksum in zip(todo, sums or [lp.checksum(row) for _, row in todo]):
+                self.files.check_record(layer, expert, checksum, "the model file")
 
     def _read_from_l3(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> list[int] | None:
         """Read into the rows: stacked models piece by piece, packed ones in one read per expert straight into

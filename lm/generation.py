@@ -129,7 +129,7 @@ class StreamFigures:
                    daemon=None if client is None else {"address": client.address, "attached": client.attached,
                                                        "attaches": client.attaches, "last_error": client.last_error,
                                                        "link": asdict(client.counts),
-                                                       "waits": asdict(client.arrivals.counts)},
+                                                       "waits": asdict(lm.pool.waits)},
                    streaming=run.stats,
                    prefetch=None if lm.next_layer is None else {"predictor": lm.next_layer.describe(),
                                                                 **run.prefetch.to_json()},

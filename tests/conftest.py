@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -26,6 +27,7 @@ from moe_l2 import _native, protocol
 from moe_l2.cache.trace import TraceWriter
 from moe_l2.client.connection import L2Client, request
 from moe_l2.client.pool import ExpertPool
+from moe_l2.fill_protocol import FrameReader, encode, fill_socket_path
 from moe_l2.lab.daemon_process import DaemonProcess, short_tempdir
 from moe_l2.lab.random_models import make_model
 from moe_l2.layout import Geometry, IndexHeader
@@ -295,6 +297,55 @@ AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-group
 
 
 @functools.cache
+@contextlib.contextmanager
+def filling_pool(files, daemon, load_through_s: float = 0.0):
+    """A pool of this process (the daemon's uid) that gives its misses to L2, once the fill desk took it; it waits
+    up to load_through_s for a record on its way into L2 (0: it reads it)."""
+    client = L2Client(files, daemon.socket, wait_s=5)
+    pool = ExpertPool(files, capacity=4, client=client, fill_l2=True, lend=False, load_through_s=load_through_s)
+    try:
+        wait_for(lambda: pool.donor.accepting, what="the fill desk's welcome")
+        yield pool
+    finally:
+        pool.close()
+        client.close()
+
+
+class RawDonor:
+    """The fill socket spoken by hand: a donor that gives, copies and answers as a test tells it."""
+
+    def __init__(self, daemon):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(fill_socket_path(daemon.socket))
+        self.reader = FrameReader(("welcome", "refused", "offer"))
+        assert self.next().type == "welcome"
+
+    def next(self):
+        messages = []
+        while not messages:
+            data = self.sock.recv(65536)
+            assert data, "the fill desk closed the connection"
+            messages = self.reader.feed(data)
+        assert len(messages) == 1
+        return messages[0]
+
+    def offer(self, files, layer: int, expert: int) -> int:
+        """Give one record; the slot offered for it."""
+        self.sock.sendall(encode("give", model=files.fingerprint, layer=layer, experts=[expert], keep=[]))
+        offer = self.next()
+        assert offer.type == "offer" and [e for e, _ in offer.slots] == [expert]
+        return offer.slots[0][1]
+
+
+def slot_stride(files, daemon) -> int:
+    index = _native.Segment.open(daemon_segments(daemon, files)[0], readonly=True)
+    try:
+        return IndexHeader.unpack(index.view()).geometry.slot_stride
+    finally:
+        index.close()
+
+
 def nobody_runs_python() -> bool:
     """Whether uid 65534 can run this interpreter with moe-l2 (needs root, setpriv, and a venv other users can
     read); the tests that act as that user skip otherwise."""

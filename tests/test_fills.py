@@ -4,9 +4,7 @@ fill from another uid, and never hands a slot offered to a donor to anything els
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,11 +14,12 @@ import pytest
 from moe_l2 import _native
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
-from moe_l2.fill_protocol import FrameReader, encode, fill_socket_path
+from moe_l2.fill_protocol import encode, fill_socket_path
 from moe_l2.layout import IndexHeader
 from moe_l2.model import ModelFiles
 
-from .conftest import AS_NOBODY, daemon_segments, nobody_runs_python, quarter_budget, stats, wait_for
+from .conftest import (AS_NOBODY, RawDonor, daemon_segments, filling_pool, nobody_runs_python, quarter_budget,
+                       slot_stride, stats, wait_for)
 
 
 def fills(daemon) -> dict:
@@ -43,19 +42,6 @@ def slot_record(files, daemon, layer: int, expert: int) -> bytes | None:
     finally:
         index.close()
         data.close()
-
-
-@contextlib.contextmanager
-def filling_pool(files, daemon):
-    """A pool of this process (the daemon's uid) that gives its misses to L2, once the fill desk took it."""
-    client = L2Client(files, daemon.socket, wait_s=5)
-    pool = ExpertPool(files, capacity=4, client=client, fill_l2=True, lend=False)
-    try:
-        wait_for(lambda: pool.donor.accepting, what="the fill desk's welcome")
-        yield pool
-    finally:
-        pool.close()
-        client.close()
 
 
 def assert_given(pool, daemon, files, layer: int, expert: int) -> None:
@@ -84,41 +70,6 @@ def test_misses_read_by_a_process_of_the_daemons_uid_are_given_to_l2_exact_and_n
 needs_root = pytest.mark.skipif(not nobody_runs_python(),
                                 reason="the hostile side runs as uid 65534: needs root, setpriv, and this "
                                        "interpreter's packages readable by other users (a private venv is not)")
-
-
-class RawDonor:
-    """The fill socket spoken by hand: a donor that gives, copies and answers as a test tells it."""
-
-    def __init__(self, daemon):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(30)
-        self.sock.connect(fill_socket_path(daemon.socket))
-        self.reader = FrameReader(("welcome", "refused", "offer"))
-        assert self.next().type == "welcome"
-
-    def next(self):
-        messages = []
-        while not messages:
-            data = self.sock.recv(65536)
-            assert data, "the fill desk closed the connection"
-            messages = self.reader.feed(data)
-        assert len(messages) == 1
-        return messages[0]
-
-    def offer(self, files, layer: int, expert: int) -> int:
-        """Give one record; the slot offered for it."""
-        self.sock.sendall(encode("give", model=files.fingerprint, layer=layer, experts=[expert], keep=[]))
-        offer = self.next()
-        assert offer.type == "offer" and [e for e, _ in offer.slots] == [expert]
-        return offer.slots[0][1]
-
-
-def slot_stride(files, daemon) -> int:
-    index = _native.Segment.open(daemon_segments(daemon, files)[0], readonly=True)
-    try:
-        return IndexHeader.unpack(index.view()).geometry.slot_stride
-    finally:
-        index.close()
 
 
 def slot_meta(files, daemon, layer: int, slot: int) -> tuple[int, int, int]:
@@ -170,7 +121,7 @@ KILLED_DONOR = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from moe_l2 import _native
     from moe_l2.model import ModelFiles
-    from tests.test_fills import RawDonor
+    from tests.conftest import RawDonor
     class Daemon:
         socket = {address!r}
     files = ModelFiles.open({model!r})

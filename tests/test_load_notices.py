@@ -10,13 +10,10 @@ import shutil
 import threading
 
 import msgpack
-import numpy as np
-import pytest
 import zmq
 
 from moe_l2 import protocol
 from moe_l2.client.connection import L2Client, request
-from moe_l2.client.l2view import L2View
 from moe_l2.client.pool import ExpertPool
 from moe_l2.lab.daemon_process import short_tempdir
 
@@ -30,48 +27,6 @@ LOAD_THROUGH_S = 5.0
 def load_through_client(files, address: str) -> L2Client:
     # Reports queue for a minute: the misses reach the daemon only because load-through sends them at once.
     return L2Client(files, address, wait_s=5, flush_s=60)
-
-
-def test_misses_loaded_through_are_copied_once_the_daemon_says_they_landed(running_daemon, model_files):
-    client = load_through_client(model_files, running_daemon.socket)
-    pool = ExpertPool(model_files, capacity=4, client=client, load_through_s=LOAD_THROUGH_S, lend=False)
-    try:
-        assert client.notifies
-        for layer, experts in ((0, [2, 9]), (1, [3, 7, 3]), (2, [11])):
-            counts = pool.fetch(layer, experts)
-            # Cold: the daemon read the records into L2 and the client copied them; it read nothing itself.
-            assert (counts.l2_hits, counts.l2_awaited, counts.l3_reads) == (len(set(experts)),) * 2 + (0,)
-            assert_resident_exact(pool, model_files, layer, experts)
-        waits = client.arrivals.counts
-        # Every wait ended at a notice, none at the 5 s deadline; one per layer at least (the records of a layer
-        # may land in one notice or in several).
-        assert waits.expired == 0 and waits.woken >= 1 and waits.dropped == 0
-        wait_for(lambda: client.arrivals.counts.notices >= 3, what="a notice per layer")
-        assert stats(running_daemon)["models"][0]["loads_done"] == 5
-    finally:
-        pool.close()
-        client.close()
-
-
-@pytest.mark.skipif(not L2View.supported(), reason="this MLX build cannot compute on mapped memory")
-def test_misses_loaded_through_are_lent_once_the_daemon_says_they_landed(running_daemon, model_files):
-    client = load_through_client(model_files, running_daemon.socket)
-    pool = ExpertPool(model_files, capacity=4, client=client, load_through_s=LOAD_THROUGH_S)
-    try:
-        for layer, experts in ((0, [1, 6]), (1, [4]), (2, [8, 12])):
-            counts, loan = pool.borrow(layer, experts)
-            assert sorted(loan.experts) == experts and (counts.l2_awaited, counts.l3_reads) == (len(experts), 0)
-            arrays, slot_of = loan.arrays(), loan.slot_of()
-            for expert in experts:
-                record = model_files.read_record(layer, expert)
-                for p in model_files.layout.pieces:
-                    assert np.array(arrays[p.key][slot_of[expert]]).tobytes() == record[p.offset:p.offset + p.nbytes]
-            assert loan.torn() == []
-        waits = client.arrivals.counts
-        assert waits.expired == 0 and waits.woken >= 1
-    finally:
-        pool.close()
-        client.close()
 
 
 def test_a_miss_reported_after_it_landed_is_told_at_once(running_daemon, model_files):
@@ -153,30 +108,6 @@ class Relay:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def without_notices(frame: bytes) -> bytes:
-    """A daemon from before Loaded notices: its hello replies have no `notices`."""
-    body = msgpack.unpackb(frame, strict_map_key=False)
-    body.pop("notices", None)
-    return msgpack.packb(body)
-
-
-def test_a_client_of_a_daemon_without_notices_reads_its_misses_at_once(running_daemon, model_files):
-    relay = Relay(running_daemon.socket, without_notices)
-    client = load_through_client(model_files, relay.address)
-    pool = ExpertPool(model_files, capacity=4, client=client, load_through_s=LOAD_THROUGH_S, lend=False)
-    try:
-        assert client.attached and not client.notifies
-        counts = pool.fetch(1, [3, 7])
-        # Waiting would cost the whole load_through_s per miss: the pool reads the file, as with load_through 0.
-        assert (counts.l2_awaited, counts.l3_reads) == (0, 2)
-        assert_resident_exact(pool, model_files, 1, [3, 7])
-        assert (client.arrivals.counts.woken, client.arrivals.counts.expired) == (0, 0)
-    finally:
-        pool.close()
-        client.close()
-        relay.close()
-
-
 def _notice(**fields) -> bytes:
     return msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "loaded", **fields})
 
@@ -214,7 +145,7 @@ def test_malformed_notices_from_a_hostile_daemon_are_dropped_and_the_client_keep
         counts = pool.fetch(2, [5, 14])
         assert (counts.l2_awaited, counts.l3_reads) == (2, 0)
         assert_resident_exact(pool, model_files, 2, [5, 14])
-        assert client.arrivals.counts.expired == 0 and client.attaches == 1
+        assert pool.waits.expired == 0 and client.attaches == 1
     finally:
         pool.close()
         client.close()
