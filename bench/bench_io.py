@@ -25,7 +25,7 @@
    reads checksummed after it lands ("raw checked"): the floor of a check that cannot overlap a read, as for a
    lone miss on a disk that completes a record's parts together. And a real moe-l2d serving the model
    ("load-through": a pool with a daemon fetches misses L2 lacks, which the daemon reads and announces and the
-   pool copies: what a process with a daemon waits for on a cold miss, its report and notice included), and the
+   pool copies: what a process with a daemon waits for on a cold miss, its report and wake-up included), and the
    same daemon taking fills ("filled": a pool of the daemon's uid reads the misses itself, as "checked", and gives
    them to L2 off the token's path, client/donor.py; its line also says how long after the fetch L2 held them:
    the offer's round trip, the copy into the slots and the daemon's check).
@@ -483,7 +483,7 @@ def print_queue_depth(files: ModelFiles, result: dict, rounds: int) -> None:
               f"{row['loaders'][1]:.2f}x")
         print(f"    the raw read, each 8 MiB read checksummed after it lands (what a check costs where it cannot "
               f"overlap a read): {row['raw checked'][0] / MIB:.0f} MiB/s, {row['raw checked'][1]:.2f}x")
-        print(f"    load-through, a real moe-l2d reading into L2 and the pool copying (report and notice "
+        print(f"    load-through, a real moe-l2d reading into L2 and the pool copying (report and wake-up "
               f"included): {row['load-through'][0] / MIB:.0f} MiB/s, {row['load-through'][1]:.2f}x")
         print(f"    filled, the pool reading its misses and giving them to the same moe-l2d: "
               f"{row['filled'][0] / MIB:.0f} MiB/s, {row['filled'][1]:.2f}x; L2 held them "

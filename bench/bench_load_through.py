@@ -1,5 +1,7 @@
-"""Load-through, side by side in one process: a miss waited for by the daemon's Loaded notice (ExpertPool, client/
-arrivals.py) vs the 0.5 ms sleep-poll of L2 it replaced (PolledPool below, kept here only as the baseline).
+"""Load-through, side by side in one process: a miss waited for asleep on its slot_of entry, woken by the daemon's
+begin_fill and publish (ExpertPool, client/slot_waits.py) vs a 0.5 ms sleep-poll of L2 (PolledPool below, kept
+here only as the baseline; the daemon's Loaded notice, relayed through its gate and the client's connection
+thread, woke the wait in between).
 
 Each miss is a record neither L0 nor L2 holds (the experts of a layer are taken in turn, L2 holds a few of them);
 the pool reports it at once, the daemon reads it into L2, the pool copies it. Per miss: the wall time of the
@@ -25,35 +27,22 @@ from moe_l2.model import ModelFiles
 from moe_l2.lab.random_models import make_model
 from moe_l2.sizes import format_size
 
-# The interval of the poll that Loaded notices replaced.
+# The interval of the poll the wake-ups replaced.
 POLL_S = 0.0005
 
 
-class CountingPool(ExpertPool):
-    """ExpertPool, counting its looks at L2 while it waits."""
+class PolledPool(ExpertPool):
+    """The pool as it waited before wake-ups: copy from L2 every POLL_S until the deadline."""
 
-    looks = 0
-
-    def _await(self, layer: int, look) -> None:
-        super()._await(layer, self._counted(look))
-
-    def _counted(self, look):
-        def counted() -> bool:
-            self.looks += 1
-            return look()
-        return counted
-
-
-class PolledPool(CountingPool):
-    """The pool as it waited before notices: look at L2 every POLL_S until the deadline."""
-
-    def _await(self, layer: int, look) -> None:
-        look = self._counted(look)
+    def _await_l2(self, layer, lp, missing, rows, copied):
+        copied = list(copied)
         deadline = time.perf_counter() + self.load_through_s
-        while self.client.attached and time.perf_counter() < deadline:
+        while not all(copied) and self.client.attached and time.perf_counter() < deadline:
             time.sleep(POLL_S)
-            if look():
-                return
+            todo = [i for i, ok in enumerate(copied) if not ok]
+            for i, ok in zip(todo, self._copy_from_l2(layer, lp, [missing[i] for i in todo], [rows[i] for i in todo])):
+                copied[i] = ok
+        return copied
 
 
 def main() -> None:
@@ -79,7 +68,7 @@ def main() -> None:
     client = L2Client(files, daemon.socket, wait_s=5)
     wait_s = args.load_through_ms / 1e3
     pools = {"poll 0.5 ms": PolledPool(files, 1, client, load_through_s=wait_s, lend=False),
-             "notice": CountingPool(files, 1, client, load_through_s=wait_s, lend=False)}
+             "slot wait": ExpertPool(files, 1, client, load_through_s=wait_s, lend=False)}
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in pools}
     skipped = dict.fromkeys(pools, 0)
     turn = 0
@@ -96,19 +85,18 @@ def main() -> None:
                         samples[name].append((wall, cpu))
                     else:
                         skipped[name] += 1
-        print(f"{'wait':<12} {'misses':>6} {'latency p50':>12} {'p90':>9} {'CPU/miss p50':>13} {'CPU/wall':>9} "
-              f"{'looks/miss':>10}")
+        print(f"{'wait':<12} {'misses':>6} {'latency p50':>12} {'p90':>9} {'CPU/miss p50':>13} {'CPU/wall':>9}")
         medians = {}
         for name, got in samples.items():
             walls, cpus = sorted(w for w, _ in got), sorted(c for _, c in got)
             medians[name] = statistics.median(walls), statistics.median(cpus)
             print(f"{name:<12} {len(got):>6} {medians[name][0] * 1e3:>9.3f} ms {walls[int(0.9 * len(walls))] * 1e3:>6.3f}"
-                  f" ms {medians[name][1] * 1e3:>10.3f} ms {sum(cpus) / sum(walls):>9.2f} "
-                  f"{pools[name].looks / (len(got) + skipped[name]):>10.1f}"
+                  f" ms {medians[name][1] * 1e3:>10.3f} ms {sum(cpus) / sum(walls):>9.2f}"
                   + (f"  ({skipped[name]} not loaded through, left out)" if skipped[name] else ""))
         (pw, pc), (nw, nc) = medians.values()
-        print(f"notice / poll: latency {nw / pw:.2f}x, CPU per miss {nc / pc:.2f}x; notice wake-ups "
-              f"{client.arrivals.counts.woken}, waits that reached the deadline {client.arrivals.counts.expired}")
+        waits = pools["slot wait"].waits
+        print(f"slot wait / poll: latency {nw / pw:.2f}x, CPU per miss {nc / pc:.2f}x; slot waits {waits.waits}, "
+              f"woken {waits.woken}, reached the deadline {waits.expired}")
     finally:
         for pool in pools.values():
             pool.close()

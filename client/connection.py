@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import zmq
 
@@ -39,7 +39,6 @@ from moe_l2.layout import Geometry, IndexHeader
 from moe_l2.model import ModelFiles
 from moe_l2.runtime import default_socket, no_daemon_message
 
-from moe_l2.client.arrivals import Arrivals
 from moe_l2.client.log_limit import LogLimit
 
 log = logging.getLogger("moe-l2.client")
@@ -56,7 +55,7 @@ MAX_REPORT_IDS = protocol.MAX_IDS // 4
 # its heartbeat, its time-outs and close().
 RECEIVE_BATCH = 64
 # Frames other than its hello's reply that a peer not yet trusted may send on one connection before it is closed:
-# a daemon sends none (its notices and refusals answer what an attached client sent), bar the few in flight when
+# a daemon sends none (its refusals answer what an attached client sent), bar the few in flight when
 # a client detaches; a fake daemon pushes as many as it likes (docs/security.md).
 UNTRUSTED_FRAMES = 8
 # How long a new connection may take to come up before it is given up for a new one: libzmq never retries it
@@ -117,7 +116,6 @@ class Attachment:
     layers: frozenset[int]  # the MoE layers the daemon serves
     slots: tuple[int, ...]  # per MoE layer, its slots in L2 (0 where unserved)
     slot_indexes: tuple  # per MoE layer, its _native.SlotIndex (copy, lend, check); None where unserved
-    notices: bool = False  # the daemon sends Loaded notices (protocol.HelloReply.notices)
 
     def serves(self, layer: int) -> bool:
         return layer in self.layers
@@ -204,8 +202,6 @@ class L2Client:
         self._opened = 0.0  # when _sock was made
         self._untrusted = 0  # frames on _sock dropped as from a peer not yet trusted
         self._reports: queue.SimpleQueue = queue.SimpleQueue()
-        # The daemon's Loaded notices, per MoE layer, for the lookups that wait for their misses (load-through).
-        self.arrivals = Arrivals(files.n_layers)
         # A byte here wakes the connection thread to send the queued reports now (report(now=True)).
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -230,12 +226,6 @@ class L2Client:
     def attached(self) -> bool:
         return self.attachment is not None
 
-    @property
-    def notifies(self) -> bool:
-        """Attached to a daemon that says when reported misses land in L2 (the only kind load-through waits for)."""
-        attachment = self.attachment
-        return attachment is not None and attachment.notices
-
     def wait_attached(self, timeout_s: float) -> bool:
         """True once attached to a daemon; False when timeout_s passed first (none answered, or it was refused:
         `last_error` says why)."""
@@ -250,9 +240,9 @@ class L2Client:
                given=()) -> None:
         """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
         loads the misses and counts the picks). Nothing for a layer the daemon does not serve. now: send it
-        without waiting for the next flush, and have the daemon say when the misses are in L2 (a caller waits
-        for them: load-through, woken through `arrivals`). given: the misses this process read and gives to L2
-        itself (client/donor.py), which the daemon must not load."""
+        without waiting for the next flush, and have the daemon fold it in at once (a caller waits for the misses:
+        load-through, asleep on their slots). given: the misses this process read and gives to L2 itself
+        (client/donor.py), which the daemon must not load."""
         attachment = self.attachment
         if attachment is not None and not attachment.serves(layer):
             return
@@ -395,15 +385,9 @@ class L2Client:
                     continue
             else:
                 try:
-                    reply = protocol.decode_daemon_frame(frame)
-                except protocol.BadNotice as exc:
-                    self._drop_notice(f"{exc.ename}: {exc.evalue}")
-                    continue
+                    reply = protocol.decode_reply(frame)
                 except protocol.ProtocolError as exc:
                     self._detach(exc.evalue)
-                    continue
-                if isinstance(reply, protocol.Loaded):
-                    self._on_loaded(reply)
                     continue
             if pending is not None and reply.id == pending[0]:
                 pending = None
@@ -418,7 +402,7 @@ class L2Client:
 
     def _hello_reply(self, frame: bytes, pending: tuple[int, float] | None) -> protocol.Reply | None:
         """The reply to the pending hello, if the frame is that: all a client takes from a peer not yet trusted
-        (a frame only unpacked, never looked into: a notice's ids are not even read)."""
+        (a frame only unpacked, never looked into)."""
         try:
             reply = protocol.decode_reply(frame)
         except protocol.ProtocolError as exc:
@@ -455,7 +439,7 @@ class L2Client:
                         layers[layer][0].extend(hits)
                         layers[layer][1].extend(misses)
                     if now and misses:
-                        notify[layer].extend(e for e in misses if e not in gave)  # a given miss is not awaited
+                        notify[layer].extend(e for e in misses if e not in gave)  # awaited: the daemon folds it in now
                     if gave:
                         given[layer].extend(gave)
                     routed[layer].extend(picks)
@@ -496,8 +480,7 @@ class L2Client:
             return
         try:
             check_socket(self.address, self.trusted)
-            self.attachment = replace(attach_segments(self.files, hello.index_segment, self.trusted, hello.layers),
-                                      notices=hello.notices)
+            self.attachment = attach_segments(self.files, hello.index_segment, self.trusted, hello.layers)
         except UntrustedDaemon as exc:
             self._refuse_daemon(f"refusing moe-l2d on {self.address}: {exc}; reading experts from "
                                 f"{self.files.path}")
@@ -509,23 +492,6 @@ class L2Client:
         self.last_error = ""
         self.refused = False
         log.info("attached to moe-l2d epoch %d on %s", self.attachment.epoch, self.address)
-
-    def _on_loaded(self, notice: protocol.Loaded) -> None:
-        """Wake the lookups waiting in the notice's layer, once it is one this client could have asked for: the
-        daemon may be hostile, and the waiters look at L2 themselves anyway."""
-        files = self.files
-        if notice.model != files.fingerprint:
-            self._drop_notice(f"a loaded notice for model {protocol.quote(notice.model)}, not {files.fingerprint}")
-        elif not (0 <= notice.layer < files.n_layers and all(0 <= e < files.n_experts for e in notice.experts)):
-            self._drop_notice(f"a loaded notice names MoE layer {notice.layer} experts "
-                              f"{protocol.quote(notice.experts)}, outside {files.n_layers} layers x "
-                              f"{files.n_experts} experts")
-        else:
-            self.arrivals.loaded(notice.layer)
-
-    def _drop_notice(self, why: str) -> None:
-        self._said.warning("dropped notice", "dropped a notice from moe-l2d on %s: %s", self.address, why)
-        self.arrivals.drop()
 
     def _refuse_daemon(self, why: str) -> None:
         """Log an untrusted daemon (the heartbeat meets it every second), then detach."""
@@ -539,13 +505,11 @@ class L2Client:
         # Segments are unmapped when the last copy using them drops its reference, never under it.
         self.attachment = None
         self.last_error = why
-        self.arrivals.wake_all()  # nothing more lands in this attachment's L2: its waiters stop
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self.attachment = None
-        self.arrivals.wake_all()
         if not self._thread.is_alive():
             os.close(self._wake_r)
             os.close(self._wake_w)

@@ -156,7 +156,8 @@ class StreamOptions:
     load_through_ms: float = _option(
         100.0, "an expert that moe-l2d's shared memory lacks: report it at once and wait up to this many "
                "milliseconds for the daemon to load it (one disk read, the daemon's), then read the file for what "
-               "has not arrived (0: read the file at once, while the daemon loads it too)",
+               "has not arrived (0: read the file at once, while the daemon loads it too); with {fill_l2}, the "
+               "longest wait for an expert another process is reading into it",
         "--load-through-ms", type=milliseconds, metavar="MS")
     fill_l2: bool = _option(
         True, "an expert that moe-l2d's shared memory lacks is read by this process, then given to the daemon's "

@@ -18,9 +18,14 @@ from dataclasses import dataclass, replace
 
 @dataclass
 class WaitCounts:
-    waits: int = 0    # waits that had a record to wait for
-    woken: int = 0    # of them, those that ended before their deadline (every record published, or given up)
-    expired: int = 0  # those that reached it
+    waits: int = 0       # waits that had a record to wait for
+    woken: int = 0       # of them, those that ended before their deadline (every record published, or given up)
+    expired: int = 0     # those that reached it
+    waited_s: float = 0.0  # the time they took
+
+    def minus(self, other: "WaitCounts") -> "WaitCounts":
+        """The counts since `other` was taken."""
+        return WaitCounts(**{name: getattr(self, name) - getattr(other, name) for name in self.__dataclass_fields__})
 
 
 class SlotWaits:
@@ -41,9 +46,11 @@ class SlotWaits:
         start = time.perf_counter()
         waited = index.wait(experts, timeout_s, absent)
         if any(waited):
-            expired = time.perf_counter() - start >= timeout_s
+            took = time.perf_counter() - start
+            expired = took >= timeout_s
             with self._lock:
                 self._counts.waits += 1
                 self._counts.expired += expired
                 self._counts.woken += not expired
+                self._counts.waited_s += took
         return waited

@@ -38,8 +38,6 @@ READ_THREADS = 4
 # Makes a segment of nbytes for the index (layer None) or a MoE layer's data, at a name of the daemon's choosing
 # (Daemon._new_segment: a random one, listed for reclaim).
 NewSegment = Callable[[int | None, int], _native.Segment]
-# Told, from the loader thread, when a fill of (layer, expert) ended: published (True) or aborted.
-FillEnded = Callable[[int, int, bool], None]
 
 
 class ServedModel:
@@ -77,7 +75,6 @@ class ServedModel:
         self.index = None
         self.data: dict = {}  # served layer -> its data segment
         self.slot_indexes: dict = {}  # served layer -> its _native.SlotIndex, through which every fill goes
-        self.on_fill_ended: FillEnded | None = None  # the server's, for Loaded notices (daemon/notices.py)
         # The warm start's preload of this model and when the heat it restores was saved (daemon/warm_start.py).
         self.preload: Preload | None = None
         self.heat_saved_at: float | None = None
@@ -303,15 +300,11 @@ class ServedModel:
         with self.lock:
             self.slot_indexes[layer].finish_fill(r.slot, r.expert, checksum)
             self.stores[layer].commit(r)
-        if self.on_fill_ended is not None:  # published: a client copying it now gets the whole record
-            self.on_fill_ended(layer, r.expert, True)
 
     def abort_fill(self, layer: int, r: Reservation) -> None:
         with self.lock:
             self.slot_indexes[layer].abort_fill(r.slot, r.expert)
             self.stores[layer].abort(r)
-        if self.on_fill_ended is not None:
-            self.on_fill_ended(layer, r.expert, False)
 
     def report(self, layers: dict[int, list[list[int]]], routed: dict[int, list[int]], loader,
                keep: dict[int, frozenset[int]] | None = None, given: dict[int, list[int]] | None = None) -> None:

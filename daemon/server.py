@@ -9,7 +9,6 @@ in slices between the other requests, so that no flood of reports delays a heart
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import os
 import time
@@ -25,7 +24,6 @@ from moe_l2.daemon.config import CurveKeys
 from moe_l2.daemon.gate import SOCKET_BUFFER_BYTES, Gate
 from moe_l2.daemon.zmtp import FRAME_LIMIT
 from moe_l2.daemon.loader import Loader
-from moe_l2.daemon.notices import LoadNotices
 from moe_l2.daemon.refusals import RefusalLog
 from moe_l2.daemon.served import ServedModel
 from moe_l2.daemon.sockets import bind_socket_file
@@ -71,14 +69,13 @@ INPROC_ADDRESS = "inproc://moe-l2d"
 @dataclass(frozen=True)
 class ReportPiece:
     """A slice of a report that ServedModel.report folds in as it would the whole (report_pieces): lookups per
-    layer [hits, misses], routed picks, its cost in looked-up ids, per layer the experts its loads must not evict,
-    the misses its sender waits for (Loaded notices) and those its sender read itself and gives (not loaded)."""
+    layer [hits, misses], routed picks, its cost in looked-up ids, per layer the experts its loads must not evict
+    and the misses its sender read itself and gives (not loaded)."""
 
     layers: dict
     routed: dict
     cost: int
     keep: dict = field(default_factory=dict)
-    notify: dict = field(default_factory=dict)
     given: dict = field(default_factory=dict)
 
 
@@ -135,10 +132,7 @@ class Server:
         self._queued_calls = 0
         self._waiting: dict[bytes, int] = {}
         self.model_paths = {m.files.fingerprint: os.path.realpath(m.files.path) for m in models}
-        self.notices = LoadNotices()
         self._rss = OwnRss()
-        for m in models:
-            m.on_fill_ended = functools.partial(self.notices.fill_ended, m.files.fingerprint)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -178,12 +172,8 @@ class Server:
     def serve(self, should_stop) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        # Fills ended: Loaded notices to send. Every fill that ends wakes the poller, so the notices go out at the
-        # top of the loop, before the next batch of requests.
-        poller.register(self.notices.fileno(), zmq.POLLIN)
         while not should_stop():
             if self._work or poller.poll(100):
-                self.notices.send_due(self._send_notice)
                 for _ in range(RECEIVE_BATCH):
                     message = self._receive()
                     if message is None and not (self._work and self._socket.poll(REFILL_MS)):
@@ -253,15 +243,14 @@ class Server:
         if reply is not None:
             self._send(identity, reply)
 
-    def _send(self, identity: bytes, reply: bytes, answer: bool = True) -> None:
-        """Never blocks: a reply or notice to a peer whose pipe is full (PIPE_MESSAGES) or gone is dropped.
+    def _send(self, identity: bytes, reply: bytes) -> None:
+        """Never blocks: a reply to a peer whose pipe is full (PIPE_MESSAGES) or gone is dropped.
 
         libzmq learns that the peer has read its messages from commands that a send takes in at most once a
         millisecond or so: a pipe the peer has drained can still look full, and a reply to a client that reads
         every one was lost under load. So a full pipe is looked at again after the pending commands are taken in
-        (reading ZMQ_EVENTS does that at once), and the reply is dropped only if it is full still. A peer an
-        `answer` to a request was dropped for is deaf for DEAF_S (see there); a notice lost is only lost (its
-        client's wait ends at its own deadline)."""
+        (reading ZMQ_EVENTS does that at once), and the reply is dropped only if it is full still. A peer a reply
+        was dropped for is deaf for DEAF_S (see there)."""
         gone = False
         for attempt in range(2):
             try:
@@ -274,8 +263,6 @@ class Server:
                 log.debug("reply dropped: %s", exc)
                 gone = True
                 break
-        if not answer:
-            return
         if not gone and identity not in self._deaf:
             self._refusals.refused("NotReading", "a peer does not read its replies: forgotten as a client, and what "
                                    "it asks is dropped undone for %g s", DEAF_S)
@@ -283,16 +270,13 @@ class Server:
         self._deaf[identity] = time.monotonic()
         self.clients.pop(identity, None)
 
-    def _send_notice(self, identity: bytes, notice: bytes) -> None:
-        self._send(identity, notice, answer=False)
-
     def _enqueue(self, item: QueuedWork) -> None:
         self._work.append(item)
         self._waiting[item.identity] = self._waiting.get(item.identity, 0) + 1
 
     def _run_work(self, budget_s: float) -> None:
         """Fold queued report pieces in, and answer the requests queued behind them, for about budget_s (at
-        least one item); a folded piece with `notify` registers its sender for Loaded notices of those misses."""
+        least one item)."""
         deadline = time.monotonic() + budget_s
         while self._work:
             item = self._work.popleft()
@@ -304,17 +288,14 @@ class Server:
                 self._answer(item.identity, item.request)
             else:
                 self._pending_ids -= item.piece.cost
-                self._fold(item.model, item.identity, item.piece)
+                self._fold(item.model, item.piece)
             if time.monotonic() >= deadline:
                 return
 
-    def _fold(self, model: ServedModel, identity: bytes, piece: ReportPiece) -> None:
-        """Count a report piece and load its misses (but those its sender gives); its sender is told of the
-        `notify` ones once they are in L2."""
+    def _fold(self, model: ServedModel, piece: ReportPiece) -> None:
+        """Count a report piece and load its misses (but those its sender gives)."""
         try:
             model.report(piece.layers, piece.routed, self.loader, piece.keep, piece.given)
-            if piece.notify:
-                self.notices.want(identity, model, piece.notify, self._send_notice)
         except Exception:  # validated when received: only a bug gets here
             self.errors += 1
             log.exception("report work failed")
@@ -363,7 +344,7 @@ class Server:
             epoch=self.epoch, fingerprint=model.files.fingerprint, index_segment=model.index_name,
             data_segments=list(model.data_names.values()), n_layers=g.n_layers, n_experts=g.n_experts,
             n_slots=g.n_slots, record_bytes=g.record_bytes, slot_stride=g.slot_stride,
-            layers=list(model.layers), notices=True).encode(req.id)
+            layers=list(model.layers)).encode(req.id)
 
     def _expire_clients(self) -> None:
         now = time.monotonic()
@@ -443,13 +424,14 @@ class Server:
         if client is not None and client.model is model:
             for name, n in req.tiers.items():
                 client.tiers[name] += n
-        pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS, notify, given)
+        pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS, given)
         cost = sum(piece.cost for piece in pieces)
         if notify and not self._work and cost <= URGENT_REPORT_IDS:
-            # A client waits for its misses (load-through), nothing is queued before it and it is small: folded in
-            # now, so that the misses go to the loaders at once, not after the receive batch has waited for more.
+            # A client waits for its misses (load-through, asleep on their slot_of entries), nothing is queued before
+            # it and it is small: folded in now, so that the misses go to the loaders at once, not after the receive
+            # batch has waited for more.
             for piece in pieces:
-                self._fold(model, identity, piece)
+                self._fold(model, piece)
             return
         if self._pending_ids + cost > MAX_PENDING_IDS:
             raise ProtocolError("Busy", f"moe-l2d is {self._pending_ids} looked-up expert ids behind; this "
@@ -487,7 +469,6 @@ class Server:
 
     def close(self) -> None:
         self._refusals.flush(final=True)
-        self.notices.close()
         self._rss.close()
         self._socket.close(0)
         if self._auth is not None:
@@ -496,28 +477,25 @@ class Server:
 
 
 def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int]], size: int,
-                  notify: dict[int, list[int]] | None = None,
                   given: dict[int, list[int]] | None = None) -> list[ReportPiece]:
     """Split a report into pieces of at most `size` looked-up ids (routed picks count 1/ROUTED_PER_LOOKUP each)
     that ServedModel.report counts as it counts the whole: per layer its hits, then its misses, in order; when the
     report names its routed picks, the lookup pieces carry an empty pick list (so their lookups are not counted as
     picks). A misses piece keeps (never evicts for its loads) every expert the report names in its layer, as the
-    whole report would, and carries the misses of its own that the report's `notify` names (the client waits for
-    them: Loaded notices) and that its `given` names (the client gives them: not loaded)."""
+    whole report would, and carries the misses of its own that the report's `given` names (the client gives them:
+    not loaded)."""
     pieces = []
     for layer, (hits, misses) in layers.items():
         no_picks = {layer: []} if routed else {}
         keep = {layer: frozenset([*hits, *misses, *routed.get(layer, ())])}
-        awaited = set((notify or {}).get(layer, ()))
         read = set((given or {}).get(layer, ()))
         for start in range(0, len(hits), size):
             chunk = hits[start:start + size]
             pieces.append(ReportPiece({layer: [chunk, []]}, no_picks, len(chunk)))
         for start in range(0, len(misses), size):
             chunk = misses[start:start + size]
-            told, gave = [e for e in chunk if e in awaited], [e for e in chunk if e in read]
-            pieces.append(ReportPiece({layer: [[], chunk]}, no_picks, len(chunk), keep,
-                                      {layer: told} if told else {}, {layer: gave} if gave else {}))
+            gave = [e for e in chunk if e in read]
+            pieces.append(ReportPiece({layer: [[], chunk]}, no_picks, len(chunk), keep, {layer: gave} if gave else {}))
     step = size * ROUTED_PER_LOOKUP
     for layer, picks in routed.items():
         for start in range(0, len(picks), step):

@@ -261,8 +261,12 @@ FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
 
 def sleeping_on(task: str, address: int) -> int | None:
     """The value a task (/proc/PID or /proc/PID/task/TID) sleeps expecting at `address` in a shared FUTEX_WAIT (not
-    FUTEX_PRIVATE_FLAG: op 0), as an int32; None while it does anything else. Linux only (SlotIndex.wait)."""
-    fields = Path(task, "syscall").read_text().split()
+    FUTEX_PRIVATE_FLAG: op 0), as an int32; None while it does anything else, or is gone. Linux only
+    (SlotIndex.wait)."""
+    try:
+        fields = Path(task, "syscall").read_text().split()
+    except (FileNotFoundError, ProcessLookupError):  # a thread that has exited
+        return None
     if len(fields) < 4 or fields[0] != str(FUTEX_SYSCALL) or int(fields[1], 16) != address or int(fields[2], 16):
         return None
     value = int(fields[3], 16) & 0xFFFFFFFF

@@ -1,11 +1,12 @@
-"""Issue 37.5: a fake daemon, refused or not yet trusted, gets nothing into a client: no notice reaches its pool,
+"""Issue 37.5: a fake daemon, refused or not yet trusted, gets nothing into a client: nothing reaches its pool,
 what it can make the client log is a few lines without terminal escapes, and a generate against it gives the
 model's own tokens at the cost of a few frames a heartbeat (client/connection.py, docs/security.md); and what a
 client told the daemon reaches another user's `moe-l2 stats` without its escapes.
 
 The fake is a real ZeroMQ socket in its own process: a DEALER bound where the daemon would listen, which pushes
-at every client that connects (no identity needed) Loaded notices of 16,384 ids and of this model's own experts,
-and refusals whose names and values change every time and carry escape sequences; a hello gets such a refusal.
+at every client that connects (no identity needed) frames shaped as the Loaded notices of older releases, of 16,384
+ids and of this model's own experts, and refusals whose names and values change every time and carry escape
+sequences; a hello gets such a refusal.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from mlx_lm.generate import stream_generate
 
 from moe_l2 import protocol
 from moe_l2.cli import main as moe_l2_main
-from moe_l2.client.arrivals import WaitCounts
 from moe_l2.client.connection import UNTRUSTED_FRAMES, L2Client, request
 from moe_l2.lm.generation import encode_prompt
 from moe_l2.client.pool import ExpertPool
+from moe_l2.client.slot_waits import WaitCounts
 from moe_l2.lab.daemon_process import short_tempdir
 
 from .conftest import AS_NOBODY, NOBODY, assert_resident_exact, free_port, nobody_runs_python, wait_for
@@ -86,10 +87,10 @@ def fake_daemon(model_files):
         subprocess.run(["rm", "-rf", str(directory)], check=False)
 
 
-def assert_took_nothing(client: L2Client) -> None:
+def assert_took_nothing(client: L2Client, pool: ExpertPool) -> None:
     """Nothing of the fake reached the pool, and what the client read of it is bounded by its hellos and hang-ups."""
     assert not client.attached and client.attaches == 0
-    assert client.arrivals.counts == WaitCounts()  # no notice taken, none even dropped: none was looked into
+    assert pool.waits == WaitCounts()  # no wait on anything of the fake's
     link = client.counts
     assert link.frames <= link.hellos + (link.hang_ups + 1) * (UNTRUSTED_FRAMES + 1), link
     assert "\x1b" not in client.last_error and len(client.last_error) < 2200, client.last_error
@@ -114,7 +115,7 @@ def test_a_fake_daemon_gets_nothing_into_the_pool_and_a_few_clean_log_lines(fake
             counts = pool.fetch(1, [3, 7])
             assert counts.l3_reads == 2 and counts.l2_awaited == 0
             assert_resident_exact(pool, model_files, 1, [3, 7])
-            assert_took_nothing(client)
+            assert_took_nothing(client, pool)
         finally:
             pool.close()
             client.close()
@@ -136,7 +137,7 @@ def test_a_generate_against_a_flooding_fake_daemon_gives_the_models_tokens(fake_
     s = json.loads(run.stdout)
     assert s["tokens"] == expected
     daemon = s["daemon"]
-    assert not daemon["attached"] and daemon["waits"] == {"notices": 0, "dropped": 0, "woken": 0, "expired": 0}
+    assert not daemon["attached"] and daemon["waits"] == {"waits": 0, "woken": 0, "expired": 0, "waited_s": 0.0}
     link = daemon["link"]
     assert link["frames"] <= link["hellos"] + (link["hang_ups"] + 1) * (UNTRUSTED_FRAMES + 1), link
     # The flood's line, the client's "no moe-l2d answered" and the generate's "not attached"; no escape in them.

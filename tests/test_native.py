@@ -500,6 +500,25 @@ def test_a_waiter_in_another_process_sleeps_on_slot_of_until_the_writer_wakes_it
     assert out.split() == ["True", "-1" if end == "aborted" else "2"]
 
 
+@pytest.mark.darwin
+def test_on_macos_a_waiter_in_another_process_sleeps_on_the_word_and_the_publish_wakes_it(shm_name):
+    """macOS has no /proc to see the waiter asleep: it is asked to wait up to 600 s just before the record is
+    published, so it is either woken by the publish or finds it published; a wake that never comes fails the
+    join. The wait sleeps with os_sync_wait_on_address (14.4+) or __ulock_wait, never the poll."""
+    assert native.SlotIndex.WAIT_KIND in ("os_sync", "ulock")
+    store = Store(shm_name)
+    store.slots.begin_fill(2, incoming=5)
+    args = [store.index.name, str(store.SLOT_OF), str(store.meta), "5", "0"]
+    with subprocess.Popen([sys.executable, "-P", "-c", WAITER, *args], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            proc.stdout.readline()  # its address: it is about to wait
+            store.slots.finish_fill(2, 5)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert out.split()[1] == "2"
+
+
 def test_slot_index_bounds_are_checked(shm_name):
     store = Store(shm_name)
     for op, match in ((lambda: store.slots.begin_fill(4), r"begin_fill\] slot = 4 is outside \[0, 4\)"),

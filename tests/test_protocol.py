@@ -65,12 +65,6 @@ def test_hello_reply_round_trip_with_and_without_served_layers():
         bad = protocol.decode_reply(protocol.encode_reply(5, **{**fields, "layers": [1], name: value}))
         with pytest.raises(ProtocolError, match=name):
             protocol.HelloReply.decode(bad)
-    # A daemon from before Loaded notices sends no `notices`: it sends none, and load-through does not wait for it.
-    assert protocol.HelloReply.decode(old).notices is False
-    notifying = protocol.HelloReply(**fields, layers=[1], notices=True)
-    assert protocol.HelloReply.decode(protocol.decode_reply(notifying.encode(5))) == notifying
-    with pytest.raises(ProtocolError, match="notices"):
-        protocol.HelloReply.decode(protocol.decode_reply(protocol.encode_reply(5, **fields, notices="yes")))
     del fields["index_segment"]
     with pytest.raises(ProtocolError, match="index_segment"):
         protocol.HelloReply.decode(protocol.decode_reply(protocol.encode_reply(5, **fields)))
@@ -202,41 +196,12 @@ def test_a_reply_reason_is_cut_to_a_short_string():
     assert len(reply.ename) <= protocol.QUOTE_CHARS and len(reply.evalue) == protocol.MAX_REPLY_REASON
 
 
-# Issue 21.11: the daemon's one unasked frame, the Loaded notice; the client takes it from a daemon it treats as
-# hostile, so a bad one is a BadNotice (dropped), never a reason to detach.
+# The daemon sends nothing unasked (since issue 36 no Loaded notice: a waiting client sleeps on the record's slot);
+# a frame without a status, a notice of an older release included, is a bad reply: the client detaches.
 
-def test_loaded_notice_round_trip_beside_replies():
-    notice = protocol.Loaded("ab" * 16, 2, [3, 5])
-    assert protocol.decode_daemon_frame(notice.encode()) == notice
-    reply = protocol.decode_daemon_frame(protocol.encode_reply(42, epoch=7))
-    assert reply == protocol.Reply(id=42, ok=True, payload={"epoch": 7})
-    with pytest.raises(ProtocolError, match="lacks a status") as info:
-        protocol.decode_daemon_frame(msgpack.packb({"v": 1, "id": 3}))
-    assert not isinstance(info.value, protocol.BadNotice)  # a bad reply: the client detaches, as before
-
-
-@pytest.mark.parametrize("body, ename, words", [
-    (dict(v=1, type="loaded", model="f", layer=0), "BadNotice", "experts"),
-    (dict(v=1, type="loaded", model="f", layer=-1, experts=[1]), "BadNotice", "layer"),
-    (dict(v=1, type="loaded", model="f", layer=True, experts=[1]), "BadNotice", "layer"),
-    (dict(v=1, type="loaded", model="f", layer=0, experts=[1, -2]), "BadNotice", "experts"),
-    (dict(v=1, type="loaded", model="f", layer=0, experts=[1.5]), "BadNotice", "experts"),
-    (dict(v=1, type="loaded", model="f", layer=0, experts=[0] * (protocol.MAX_IDS + 1)), "BadNotice", "experts"),
-    (dict(v=1, type="loaded", model="f" * 65, layer=0, experts=[1]), "BadNotice", "model"),
-    (dict(v=1, type="loaded", model=None, layer=0, experts=[1]), "BadNotice", "model"),
-    (dict(v=2, type="loaded", model="f", layer=0, experts=[1]), "VersionMismatch", "version 2"),
-    (dict(v=1, type="evicted", model="f", layer=0, experts=[1]), "UnknownType", "evicted"),
-    (dict(v=1, type=["loaded"], model="f", layer=0, experts=[1]), "UnknownType", "loaded"),
-])
-def test_bad_notices_are_refused_as_bad_notices_with_a_short_reason(body, ename, words):
-    with pytest.raises(protocol.BadNotice) as info:
-        protocol.decode_daemon_frame(msgpack.packb(body))
-    assert info.value.ename == ename and words in info.value.evalue and len(info.value.evalue) < 400
-
-
-def test_an_oversized_frame_from_the_daemon_is_refused_unread():
-    with pytest.raises(protocol.BadNotice, match="limit"):
-        protocol.decode_daemon_frame(protocol.Loaded("f", 0, [2**31] * (protocol.MAX_FRAME_BYTES // 4)).encode())
+def test_a_frame_without_a_status_is_a_bad_reply():
+    with pytest.raises(ProtocolError, match="lacks a status"):
+        protocol.decode_reply(msgpack.packb({"v": 1, "type": "loaded", "model": "f", "layer": 0, "experts": [1]}))
 
 
 @given(st.binary(max_size=2000) | st.builds(lambda body: msgpack.packb({"v": 1, "type": "loaded", **body}),
@@ -244,6 +209,6 @@ def test_an_oversized_frame_from_the_daemon_is_refused_unread():
 @settings(max_examples=200, deadline=1000)
 def test_any_daemon_frame_decodes_or_is_refused_with_a_reason(frame):
     try:
-        protocol.decode_daemon_frame(frame)
+        protocol.decode_reply(frame)
     except ProtocolError as exc:
         assert exc.ename and exc.evalue

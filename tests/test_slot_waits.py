@@ -20,7 +20,6 @@ from moe_l2 import _native
 from moe_l2.client.connection import L2Client
 from moe_l2.client.l2view import L2View
 from moe_l2.client.pool import ExpertPool
-from moe_l2.client.slot_waits import WaitCounts
 from moe_l2.lm.streamed_lm import StreamedLM
 from moe_l2.fill_protocol import encode
 
@@ -78,30 +77,33 @@ def test_a_miss_on_a_record_another_donor_gives_waits_for_it_and_reads_only_what
     (no disk read anywhere but the donor's); cancelled, the daemon reads it and publishes, which wakes it; a fill the
     daemon rejects is aborted, which wakes it, and it reads the record itself."""
     donor = RawDonor(running_daemon)
-    slot = donor.offer(model_files, 1, 6)
-    record = model_files.read_record(1, 6)
-    with filling_pool(model_files, running_daemon, load_through_s=LONG_S) as pool:
-        address = word_address(pool.client.attachment, 1, 6)
-        fetch = Fetch(pool, 1, [6])
-        wait_for(lambda: fetch.asleep_on(address, coming_into(slot)), what="the fetch asleep on the coming record")
-        fields = dict(model=model_files.fingerprint, layer=1, expert=6, slot=slot)
-        if end == "cancelled":
-            donor.sock.sendall(encode("cancelled", **fields))
-        else:
-            data = _native.Segment.open(daemon_segments(running_daemon, model_files)[1][1], readonly=False)
-            stride = slot_stride(model_files, running_daemon)
-            copied = record if end == "filled" else record[:len(record) // 2]
-            data.view()[slot * stride:slot * stride + len(copied)] = copied
-            donor.sock.sendall(encode("filled", checksum=model_files.layout.checksum(record), **fields))
-            data.close()
-        counts = fetch.counts()
-        assert pool.waits == WaitCounts(waits=1, woken=1, expired=0)
-        assert_resident_exact(pool, model_files, 1, [6])
-    model = stats(running_daemon)["models"][0]
-    read_by = {"filled": (1, 0, 0), "cancelled": (1, 0, 1), "rejected": (0, 1, 0)}[end]
-    assert (counts.l2_awaited, counts.l3_reads, model["loads_done"]) == read_by
-    assert model["fills"]["offered"] == 1  # the waiting pool gave nothing: the record was on its way
-    donor.sock.close()
+    try:
+        slot = donor.offer(model_files, 1, 6)
+        record = model_files.read_record(1, 6)
+        with filling_pool(model_files, running_daemon, load_through_s=LONG_S) as pool:
+            address = word_address(pool.client.attachment, 1, 6)
+            fetch = Fetch(pool, 1, [6])
+            wait_for(lambda: fetch.asleep_on(address, coming_into(slot)), what="the fetch asleep on the coming record")
+            fields = dict(model=model_files.fingerprint, layer=1, expert=6, slot=slot)
+            if end == "cancelled":
+                donor.sock.sendall(encode("cancelled", **fields))
+            else:
+                data = _native.Segment.open(daemon_segments(running_daemon, model_files)[1][1], readonly=False)
+                stride = slot_stride(model_files, running_daemon)
+                copied = record if end == "filled" else record[:len(record) // 2]
+                data.view()[slot * stride:slot * stride + len(copied)] = copied
+                donor.sock.sendall(encode("filled", checksum=model_files.layout.checksum(record), **fields))
+                data.close()
+            counts = fetch.counts()
+            waits = pool.waits
+            assert (waits.waits, waits.woken, waits.expired) == (1, 1, 0)
+            assert_resident_exact(pool, model_files, 1, [6])
+        model = stats(running_daemon)["models"][0]
+        read_by = {"filled": (1, 0, 0), "cancelled": (1, 0, 1), "rejected": (0, 1, 0)}[end]
+        assert (counts.l2_awaited, counts.l3_reads, model["loads_done"]) == read_by
+        assert model["fills"]["offered"] == 1  # the waiting pool gave nothing: the record was on its way
+    finally:
+        donor.sock.close()
 
 
 def test_load_through_is_woken_on_the_slot_and_copies_what_the_daemon_loaded(running_daemon, model_files):

@@ -3,11 +3,8 @@
 Frames are msgpack maps. A request is ``{"v": PROTOCOL_VERSION, "type": ..., "id": ..., <fields>}``;
 a reply is ``{"v": ..., "id": <request id>, "status": "ok"|"error", "ename": ..., "evalue": ..., <fields>}``.
 Requests marked fire-and-forget (``report``, ``prefetch``) get a reply only when they are refused, so
-nothing on a client's per-token path ever waits for the daemon.
-
-The daemon sends one frame unasked, a notice: ``{"v": ..., "type": "loaded", <fields>}`` (no id, no status), and
-only to a client whose report asked for it (Report.notify), so that a client from before notices never gets one
-(docs/architecture.md, "Control plane").
+nothing on a client's per-token path ever waits for the daemon. The daemon sends nothing unasked: a client that
+waits for a record sleeps on the record's slot in shared memory (docs/architecture.md, "Shared memory").
 """
 
 from __future__ import annotations
@@ -199,11 +196,11 @@ class Report(Message):
     every expert its router picked, L0 hits included (per layer, one id per pick), for online statistics;
     with `prefetch`, what its next-layer prefetch did since its previous report (PREFETCH_COUNTERS); with
     `tiers`, where its lookups got their bytes since then (TIER_COUNTERS); with `notify`, per layer the misses
-    the client waits for (load-through): the daemon sends a Loaded notice once each is in L2 (ids that are not
-    among the layer's misses are ignored); with `given`, per layer the misses the client read itself and gives
-    to L2 through the fill socket (src/moe_l2/fill_protocol.py): counted as misses, never loaded by the daemon. All
-    five are optional: a report from before one existed decodes with it empty, and an older daemon ignores
-    `notify` (its hello reply has no `notices`) and `given` (it loads those misses as it always did)."""
+    the client waits for (load-through): the daemon folds such a report in as it comes, so that their loads start
+    at once (the client sleeps on their slots meanwhile); with `given`, per layer the misses the client read
+    itself and gives to L2 through the fill socket (src/moe_l2/fill_protocol.py): counted as misses, never loaded
+    by the daemon. All five are optional: a report from before one existed decodes with it empty, and an older
+    daemon ignores `given` (it loads those misses as it always did)."""
 
     TYPE = "report"
     FIELDS = {"model": str, "layers": "layer_lists", "routed": "layer_experts", "prefetch": "counters",
@@ -330,9 +327,7 @@ class HelloReply:
     The field is new in a reply that kept its old fields, so PROTOCOL_VERSION stays 1: an older client ignores
     it (and then refuses a daemon that serves fewer layers at the index header, whose data segment names for
     the unserved layers are empty, reading everything from its files), and a newer client reads an older
-    daemon's reply as serving all layers. `notices` likewise: True from a daemon that sends Loaded notices when a
-    report asks (Report.notify); a client waits for load-through only on such a daemon (an older one would leave
-    it waiting until its deadline for every miss)."""
+    daemon's reply as serving all layers."""
 
     epoch: int
     fingerprint: str
@@ -344,7 +339,6 @@ class HelloReply:
     record_bytes: int
     slot_stride: int
     layers: list[int] | None = None
-    notices: bool = False
 
     def encode(self, req_id: int) -> bytes:
         return encode_reply(req_id, **{name: getattr(self, name) for name in self.__dataclass_fields__})
@@ -355,8 +349,8 @@ class HelloReply:
         values = {}
         for name, ftype in (("epoch", int), ("fingerprint", str), ("index_segment", str), ("data_segments", list),
                             ("n_layers", int), ("n_experts", int), ("n_slots", int), ("record_bytes", int),
-                            ("slot_stride", int), ("layers", "int_list"), ("notices", bool)):
-            if name not in reply.payload and name in ("layers", "notices"):
+                            ("slot_stride", int), ("layers", "int_list")):
+            if name not in reply.payload and name == "layers":
                 continue
             valid, what = _VALIDATORS[ftype]
             value = reply.payload.get(name)
@@ -397,59 +391,3 @@ def _reply(body: Any) -> Reply:
     return Reply(id=body.get("id", 0), ok=body["status"] == "ok",
                  ename=printable(str(body.get("ename", "")), QUOTE_CHARS),
                  evalue=printable(str(body.get("evalue", "")), MAX_REPLY_REASON), payload=payload)
-
-
-class BadNotice(ProtocolError):
-    """A notice (a frame with a type and no status) that is malformed, oversized, of another protocol version or
-    of a type this client does not know: dropped, never a reason to give the daemon up (a newer daemon may send
-    notices this client does not know yet)."""
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """Daemon -> client notice: these experts of a MoE layer of the model (its fingerprint) were published in L2,
-    as the client's report asked (Report.notify); one notice per layer batches those that landed together.
-    Only a wake-up: the client still checks L2 itself (its seqlock), so a lost notice costs a wait until the
-    client's deadline and a false one a look at L2 (docs/architecture.md, "Load-through")."""
-
-    TYPE: ClassVar[str] = "loaded"
-    model: str
-    layer: int
-    experts: list[int]
-
-    def encode(self) -> bytes:
-        return msgpack.packb({"v": PROTOCOL_VERSION, "type": self.TYPE, "model": self.model, "layer": self.layer,
-                              "experts": self.experts}, use_bin_type=True)
-
-    @classmethod
-    def decode(cls, body: dict) -> "Loaded":
-        """From an unpacked notice; BadNotice for a field missing, of a wrong type, or out of bounds."""
-        model, layer, experts = body.get("model"), body.get("layer"), body.get("experts")
-        if not (isinstance(model, str) and len(model) <= MAX_STRING["fingerprint"]):
-            raise BadNotice("BadNotice", f"a loaded notice has {quote(model)} for 'model', not a fingerprint")
-        if not (_is_int(layer) and 0 <= layer <= MAX_COUNTER):
-            raise BadNotice("BadNotice", f"a loaded notice has {quote(layer)} for 'layer', not a layer number")
-        if not (_is_int_list(experts) and len(experts) <= MAX_IDS and all(0 <= e <= MAX_COUNTER for e in experts)):
-            raise BadNotice("BadNotice", f"a loaded notice has {quote(experts)} for 'experts', not at most "
-                                         f"{MAX_IDS} expert ids")
-        return cls(model, layer, experts)
-
-
-NOTICES: dict[str, type[Loaded]] = {Loaded.TYPE: Loaded}
-
-
-def decode_daemon_frame(frame: bytes) -> Reply | Loaded:
-    """A frame from the daemon: a reply (as decode_reply) or a notice. ProtocolError for a frame that is
-    neither; BadNotice for a notice that cannot be taken, which the client drops."""
-    if len(frame) > MAX_FRAME_BYTES:  # the socket's bound already; a notice is never larger than a request
-        raise BadNotice("BadNotice", f"a frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    body = _unpack_daemon_frame(frame)
-    if not (isinstance(body, dict) and "status" not in body and "type" in body):
-        return _reply(body)
-    if body.get("v") != PROTOCOL_VERSION:
-        raise BadNotice("VersionMismatch", f"a notice of protocol version {quote(body.get('v'))}, not "
-                                           f"{PROTOCOL_VERSION}")
-    notice = NOTICES.get(body["type"]) if isinstance(body["type"], str) else None
-    if notice is None:
-        raise BadNotice("UnknownType", f"unknown notice type {quote(body['type'])}; known: {', '.join(NOTICES)}")
-    return notice.decode(body)
