@@ -287,6 +287,7 @@ class Run:
     disk_bytes: int
     prefetch: dict | None        # PrefetchCounts' fields; None without prefetch
     torn_lookups: int
+    waits: dict = field(default_factory=dict)  # WaitCounts' fields (client/slot_waits.py)
 
 
 @dataclass
@@ -329,6 +330,10 @@ class ConfigResult:
         done = [r.prefetch for r in self.runs if r.prefetch is not None]
         return {k: sum(p[k] for p in done) for k in done[0]} if done else None
 
+    def waits(self) -> dict:
+        """The clients' waits for records on their way into L2, over every run (client/slot_waits.py)."""
+        return {k: sum(r.waits[k] for r in self.runs) for k in self.runs[0].waits} if self.runs else {}
+
     def to_json(self) -> dict:
         head = {"name": self.name, "budget_share": self.budget_share, "processes": self.processes,
                 "phase": self.phase}
@@ -345,7 +350,7 @@ class ConfigResult:
                     l2_slots=self.l2_slots, budget_bytes=self.budget_bytes,
                     counts=dict(dataclasses.asdict(counts), lookups=lookups, l2_lookups=lookups - tiers["l0"]),
                     tiers=tiers, disk_bytes=sum(r.disk_bytes for r in self.runs), prefetch=self.prefetch(),
-                    torn_lookups=sum(r.torn_lookups for r in self.runs))
+                    waits=self.waits(), torn_lookups=sum(r.torn_lookups for r in self.runs))
 
 
 @dataclass
@@ -407,6 +412,7 @@ def _run_of(plan: dict, results: list[dict], daemon_read: int, peak: int, files:
     for r in results:
         counts.add(TierCounts(**r["counts"]))
     ahead = {k: sum(r["prefetch"][k] for r in results) for k in results[0]["prefetch"]}
+    waits = {k: sum(r["waits"][k] for r in results) for k in results[0]["waits"]}
     tokens = sum(r["tokens"] for r in results)
     # Each lookup once, by where its bytes came from: a record the daemon read from disk while the lookup waited
     # (load-through) is a disk read, not an L2 hit.
@@ -426,5 +432,5 @@ def _run_of(plan: dict, results: list[dict], daemon_read: int, peak: int, files:
         hit_rates["page_cache"] = max(0.0, 1 - sum(client_disk) / counts.bytes_read)
     return Run(stall_s_per_token=stall, first_token_s=first, tok_s_projected=1 / (compute + stall),
                disk_bytes_per_token=disk / tokens, peak_bytes=peak, hit_rates=hit_rates, tokens=tokens, counts=counts, disk_bytes=disk,
-               prefetch=ahead if ahead["requests"] else None,
+               prefetch=ahead if ahead["requests"] else None, waits=waits,
                torn_lookups=sum(r["torn_lookups"] for r in results))

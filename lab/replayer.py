@@ -143,14 +143,14 @@ def main() -> int:
     _say({"warm": True})
     _wait_for_go()
     while True:
-        before, ahead, disk_before = pool.counts, pool.prefetch_counts, disk_read_bytes()
+        before, ahead, waits, disk_before = pool.counts, pool.prefetch_counts, pool.waits, disk_read_bytes()
         stall, torn, first = replay(pool, tokens[warmup:], compute_s, next_layer)
         pool.wait_prefetches()
         after, disk_after = pool.counts, disk_read_bytes()
         counts = dataclasses.asdict(after.minus(before))
         prefetch = dataclasses.asdict(pool.prefetch_counts.minus(ahead))
         _say({"tokens": len(tokens) - warmup, "stall_s": stall, "first_token_s": first, "torn_lookups": torn,
-              "counts": counts, "prefetch": prefetch,
+              "counts": counts, "prefetch": prefetch, "waits": dataclasses.asdict(pool.waits.minus(waits)),
               "disk_read_bytes": None if disk_before is None else disk_after - disk_before,
               "anon_bytes": anon_bytes()})
         if not sys.stdin.readline():
