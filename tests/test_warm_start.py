@@ -222,12 +222,15 @@ def test_a_clients_misses_are_loaded_before_the_preload_still_queued(threads, mo
         segment_name("i39warm", 0, layer, new_token()), nbytes, 0o600), epoch=1)
     filled, release = [], threading.Event()
 
-    def fill_ended(layer: int, expert: int, published: bool) -> None:
-        filled.append(expert)
+    publish = served.finish_fill
+
+    def finish_fill(layer: int, r, checksum: int) -> None:  # the loader thread holds here on the first record
+        publish(layer, r, checksum)
+        filled.append(r.expert)
         if len(filled) == 1:
             release.wait(30)
 
-    served.on_fill_ended = fill_ended
+    served.finish_fill = finish_fill
     loader = Loader(threads)
     try:
         preload = Preload(served, [(0, e) for e in (0, 1, 2, 3, 4)])
