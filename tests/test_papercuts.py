@@ -17,11 +17,13 @@ from moe_l2.client.connection import request
 from moe_l2.lm.streamed_lm import l0_slots_for
 from moe_l2.daemon.config import ConfigError, build_parser, resolve
 from moe_l2.lab.daemon_process import short_tempdir
+from moe_l2.runtime import no_daemon_message
 from moe_l2.sizes import format_size
 
 from .conftest import quarter_budget, stats
 
 ROOT = Path(__file__).resolve().parents[1]
+ROOMS = ("src", "daemon", "client", "lm", "serve", "cli", "lab", "bench")
 
 
 def test_the_distribution_is_mlx_moe_l2_with_the_same_commands_and_import():
@@ -32,7 +34,7 @@ def test_the_distribution_is_mlx_moe_l2_with_the_same_commands_and_import():
     assert {e.name for e in importlib.metadata.distribution("mlx-moe-l2").entry_points} >= {"moe-l2", "moe-l2d"}
     # No install line may name the other project on the package index.
     texts = [p for p in [*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md"), *(ROOT / "systemd").iterdir(),
-                         *(ROOT / "moe_l2").rglob("*.py"), *(ROOT / "bench").glob("*.py")] if p.is_file()]
+                         *(p for room in ROOMS for p in (ROOT / room).rglob("*.py"))] if p.is_file()]
     wrong = [str(p.relative_to(ROOT)) for p in texts
              if "install moe-l2" in p.read_text() or "'moe-l2[" in p.read_text()]
     assert not wrong, f"install lines naming the moe-l2 distribution: {wrong}"
@@ -47,6 +49,12 @@ def test_a_missing_socket_file_is_refused_at_once(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and f"no moe-l2d at {address}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_no_daemon_on_an_address_given_says_what_to_do_without_the_runtime_dir():
+    message = no_daemon_message("tcp://127.0.0.1:9")
+    assert "no moe-l2d answered on tcp://127.0.0.1:9" in message and "--socket tcp://127.0.0.1:9" in message
+    assert "runtime dir" not in message  # it played no part in an address given
 
 
 def config_of(tmp_path: Path, model_dir: Path, top: str = "", model: str = "") -> Path:

@@ -84,6 +84,9 @@ def no_daemon_message(address: str) -> str:
         found = f"no moe-l2d socket at {address[len('ipc://'):]}"
     else:
         found = f"no moe-l2d answered on {address}"
+    if not address.startswith("ipc://"):  # an address given: the runtime dir played no part in it
+        return (f"{found}; reading experts from the model files only: start moe-l2d with --socket {address}, or "
+                "point this process at the address the daemon listens on (moe-l2 stats --socket ADDRESS asks one)")
     directory, source = resolve_runtime_dir()
     return (f"{found}; reading experts from the model files only. The runtime dir {directory} came from {source}: "
             "if moe-l2d runs, point this process at it with --socket, or set MOE_L2_RUNTIME_DIR to the daemon's "
