@@ -121,10 +121,10 @@ def main() -> None:
         print(f"   lend + check {t_lend * 1e6:8.1f} us  (the zero-copy path's seqlock work for the batch: "
               f"{t_lend / t_l2:.4f}x the copy's time)")
 
-        fds = pool._fds
+        fds = pool.loader.fds
 
         def pread_warm():
-            pool._read_from_l3(0, lp, list(zip(experts, rows)))
+            pool.loader.read_from_l3(0, lp, list(zip(experts, rows)))
 
         t_warm = best_of(pread_warm, args.repeat)
         per = 1e6 / args.batch
@@ -135,7 +135,7 @@ def main() -> None:
             def pread_cold():
                 for fd in fds:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                pool._read_from_l3(0, lp, list(zip(experts, rows)))
+                pool.loader.read_from_l3(0, lp, list(zip(experts, rows)))
 
             t_cold = statistics.median(best_of(pread_cold, 1) for _ in range(max(5, args.repeat // 5)))
             print(f"   pread, dropped    {t_cold * per:9.1f} us   {t_cold / t_l2:5.2f}x the L2 copy"

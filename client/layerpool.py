@@ -12,14 +12,14 @@ them), and per record piece one array over every row with the row's size as its 
 one weight array, and needs only its last two dimensions contiguous). A miss is then one read into one run of
 memory, as moe-l2d's loaders read into a slot, and a copy from L2 one memcpy per record.
 
-Grown on demand (`ExpertPool(grow=True)`), rows start at the model's top-k (one token's experts) and grow by
-GROWTH while the working set outgrows them, up to the ceiling; only at the ceiling is an expert evicted. Growing
-reallocates: a new buffer of more rows, the old rows copied in, the new arrays published under the lock. The
-old buffer is never written again, and stays alive while anything still references it (every array is a view
-that keeps its allocation: native/memory.cpp), so queued MLX work and the unevaluated tail of a forward read
-what they were given; a layer's rows are written by one thread at a time (a fetch settles the layer's prefetch
-first; with shared rows, a fetch that grows them settles every layer's), after it took them, so no write lands
-in a buffer that a growth left behind.
+Grown on demand (`ExpertPool(grow=True)`), rows start at the model's top-k (one token's experts) and grow by GROWTH
+while the working set outgrows them (Rows.take_free), up to the ceiling; only at the ceiling is an expert evicted.
+Growing reallocates: a new buffer of more rows, the old rows copied in, the new arrays published under the lock. The
+old buffer is never written again, and stays alive while anything still references it (every array is a view that
+keeps its allocation: native/memory.cpp), so queued MLX work and the unevaluated tail of a forward read what they
+were given; a layer's rows are written by one thread at a time (a fetch settles the layer's prefetch first; with
+shared rows, a fetch that grows them settles every layer's), after it took them, so no write lands in a buffer that
+a growth left behind.
 
 Side rows (`side`, for next-layer prefetch: docs/architecture.md, "Next-layer prefetch") are rows past the
 demand ceiling, in the same buffer, that hold guesses only: take_rows never hands one out and no demand miss
@@ -34,9 +34,10 @@ of it is: the client's donor (client/donor.py) copies a record out of a row with
 only if the count did not move meanwhile, so a fetch never waits for a donation and a row refilled under the copy
 is never given.
 
-Autopin (`autopin=True`, per-layer rows only: src/moe_l2/cache/heat.py) pins each layer's hottest experts where they
-are resident, chosen again as their heat decays; those pins yield to a batch that needs their rows, so they never
-make a batch too big for the pool, where the caller's pins (`pin`) do.
+Autopin (`AutopinLayerPool`, per-layer rows only: src/moe_l2/cache/heat.py) pins each layer's hottest experts where
+they are resident, chosen again as their heat decays; those pins yield to a batch that needs their rows, so they
+never make a batch too big for the pool, where the caller's pins (`pin`) do. Growth and autopin are the kinds of
+rows and layers a pool is built with: where they are off, none of their code runs (Rows.grows stays False).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class Rows:
         # As L2's slot stride: each row starts on a page, as direct reads want.
         self.stride = files.layout.stride
         self.held = 0
+        self.grows = False  # below its ceiling: take_free grows the rows before it runs out
         self.buffer = None
         self.arrays: dict = {}
         self.free: list[int] = []
@@ -96,13 +98,16 @@ class Rows:
         self.lock = threading.RLock()
         self._resize(min(start, ceiling))
 
-    def grow(self, need: int) -> bool:
-        """At least `need` more rows, GROWTH times as many if that is more, never past the ceiling; False at the
-        ceiling. The caller holds the lock."""
-        if self.held >= self.ceiling:
-            return False
-        self._resize(min(self.ceiling, max(self.held + need, math.ceil(self.held * GROWTH))))
-        return True
+    def take_free(self, n: int) -> list[int]:
+        """Up to n free rows, the last freed first; rows that may grow grow first where too few are free (the
+        caller holds the lock)."""
+        if self.grows and len(self.free) < n:
+            # At least the rows missing, GROWTH times as many if that is more, never past the ceiling.
+            self._resize(min(self.ceiling, max(self.held + n - len(self.free), math.ceil(self.held * GROWTH))))
+        n = min(n, len(self.free))
+        taken = self.free[len(self.free) - n:]
+        del self.free[len(self.free) - n:]
+        return taken[::-1]
 
     def _resize(self, rows: int) -> None:
         old = self.held
@@ -124,6 +129,7 @@ class Rows:
             self.free[:] = range(rows - 1, -1, -1)
             self.side_free[:] = range(total - 1, rows - 1, -1)
         self.held = rows
+        self.grows = rows < self.ceiling
         if old:
             # MLX keeps freed buffers in its cache (the old rows), which would hold memory past the ceiling
             # (docs/benchmarks.md, "L0 grown on demand"); those still referenced are freed later.
@@ -141,7 +147,7 @@ class Rows:
 
     def would_grow(self, need: int) -> bool:
         """Taking `need` rows now grows the rows (the caller holds the lock)."""
-        return len(self.free) < need and self.held < self.ceiling
+        return self.grows and len(self.free) < need
 
     def demote(self, row: int) -> None:
         """A demand row becomes a side row; no guess is written into it before the next synchronize."""
@@ -199,8 +205,7 @@ class LayerPool:
     bookkeeping is behind a lock: the prefetch worker changes one layer while the forward reads another."""
 
     def __init__(self, files: ModelFiles, capacity: int, policy: str, shared: SharedRows | None = None,
-                 start: int | None = None, side: int = 0, syncs: Synchronizes | None = None,
-                 autopin: bool = False):
+                 start: int | None = None, side: int = 0, syncs: Synchronizes | None = None):
         self._rows = (Rows(files, capacity, capacity if start is None else start, side, syncs) if shared is None
                       else shared)
         self.capacity = self._rows.ceiling
@@ -215,10 +220,7 @@ class LayerPool:
         self._table = self._table_buffer.view().cast("i")
         self.table = self._table_buffer.array(0, [files.n_experts], mx.int32)
         self._row_of: dict[int, int] = {}
-        self._pinned: set[int] = set()  # the caller's pins and autopin's
-        self._held_pins: set[int] = set()  # the caller's (`pin`): autopin's yield to a batch, these never do
-        # Autopin (src/moe_l2/cache/heat.py): the hot set is pinned where resident, at each choice and as it loads.
-        self._heat = Heat(files.n_experts, pin_limit(self.capacity, files.top_k)) if autopin else None
+        self._pinned: set[int] = set()  # the caller's pins (`pin`)
         self._policy = make_policy(policy)
         self._guess_row: dict[int, int] = {}  # guessed expert -> the side row holding it, whole
         self.prefetch_useful = self.prefetch_wasted = 0
@@ -258,7 +260,11 @@ class LayerPool:
         """The batch can be resident at once, beside the caller's pinned experts outside it (autopinned ones give
         way: `take_rows`)."""
         with self._lock:
-            return len(self._held_pins | set(experts)) <= self.unpinned_rows + len(self._pinned)
+            return len(self._held_pins() | set(experts)) <= self.unpinned_rows + len(self._pinned)
+
+    def _held_pins(self) -> set[int]:
+        """The pins that never give way to a batch: every one (AutopinLayerPool's yield)."""
+        return self._pinned
 
     def has_room_for(self, experts) -> bool:
         """Making the batch resident evicts nothing."""
@@ -294,15 +300,13 @@ class LayerPool:
 
     @property
     def autopinned(self) -> frozenset[int]:
-        """The experts autopin holds pinned now."""
-        with self._lock:
-            return frozenset(self._pinned - self._held_pins)
+        """The experts autopin holds pinned now: none without it (AutopinLayerPool)."""
+        return frozenset()
 
     def pin(self, experts) -> None:
         """Keep resident experts in L0 until they are evicted by name (`evict`)."""
         with self._lock:
             self._pinned.update(experts)
-            self._held_pins.update(experts)
 
     def access(self, experts) -> None:
         """The forward demands these experts: tell the policy."""
@@ -311,30 +315,28 @@ class LayerPool:
                 self._policy.access(expert)
                 if self._shared is not None and expert in self._row_of:
                     self._shared.touch(self, expert)
-            if self._heat is not None and self._heat.add(experts):
-                self._pinned = self._held_pins | {e for e in self._heat.hot if e in self._row_of}
 
     def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
         """Rows for experts not in L0: free ones, new ones while below the ceiling (the rows grow), then the rows
         of residents outside the batch (the forward in flight), evicted."""
         with self._lock:
-            rows = []
-            for i in range(len(experts)):
-                if self._free or self._rows.grow(len(experts) - i):
-                    rows.append(self._free.pop())
-                    continue
+            rows = self._rows.take_free(len(experts))
+            for _ in range(len(experts) - len(rows)):
                 if self._shared is not None:
                     owner, victim = self._shared.victim(self, batch)
                     rows.append(owner._drop(victim))
                     continue
-                candidates = ([e for e in self._row_of if e not in batch and e not in self._pinned]
-                              or [e for e in self._row_of if e not in batch and e not in self._held_pins])
+                candidates = self._evictable(batch)
                 # A row the donor has yet to copy goes last: taking it cancels that donation.
                 candidates = [e for e in candidates if not self._rows.giving[self._row_of[e]]] or candidates
                 rows.append(self._drop(self._policy.victim(candidates)))
             for row in rows:
                 self._rows.writes[row] += 1
             return rows
+
+    def _evictable(self, batch: set[int]) -> list[int]:
+        """The residents outside the batch that are not pinned."""
+        return [e for e in self._row_of if e not in batch and e not in self._pinned]
 
     def release(self, rows: list[int]) -> None:
         """Give back rows from `take_rows` that were never published (they hold no expert)."""
@@ -349,7 +351,6 @@ class LayerPool:
             self._shared.order.pop((self, expert), None)
         self._policy.evict(expert)
         self._pinned.discard(expert)
-        self._held_pins.discard(expert)
         return row
 
     def evict(self, expert: int) -> None:
@@ -364,8 +365,6 @@ class LayerPool:
                 self._policy.insert(expert)
                 if self._shared is not None:
                     self._shared.touch(self, expert)
-                if self._heat is not None and expert in self._heat.hot:
-                    self._pinned.add(expert)
 
     def has_guess(self, expert: int) -> bool:
         """A side row holds the expert, loaded ahead and not demanded since."""
@@ -454,3 +453,46 @@ class LayerPool:
         for p in self.layout.pieces:  # the pieces only: padding between them is not the record's
             out[p.offset:p.offset + p.nbytes] = view[base + p.offset:base + p.offset + p.nbytes]
         return bytes(out)
+
+
+class AutopinLayerPool(LayerPool):
+    """A layer of per-layer rows that also pins its hottest experts (src/moe_l2/cache/heat.py), where resident, at
+    each choice and as they load: those pins yield to a batch that needs their rows, the caller's never do."""
+
+    def __init__(self, files: ModelFiles, capacity: int, policy: str, shared: SharedRows | None = None,
+                 start: int | None = None, side: int = 0, syncs: Synchronizes | None = None):
+        super().__init__(files, capacity, policy, shared, start, side, syncs)
+        self._held: set[int] = set()  # the caller's pins; _pinned holds autopin's too
+        self._heat = Heat(files.n_experts, pin_limit(self.capacity, files.top_k))
+
+    def _held_pins(self) -> set[int]:
+        return self._held
+
+    @property
+    def autopinned(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._pinned - self._held)
+
+    def pin(self, experts) -> None:
+        with self._lock:
+            super().pin(experts)
+            self._held.update(experts)
+
+    def access(self, experts) -> None:
+        with self._lock:
+            super().access(experts)
+            if self._heat.add(experts):
+                self._pinned = self._held | {e for e in self._heat.hot if e in self._row_of}
+
+    def _evictable(self, batch: set[int]) -> list[int]:
+        """As a layer's, else the residents that only autopin pins."""
+        return super()._evictable(batch) or [e for e in self._row_of if e not in batch and e not in self._held]
+
+    def _drop(self, expert: int) -> int:
+        self._held.discard(expert)
+        return super()._drop(expert)
+
+    def publish(self, experts: list[int], rows: list[int]) -> None:
+        with self._lock:
+            super().publish(experts, rows)
+            self._pinned.update(e for e in experts if e in self._heat.hot)

@@ -5,10 +5,11 @@ where the pool computes on L2's records in place, that L2 lacks too: those cost 
 rows of the layer (client/layerpool.py: rows past the demand ceiling, for guesses only, that no queued work
 reads), through the pool's own load path (L2 copy, else the model file, checked as configured), and holds them
 there as guesses once every byte is in place. It evicts nothing and tells the daemon nothing: a wrong guess
-costs bandwidth, never a demand hit in L0 or L2. The pool's fetch of that layer first calls `settle`: a job
-not started yet is cancelled, a running one waited for (stall); then it promotes the guesses it demands (a swap
-of rows, no copy) and drops the rest. No MLX computation runs on the worker; the copies and reads release the
-GIL. Counts what it did in PrefetchCounts.
+costs bandwidth, never a demand hit in L0 or L2. The pool's fetch of that layer first calls `before_fetch`, which
+settles it: a job not started yet is cancelled, a running one waited for (stall); then its `take_rows` promotes the
+guesses it demands (a swap of rows, no copy) and drops the rest. A pool without side rows (prefetch off) never
+calls it, and its `prefetch` only counts the request. No MLX computation runs on the worker; the copies and reads
+release the GIL. Counts what it did in PrefetchCounts.
 
 How many side rows: SIDE_GENERATIONS x top_k (`side_rows`), per layer, or in all with a shared L0, where one
 layer at a time has guesses (the next one): top_k guesses (what the router picks per token) and room for the
@@ -118,6 +119,8 @@ class Prefetcher:
                 raise IndexError(f"expert {expert} out of range 0..{n_experts - 1}")
         with self._counts_lock:
             self._counts.requests += 1
+        if not self.pool.side_rows:  # nowhere to load a guess
+            return
         with self._jobs_lock:
             self._guesses[layer] = guesses
         if self.pool.lend:  # what L2 holds is computed on in place, at no cost
@@ -132,8 +135,9 @@ class Prefetcher:
             self._jobs.setdefault(layer, []).append(job)
         self._queue.put(job)
 
-    def before_fetch(self, layer: int, batch: set[int]) -> None:
-        """Settle the layer, then score its latest guesses against the batch the forward demands."""
+    def before_fetch(self, layer: int, batch: set[int]) -> frozenset[int]:
+        """Settle the layer, then score its latest guesses against the batch the forward demands; returns the
+        guesses its side rows hold (a fetch promotes those it demands: `take_rows`)."""
         self.settle(layer)
         with self._jobs_lock:
             guesses = self._guesses.pop(layer, None)
@@ -142,6 +146,22 @@ class Prefetcher:
                 self._counts.guessed += len(guesses)
                 self._counts.picked += len(batch)
                 self._counts.right += len(batch.intersection(guesses))
+        return self.pool.layers[layer].prefetched()
+
+    def take_rows(self, layer: int, lp, batch: set[int], missing: list[int], take) -> tuple[int, dict[int, int]]:
+        """The pool's `take` of rows for a fetch's misses, with the guesses the layer holds promoted instead of
+        filled (a swap of rows, no copy) and the rest of them dropped: (how many were promoted, expert -> row of
+        the misses left to fill)."""
+        held = lp.prefetched()
+        guessed = [e for e in missing if e in held]
+        taken = {}
+        if missing:
+            if self.pool.shared_l0 and lp.rows.would_grow(len(missing)):
+                self.settle_all()  # growing copies every row: no guess may be landing in the old ones
+            taken = take(layer, lp, batch, missing)
+            lp.promote(guessed, [taken.pop(e) for e in guessed])
+        lp.drop_guesses()
+        return len(guessed), taken
 
     def settle(self, layer: int) -> None:
         """Cancel the layer's jobs that have not started and wait for the one running, if any (the time
@@ -201,7 +221,7 @@ class Prefetcher:
         experts, rows = lp.take_side_rows(job.guesses)
         if not experts:
             return
-        _, counts = pool.load_rows(job.layer, experts, rows, side=True)
+        _, counts = pool.loader.load_rows(job.layer, lp, experts, rows, side=True)
         lp.hold_guesses(experts, rows)
         with self._counts_lock:
             self._counts.issued += len(experts)

@@ -25,7 +25,7 @@ from moe_l2.lab.cgroup import MemoryCgroup
 from moe_l2.client import options
 from moe_l2.client.connection import request
 from moe_l2.client.donor import SHARED_ROWS
-from moe_l2.client.pool import TierCounts
+from moe_l2.client.lookup import TierCounts
 from moe_l2.client.prefetcher import side_rows
 from moe_l2.lab.replayer import anon_bytes, disk_read_bytes
 from moe_l2.lab.daemon_process import DaemonProcess

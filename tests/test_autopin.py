@@ -122,7 +122,7 @@ def test_autopin_adds_no_sync_and_gives_the_whole_models_tokens(model_dir, model
 def test_autopin_needs_per_layer_rows(model_dir, model_files):
     with pytest.raises(OptionError, match="needs per-layer"):
         StreamedLM(model_dir, daemon=False, l0_autopin=True, shared_l0=True).close()
-    with pytest.raises(ValueError, match="shared L0 has none"):
+    with pytest.raises(ValueError, match="l0_autopin needs per-layer rows"):
         ExpertPool(model_files, 8, shared_l0=True, autopin=True)
 
 

@@ -177,7 +177,7 @@ def test_the_pool_refuses_a_damaged_record_from_the_file_unless_told_not_to(pack
         assert_resident_exact(unchecked, files, 0, [4])  # the damaged bytes, as the file has them
     finally:
         unchecked.close()
-    with pytest.raises(ValueError, match="verify must be one of off, file, all"):
+    with pytest.raises(ValueError, match="verify takes one of off, file, all"):
         ExpertPool(files, capacity=2, verify="yes")
 
 

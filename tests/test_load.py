@@ -171,7 +171,7 @@ def test_the_pool_and_the_client_are_context_managers(running_daemon, model_file
             ExpertPool(model_files, 4, client) as pool:
         assert client.attached
         assert pool.fetch(0, [0, 1]).l3_reads == 2
-    assert pool._fds == [] and client_threads() == before
+    assert pool.loader.fds == [] and client_threads() == before
 
 
 def test_importing_the_package_loads_no_mlx_lm():
