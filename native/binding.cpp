@@ -11,6 +11,7 @@
 
 #include "crc32.h"
 #include "memory.h"
+#include "read_units.h"
 #include "records.h"
 #include "slot_index.h"
 #include "word_wait.h"
@@ -299,7 +300,7 @@ void init_pread(nb::module_& m) {
   m.def("page_cache_bytes", &page_cache_bytes, "fd"_a, "offset"_a = 0, "nbytes"_a = -1,
         "Bytes of the file's range [offset, offset + nbytes) resident in the page cache (mincore); "
         "nbytes < 0: to the end of the file.");
-  m.attr("DIRECT_ALIGN") = 4096;
+  m.attr("DIRECT_ALIGN") = kDirectAlign;
 }
 
 void init_crc32(nb::module_& m) {

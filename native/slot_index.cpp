@@ -226,9 +226,8 @@ void SlotIndex::clear() {
 
 // --- readers ---------------------------------------------------------------------------
 
-std::vector<bool> SlotIndex::copy(const std::vector<CopyPiece>& pieces_in, const std::vector<int64_t>& experts,
-                                  const std::vector<int64_t>& rows, int64_t threads) const {
-  const char* fn = "SlotIndex.copy";
+void SlotIndex::check_copy(const char* fn, const std::vector<CopyPiece>& pieces, const std::vector<int64_t>& experts,
+                           const std::vector<int64_t>& rows, int64_t threads) const {
   if (data_ == nullptr) {
     throw_value_error(fn, "this layer has no data segment (the daemon does not serve it): read it from the file");
   }
@@ -247,14 +246,8 @@ std::vector<bool> SlotIndex::copy(const std::vector<CopyPiece>& pieces_in, const
     }
     n_rows = std::max(n_rows, checked_add(fn, size_t(rows[i]), 1));
   }
-
-  // Hold every region, so that no segment can be unmapped while the GIL is released.
-  auto index_region = index_.region(fn);
-  auto data_region = data_->region(fn);
-  std::vector<std::shared_ptr<Region>> dst_regions;
-  std::vector<Piece> pieces;
-  for (size_t p = 0; p < pieces_in.size(); ++p) {
-    auto [src_off_in, nbytes_in, dst, stride_in] = pieces_in[p];
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    auto [src_off_in, nbytes_in, dst, stride_in] = pieces[p];
     std::string what = "pieces[" + std::to_string(p) + "]";
     if (dst == nullptr) {
       throw_value_error(fn, what + " has no destination");
@@ -273,8 +266,21 @@ std::vector<bool> SlotIndex::copy(const std::vector<CopyPiece>& pieces_in, const
     if (n_rows > 0) {
       dst->check_range(fn, checked_mul(fn, n_rows - 1, stride), nbytes);
     }
+  }
+}
+
+std::vector<bool> SlotIndex::copy(const std::vector<CopyPiece>& pieces_in, const std::vector<int64_t>& experts,
+                                  const std::vector<int64_t>& rows, int64_t threads) const {
+  const char* fn = "SlotIndex.copy";
+  check_copy(fn, pieces_in, experts, rows, threads);
+  // Hold every region, so that no segment can be unmapped while the GIL is released.
+  auto index_region = index_.region(fn);
+  auto data_region = data_->region(fn);
+  std::vector<std::shared_ptr<Region>> dst_regions;
+  std::vector<Piece> pieces;
+  for (const auto& [src_off, nbytes, dst, stride] : pieces_in) {
     dst_regions.push_back(dst->region(fn, true));
-    pieces.push_back({src_off, nbytes, dst_regions.back()->data, stride});
+    pieces.push_back({size_t(src_off), size_t(nbytes), dst_regions.back()->data, size_t(stride)});
   }
 
   Layer at{index_region->data, slot_of_off_, meta_off_};

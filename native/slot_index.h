@@ -91,6 +91,10 @@ class SlotIndex {
   // `what`, or `what`[i] where i >= 0, names the argument in the error (built only then: these run per item).
   size_t check_slot(const char* fn, const char* what, int64_t slot, int64_t i = -1) const;
   size_t check_expert(const char* fn, const char* what, int64_t expert, int64_t i = -1) const;
+  // copy's arguments: a data segment, threads >= 1, a valid expert and row for each record, and pieces that lie
+  // in a slot and whose destinations hold every row named; ValueError (or the range's error) otherwise.
+  void check_copy(const char* fn, const std::vector<CopyPiece>& pieces, const std::vector<int64_t>& experts,
+                  const std::vector<int64_t>& rows, int64_t threads) const;
 
   Memory& index_;
   Memory* data_;
