@@ -88,7 +88,7 @@ def main() -> None:
         experts = list(range(args.batch))
         rows = list(range(args.batch))
 
-        def l2_copy(threads=pool.copy_threads):
+        def l2_copy(threads=pool.loader.copy_threads):
             ok = slot_index.copy(lp.copy_pieces, experts, rows, threads)
             assert all(ok)
 
@@ -107,7 +107,8 @@ def main() -> None:
         t_memcpy = best_of(memcpy, args.repeat)
         batch_bytes = args.batch * record
         print("\n1. L2 hit copy vs plain memcpy of the same bytes")
-        print(f"   L2 copy  {t_l2 * 1e3:8.3f} ms  {batch_bytes / t_l2 / 1e9:6.2f} GB/s  ({pool.copy_threads} threads)")
+        print(f"   L2 copy  {t_l2 * 1e3:8.3f} ms  {batch_bytes / t_l2 / 1e9:6.2f} GB/s  "
+              f"({pool.loader.copy_threads} threads)")
         print(f"   1 thread {t_one * 1e3:8.3f} ms  {batch_bytes / t_one / 1e9:6.2f} GB/s  "
               f"({t_one / t_l2:.2f}x the threads' time)")
         print(f"   memcpy   {t_memcpy * 1e3:8.3f} ms  {batch_bytes / t_memcpy / 1e9:6.2f} GB/s")

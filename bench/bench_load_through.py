@@ -1,5 +1,5 @@
 """Load-through, side by side in one process: a miss waited for asleep on its slot_of entry, woken by the daemon's
-begin_fill and publish (ExpertPool, client/slot_waits.py) vs a 0.5 ms sleep-poll of L2 (PolledPool below, kept
+begin_fill and publish (ExpertPool, client/slot_waits.py) vs a 0.5 ms sleep-poll of L2 (PolledLoader below, kept
 here only as the baseline; the daemon's Loaded notice, relayed through its gate and the client's connection
 thread, woke the wait in between).
 
@@ -21,6 +21,7 @@ from pathlib import Path
 
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
+from moe_l2.client.row_loader import RowLoader
 from moe_l2.lab.daemon_process import DaemonProcess
 from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
@@ -31,18 +32,25 @@ from moe_l2.sizes import format_size
 POLL_S = 0.0005
 
 
-class PolledPool(ExpertPool):
-    """The pool as it waited before wake-ups: copy from L2 every POLL_S until the deadline."""
+class PolledLoader(RowLoader):
+    """The pool's row loader as it waited before wake-ups: copy from L2 every POLL_S until the deadline."""
 
-    def _await_l2(self, layer, lp, missing, rows, copied):
+    def await_l2(self, layer, lp, missing, rows, copied, timeout_s):
         copied = list(copied)
-        deadline = time.perf_counter() + self.load_through_s
+        deadline = time.perf_counter() + timeout_s
         while not all(copied) and self.client.attached and time.perf_counter() < deadline:
             time.sleep(POLL_S)
             todo = [i for i, ok in enumerate(copied) if not ok]
             for i, ok in zip(todo, self._copy_from_l2(layer, lp, [missing[i] for i in todo], [rows[i] for i in todo])):
                 copied[i] = ok
         return copied
+
+
+def polled_pool(*args, **kwargs) -> ExpertPool:
+    """An ExpertPool whose loader polls (PolledLoader): the same state, the wait it had before wake-ups."""
+    pool = ExpertPool(*args, **kwargs)
+    pool.loader.__class__ = PolledLoader
+    return pool
 
 
 def main() -> None:
@@ -67,7 +75,7 @@ def main() -> None:
     daemon = DaemonProcess.serving([model], str(budget), "--log-level", "warning", runtime_dir=work).start()
     client = L2Client(files, daemon.socket, wait_s=5)
     wait_s = args.load_through_ms / 1e3
-    pools = {"poll 0.5 ms": PolledPool(files, 1, client, load_through_s=wait_s, lend=False),
+    pools = {"poll 0.5 ms": polled_pool(files, 1, client, load_through_s=wait_s, lend=False),
              "slot wait": ExpertPool(files, 1, client, load_through_s=wait_s, lend=False)}
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in pools}
     skipped = dict.fromkeys(pools, 0)
