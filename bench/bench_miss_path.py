@@ -129,10 +129,9 @@ class TimedDonor(Donor):
     """The pool's donor, marking each give sent, offer taken and copy into a slot (its `filled` follows at once)."""
 
     def _send_gifts(self):
-        given = self.counts.given
-        super()._send_gifts()
-        if self.counts.given > given:
+        if not self._gifts.empty():  # marked as the thread takes them: it may be descheduled once they are sent
             mark("give_sent", -1, [-1])
+        super()._send_gifts()
 
     def _on_offer(self, message):
         mark("offer_in", message.layer, [e for e, _ in message.slots])
@@ -151,7 +150,7 @@ PATHS = {
     "pread": ([("read begins", "read_begin", "first"), ("read ends", "read_end", "last"),
                ("fetch returns", "fetch_end", "last")], []),
     "fills": ([("read begins", "read_begin", "first"), ("give queued, report sent", "report_sent", "last"),
-               ("give sent (donor thread)", "give_sent", "last"), ("give received (desk)", "give_in", "last"),
+               ("donor thread sends the give", "give_sent", "last"), ("give received (desk)", "give_in", "last"),
                ("slot reserved", "reserved", "last"), ("offer received (donor)", "offer_in", "last"),
                ("read ends", "read_end", "last"), ("fetch returns", "fetch_end", "last"),
                ("copy into slot begins", "slot_copy_begin", "first"), ("copy into slot ends", "slot_copy_end", "last"),
@@ -161,7 +160,7 @@ PATHS = {
               [("copy into slot (donor)", "slot_copy_begin", "slot_copy_end"),
                ("copy ends -> check begins", "slot_copy_end", "check_begin"),
                ("daemon's check (CRC)", "check_begin", "finish_begin")]),
-    "load-through": ([("report sent", "report_sent", "last"), ("report received (server)", "report_in", "last"),
+    "load-through": ([("report sent", "report_sent", "last"), ("report received (server)", "report_in", "first"),
                       ("slot reserved", "reserved", "last"), ("daemon's load begins", "load_begin", "first"),
                       ("load's read ends, publish begins", "finish_begin", "last"),
                       ("copy from L2 begins (woken)", "l2_copy_begin", "last"),
@@ -277,15 +276,15 @@ def print_path(name: str, by_batch: dict[int, list[Sample]]) -> None:
     batches = list(by_batch)
     print(f"\n{name}: ms since the fetch began, median [min-max] of "
           + ", ".join(f"{len(by_batch[b])} x {b}" for b in batches))
-    print(f"  {'':32s}" + "".join(f"{str(b) + (' miss' if b == 1 else ' misses'):>24s}" for b in batches))
+    print(f"  {'':38s}" + "".join(f"{str(b) + (' miss' if b == 1 else ' misses'):>24s}" for b in batches))
     for label, event, which in steps:
-        print(f"  {label:32s}" + "".join(f"  {cell([milestone(s, event, which) for s in by_batch[b]])}"
+        print(f"  {label:38s}" + "".join(f"  {cell([milestone(s, event, which) for s in by_batch[b]])}"
                                          for b in batches))
     for label, begin, end in hops:
-        print(f"  {'per record: ' + label:32s}" + "".join(
+        print(f"  {'per record: ' + label:38s}" + "".join(
             f"  {cell([per_record(s, begin, end) for s in by_batch[b]])}" for b in batches))
     for label, key in (("CPU per miss: this process", "cpu_self"), ("CPU per miss: moe-l2d", "cpu_daemon")):
-        print(f"  {label:32s}" + "".join(
+        print(f"  {label:38s}" + "".join(
             f"  {cell([getattr(s, key) * 1e3 / b for s in by_batch[b]])}" for b in batches))
 
 
@@ -298,7 +297,7 @@ def idle_cpu(daemon_clock: int, seconds: float = 1.0) -> tuple[float, float]:
 
 
 def make_pools(files: ModelFiles, daemon: DaemonProcess, batch: int, load_through_s: float):
-    """{path: pool}, their clients, and one client's slot indexes (every client sees the same L2)."""
+    """{path: pool} (the pread pool without a client, each other with its own L2Client) and the clients."""
     clients = [L2Client(files, daemon.socket, wait_s=5) for _ in range(2)]
     pools = {"pread": ExpertPool(files, batch, lend=False),
              "fills": ExpertPool(files, batch, clients[0], lend=False, fill_l2=True,
