@@ -321,8 +321,8 @@ def test_the_daemon_and_the_client_serve_a_packed_model_byte_for_byte(packed, da
     assert client.attached
     pools = [ExpertPool(out, capacity=2, client=client), ExpertPool(out, capacity=2, direct=False)]
     try:
-        assert ModelFiles.direct_fds(pools[0]._fds) == (sys.platform == "linux")  # packed: direct by default
-        assert not ModelFiles.direct_fds(pools[1]._fds)
+        assert ModelFiles.direct_fds(pools[0].loader.fds) == (sys.platform == "linux")  # packed: direct by default
+        assert not ModelFiles.direct_fds(pools[1].loader.fds)
         experts = list(range(out.n_experts))
         for layer in range(out.n_layers):
             for pair in zip(experts[::2], experts[1::2]):
