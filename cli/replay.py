@@ -16,9 +16,10 @@ from moe_l2.cache.replay import ORDERS, ReplayError, ReplayResult, parse_slots, 
 from moe_l2.cache.store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.cli.flags import add_renamed
+from moe_l2.lab.synthetic import GEOMETRIES
 from moe_l2.model.location import path_arg
 from moe_l2.ranges import parse_ranges
-from moe_l2.sizes import format_pct
+from moe_l2.sizes import format_pct, format_size
 
 
 def _pct(x) -> str:
@@ -65,6 +66,8 @@ def render(result: ReplayResult, per_layer: bool = True) -> str:
     lines.append(f"gap closed: share of the distance from LRU to MIN that {result.policy} covers; "
                  f"switch: hit rate over the first {result.switch_window} tokens after each of the "
                  f"{result.domain_switches} domain switches")
+    lines.append("")
+    lines.extend(_render_records(result, names))
     if result.ceilings:
         trained = result.trained_on
         lines.append(f"+ceilings: the slots of all layers split by the LRU hit curves of the first "
@@ -89,6 +92,26 @@ def render(result: ReplayResult, per_layer: bool = True) -> str:
                 cells.append(" /".join(_pct(entry.policies[n].per_layer[i]) for n in shown))
             lines.append(f"{layer:>5}" + "".join(f"{c:>22}" for c in cells))
     return "\n".join(lines)
+
+
+def _render_records(result: ReplayResult, names: list[str]) -> list[str]:
+    """Records loaded per token, against MIN's, and the bytes they read where the record size is known."""
+    size = result.record_bytes
+    lines = ["records loaded per token (all replayed layers), x MIN's" +
+             (f"; disk read per token at {format_size(size)} a record" if size else "")]
+    width = {n: max(14, len(n) + 2) + (10 if size else 0) for n in names}
+    lines.append(f"{'slots':>5} {'share':>6}" + "".join(f"{n:>{width[n]}}" for n in names))
+    for entry in result.capacities:
+        cells = []
+        for n in names:
+            p = entry.policies[n]
+            ratio = "-" if p.misses_vs_min is None else f"{p.misses_vs_min:.2f}x"
+            cell = f"{p.records_per_token:.1f} {ratio:>6}"
+            if size:
+                cell += f" {format_size(p.bytes_per_token):>9}"
+            cells.append(f"{cell:>{width[n]}}")
+        lines.append(f"{entry.slots:>5} {100 * entry.share:5.1f}%" + "".join(cells))
+    return lines
 
 
 def _render_prefetch(result: ReplayResult) -> list[str]:
@@ -140,6 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", choices=ORDERS, default="interleave",
                         help="interleave: shuffle sequences with --seed; blocked: group them by domain")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed for --order interleave (default 0)")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="replay the sequences as N clients would send them: each runs one sequence after "
+                             "another, and they take turns token by token (default 1)")
     # MoE layer numbers, as a trace has them; --layers means decoder layers everywhere else (moe-l2d, plan).
     add_renamed(parser, "--moe-layers", "--layers", type=_moe_layers, metavar="A-B[,C-D...]",
                 help="replay only these MoE layers, numbered as in the trace from 0 (default: all)")
@@ -164,6 +190,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
+def _record_bytes(model: str) -> int | None:
+    """One expert's record of the trace's model, where it is a geometry moe-l2 bench knows."""
+    geometry = GEOMETRIES.get(model)
+    return geometry.layout().nbytes if geometry is not None else None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         traces = read_traces(args.trace)
@@ -180,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
                         seed=args.seed, profile=profile, hints=hints, prior=args.prior, layers=args.moe_layers,
                         jobs=max(1, args.jobs), hint_share=args.hint_share, hint_prior=args.hint_prior,
                         hint_lift=args.hint_lift, prefetch=prefetch, train=args.train,
-                        prefetch_k=args.prefetch_k, ceilings=args.ceilings, autopin=args.autopin)
+                        prefetch_k=args.prefetch_k, ceilings=args.ceilings, autopin=args.autopin,
+                        processes=args.processes, record_bytes=_record_bytes(traces.model))
     except ReplayError as exc:  # flags out of range or that do not go together
         print(f"moe-l2 replay: {exc}", file=sys.stderr)
         return 2

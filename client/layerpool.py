@@ -51,7 +51,7 @@ import mlx.core as mx
 
 from moe_l2 import _native
 from moe_l2.cache.heat import Heat, pin_limit
-from moe_l2.cache.policy import make_policy
+from moe_l2.cache.policy import make_policy, observe
 from moe_l2.model import ModelFiles
 from moe_l2.model.records import row_strides
 
@@ -221,7 +221,7 @@ class LayerPool:
         self.table = self._table_buffer.array(0, [files.n_experts], mx.int32)
         self._row_of: dict[int, int] = {}
         self._pinned: set[int] = set()  # the caller's pins (`pin`)
-        self._policy = make_policy(policy)
+        self._policy = make_policy(policy, self.capacity, files.n_experts)
         self._guess_row: dict[int, int] = {}  # guessed expert -> the side row holding it, whole
         self.prefetch_useful = self.prefetch_wasted = 0
 
@@ -311,10 +311,11 @@ class LayerPool:
     def access(self, experts) -> None:
         """The forward demands these experts: tell the policy."""
         with self._lock:
-            for expert in experts:
-                self._policy.access(expert)
-                if self._shared is not None and expert in self._row_of:
-                    self._shared.touch(self, expert)
+            observe(self._policy, experts)
+            if self._shared is not None:
+                for expert in experts:
+                    if expert in self._row_of:
+                        self._shared.touch(self, expert)
 
     def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
         """Rows for experts not in L0: free ones, new ones while below the ceiling (the rows grow), then the rows

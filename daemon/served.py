@@ -55,7 +55,8 @@ class ServedModel:
         self.index_name = ""
         self.data_names: dict[int, str] = {}  # served layer -> its data segment's name, once made
         self.slots = geometry.layer_slots(self.layers)
-        self.stores = {layer: LayerStore(files.n_experts, n, make_policy(policy, n)) for layer, n in self.slots.items()}
+        self.stores = {layer: LayerStore(files.n_experts, n, make_policy(policy, n, files.n_experts))
+                       for layer, n in self.slots.items()}
         if profile is not None:
             profile.check_model(files.n_layers, files.n_experts, str(files.path))
         self.profile = profile
@@ -307,13 +308,15 @@ class ServedModel:
             self.stores[layer].abort(r)
 
     def report(self, layers: dict[int, list[list[int]]], routed: dict[int, list[int]], loader,
-               keep: dict[int, frozenset[int]] | None = None, given: dict[int, list[int]] | None = None) -> None:
+               keep: dict[int, frozenset[int]] | None = None, given: dict[int, list[int]] | None = None,
+               source=None) -> None:
         """Fold a client's lookups into the policy and counters, load its misses but those it `given` (it read
         them and gives them through the fill socket: daemon/fills.py), and count its routing (every pick, L0
         hits included; a client that sends no `routed` is counted by its L2 lookups). Its ids are checked
         (check_ids, served layers only) where the report entered.
         keep: per layer, experts the loads must not evict beside the report's own (a piece of a larger
-        report keeps the whole report's: daemon.server.report_pieces)."""
+        report keeps the whole report's: daemon.server.report_pieces). source: the client that sent it (the
+        learned policy follows each client's latest lookups)."""
         lookups = {layer: [*hits, *misses] for layer, (hits, misses) in layers.items()}
         picks = routed or lookups
         with self.lock:
@@ -325,8 +328,7 @@ class ServedModel:
         hits_total = misses_total = 0
         for layer, (hits, misses) in layers.items():
             with self.lock:
-                for expert in lookups[layer]:
-                    self.stores[layer].access(expert)
+                self.stores[layer].observe(lookups[layer], source)
                 self.layer_hits[layer] += len(hits)
                 self.layer_misses[layer] += len(misses)
             hits_total += len(hits)

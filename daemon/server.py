@@ -288,14 +288,14 @@ class Server:
                 self._answer(item.identity, item.request)
             else:
                 self._pending_ids -= item.piece.cost
-                self._fold(item.model, item.piece)
+                self._fold(item.model, item.identity, item.piece)
             if time.monotonic() >= deadline:
                 return
 
-    def _fold(self, model: ServedModel, piece: ReportPiece) -> None:
-        """Count a report piece and load its misses (but those its sender gives)."""
+    def _fold(self, model: ServedModel, identity: bytes, piece: ReportPiece) -> None:
+        """Count a report piece of `identity`'s and load its misses (but those its sender gives)."""
         try:
-            model.report(piece.layers, piece.routed, self.loader, piece.keep, piece.given)
+            model.report(piece.layers, piece.routed, self.loader, piece.keep, piece.given, source=identity)
         except Exception:  # validated when received: only a bug gets here
             self.errors += 1
             log.exception("report work failed")
@@ -431,7 +431,7 @@ class Server:
             # it and it is small: folded in now, so that the misses go to the loaders at once, not after the receive
             # batch has waited for more.
             for piece in pieces:
-                self._fold(model, piece)
+                self._fold(model, identity, piece)
             return
         if self._pending_ids + cost > MAX_PENDING_IDS:
             raise ProtocolError("Busy", f"moe-l2d is {self._pending_ids} looked-up expert ids behind; this "
@@ -479,16 +479,22 @@ class Server:
 def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int]], size: int,
                   given: dict[int, list[int]] | None = None) -> list[ReportPiece]:
     """Split a report into pieces of at most `size` looked-up ids (routed picks count 1/ROUTED_PER_LOOKUP each)
-    that ServedModel.report counts as it counts the whole: per layer its hits, then its misses, in order; when the
-    report names its routed picks, the lookup pieces carry an empty pick list (so their lookups are not counted as
-    picks). A misses piece keeps (never evicts for its loads) every expert the report names in its layer, as the
-    whole report would, and carries the misses of its own that the report's `given` names (the client gives them:
-    not loaded)."""
+    that ServedModel.report counts as it counts the whole: per layer its hits, then its misses, in order (one piece
+    where they fit, so that the policy sees the layer's lookups as one batch); when the report names its routed
+    picks, the lookup pieces carry an empty pick list (so their lookups are not counted as picks). A piece with
+    misses keeps (never evicts for its loads) every expert the report names in its layer, as the whole report
+    would, and carries the misses of its own that the report's `given` names (the client gives them: not
+    loaded)."""
     pieces = []
     for layer, (hits, misses) in layers.items():
         no_picks = {layer: []} if routed else {}
         keep = {layer: frozenset([*hits, *misses, *routed.get(layer, ())])}
         read = set((given or {}).get(layer, ()))
+        if len(hits) + len(misses) <= size:
+            gave = [e for e in misses if e in read]
+            pieces.append(ReportPiece({layer: [hits, misses]}, no_picks, len(hits) + len(misses), keep,
+                                      {layer: gave} if gave else {}))
+            continue
         for start in range(0, len(hits), size):
             chunk = hits[start:start + size]
             pieces.append(ReportPiece({layer: [chunk, []]}, no_picks, len(chunk)))

@@ -101,7 +101,7 @@ def test_every_policy_runs_in_the_store_with_pins():
         store = LayerStore(16, 4, make_policy(name, 4))
         store.pin([0], "permanent")
         for e in range(16):
-            store.access(e)
+            store.observe([e])
             r = store.reserve(e)
             if r is not None:
                 store.commit(r)

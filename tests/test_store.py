@@ -16,7 +16,7 @@ def test_lru_evicts_least_recently_used():
     store = LayerStore(8, 3, LRU())
     for e in (0, 1, 2):
         fill(store, e)
-    store.access(0)
+    store.observe([0])
     r = fill(store, 3)
     assert r.evicted == 1
     assert store.slot(1) == -1 and store.slot(3) == r.slot
@@ -28,11 +28,11 @@ def test_lfu_keeps_frequent_experts_and_decays_old_counts():
     fill(store, 0)
     fill(store, 1)
     for _ in range(5):
-        store.access(0)
+        store.observe([0])
     assert fill(store, 2).evicted == 1
     # Many accesses ago expert 0 was hot; after enough decay a steadily used expert overtakes it.
     for _ in range(40):
-        store.access(2)
+        store.observe([2])
     assert policy.victim([0, 2]) == 0
 
 
@@ -59,7 +59,7 @@ def test_pins_are_never_evicted_and_capped():
         assert fill(store, e).evicted not in (0, 1)
     store.unpin([0], "permanent")
     assert store.pins("permanent") == [1] and store.pin_count == 1
-    store.access(1)
+    store.observe([1])
     assert fill(store, 7).evicted in (0, 6, 5)
 
 
@@ -80,7 +80,7 @@ def test_shrink_takes_free_slots_then_victims_never_pins_or_loads_and_grow_gives
         fill(store, e)
     loading = store.reserve(4)
     store.pin([0], "permanent")
-    store.access(1)
+    store.observe([1])
     taken = store.shrink(2)
     # One free slot, then LRU victims 2, 3, 1; the pin (0) and the load in flight (4) stay: the floor is
     # pins + 1, and the load's slot cannot be taken, so two slots remain.

@@ -10,9 +10,13 @@ candidates the store allows (resident, not pinned, not loading).
   1024; 4096 accesses: almost LFU), watch the same accesses; the live cache evicts by the ranking of the
   shadow that has hit most over the latest ~4096 accesses. A profile's expert frequencies can seed the
   scores (``set_prior``), as if the layer had already seen that much traffic. See docs/policy-report.md.
+- ``learned``: evicts the expert an online model of the layer's routing finds least likely to be picked
+  within the cache's lifetime (src/moe_l2/cache/learned.py), LRU's ranking while LRU would do better.
 - ``BeladyMIN`` is the offline optimum (it needs the future); `moe-l2 replay` uses it as the ceiling.
 
-Optional hooks a store calls when a policy has them: ``set_capacity(n_slots)``, ``set_prior(weights)``.
+Optional hooks a store calls when a policy has them: ``set_capacity(n_slots)``, ``set_prior(weights)``,
+``observe(experts, source)`` (one batch of accesses at once: a token's, a report's, a forward's; without it the
+store calls ``access`` for each expert).
 
 The live policies' state survives a daemon's restart: ``state()`` gives it as plain data, `restored_policy` makes a
 policy from such data read back from a file, checking every value (the file may be damaged or planted), and
@@ -25,6 +29,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from moe_l2.cache.learned import LearnedReuse
 from moe_l2.protocol import quote
 
 # A clock or count read back from a saved state past this is no state this code wrote.
@@ -340,23 +345,38 @@ class BeladyMIN:
         return max(sorted(candidates), key=self.next_use)
 
 
-POLICIES = {"adaptive": AdaptiveLRFU, "lru": LRU, "lfu": LFUDecay}
+POLICIES = {"adaptive": AdaptiveLRFU, "lru": LRU, "lfu": LFUDecay, "learned": LearnedReuse}
 DEFAULT_POLICY = "adaptive"
 
 
 def restored_policy(name: str, state, n_experts: int, capacity: int | None = None):
     """A `name` policy (of `capacity`) holding `state`, what a policy's state() gave, read back from a file that
     may be damaged or planted: ValueError says what in it is wrong."""
-    policy = make_policy(name, capacity)
+    policy = make_policy(name, capacity, n_experts)
     policy.restore(state, n_experts)
     return policy
 
 
-def make_policy(name: str, capacity: int | None = None):
+def observe(policy, experts: Iterable[int], source=None) -> None:
+    """Tell a policy of one batch of accesses from `source`: at once where it takes batches, else one by one."""
+    batch = getattr(policy, "observe", None)
+    if batch is not None:
+        batch(experts, source)
+        return
+    for expert in experts:
+        policy.access(expert)
+
+
+def make_policy(name: str, capacity: int | None = None, n_experts: int | None = None):
+    """A policy for one layer of `n_experts` experts and `capacity` slots (`learned` needs both)."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    if cls is LearnedReuse:
+        if n_experts is None or capacity is None:
+            raise ValueError("the learned policy needs the layer's number of experts and its capacity")
+        return cls(n_experts, capacity)
     policy = cls()
     if capacity is not None and hasattr(policy, "set_capacity"):
         policy.set_capacity(capacity)

@@ -12,7 +12,12 @@ hint first, through the daemon's hint code (`LayerStore.apply_hint`: predict the
 experts within the pin budget and load them). Layers are independent, so they run on a process pool.
 
 Sequence order: `blocked` groups the sequences by domain (domains in name order, file order inside),
-`interleave` shuffles them with `--seed`. Results are deterministic for a given seed.
+`interleave` shuffles them with `--seed`. Results are deterministic for a given seed. `--processes N` runs them
+as N clients would: each takes the next sequence when its own ends, and they take turns token by token; the
+policy is told which client each token came from, as the daemon knows the sender of each report.
+
+Every policy's loads are also set against MIN's (`misses_vs_min`) and, where the record size is known, as bytes
+per token: what the disk reads.
 
 `--prefetch` scores next-layer predictors (moe_l2.cache.prefetch) with the chosen policy: the sequences are
 split, the predictor learns from the first `train` share and every policy is scored on the rest only.
@@ -30,7 +35,8 @@ from __future__ import annotations
 import random
 from array import array
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing import get_context
 
 import numpy as np
@@ -126,6 +132,8 @@ class PolicyResult(_Lookups):
     per_layer: list[float | None]     # each replayed layer's hit rate, in ReplayResult.layers' order
     records_per_token: float | None   # loads per token over all layers
     switch_hit_rate: float | None = None  # over the tokens after domain switches (the policy under test and LRU)
+    misses_vs_min: float | None = None    # loads against Belady's MIN's at the same capacity
+    bytes_per_token: float | None = None  # records_per_token times the record's bytes, where known
 
 
 @dataclass(frozen=True)
@@ -190,6 +198,8 @@ class ReplayResult:
     ceilings: dict[int, list[int]]   # --ceilings: per capacity (slots), each replayed layer's slots
     autopin: bool                    # --autopin: "<policy>+autopin" and "lru+autopin" were run
     prefetch_scores: dict[str, Score]
+    processes: int = 1               # clients taking turns token by token
+    record_bytes: int | None = None  # one expert's record, for bytes per token
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -217,6 +227,7 @@ class Task:
     label: str = ""  # the result's name when it is not the policy's (a prefetch predictor, ceilings)
     point: int = 0   # the capacity it is reported under, where that is not `slots` (ceilings); 0: slots
     autopin_top_k: int = 0  # autopin: pin the layer's hottest experts (src/moe_l2/cache/heat.py), leaving this many
+    sources: list | None = None  # per token, the client that sent it (--processes); None: one client
 
 
 def replay_layer(task: Task) -> dict:
@@ -225,7 +236,7 @@ def replay_layer(task: Task) -> dict:
     if task.policy == "min":
         policy = BeladyMIN(batches)
     else:
-        policy = make_policy(task.policy, capacity=task.slots)
+        policy = make_policy(task.policy, capacity=task.slots, n_experts=task.n_experts)
     store = LayerStore(task.n_experts, task.slots, policy)
     if task.profile is not None and task.prior > 0 and hasattr(policy, "set_prior"):
         policy.set_prior(task.profile.shares(None, task.layer), task.prior)
@@ -234,7 +245,8 @@ def replay_layer(task: Task) -> dict:
         hint_at = {t: d for t, d in zip(task.hints.starts, task.hints.domains) if d is not None}
     at = getattr(policy, "at", None)
     load_order = getattr(policy, "load_order", None)
-    slot, access, reserve, commit = store.slot, store.access, store.reserve, store.commit
+    slot, observe, reserve, commit = store.slot, store.observe, store.reserve, store.commit
+    sources = task.sources
     heat = Heat(task.n_experts, pin_limit(task.slots, task.autopin_top_k)) if task.autopin_top_k else None
     hits = lookups = loads = preloads = 0
     prefetch_loads = useful = wasted = 0
@@ -269,8 +281,7 @@ def replay_layer(task: Task) -> dict:
         lookups += len(batch)
         if per_token is not None:
             per_token[t] = h
-        for e in batch:
-            access(e)
+        observe(batch, sources[t] if sources is not None else None)
         if prefetched:
             demanded = prefetched.intersection(batch)
             useful += len(demanded)
@@ -295,6 +306,34 @@ def replay_layer(task: Task) -> dict:
             "lookups": lookups, "loads": loads, "preloads": preloads, "prefetch_loads": prefetch_loads,
             "useful": useful, "wasted": wasted,
             "per_token": per_token.tobytes() if per_token is not None else None}
+
+
+def take_turns(sequences: list, processes: int) -> tuple[list, list[int]]:
+    """The tokens in the order `processes` clients would send them, each running the sequences it takes in turn
+    (the next one when its own ends), the clients taking turns token by token; and the client of each token."""
+    queue = iter(sequences)
+    running: list[tuple[int, Iterator]] = []
+    for client in range(processes):
+        sequence = next(queue, None)
+        if sequence is not None:
+            running.append((client, iter(sequence.experts)))
+    tokens, sources = [], []
+    while running:
+        still = []
+        for client, left in running:
+            token = next(left, None)
+            while token is None:
+                sequence = next(queue, None)
+                if sequence is None:
+                    break
+                left = iter(sequence.experts)
+                token = next(left, None)
+            if token is not None:
+                tokens.append(token)
+                sources.append(client)
+                still.append((client, left))
+        running = still
+    return tokens, sources
 
 
 def _routed(sequences: list) -> np.ndarray:
@@ -327,7 +366,7 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
            layers: list[int] | None = None, jobs: int = 1, switch_window: int = SWITCH_WINDOW,
            belady: bool = True, prefetch: tuple[str, ...] = (), train: float = 0.5,
            prefetch_k: int | None = None, ceilings: bool = False, autopin: bool = False,
-           layer_rows: list[int] | None = None) -> ReplayResult:
+           layer_rows: list[int] | None = None, processes: int = 1, record_bytes: int | None = None) -> ReplayResult:
     """Run the trace and return what it measured (`moe-l2 replay` renders it as a table or JSON).
 
     hints: None, "prompt" (predict each sequence's domain from its prompt) or "oracle" (use the trace's
@@ -340,7 +379,9 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
     autopin: also run `policy` and LRU pinning each layer's hottest experts as L0's autopin does
     (src/moe_l2/cache/heat.py; named "<policy>+autopin"), on the same sequences.
     layer_rows: ceilings given instead of learned (one per replayed layer, as `--l0-ceilings` sets them), run as
-    the ceilings variants are, on every sequence and reported under each capacity alike."""
+    the ceilings variants are, on every sequence and reported under each capacity alike.
+    processes: clients taking turns token by token (take_turns); hints, prefetch and ceilings need one.
+    record_bytes: one record's size, for bytes per token."""
     if policy not in POLICIES:
         raise ReplayError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     for name in compare:
@@ -350,6 +391,11 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         profile.check_model(traces.n_layers, traces.n_experts, f"trace {traces.paths[0]}")
     if hints and profile is None:
         raise ReplayError("--hints needs --profile: the predictor and the domains' experts come from a profile")
+    if processes < 1:
+        raise ReplayError(f"--processes must be at least 1, got {processes}")
+    if processes > 1 and (hints or prefetch or ceilings or layer_rows is not None):
+        raise ReplayError("--processes replays one client's tokens after another's: --hints, --prefetch and "
+                          "--ceilings follow one client's sequences, so give them without --processes")
     sequences = order_sequences(traces.sequences, order, seed)
     trained_on = []
     for name in prefetch:
@@ -374,7 +420,9 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
             plan, hint_stats = plan_hints(sequences, profile, hints)
         except PredictorError as exc:
             raise ReplayError(str(exc)) from None
-    streams = {layer: [tuple(token[layer]) for s in sequences for token in s.experts] for layer in layers}
+    tokens, sources = ([token for s in sequences for token in s.experts], None) if processes == 1 else \
+        take_turns(sequences, processes)
+    streams = {layer: [tuple(token[layer]) for token in tokens] for layer in layers}
     names = [policy] + [c for c in compare if c != policy] + (["min"] if belady else [])
     tasks = []
     for n_slots in slots:
@@ -385,7 +433,7 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
                                   hints=plan if chosen else None, profile=profile if chosen else None,
                                   prior=prior if chosen else 0.0, hint_share=hint_share,
                                   hint_prior=hint_prior, record_tokens=name in (policy, "lru"),
-                                  hint_lift=hint_lift))
+                                  hint_lift=hint_lift, sources=sources))
     # The variants (ceilings, autopin) run the policy under test and L0's LRU.
     variants = list(dict.fromkeys((policy, "lru")))
     split_slots = {}
@@ -405,7 +453,7 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
             for name in variants:
                 for layer in layers:
                     tasks.append(Task(layer, n_slots, name, streams[layer], traces.n_experts,
-                                      autopin_top_k=traces.top_k, label=f"{name}+autopin"))
+                                      autopin_top_k=traces.top_k, label=f"{name}+autopin", sources=sources))
     k = traces.top_k if prefetch_k is None else prefetch_k
     if prefetch:
         if k < 1:
@@ -429,9 +477,9 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
     else:
         results = [replay_layer(t) for t in tasks]
     n_tokens = sum(s.n_tokens for s in sequences)
-    # Sequence starts that follow a sequence of another domain: the cold start hints are meant for.
+    # Sequence starts that follow a sequence of another domain: the cold start hints are meant for (one client's).
     starts, t, previous = [], 0, None
-    for s in sequences:
+    for s in sequences if processes == 1 else ():
         if previous is not None and s.domain != previous:
             starts.append(t)
         previous = s.domain
@@ -463,6 +511,11 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
                 hits=sum(r["hits"] for r in rs), lookups=sum(r["lookups"] for r in rs), loads=loads,
                 preloads=sum(r["preloads"] for r in rs), per_layer=[_rate(r["hits"], r["lookups"]) for r in rs],
                 records_per_token=loads / n_tokens if n_tokens else None, switch_hit_rate=switch_hit_rate)
+        floor = policies["min"].loads if "min" in policies else 0
+        for name, r in policies.items():
+            policies[name] = replace(r, misses_vs_min=r.loads / floor if floor else None,
+                                     bytes_per_token=None if record_bytes is None or r.records_per_token is None
+                                     else r.records_per_token * record_bytes)
         demand = policies[policy].records_per_token
         ahead = {}
         for name in prefetch:
@@ -488,4 +541,5 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         hint_lift=hint_lift, layers=layers, switch_window=switch_window, domain_switches=len(starts),
         capacities=capacities, prefetch=list(prefetch), prefetch_k=k if prefetch else None,
         trained_on={"sequences": len(trained_on), "tokens": sum(s.n_tokens for s in trained_on)},
-        ceilings=split_slots, autopin=autopin, prefetch_scores=scores)
+        ceilings=split_slots, autopin=autopin, prefetch_scores=scores, processes=processes,
+        record_bytes=record_bytes)

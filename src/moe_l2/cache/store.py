@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moe_l2.cache.policy import observe
+
 if TYPE_CHECKING:
     from moe_l2.cache.profile import Profile
 
@@ -69,8 +71,10 @@ class LayerStore:
     def pinned(self, expert: int) -> bool:
         return expert in self._pinned
 
-    def access(self, expert: int, count: int = 1) -> None:
-        self.policy.access(expert, count)
+    def observe(self, experts: list[int], source=None) -> None:
+        """Tell the policy of one batch of lookups (a token's in replay, a report's in the daemon) from `source`
+        (the client that made them; None: the only one)."""
+        observe(self.policy, experts, source)
 
     def reserve(self, expert: int, keep: frozenset[int] = frozenset(), evict: bool = True) -> Reservation | None:
         """Give the expert a slot to be loaded into, never evicting one in `keep` (replay's prefetch keeps its

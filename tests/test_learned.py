@@ -1,0 +1,178 @@
+"""The learned policy (moe_l2/cache/learned.py): what it learns, its guard, its bounds, and that moe-l2d's store and
+the client's L0 run the one implementation on the batches they see."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+
+from moe_l2.cache import learned
+from moe_l2.cache import replay as rp
+from moe_l2.cache.learned import LearnedReuse
+from moe_l2.cache.policy import make_policy
+from moe_l2.cache.replay import Task, replay_layer
+from moe_l2.cache.store import LayerStore
+from moe_l2.cache.trace import read_traces
+from moe_l2.client.connection import L2Client
+from moe_l2.client.pool import ExpertPool
+from moe_l2.daemon.server import report_pieces
+
+from .conftest import budget_for, shared_trace, stats, synthetic_trace, wait_for
+from .test_policy import drifting_working_set
+
+
+def hit_rates(batches, n_experts: int, slots: int, names=("learned", "lru", "min")) -> dict[str, float]:
+    rates = {}
+    for name in names:
+        r = replay_layer(Task(0, slots, name, batches, n_experts))
+        rates[name] = r["hits"] / r["lookups"]
+    return rates
+
+
+def loop(span: int, per_batch: int, batches: int) -> list[tuple[int, ...]]:
+    """Experts 0..span-1 in turn, `per_batch` at a time: each comes back every span / per_batch batches."""
+    return [tuple((t * per_batch + i) % span for i in range(per_batch)) for t in range(batches)]
+
+
+def test_on_a_loop_larger_than_the_cache_it_learns_what_min_does_and_lru_cannot():
+    """10 experts in turn, 2 a token, 8 slots: LRU evicts each expert just before it comes back (no hit at all);
+    MIN keeps 8 of the 10 for their next turn. The model learns that the experts just picked are the ones not
+    needed within the cache's lifetime."""
+    rates = hit_rates(loop(10, 2, 3000), 16, 8)
+    assert rates["lru"] == 0
+    assert rates["learned"] >= 0.97 * rates["min"] and rates["min"] > 0.75
+
+
+def test_where_the_model_loses_to_lru_it_evicts_as_lru_does():
+    """A working set that drifts every 60 tokens: what the model learned of one set misleads it on the next, and
+    its shadow hits less than LRU's; the live cache then follows LRU."""
+    batches = drifting_working_set()
+    policy = LearnedReuse(32, 6)
+    for batch in batches:
+        policy.observe(batch)
+    assert policy.follows_lru
+    rates = hit_rates(batches, 32, 6, ("learned", "lru"))
+    assert rates["learned"] >= rates["lru"] - 0.002
+
+
+def test_it_beats_adaptive_on_real_routing():
+    traces = read_traces([shared_trace("deepseek-v2-lite.jsonl.gz")])
+    traces.sequences = traces.sequences[:40]
+    result = rp.replay(traces, slots=[16], compare=("adaptive", "lru"), policy="learned", layers=[0, 12])
+    entry = result.capacities[0]
+    ps = entry.policies
+    assert ps["learned"].hit_rate > ps["adaptive"].hit_rate + 0.02 > ps["lru"].hit_rate
+    assert ps["learned"].misses_vs_min < ps["adaptive"].misses_vs_min
+    assert entry.gap_closed_vs_lru > 0.3
+
+
+def test_replay_is_deterministic_with_one_client_and_with_several(tmp_path):
+    traces = read_traces(synthetic_trace(tmp_path / "t.jsonl.gz", n_experts=16, seqs=6, tokens=60))
+    for processes in (1, 3):
+        one = rp.replay(traces, slots=[4, 8], policy="learned", processes=processes)
+        two = rp.replay(traces, slots=[4, 8], policy="learned", processes=processes, jobs=2)
+        assert one == two
+
+
+def test_its_state_stays_bounded_on_a_long_trace_from_many_clients():
+    rng = random.Random(0)
+    policy = LearnedReuse(32, 8)
+    sizes = None
+    for t in range(30_000):
+        policy.observe(rng.sample(range(32), 4), source=t % 100)
+        if t == 1000:
+            sizes = {k: v.nbytes for k, v in vars(policy).items() if isinstance(v, np.ndarray)}
+        assert len(policy._pending) <= learned.HORIZON_RANGE[1]
+        assert len(policy._recent) <= learned.MAX_SOURCES
+    assert sizes == {k: v.nbytes for k, v in vars(policy).items() if isinstance(v, np.ndarray)}
+    assert len(policy._lru_shadow) <= 8 and len(policy._model_shadow) <= 8
+    assert all(math.isfinite(s) for s in policy._score)
+    assert np.isfinite(policy._cross).all() and np.isfinite(policy._own).all()
+
+
+def test_it_never_evicts_a_pin_or_the_batch_being_loaded():
+    """On the loop, the model would evict the experts just picked; a pinned expert is never picked again and
+    ranks last. Neither goes: the store hands the policy only the others."""
+    store = LayerStore(16, 8, make_policy("learned", 8, 16))
+    store.pin([15], "permanent")
+    store.commit(store.reserve(15))
+    for batch in loop(10, 2, 2000):
+        store.observe(batch)
+        for expert in batch:
+            if store.slot(expert) < 0:
+                r = store.reserve(expert, keep=frozenset(batch))
+                assert r is not None and r.evicted not in batch and r.evicted != 15
+                store.commit(r)
+    assert store.pinned(15) and store.has(15)
+
+
+def test_a_small_report_is_one_batch_per_layer():
+    """moe-l2d folds a layer's hits and misses as one piece where they fit, so that the policy sees the lookups of
+    one forward as one batch."""
+    pieces = report_pieces({0: [[1, 2], [3]], 1: [[], [4]]}, {}, 8, {0: [3]})
+    assert [p[0] for p in pieces] == [{0: [[1, 2], [3]]}, {1: [[], [4]]}]
+    assert pieces[0][3] == {0: frozenset({1, 2, 3})} and pieces[0][4] == {0: [3]}
+    # Past the piece size, hits and misses go apart as before.
+    big = report_pieces({0: [list(range(6)), [6, 7, 8]]}, {}, 4)
+    assert [p[0] for p in big] == [{0: [[0, 1, 2, 3], []]}, {0: [[4, 5], []]}, {0: [[], [6, 7, 8]]}]
+
+
+def walk(batches: int, seed: int = 7) -> list[tuple[int, ...]]:
+    """Three experts a token, x, x+3 and x+7 of 16, x moving on by 1, 2 or 5: which experts come next follows from
+    the latest, and a token's lookups are partly hits, partly misses."""
+    rng, x, out = random.Random(seed), 0, []
+    for _ in range(batches):
+        x = (x + rng.choice((1, 2, 5))) % 16
+        out.append(tuple(sorted({x, (x + 3) % 16, (x + 7) % 16})))
+    return out
+
+
+def reference_hits(batches, slots: int, name: str) -> int:
+    """What a store evicting by `name` hits on `batches`, loading each batch's misses and never evicting the
+    batch: what moe-l2d and L0 do."""
+    store = LayerStore(16, slots, make_policy(name, slots, 16))
+    hits = 0
+    for batch in batches:
+        missing = [e for e in batch if store.slot(e) < 0]
+        hits += len(batch) - len(missing)
+        store.observe(batch)
+        for expert in missing:
+            store.commit(store.reserve(expert, keep=frozenset(batch)))
+    return hits
+
+
+def test_moe_l2d_and_l0_run_the_one_implementation(daemon_factory, model_dir, model_files):
+    """The same batches through a real moe-l2d started with --policy learned (reports, misses loaded before the
+    next) and through a real L0 pool with policy learned hit exactly where the store's reference does. The counts
+    tell apart LRU, and the learned policy fed one lookup at a time or a token's hits apart from its misses (the
+    reference's hits would be 163, 207 and 225 of 900)."""
+    slots, batches = 6, walk(300)
+    expected = reference_hits(batches, slots, "learned")
+    assert expected == 247
+
+    pool = ExpertPool(model_files, slots, policy="learned", grow=False)
+    try:
+        assert sum(pool.fetch(0, list(batch)).l0_hits for batch in batches) == expected
+    finally:
+        pool.close()
+
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, slots)), "--policy", "learned")
+    client = L2Client(model_files, daemon.socket, wait_s=5)
+    viewer = ExpertPool(model_files, model_files.top_k, client)
+    try:
+        view, seen = viewer._l2_view(), 0
+        for batch in batches:
+            held = view.lend(0, list(batch)).experts
+            hits = [e for e in batch if e in held]
+            misses = [e for e in batch if e not in held]
+            client.report(0, hits, misses, list(batch))
+            seen += len(batch)
+            wait_for(lambda: stats(daemon)["models"][0]["hits"] + stats(daemon)["models"][0]["misses"] == seen,
+                     what="the report")
+            wait_for(lambda: len(view.lend(0, misses).experts) == len(misses), what="the misses in L2")
+        assert stats(daemon)["models"][0]["hits"] == expected
+    finally:
+        viewer.close()
+        client.close()
