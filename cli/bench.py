@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="NAME[,NAME...]",
                         help=f"configurations to run, of {', '.join(CONFIGS)} (moe-l2+autopin: moe-l2 with "
                              "--l0-autopin, per-layer L0; moe-l2+load-through: moe-l2 with --no-fill-l2, as a "
-                             f"process of another user runs) (default {','.join(DEFAULT_CONFIGS)})")
+                             "process of another user runs; moe-l2+POLICY: moe-l2 with moe-l2d's --policy POLICY) "
+                             f"(default {','.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--scenario", choices=("cold-warm",),
                         help="cold-warm: the demo's scenario, each configuration's clients replaying their tokens "
                              "cold (nothing cached, a fresh daemon), again warm, then as new processes against what "

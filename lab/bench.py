@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 
 from moe_l2 import protocol
+from moe_l2.cache.policy import POLICIES
 
 from moe_l2.lab import lifeline
 from moe_l2.lab.cgroup import MemoryCgroup
@@ -33,8 +34,10 @@ from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
 from moe_l2.sizes import format_pct, format_size
 
-CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch", "moe-l2+autopin", "moe-l2+load-through")
-# moe-l2+autopin and moe-l2+load-through are asked for by name: autopin is off by default
+# moe-l2+POLICY: moe-l2 with moe-l2d evicting by POLICY (its --policy) instead of the default.
+POLICY_CONFIGS = tuple(f"moe-l2+{name}" for name in POLICIES)
+CONFIGS = ("page-cache", "pread", "moe-l2", "moe-l2+prefetch", "moe-l2+autopin", "moe-l2+load-through") + POLICY_CONFIGS
+# moe-l2+autopin, moe-l2+load-through and the policies are asked for by name: autopin is off by default
 # (docs/benchmarks.md, "Experimental options"), and load-through is what a process of another user than the
 # daemon's gets (moe-l2 with --no-fill-l2: docs/benchmarks.md, "Fills").
 DEFAULT_CONFIGS = CONFIGS[:4]
@@ -188,7 +191,8 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
         # The daemon (as every DaemonProcess) and the clients are tied to this process (lab/lifeline.py):
         # killed outright, it leaves no orphan holding segments; the cgroup has its own keeper.
         if plan["slots"]:
-            daemon = DaemonProcess.serving([files.path], plan["l2_budget"], "--log-level", "warning").start()
+            policy = ("--policy", config.removeprefix("moe-l2+")) if config in POLICY_CONFIGS else ()
+            daemon = DaemonProcess.serving([files.path], plan["l2_budget"], "--log-level", "warning", *policy).start()
         job = {"model": str(files.path), "capacity": plan["capacity"], "policy": stream.policy,
                "direct": config != "page-cache", "socket": daemon.socket if daemon else None,
                "cgroup": str(cgroup.path) if cgroup else None, "compute_ms": args.compute_ms,
