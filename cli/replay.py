@@ -161,7 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hint-prior", type=float, default=HINT_PRIOR, metavar="S",
                         help=f"strength of the domain prior a hint adds to the policy (default {HINT_PRIOR:g}; 0: none)")
     parser.add_argument("--order", choices=ORDERS, default="interleave",
-                        help="interleave: shuffle sequences with --seed; blocked: group them by domain")
+                        help="interleave: shuffle sequences with --seed; blocked: group them by domain; file: as "
+                             "the trace files hold them")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed for --order interleave (default 0)")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="replay the sequences as N clients would send them: each runs one sequence after "

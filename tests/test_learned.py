@@ -77,16 +77,17 @@ def test_replay_is_deterministic_with_one_client_and_with_several(tmp_path):
 
 
 def test_its_state_stays_bounded_on_a_long_trace_from_many_clients():
+    """100 clients in turn, 30,000 batches: the pending batches, the clients kept as context, the shadows and the
+    arrays stay within their bounds (a layer of 32 experts: under 40 KiB)."""
     rng = random.Random(0)
     policy = LearnedReuse(32, 8)
-    sizes = None
+    most = 0
     for t in range(30_000):
         policy.observe(rng.sample(range(32), 4), source=t % 100)
-        if t == 1000:
-            sizes = {k: v.nbytes for k, v in vars(policy).items() if isinstance(v, np.ndarray)}
         assert len(policy._pending) <= learned.HORIZON_RANGE[1]
         assert len(policy._recent) <= learned.MAX_SOURCES
-    assert sizes == {k: v.nbytes for k, v in vars(policy).items() if isinstance(v, np.ndarray)}
+        most = max(most, policy.nbytes)
+    assert most < 40 << 10
     assert len(policy._lru_shadow) <= 8 and len(policy._model_shadow) <= 8
     assert all(math.isfinite(s) for s in policy._score)
     assert np.isfinite(policy._cross).all() and np.isfinite(policy._own).all()

@@ -192,6 +192,35 @@ def test_blocked_order_groups_domains():
         rp.order_sequences(seqs, "random")
 
 
+def test_file_order_keeps_the_trace_and_processes_take_turns_token_by_token():
+    class S:
+        def __init__(self, experts):
+            self.experts = experts
+
+    seqs = [S([1, 2, 3]), S([4]), S([5, 6]), S([7, 8])]
+    assert rp.order_sequences(seqs, "file") == seqs
+    # Client 1 ends its sequence at once and takes the third; client 0 the fourth once its own ends.
+    assert rp.take_turns(seqs, 2) == ([1, 4, 2, 5, 3, 6, 7, 8], [0, 1, 0, 1, 0, 1, 0, 0])
+    assert rp.take_turns(seqs, 9) == ([1, 4, 5, 7, 2, 6, 8, 3], [0, 1, 2, 3, 0, 2, 3, 0])
+
+
+def test_loads_are_set_against_mins_and_as_bytes(tmp_path, capsys):
+    traces = read_traces(synthetic_trace(tmp_path / "t.jsonl.gz", seqs=4, tokens=30))
+    result = rp.replay(traces, slots=[2], compare=("lru",), record_bytes=1000)
+    ps = result.capacities[0].policies
+    assert ps["min"].misses_vs_min == 1.0 and ps["lru"].misses_vs_min == ps["lru"].loads / ps["min"].loads > 1
+    assert ps["lru"].bytes_per_token == 1000 * ps["lru"].loads / result.tokens
+    assert rp.replay(traces, slots=[2], compare=("lru",)).capacities[0].policies["lru"].bytes_per_token is None
+    with pytest.raises(rp.ReplayError, match="--processes"):
+        rp.replay(traces, slots=[2], processes=2, ceilings=True)
+    # The gpt-oss-20b trace's records are MXFP4 experts of 2880 x 2880: bytes per token in the table.
+    real = tmp_path / "g.jsonl.gz"
+    with TraceWriter(real, model="gpt-oss-20b", n_layers=1, n_experts=32, top_k=4) as w:
+        w.write([[[0, 1, 2, 3]], [[4, 5, 6, 7]]], seq="s")
+    assert replay_cmd.run(args_for(trace=[real], slots="4", jobs=1, compare="lru")) == 0
+    assert "disk read per token at 12.6 MiB a record" in capsys.readouterr().out
+
+
 def test_hints_preload_the_domain_and_help_after_switches(tmp_path):
     path = synthetic_trace(tmp_path / "t.jsonl.gz", n_experts=16, top_k=2, seqs=8, tokens=30)
     traces = read_traces(path)

@@ -116,6 +116,13 @@ class LearnedReuse:
             last[e] = clock
         self._shadows(picked)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory of its arrays now, pending batches included (at most HORIZON_RANGE[1] of them)."""
+        fixed = sum(a.nbytes for a in (self._own, self._cross, self._own_ms, self._cross_ms, self._decay,
+                                       self._counts, self._ones, self._last_picked))
+        return fixed + sum(sum(a.nbytes for a in (c, f, z)) for c, f, _, z in self._pending)
+
     def access(self, expert: int, count: int = 1) -> None:
         self.observe((expert,))
 

@@ -12,9 +12,10 @@ hint first, through the daemon's hint code (`LayerStore.apply_hint`: predict the
 experts within the pin budget and load them). Layers are independent, so they run on a process pool.
 
 Sequence order: `blocked` groups the sequences by domain (domains in name order, file order inside),
-`interleave` shuffles them with `--seed`. Results are deterministic for a given seed. `--processes N` runs them
-as N clients would: each takes the next sequence when its own ends, and they take turns token by token; the
-policy is told which client each token came from, as the daemon knows the sender of each report.
+`interleave` shuffles them with `--seed`, `file` keeps them as the files hold them. Results are deterministic
+for a given seed. `--processes N` runs them as N clients would: each takes the next sequence when its own ends,
+and they take turns token by token; the policy is told which client each token came from, as the daemon knows
+the sender of each report.
 
 Every policy's loads are also set against MIN's (`misses_vs_min`) and, where the record size is known, as bytes
 per token: what the disk reads.
@@ -51,7 +52,7 @@ from moe_l2.cache.profile import MIN_CONFIDENCE, Profile
 from moe_l2.cache.store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, LayerStore
 from moe_l2.cache.trace import TraceSet
 
-ORDERS = ("interleave", "blocked")
+ORDERS = ("interleave", "blocked", "file")
 DEFAULT_FRACTIONS = (0.25, 0.375, 0.5)
 SWITCH_WINDOW = 32  # tokens after a domain switch whose hit rate is reported on its own
 
@@ -68,6 +69,8 @@ def order_sequences(sequences: list, order: str, seed: int = 0) -> list:
         out = list(sequences)
         random.Random(seed).shuffle(out)
         return out
+    if order == "file":
+        return list(sequences)
     raise ReplayError(f"unknown order {order!r}; choose {' or '.join(ORDERS)}")
 
 
@@ -312,27 +315,19 @@ def take_turns(sequences: list, processes: int) -> tuple[list, list[int]]:
     """The tokens in the order `processes` clients would send them, each running the sequences it takes in turn
     (the next one when its own ends), the clients taking turns token by token; and the client of each token."""
     queue = iter(sequences)
-    running: list[tuple[int, Iterator]] = []
-    for client in range(processes):
-        sequence = next(queue, None)
-        if sequence is not None:
-            running.append((client, iter(sequence.experts)))
+    running: dict[int, Iterator] = {client: iter(()) for client in range(processes)}  # each one's tokens left
     tokens, sources = [], []
     while running:
-        still = []
-        for client, left in running:
-            token = next(left, None)
-            while token is None:
-                sequence = next(queue, None)
-                if sequence is None:
-                    break
-                left = iter(sequence.experts)
-                token = next(left, None)
-            if token is not None:
-                tokens.append(token)
-                sources.append(client)
-                still.append((client, left))
-        running = still
+        for client in list(running):
+            token = next(running[client], None)
+            while token is None and (sequence := next(queue, None)) is not None:
+                running[client] = iter(sequence.experts)
+                token = next(running[client], None)
+            if token is None:
+                del running[client]
+                continue
+            tokens.append(token)
+            sources.append(client)
     return tokens, sources
 
 
