@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 import random
 
+import msgpack
 import numpy as np
+import pytest
 
 from moe_l2.cache import learned
 from moe_l2.cache import replay as rp
@@ -177,3 +179,31 @@ def test_moe_l2d_and_l0_run_the_one_implementation(daemon_factory, model_dir, mo
     finally:
         viewer.close()
         client.close()
+
+
+def test_its_state_survives_a_restart_and_a_planted_state_is_refused():
+    """state() is what moe-l2d's heat file keeps (msgpack); restored, the policy ranks and evicts as it did. A state
+    that is damaged or planted is refused with a ValueError naming the field, before anything changes."""
+    rng = random.Random(0)
+    policy = LearnedReuse(32, 8)
+    for _ in range(2000):
+        policy.observe(rng.sample(range(32), 4))
+    saved = msgpack.unpackb(msgpack.packb(policy.state()))
+    restored = LearnedReuse(32, 8)
+    restored.restore(saved, 32)
+    assert restored.hottest(range(32)) == policy.hottest(range(32))
+    assert restored.victim(range(32)) == policy.victim(range(32))
+    n = 32
+    for bad, words in [({}, "fields"), ({**saved, "clock": -1}, "clock"), ({**saved, "clock": True}, "clock"),
+                       ({**saved, "last": [0] * (n - 1)}, "last picks"),
+                       ({**saved, "last": [saved["clock"] + 1] * n}, "last picks"),
+                       ({**saved, "own": [[float("nan")] * n] * 5}, "weights"),
+                       ({**saved, "counts": "x"}, "counts"), ({**saved, "counts": [[1e300] * n] * 3}, "counts"),
+                       ({**saved, "lru_shadow": [0, 0]}, "LRU shadow"), ({**saved, "model_shadow": [n]}, "model"),
+                       ({**saved, "duel": [1.0]}, "duel"), ({**saved, "batch_mean": [1, 2]}, "batch mean")]:
+        fresh = LearnedReuse(32, 8)
+        with pytest.raises(ValueError, match=words):
+            fresh.restore(bad, n)
+        assert fresh.state() == LearnedReuse(32, 8).state()
+    with pytest.raises(ValueError, match="64 experts"):
+        LearnedReuse(32, 8).restore(saved, 64)

@@ -43,6 +43,13 @@ MAX_SOURCES = 16
 SOURCE_TTL = 4
 _EPS = 1e-6
 _RESCALE = 1e100
+# Bounds of a restored state: no run reaches them (a decayed count stays under 1.5 x its half-life, an RMSprop
+# step moves a weight by about LEARNING_RATE), and anything past them is no state this code wrote.
+_MAX_COUNT = 1 << 62
+_MAX_COUNTS = 2 * max(HALF_LIVES)
+_MAX_WEIGHT = 1e6
+_MAX_SCORE = 1e9
+_MAX_DUEL = 1e6 * _RESCALE
 
 
 class LearnedReuse:
@@ -190,3 +197,70 @@ class LearnedReuse:
             return min(candidates, key=lambda c: (last[c], c))
         score = self._score
         return min(candidates, key=lambda c: (score[c], last[c], c))
+
+    def hottest(self, experts: Iterable[int]) -> list[int]:
+        last = self._last
+        if self.follows_lru:
+            return sorted(experts, key=lambda e: (-last[e], e))
+        score = self._score
+        return sorted(experts, key=lambda e: (-score[e], -last[e], e))
+
+    _STATE = ("clock", "batch_mean", "counts", "own", "own_ms", "last", "score", "lru_shadow", "model_shadow",
+              "duel", "duel_inc")
+
+    def state(self) -> dict:
+        """What a restart keeps: the per-expert part (clock, counts, own weights, scores, shadows, the duel), a
+        few numbers per expert. The cross weights (n_experts^2) are learned again, in a few hundred batches."""
+        return {"clock": self._clock, "batch_mean": self._batch_mean, "counts": self._counts.tolist(),
+                "own": self._own.tolist(), "own_ms": self._own_ms.tolist(), "last": list(self._last),
+                "score": list(self._score), "lru_shadow": list(self._lru_shadow),
+                "model_shadow": sorted(self._model_shadow), "duel": list(self._duel), "duel_inc": self._duel_inc}
+
+    def restore(self, state, n_experts: int) -> None:
+        """Take a state() read back from a file that may be damaged or planted: ValueError says what is wrong."""
+        if not isinstance(state, dict) or set(state) != set(self._STATE):
+            raise ValueError(f"the learned state is not a map of the fields {', '.join(self._STATE)}")
+        if n_experts != self.n_experts:
+            raise ValueError(f"the learned state is of {n_experts} experts, not {self.n_experts}")
+        n, clock = self.n_experts, state["clock"]
+        if type(clock) is not int or not 0 <= clock <= _MAX_COUNT:
+            raise ValueError(f"the learned clock is not a whole number from 0 to {_MAX_COUNT}")
+        last = state["last"]
+        if not isinstance(last, list) or len(last) != n or not all(type(t) is int and 0 <= t <= clock for t in last):
+            raise ValueError(f"the learned last picks are not {n} whole numbers from 0 to the clock")
+        counts = _numbers(state["counts"], self._counts.shape, 0, _MAX_COUNTS, "learned counts")
+        own = _numbers(state["own"], self._own.shape, -_MAX_WEIGHT, _MAX_WEIGHT, "learned weights")
+        own_ms = _numbers(state["own_ms"], self._own.shape, 0, _MAX_WEIGHT, "learned mean squares")
+        score = _numbers(state["score"], (n,), -_MAX_SCORE, _MAX_SCORE, "learned scores")
+        batch_mean = _numbers(state["batch_mean"], (), 0, n, "learned batch mean")
+        duel = _numbers(state["duel"], (2,), 0, _MAX_DUEL, "learned duel")
+        duel_inc = _numbers(state["duel_inc"], (), 1, 2 * _RESCALE, "learned duel increment")
+        lru = _experts(state["lru_shadow"], n, "learned LRU shadow")
+        model = _experts(state["model_shadow"], n, "learned model shadow")
+        self._clock, self._batch_mean, self._duel_inc = clock, float(batch_mean), float(duel_inc)
+        self._last = list(last)
+        self._last_picked = np.array(last, np.int64)
+        self._counts, self._own, self._own_ms = counts, own, own_ms
+        self._score, self._duel = score.tolist(), duel.tolist()
+        self._lru_shadow = OrderedDict.fromkeys(lru[-self.capacity:])
+        self._model_shadow = set(model[-self.capacity:])
+        self.follows_lru = self._duel[0] > self._duel[1]
+
+
+def _numbers(value, shape: tuple[int, ...], low: float, high: float, what: str) -> np.ndarray:
+    """A saved array (or number) of `shape`, every element a finite number from low to high, as float32."""
+    try:
+        array = np.array(value, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"the {what} are not numbers") from None
+    if array.shape != shape or not np.isfinite(array).all() or (array < low).any() or (array > high).any():
+        raise ValueError(f"the {what} are not {' x '.join(map(str, shape)) or 'one'} finite numbers from {low:g} "
+                         f"to {high:g}")
+    return array.astype(np.float32)
+
+
+def _experts(value, n_experts: int, what: str) -> list[int]:
+    if (not isinstance(value, list) or len(value) > n_experts
+            or not all(type(e) is int and 0 <= e < n_experts for e in value) or len(set(value)) != len(value)):
+        raise ValueError(f"the {what} is not a list of distinct experts 0..{n_experts - 1}")
+    return value
