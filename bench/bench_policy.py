@@ -13,9 +13,16 @@ Sections (each writes <results>/<section>.json and prints Markdown tables; --sec
                leaving whole subjects out (the component of `seq` before its last '/').
 - sensitivity: the adaptive policy with other half-life grids and windows, on every 6th layer: how much the
                result depends on its two parameters.
+- learned:     the learned policy against adaptive, LRU and MIN at the main section's points (all sequences,
+               blocked and interleave), then on the held-out sequences (the odd-numbered ones of the seed-0
+               shuffle; its settings were chosen on the others) in four mixes: interleave, blocked, blocked with
+               the domains in reverse order, and 4 client processes taking turns; all layers.
+- sweep:       the learned policy against LRU at every capacity, held-out sequences, every 6th layer.
+- cost:        microseconds per lookup of the store with LRU, adaptive and learned, taking turns; the learned
+               policy's memory per layer and per model.
 
     pip install matplotlib            # for the plot only; not a dependency of moe-l2
-    python bench/bench_policy.py [--traces ../shared/traces] [--sections main,hints,predictor,sensitivity]
+    python bench/bench_policy.py [--traces ../shared/traces] [--sections main,hints,predictor,sensitivity,...]
 """
 
 from __future__ import annotations
@@ -23,17 +30,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from moe_l2.sizes import format_pct
+from moe_l2.sizes import format_pct, format_size
+from moe_l2.cache import learned
 from moe_l2.cache import policy as policies
 from moe_l2.cache import replay as rp
 from moe_l2.cache.prediction import cross_validate
 from moe_l2.cache.profile import Profile
 from moe_l2.cache.trace import TraceSet, read_traces
+from moe_l2.model.synthetic import GEOMETRIES
 
 ROOT = Path(__file__).resolve().parents[1]
 FRACTIONS = (0.25, 0.375, 0.5)
@@ -59,7 +70,8 @@ def section_main(traces_by_file: dict, jobs: int) -> dict:
     for name, traces in traces_by_file.items():
         for order in ("blocked", "interleave"):
             start = time.time()
-            result = rp.replay(traces, slots=slots_for(traces.n_experts), order=order, seed=0, jobs=jobs).to_json()
+            result = rp.replay(traces, slots=slots_for(traces.n_experts), policy="adaptive", order=order, seed=0,
+                               jobs=jobs).to_json()
             result["seconds"] = time.time() - start
             out[f"{name}|{order}"] = result
             print(f"  {name} {order}: {result['seconds']:.0f} s", file=sys.stderr, flush=True)
@@ -150,8 +162,9 @@ def section_hints(traces_by_file: dict, jobs: int, layer_step: int) -> dict:
                 agg = {}
                 for train, test in ((halves[0], halves[1]), (halves[1], halves[0])):
                     profile = Profile.from_traces(subset(traces, train))
-                    r = rp.replay(subset(traces, test), slots=slots, order=order, seed=0, profile=profile,
-                                  compare=("lru",), belady=False, layers=layers, jobs=jobs, **kw).to_json()
+                    r = rp.replay(subset(traces, test), slots=slots, policy="adaptive", order=order, seed=0,
+                                  profile=profile, compare=("lru",), belady=False, layers=layers, jobs=jobs,
+                                  **kw).to_json()
                     for c in r["capacities"]:
                         a = agg.setdefault(c["slots"], {"hits": 0, "lookups": 0, "loads": 0, "preloads": 0,
                                                         "switch": [], "lru": [], "lru_switch": [],
@@ -253,8 +266,9 @@ def section_sensitivity(traces_by_file: dict, jobs: int, layer_step: int) -> dic
                 layers = list(range(0, traces.n_layers, layer_step))
                 for order in ("blocked", "interleave"):
                     # jobs=1: the spawned workers would not see the patched defaults.
-                    r = rp.replay(traces, slots=slots_for(traces.n_experts, (0.25, 0.5)), order=order, seed=0,
-                                  compare=("lru", "lfu"), belady=False, layers=layers, jobs=1).to_json()
+                    r = rp.replay(traces, slots=slots_for(traces.n_experts, (0.25, 0.5)), policy="adaptive",
+                                  order=order, seed=0, compare=("lru", "lfu"), belady=False, layers=layers,
+                                  jobs=1).to_json()
                     out[f"{variant}|{name}|{order}"] = {
                         c["slots"]: {n: c["policies"][n]["hit_rate"] for n in ("adaptive", "lru", "lfu")}
                         for c in r["capacities"]}
@@ -282,6 +296,166 @@ def report_sensitivity(results: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- learned --------------------------------------------------------------------------------------------
+
+# The learned policy's settings were chosen on the even-numbered sequences of the seed-0 shuffle, 5 layers of each
+# trace; the odd-numbered ones are held out, and every mix below of them is scored only once.
+MIXES = ("interleave", "blocked", "blocked, domains reversed", "4 processes")
+LEARNED_COMPARE = ("adaptive", "lru")
+
+
+def held_out(traces: TraceSet) -> TraceSet:
+    return subset(traces, rp.order_sequences(traces.sequences, "interleave", 0)[1::2])
+
+
+def mixed(traces: TraceSet, mix: str) -> tuple[TraceSet, dict]:
+    """The sequences as a mix runs them, and the replay arguments that run them so."""
+    if mix == "blocked, domains reversed":
+        domains = sorted({s.domain or "" for s in traces.sequences}, reverse=True)
+        ordered = [s for d in domains for s in traces.sequences if (s.domain or "") == d]
+        return subset(traces, ordered), {"order": "file"}
+    if mix == "4 processes":
+        return traces, {"order": "interleave", "processes": 4}
+    return traces, {"order": mix}
+
+
+def learned_point(c: dict) -> dict:
+    ps = c["policies"]
+    lru, ceiling = ps["lru"]["hit_rate"], ps["min"]["hit_rate"]
+    return {"slots": c["slots"], "share": c["share"],
+            **{n: {k: ps[n][k] for k in ("hit_rate", "misses_vs_min", "records_per_token", "bytes_per_token")}
+               for n in ("learned", *LEARNED_COMPARE, "min")},
+            "gap": {n: (ps[n]["hit_rate"] - lru) / (ceiling - lru) for n in ("learned", "adaptive")}}
+
+
+def section_learned(traces_by_file: dict, jobs: int) -> dict:
+    out = {}
+    for name, traces in traces_by_file.items():
+        record = record_bytes(traces.model)
+        runs = [("all", order, traces, {"order": order}) for order in ("blocked", "interleave")]
+        runs += [("held out", mix, *mixed(held_out(traces), mix)) for mix in MIXES]
+        for part, mix, chosen, kw in runs:
+            start = time.time()
+            r = rp.replay(chosen, slots=slots_for(traces.n_experts), policy="learned", compare=LEARNED_COMPARE,
+                          seed=0, jobs=jobs, record_bytes=record, **kw).to_json()
+            out[f"{name}|{part}|{mix}"] = [learned_point(c) for c in r["capacities"]]
+            print(f"  learned {name} {part} {mix}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def report_learned(results: dict) -> str:
+    lines = ["| trace | sequences | mix | slots | learned | adaptive | LRU | MIN | gap closed: learned (adaptive) | "
+             "misses vs MIN: learned (adaptive) | disk per token: learned / adaptive |", "|" + "---|" * 11]
+    groups: dict[str, list] = {}
+    for key, points in results.items():
+        name, part, mix = key.split("|")
+        for p in points:
+            groups.setdefault(part, []).append(p)
+            size = (f"{format_size(p['learned']['bytes_per_token'])} / {format_size(p['adaptive']['bytes_per_token'])}"
+                    if p["learned"]["bytes_per_token"] is not None else "-")
+            lines.append(f"| {name.split('.')[0]} | {part} | {mix} | {p['slots']} ({100 * p['share']:g}%) | "
+                         f"**{pct(p['learned']['hit_rate'])}** | {pct(p['adaptive']['hit_rate'])} | "
+                         f"{pct(p['lru']['hit_rate'])} | {pct(p['min']['hit_rate'])} | "
+                         f"{100 * p['gap']['learned']:.0f}% ({100 * p['gap']['adaptive']:.0f}%) | "
+                         f"{p['learned']['misses_vs_min']:.2f}x ({p['adaptive']['misses_vs_min']:.2f}x) | {size} |")
+    lines.append("")
+    for part, points in groups.items():
+        gaps = {n: sum(p["gap"][n] for p in points) / len(points) for n in ("learned", "adaptive")}
+        worst = {n: max(p[n]["misses_vs_min"] for p in points) for n in ("learned", "adaptive")}
+        below = sum(p["learned"]["hit_rate"] < p["adaptive"]["hit_rate"] for p in points)
+        lines.append(f"- {part} ({len(points)} points): gap closed on average {100 * gaps['learned']:.0f}% "
+                     f"(adaptive {100 * gaps['adaptive']:.0f}%); misses at most {worst['learned']:.2f}x MIN's "
+                     f"(adaptive {worst['adaptive']:.2f}x); below adaptive at {below}")
+    return "\n".join(lines)
+
+
+def section_sweep(traces_by_file: dict, jobs: int, layer_step: int) -> dict:
+    """The learned policy against LRU at every capacity (every other one past 32 slots), held-out sequences."""
+    out = {}
+    for name, traces in traces_by_file.items():
+        n = traces.n_experts
+        slots = [s for s in range(1, n) if s <= 32 or s % 2 == 0]
+        r = rp.replay(held_out(traces), slots=slots, policy="learned", compare=("lru",), belady=False, seed=0,
+                      layers=list(range(0, traces.n_layers, layer_step)), jobs=jobs).to_json()
+        out[name] = {c["slots"]: {p: c["policies"][p]["hits"] for p in ("learned", "lru")} | {
+            "lookups": c["policies"]["lru"]["lookups"]} for c in r["capacities"]}
+    return out
+
+
+def report_sweep(results: dict) -> str:
+    lines = []
+    for name, points in results.items():
+        diffs = {int(s): (p["learned"] - p["lru"]) / p["lookups"] for s, p in points.items()}
+        worst = min(diffs, key=diffs.get)
+        losses = [s for s, d in diffs.items() if d < 0]
+        lines.append(f"- {name.split('.')[0]}: {len(diffs)} capacities, learned minus LRU from "
+                     f"{100 * diffs[worst]:+.3f} points (at {worst} slots) to {100 * max(diffs.values()):+.1f}; "
+                     f"below LRU at {', '.join(map(str, losses)) or 'none'}")
+    return "\n".join(lines)
+
+
+def record_bytes(model: str) -> int | None:
+    geometry = GEOMETRIES.get(model)
+    return geometry.layout().nbytes if geometry is not None else None
+
+
+# ---- cost -----------------------------------------------------------------------------------------------
+
+COST_POLICIES = ("lru", "adaptive", "learned")
+
+
+def zipf_batches(n_experts: int, top_k: int, tokens: int, seed: int = 0) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) for i in range(n_experts)]
+    return [tuple(set(rng.choices(range(n_experts), weights, k=top_k))) for _ in range(tokens)]
+
+
+def section_cost(traces_by_file: dict, repeat: int = 3) -> dict:
+    """Microseconds per lookup of the store with each policy (replay_layer: the policy's work and the store's), the
+    policies taking turns; and the learned policy's memory per layer."""
+    cases = []
+    for name, traces in traces_by_file.items():
+        batches = [tuple(t[0]) for s in traces.sequences for t in s.experts][:20000]
+        for share in (0.25, 0.5):
+            cases.append((f"{name.split('.')[0]} layer 0", traces.n_experts, round(share * traces.n_experts), batches))
+    for n, k in ((128, 8), (256, 8)):
+        cases.append((f"zipf, {n} experts, top-{k}", n, n // 4, zipf_batches(n, k, 8000)))
+    out = {"lookups": {}, "memory": {}}
+    for label, n, slots, batches in cases:
+        times = {p: [] for p in COST_POLICIES}
+        for _ in range(repeat):
+            for p in COST_POLICIES:
+                start = time.perf_counter()
+                r = rp.replay_layer(rp.Task(0, slots, p, batches, n))
+                times[p].append((time.perf_counter() - start) / r["lookups"] * 1e6)
+        out["lookups"][f"{label}|{slots}|{n}"] = {p: statistics.median(t) for p, t in times.items()}
+    for geometry in GEOMETRIES.values():
+        out["memory"][geometry.name] = memory_of(geometry.n_experts, geometry.top_k, geometry.n_moe_layers)
+    out["memory"]["256 experts, top-8, 58 layers (DeepSeek-V3's shape)"] = memory_of(256, 8, 58)
+    return out
+
+
+def memory_of(n_experts: int, top_k: int, layers: int) -> dict:
+    """The learned policy's bytes per layer at its most (every pending batch held), and per model."""
+    policy = learned.LearnedReuse(n_experts, learned.HORIZON_RANGE[1] * top_k)
+    rng = random.Random(0)
+    for _ in range(4 * learned.HORIZON_RANGE[1]):
+        policy.observe(rng.sample(range(n_experts), top_k))
+    return {"layer": policy.nbytes, "model": policy.nbytes * layers, "layers": layers}
+
+
+def report_cost(results: dict) -> str:
+    lines = ["| stream | slots | LRU | adaptive | learned | learned / adaptive |", "|---|---|---|---|---|---|"]
+    for key, t in results["lookups"].items():
+        label, slots, n = key.split("|")
+        lines.append(f"| {label} | {slots} of {n} | {t['lru']:.1f} | {t['adaptive']:.1f} | {t['learned']:.1f} | "
+                     f"{t['learned'] / t['adaptive']:.2f}x |")
+    lines += ["", "| model | learned policy's memory per layer | per model |", "|---|---|---|"]
+    for name, m in results["memory"].items():
+        lines.append(f"| {name} ({m['layers']} layers) | {format_size(m['layer'])} | {format_size(m['model'])} |")
+    return "\n".join(lines)
+
+
 # ---- driver ---------------------------------------------------------------------------------------------
 
 
@@ -289,7 +463,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces",
                         help="folder of *.jsonl.gz traces (default ../shared/traces beside the repo)")
-    parser.add_argument("--sections", default="main,hints,predictor,sensitivity")
+    parser.add_argument("--sections", default="main,hints,predictor,sensitivity,learned,sweep,cost")
     parser.add_argument("--results", type=Path, default=Path(tempfile.gettempdir()) / "moe-l2-bench-policy",
                         help="where each section's JSON goes (and --report-only reads it)")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "policy-hit-rate.png")
@@ -310,6 +484,9 @@ def main() -> int:
         "hints": (lambda: section_hints(traces, args.jobs, args.layer_step), report_hints),
         "predictor": (lambda: section_predictor(traces), report_predictor),
         "sensitivity": (lambda: section_sensitivity(traces, args.jobs, args.layer_step), report_sensitivity),
+        "learned": (lambda: section_learned(traces, args.jobs), report_learned),
+        "sweep": (lambda: section_sweep(traces, args.jobs, args.layer_step), report_sweep),
+        "cost": (lambda: section_cost(traces), report_cost),
     }
     for section in sections:
         compute, report = runners[section]
