@@ -44,7 +44,7 @@ from moe_l2.cache import replay as rp
 from moe_l2.cache.prediction import cross_validate
 from moe_l2.cache.profile import Profile
 from moe_l2.cache.trace import TraceSet, read_traces
-from moe_l2.model.synthetic import GEOMETRIES
+from moe_l2.lab.synthetic import GEOMETRIES
 
 ROOT = Path(__file__).resolve().parents[1]
 FRACTIONS = (0.25, 0.375, 0.5)

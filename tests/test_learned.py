@@ -22,7 +22,6 @@ from moe_l2.client.pool import ExpertPool
 from moe_l2.daemon.server import report_pieces
 
 from .conftest import budget_for, shared_trace, stats, synthetic_trace, wait_for
-from .test_policy import drifting_working_set
 
 
 def hit_rates(batches, n_experts: int, slots: int, names=("learned", "lru", "min")) -> dict[str, float]:
@@ -45,6 +44,12 @@ def test_on_a_loop_larger_than_the_cache_it_learns_what_min_does_and_lru_cannot(
     rates = hit_rates(loop(10, 2, 3000), 16, 8)
     assert rates["lru"] == 0
     assert rates["learned"] >= 0.97 * rates["min"] and rates["min"] > 0.75
+
+
+def drifting_working_set(tokens=3000, seed=0) -> list[tuple[int, ...]]:
+    """Two of six experts a token, the six moving on by 5 of 32 every 60 tokens."""
+    rng = random.Random(seed)
+    return [tuple(rng.sample([(t // 60 * 5 + i) % 32 for i in range(6)], 2)) for t in range(tokens)]
 
 
 def test_where_the_model_loses_to_lru_it_evicts_as_lru_does():
@@ -114,12 +119,13 @@ def test_it_never_evicts_a_pin_or_the_batch_being_loaded():
 def test_a_small_report_is_one_batch_per_layer():
     """moe-l2d folds a layer's hits and misses as one piece where they fit, so that the policy sees the lookups of
     one forward as one batch."""
-    pieces = report_pieces({0: [[1, 2], [3]], 1: [[], [4]]}, {}, 8, {0: [3]})
-    assert [p[0] for p in pieces] == [{0: [[1, 2], [3]]}, {1: [[], [4]]}]
-    assert pieces[0][3] == {0: frozenset({1, 2, 3})} and pieces[0][4] == {0: [3]}
+    pieces = report_pieces({0: [[1, 2], [3]], 1: [[], [4]]}, {}, 8, {0: [3]}, {1: [4]})
+    assert [p.layers for p in pieces] == [{0: [[1, 2], [3]]}, {1: [[], [4]]}]
+    assert pieces[0].keep == {0: frozenset({1, 2, 3})} and pieces[0].notify == {0: [3]} and not pieces[0].given
+    assert pieces[1].given == {1: [4]}
     # Past the piece size, hits and misses go apart as before.
     big = report_pieces({0: [list(range(6)), [6, 7, 8]]}, {}, 4)
-    assert [p[0] for p in big] == [{0: [[0, 1, 2, 3], []]}, {0: [[4, 5], []]}, {0: [[], [6, 7, 8]]}]
+    assert [p.layers for p in big] == [{0: [[0, 1, 2, 3], []]}, {0: [[4, 5], []]}, {0: [[], [6, 7, 8]]}]
 
 
 def walk(batches: int, seed: int = 7) -> list[tuple[int, ...]]:

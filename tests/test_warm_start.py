@@ -62,9 +62,10 @@ def teach(daemon, files) -> None:
     wait_for(reported, what="the client's reports", detail=daemon.log)
 
 
-def test_a_daemon_stopped_and_started_again_holds_what_it_held(daemon_factory, model_dir, model_files):
+@pytest.mark.parametrize("policy", ["adaptive", "learned"])
+def test_a_daemon_stopped_and_started_again_holds_what_it_held(policy, daemon_factory, model_dir, model_files):
     budget = str(budget_for(model_files, SLOTS))
-    first = daemon_factory([model_dir], budget)
+    first = daemon_factory([model_dir], budget, "--policy", policy)
     teach(first, model_files)
     before = held(settled(first))
     assert all(experts for experts, _ in before) and before[1][1] == [11]
@@ -73,7 +74,7 @@ def test_a_daemon_stopped_and_started_again_holds_what_it_held(daemon_factory, m
     assert os.stat(saved).st_mode & 0o777 == 0o600
     heat = decode(saved.read_bytes(), model_files)
 
-    second = daemon_factory([model_dir], budget, runtime_dir=first.runtime_dir)
+    second = daemon_factory([model_dir], budget, "--policy", policy, runtime_dir=first.runtime_dir)
     m = settled(second)  # no client has connected
     assert held(m) == before
     records = sum(len(experts) for experts, _ in before)
@@ -87,7 +88,7 @@ def test_a_daemon_stopped_and_started_again_holds_what_it_held(daemon_factory, m
     assert again.layers == heat.layers and again.saved_at > heat.saved_at
 
     # What is preloaded is the model's bytes, copied from L2 without a disk read.
-    third = daemon_factory([model_dir], budget, runtime_dir=first.runtime_dir)
+    third = daemon_factory([model_dir], budget, "--policy", policy, runtime_dir=first.runtime_dir)
     settled(third)
     client = L2Client(model_files, third.socket, wait_s=5)
     pool = ExpertPool(model_files, capacity=SLOTS, client=client)

@@ -240,15 +240,16 @@ class LearnedReuse:
         self._clock, self._batch_mean, self._duel_inc = clock, float(batch_mean), float(duel_inc)
         self._last = list(last)
         self._last_picked = np.array(last, np.int64)
-        self._counts, self._own, self._own_ms = counts, own, own_ms
+        self._counts, self._own, self._own_ms = (a.astype(np.float32) for a in (counts, own, own_ms))
         self._score, self._duel = score.tolist(), duel.tolist()
+        # A smaller store keeps the most recent of LRU's shadow and the best scored of the model's.
         self._lru_shadow = OrderedDict.fromkeys(lru[-self.capacity:])
-        self._model_shadow = set(model[-self.capacity:])
+        self._model_shadow = set(sorted(model, key=lambda e: (score[e], e))[-self.capacity:])
         self.follows_lru = self._duel[0] > self._duel[1]
 
 
 def _numbers(value, shape: tuple[int, ...], low: float, high: float, what: str) -> np.ndarray:
-    """A saved array (or number) of `shape`, every element a finite number from low to high, as float32."""
+    """A saved array (or number) of `shape`, every element a finite number from low to high."""
     try:
         array = np.array(value, dtype=np.float64)
     except (TypeError, ValueError, OverflowError):
@@ -256,7 +257,7 @@ def _numbers(value, shape: tuple[int, ...], low: float, high: float, what: str) 
     if array.shape != shape or not np.isfinite(array).all() or (array < low).any() or (array > high).any():
         raise ValueError(f"the {what} are not {' x '.join(map(str, shape)) or 'one'} finite numbers from {low:g} "
                          f"to {high:g}")
-    return array.astype(np.float32)
+    return array
 
 
 def _experts(value, n_experts: int, what: str) -> list[int]:
