@@ -144,8 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="expert slots per layer to try (default: 25%%, 37.5%% and 50%% of the experts)")
     parser.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                         help=f"policy under test (default {DEFAULT_POLICY})")
-    parser.add_argument("--compare", default="lru,lfu",
-                        help="comparison policies, comma-separated (default lru,lfu); Belady's MIN always runs")
+    parser.add_argument("--compare", default="adaptive,lru,lfu",
+                        help="comparison policies, comma-separated (default adaptive,lru,lfu); Belady's MIN always "
+                             "runs")
     parser.add_argument("--profile", type=path_arg, metavar="P.json",
                         help="profile from moe-l2 profile (for --hints, --prior)")
     parser.add_argument("--hints", action="store_true",

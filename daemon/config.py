@@ -323,7 +323,8 @@ OPTIONS = (
     Option("metrics_public", Switch(), False, help="allow --metrics on an address other hosts can reach: the "
            "figures name models, paths and clients"),
     Option("policy", Choice(tuple(sorted(POLICIES))), DEFAULT_POLICY, scope=BOTH,
-           help="eviction policy: adaptive is a decayed frequency whose half-life follows the workload "
+           help="eviction policy: learned evicts what an online model of each layer's routing finds least likely "
+           "to be picked soon; adaptive is a decayed frequency whose half-life follows the workload "
            "(docs/policy-report.md); also per [[model]]"),
     Option("direct_io", Choice(tuple(sorted(DIRECT_IO)), DIRECT_IO), "auto", scope=BOTH,
            help="read model files with O_DIRECT (Linux) / F_NOCACHE (macOS); auto does for packed models, whose "

@@ -147,7 +147,7 @@ def test_profile_flags_and_toml(tmp_path):
     each = load("--model", "/a", "--model", "/b", "--budget", "1G", "--profile", "/p", "--profile", "/q")
     assert [str(m.profile) for m in each.models] == ["/p", "/q"]
     assert load("--model", "/a", "--budget", "1G").models[0].profile is None
-    assert load("--model", "/a", "--budget", "1G").models[0].policy == "adaptive"
+    assert load("--model", "/a", "--budget", "1G").models[0].policy == "learned"
     with pytest.raises(ConfigError, match="--profile once, or once per --model"):
         load("--model", "/a", "--model", "/b", "--model", "/c", "--budget", "1G", "--profile", "/p", "--profile", "/q")
     toml = tmp_path / "c.toml"

@@ -1,4 +1,5 @@
-"""The adaptive policy (the daemon's default), its hooks, and how the stores use it."""
+"""The adaptive, LRU and LFU policies, the policies' hooks, and how the stores use them (the learned policy:
+tests/test_learned.py)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,14 @@ def drifting_working_set(seed=0, tokens=3000, n_experts=32):
     return out
 
 
-def test_default_policy_is_adaptive_and_the_store_tells_it_the_capacity():
-    assert DEFAULT_POLICY == "adaptive"
-    policy = make_policy(DEFAULT_POLICY)
+def test_the_store_tells_a_policy_its_capacity():
+    policy = make_policy("adaptive")
     LayerStore(16, 5, policy)
     assert policy.capacity == 5
     assert make_policy("adaptive", capacity=3).capacity == 3
+    learned = make_policy(DEFAULT_POLICY, 3, 16)
+    LayerStore(16, 5, learned)
+    assert DEFAULT_POLICY == "learned" and learned.capacity == 5
 
 
 def test_adaptive_follows_frequency_when_frequency_wins():
@@ -97,8 +100,8 @@ def test_scores_stay_finite_over_long_runs():
 
 
 def test_every_policy_runs_in_the_store_with_pins():
-    for name in ("adaptive", "lru", "lfu"):
-        store = LayerStore(16, 4, make_policy(name, 4))
+    for name in ("adaptive", "lru", "lfu", "learned"):
+        store = LayerStore(16, 4, make_policy(name, 4, 16))
         store.pin([0], "permanent")
         for e in range(16):
             store.observe([e])

@@ -170,7 +170,7 @@ def test_replay_is_deterministic_for_a_seed_and_min_is_the_ceiling(tmp_path):
     assert other.capacities[0].policies["lru"] != one.capacities[0].policies["lru"]
     for entry in one.capacities:
         ceiling = entry.policies["min"].hit_rate
-        for name in ("adaptive", "lru", "lfu"):
+        for name in ("learned", "adaptive", "lru", "lfu"):
             assert entry.policies[name].hit_rate <= ceiling
             assert len(entry.policies[name].per_layer) == traces.n_layers
     assert one.capacities[1].policies["min"].hit_rate >= one.capacities[0].policies["min"].hit_rate
@@ -225,9 +225,11 @@ def test_hints_preload_the_domain_and_help_after_switches(tmp_path):
     path = synthetic_trace(tmp_path / "t.jsonl.gz", n_experts=16, top_k=2, seqs=8, tokens=30)
     traces = read_traces(path)
     profile = Profile.from_traces(traces)
-    plain = rp.replay(traces, slots=[8], order="interleave", seed=1, profile=profile, compare=("lru",))
-    hinted = rp.replay(traces, slots=[8], order="interleave", seed=1, profile=profile, hints="prompt",
-                       compare=("lru",))
+    # The adaptive policy: a hint's domain prior goes into its scores.
+    plain = rp.replay(traces, slots=[8], policy="adaptive", order="interleave", seed=1, profile=profile,
+                      compare=("lru",))
+    hinted = rp.replay(traces, slots=[8], policy="adaptive", order="interleave", seed=1, profile=profile,
+                       hints="prompt", compare=("lru",))
     p, h = plain.capacities[0].policies["adaptive"], hinted.capacities[0].policies["adaptive"]
     assert hinted.hint_stats["hints_sent"] == 8 and hinted.hint_stats["predicted_correctly"] == 8
     assert h.preloads > 0 and p.preloads == 0
@@ -243,7 +245,7 @@ def test_replay_command_prints_a_table_and_json(tmp_path, capsys):
     assert "hit rate (%) per capacity" in out and "per layer hit rate" in out and "order blocked" in out
     assert replay_cmd.run(args_for(trace=[path], slots="2", jobs=1, json=True, compare="lru")) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data["capacities"][0]["policies"]) == {"adaptive", "lru", "min"}
+    assert set(data["capacities"][0]["policies"]) == {"learned", "lru", "min"}
 
 
 @pytest.mark.parametrize("kw, words, status", [
@@ -298,5 +300,5 @@ def test_replay_on_a_slice_of_the_real_traces():
     result = rp.replay(traces, slots=[8, 16], layers=[0], order="interleave", seed=0)
     for entry in result.capacities:
         ps = entry.policies
-        assert all(ps[n].hit_rate <= ps["min"].hit_rate for n in ("adaptive", "lru", "lfu"))
+        assert all(ps[n].hit_rate <= ps["min"].hit_rate for n in ("learned", "adaptive", "lru", "lfu"))
         assert 0.3 < ps["lru"].hit_rate < 1.0

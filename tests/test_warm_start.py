@@ -172,7 +172,9 @@ def test_a_heat_file_that_is_not_the_daemons_own_is_ignored_in_one_line(case, da
 
     directory = short_tempdir()
     says = plant(directory / file_name(model_files.fingerprint), case, model_files)
-    daemon = daemon_factory([model_dir], str(budget_for(model_files, SLOTS)), runtime_dir=directory)
+    # The planted files are the adaptive policy's: a daemon of another policy would not read their states.
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, SLOTS)), "--policy", "adaptive",
+                            runtime_dir=directory)
     lines = [line for line in daemon.log().splitlines() if "heat" in line]
     assert len(lines) == 1 and "ignoring the heat file" in lines[0] and says in lines[0], daemon.log()
     assert "Traceback" not in daemon.log()

@@ -5,13 +5,15 @@ candidates the store allows (resident, not pinned, not loading).
 
 - ``lru``: least recently used.
 - ``lfu``: frequency with exponential decay (half-life 2048 accesses).
-- ``adaptive`` (the default): LRFU, decayed frequency, whose half-life is chosen online. Six shadow caches
+- ``adaptive``: LRFU, decayed frequency, whose half-life is chosen online. Six shadow caches
   of the same capacity, each ranking experts with its own half-life (1 access: exactly LRU; 16, 64, 256,
   1024; 4096 accesses: almost LFU), watch the same accesses; the live cache evicts by the ranking of the
   shadow that has hit most over the latest ~4096 accesses. A profile's expert frequencies can seed the
   scores (``set_prior``), as if the layer had already seen that much traffic. See docs/policy-report.md.
-- ``learned``: evicts the expert an online model of the layer's routing finds least likely to be picked
-  within the cache's lifetime (src/moe_l2/cache/learned.py), LRU's ranking while LRU would do better.
+- ``learned`` (the default): evicts the expert an online model of the layer's routing finds least likely to be
+  picked within the cache's lifetime (src/moe_l2/cache/learned.py), LRU's ranking while LRU would do better.
+  It reads fewer records than ``adaptive`` at every point measured (docs/policy-report.md, "The learned
+  policy").
 - ``BeladyMIN`` is the offline optimum (it needs the future); `moe-l2 replay` uses it as the ceiling.
 
 Optional hooks a store calls when a policy has them: ``set_capacity(n_slots)``, ``set_prior(weights)``,
@@ -346,7 +348,7 @@ class BeladyMIN:
 
 
 POLICIES = {"adaptive": AdaptiveLRFU, "lru": LRU, "lfu": LFUDecay, "learned": LearnedReuse}
-DEFAULT_POLICY = "adaptive"
+DEFAULT_POLICY = "learned"
 
 
 def restored_policy(name: str, state, n_experts: int, capacity: int | None = None):

@@ -6,8 +6,8 @@ picked are looked up (hit: resident), the policy is told of every access, and th
 (reserve + commit, evicting what the policy names). Loads complete before the next token, so the numbers
 are the policy's, not the disk's. No shared memory is touched.
 
-Beside the chosen policy every capacity is also run with the comparison policies (LRU and LFU by default)
-and with Belady's MIN, the offline optimum, as the ceiling. `--hints` sends each sequence's prompt as a
+Beside the chosen policy every capacity is also run with the comparison policies (adaptive, LRU and LFU by
+default) and with Belady's MIN, the offline optimum, as the ceiling. `--hints` sends each sequence's prompt as a
 hint first, through the daemon's hint code (`LayerStore.apply_hint`: predict the domain, pin its top
 experts within the pin budget and load them). Layers are independent, so they run on a process pool.
 
@@ -354,7 +354,7 @@ def parse_slots(text: str | None, n_experts: int) -> list[int]:
     return values
 
 
-def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, compare=("lru", "lfu"),
+def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, compare=("adaptive", "lru", "lfu"),
            order: str = "interleave", seed: int = 0, profile: Profile | None = None, hints: str | None = None,
            prior: float = 0.0, hint_share: float = HINT_PIN_SHARE, hint_prior: float = HINT_PRIOR,
            hint_lift: float = HINT_MIN_LIFT,
