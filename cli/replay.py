@@ -12,7 +12,8 @@ from moe_l2.cache.heat import AUTOPIN_SHARE
 from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
 from moe_l2.cache.prefetch import REPLAY_PREDICTORS
 from moe_l2.cache.profile import Profile, ProfileError
-from moe_l2.cache.replay import ORDERS, ReplayError, ReplayResult, parse_slots, replay
+from moe_l2.cache.replay import ORDERS, ReplayError, parse_slots, replay
+from moe_l2.cache.replay_results import ReplayResult
 from moe_l2.cache.store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR
 from moe_l2.cache.trace import TraceError, read_traces
 from moe_l2.cli.flags import add_renamed

@@ -37,7 +37,7 @@ import random
 from array import array
 from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 from multiprocessing import get_context
 
 import numpy as np
@@ -48,6 +48,7 @@ from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
 from moe_l2.cache.prediction import PredictorError
 from moe_l2.cache.prefetch import REPLAY_PREDICTORS, guess_streams
 from moe_l2.cache.score import Score
+from moe_l2.cache.replay_results import ReplayResult, Tally
 from moe_l2.cache.profile import MIN_CONFIDENCE, Profile
 from moe_l2.cache.store import HINT_MIN_LIFT, HINT_PIN_SHARE, HINT_PRIOR, LayerStore
 from moe_l2.cache.trace import TraceSet
@@ -105,111 +106,6 @@ def plan_hints(sequences: list, profile: Profile, source: str = "prompt") -> tup
         domains.append(domain)
     return HintPlan(tuple(starts), tuple(domains)), {"hints_sent": sent, "confident": confident,
                                                      "predicted_correctly": correct}
-
-
-def _rate(hits: int, lookups: int) -> float | None:
-    return hits / lookups if lookups else None
-
-
-@dataclass(frozen=True)
-class _Lookups:
-    """Lookups over the replayed layers, and of them the hits; to_json leads with the hit rate."""
-
-    hits: int
-    lookups: int
-
-    @property
-    def hit_rate(self) -> float | None:
-        return _rate(self.hits, self.lookups)
-
-    def to_json(self) -> dict:
-        return {"hit_rate": self.hit_rate, **asdict(self)}
-
-
-@dataclass(frozen=True)
-class PolicyResult(_Lookups):
-    """One policy at one capacity, over the replayed layers."""
-
-    loads: int
-    preloads: int                     # loads a hint made before its sequence
-    per_layer: list[float | None]     # each replayed layer's hit rate, in ReplayResult.layers' order
-    records_per_token: float | None   # loads per token over all layers
-    switch_hit_rate: float | None = None  # over the tokens after domain switches (the policy under test and LRU)
-    misses_vs_min: float | None = None    # loads against Belady's MIN's at the same capacity
-    bytes_per_token: float | None = None  # records_per_token times the record's bytes, where known
-
-
-@dataclass(frozen=True)
-class PrefetchResult(_Lookups):
-    """The policy under test at one capacity with a next-layer predictor's guesses loaded ahead."""
-
-    loads: int                         # demand loads
-    prefetch_loads: int
-    useful: int                        # prefetched experts demanded before their eviction
-    wasted: int                        # prefetched experts evicted undemanded
-    records_per_token: float | None    # demand loads and prefetches per token over all layers
-    records_vs_demand: float | None    # against the demand policy's records_per_token
-    per_layer: list[float | None]
-
-
-@dataclass(frozen=True)
-class CapacityResult:
-    """Every policy (and prefetch predictor) at one capacity."""
-
-    slots: int                             # expert slots per layer
-    share: float                           # of the layer's experts
-    policies: dict[str, PolicyResult]      # the policy under test first, then the comparisons and "min"
-    prefetch: dict[str, PrefetchResult]    # per predictor (--prefetch)
-    gap_closed_vs_lru: float | None = None  # the share of LRU's distance to MIN the policy under test covers
-
-    def to_json(self) -> dict:
-        return {"slots": self.slots, "share": self.share,
-                "policies": {name: r.to_json() for name, r in self.policies.items()},
-                "prefetch": {name: r.to_json() for name, r in self.prefetch.items()},
-                "gap_closed_vs_lru": self.gap_closed_vs_lru}
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """What `replay` measured, and the run's settings (to_json: `moe-l2 replay --json`'s object)."""
-
-    traces: list[str]
-    model: str
-    n_layers: int
-    n_experts: int
-    top_k: int
-    sequences: int                   # scored (with --prefetch: those the predictors did not learn from)
-    tokens: int
-    order: str
-    seed: int
-    policy: str
-    compare: list[str]               # the other policies run, "min" included
-    profile: str | None
-    hints: str | None                # None, "prompt" or "oracle"
-    hint_stats: dict | None          # hints_sent, confident, predicted_correctly (plan_hints)
-    prior: float
-    hint_share: float
-    hint_prior: float
-    hint_lift: float
-    layers: list[int]
-    switch_window: int               # tokens after a domain switch that switch_hit_rate covers
-    domain_switches: int
-    capacities: list[CapacityResult]
-    prefetch: list[str]              # the predictors scored
-    prefetch_k: int | None           # their guesses per token and layer
-    trained_on: dict                 # sequences and tokens the predictors and ceilings learned from
-    ceilings: dict[int, list[int]]   # --ceilings: per capacity (slots), each replayed layer's slots
-    autopin: bool                    # --autopin: "<policy>+autopin" and "lru+autopin" were run
-    prefetch_scores: dict[str, Score]
-    processes: int = 1               # clients taking turns token by token
-    record_bytes: int | None = None  # one expert's record, for bytes per token
-
-    def to_json(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["capacities"] = [c.to_json() for c in self.capacities]
-        out["ceilings"] = {str(slots): rows for slots, rows in self.ceilings.items()}
-        out["prefetch_scores"] = {name: score.as_dict() for name, score in self.prefetch_scores.items()}
-        return out
 
 
 @dataclass(frozen=True)
@@ -377,6 +273,58 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
     the ceilings variants are, on every sequence and reported under each capacity alike.
     processes: clients taking turns token by token (take_turns); hints, prefetch and ceilings need one.
     record_bytes: one record's size, for bytes per token."""
+    _check_choices(traces, policy, compare, profile, hints, processes, prefetch, ceilings or layer_rows is not None)
+    layers = _checked_layers(traces, layers)
+    sequences, trained_on = _split_training(order_sequences(traces.sequences, order, seed),
+                                            bool(prefetch or ceilings), train)
+    plan, hint_stats = (None, None)
+    if hints:
+        try:
+            plan, hint_stats = plan_hints(sequences, profile, hints)
+        except PredictorError as exc:
+            raise ReplayError(str(exc)) from None
+    tokens, sources = ([token for s in sequences for token in s.experts], None) if processes == 1 else \
+        take_turns(sequences, processes)
+    streams = {layer: [tuple(token[layer]) for token in tokens] for layer in layers}
+    names = [policy] + [c for c in compare if c != policy] + (["min"] if belady else [])
+    tasks = [Task(layer, n_slots, name, streams[layer], traces.n_experts, hints=plan if name == policy else None,
+                  profile=profile if name == policy else None, prior=prior if name == policy else 0.0,
+                  hint_share=hint_share, hint_prior=hint_prior, record_tokens=name in (policy, "lru"),
+                  hint_lift=hint_lift, sources=sources)
+             for n_slots in slots for name in names for layer in layers]
+    # The variants (ceilings, autopin) run the policy under test and L0's LRU.
+    variants = list(dict.fromkeys((policy, "lru")))
+    split_slots = _ceiling_slots(traces, trained_on, layers, slots, layer_rows) \
+        if ceilings or layer_rows is not None else {}
+    for n_slots, rows in split_slots.items():
+        tasks += [Task(layer, n, name, streams[layer], traces.n_experts, point=n_slots, label=f"{name}+ceilings")
+                  for name in variants for layer, n in zip(layers, rows)]
+    if autopin:
+        tasks += [Task(layer, n_slots, name, streams[layer], traces.n_experts, autopin_top_k=traces.top_k,
+                       label=f"{name}+autopin", sources=sources)
+                  for n_slots in slots for name in variants for layer in layers]
+    k = traces.top_k if prefetch_k is None else prefetch_k
+    scores = _prefetch_tasks(traces, prefetch, k, trained_on, sequences, slots, layers, policy, streams, tasks)
+    for extra, asked in (("ceilings", bool(split_slots)), ("autopin", autopin)):
+        names += [f"{name}+{extra}" for name in variants] if asked else []
+    tally = Tally(tasks, _run_tasks(tasks, jobs), names, policy, layers, streams, prefetch,
+                  sum(s.n_tokens for s in sequences), _domain_starts(sequences, processes), switch_window,
+                  record_bytes)
+    return ReplayResult(
+        traces=traces.paths, model=traces.model, n_layers=traces.n_layers, n_experts=traces.n_experts,
+        top_k=traces.top_k, sequences=len(sequences), tokens=tally.n_tokens, order=order, seed=seed, policy=policy,
+        compare=[n for n in names if n != policy], profile=profile.path if profile is not None else None,
+        hints=hints, hint_stats=hint_stats, prior=prior, hint_share=hint_share, hint_prior=hint_prior,
+        hint_lift=hint_lift, layers=layers, switch_window=switch_window, domain_switches=len(tally.starts),
+        capacities=[tally.capacity(n_slots, traces.n_experts) for n_slots in slots], prefetch=list(prefetch),
+        prefetch_k=k if prefetch else None,
+        trained_on={"sequences": len(trained_on), "tokens": sum(s.n_tokens for s in trained_on)},
+        ceilings=split_slots, autopin=autopin, prefetch_scores=scores, processes=processes,
+        record_bytes=record_bytes)
+
+
+def _check_choices(traces: TraceSet, policy: str, compare, profile: Profile | None, hints: str | None,
+                   processes: int, prefetch: tuple[str, ...], ceilings: bool) -> None:
     if policy not in POLICIES:
         raise ReplayError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     for name in compare:
@@ -388,72 +336,58 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         raise ReplayError("--hints needs --profile: the predictor and the domains' experts come from a profile")
     if processes < 1:
         raise ReplayError(f"--processes must be at least 1, got {processes}")
-    if processes > 1 and (hints or prefetch or ceilings or layer_rows is not None):
+    if processes > 1 and (hints or prefetch or ceilings):
         raise ReplayError("--processes replays one client's tokens after another's: --hints, --prefetch and "
                           "--ceilings follow one client's sequences, so give them without --processes")
-    sequences = order_sequences(traces.sequences, order, seed)
-    trained_on = []
     for name in prefetch:
         if name not in REPLAY_PREDICTORS:
             raise ReplayError(f"unknown prefetch predictor {name!r}; choose from {', '.join(REPLAY_PREDICTORS)}")
     if prefetch and traces.n_layers < 2:
         raise ReplayError("--prefetch needs a trace of at least two MoE layers")
-    if prefetch or ceilings:
-        if not 0 <= train < 1:
-            raise ReplayError(f"--train is the share of sequences to learn from, in [0, 1); got {train}")
-        split = round(train * len(sequences))
-        if split >= len(sequences):
-            raise ReplayError("--train leaves no sequence to score on: lower it or give more sequences")
-        trained_on, sequences = sequences[:split], sequences[split:]
+
+
+def _checked_layers(traces: TraceSet, layers: list[int] | None) -> list[int]:
     layers = list(range(traces.n_layers)) if layers is None else layers
     for layer in layers:
         if not 0 <= layer < traces.n_layers:
             raise ReplayError(f"layer {layer} out of range 0..{traces.n_layers - 1}")
-    plan, hint_stats = (None, None)
-    if hints:
-        try:
-            plan, hint_stats = plan_hints(sequences, profile, hints)
-        except PredictorError as exc:
-            raise ReplayError(str(exc)) from None
-    tokens, sources = ([token for s in sequences for token in s.experts], None) if processes == 1 else \
-        take_turns(sequences, processes)
-    streams = {layer: [tuple(token[layer]) for token in tokens] for layer in layers}
-    names = [policy] + [c for c in compare if c != policy] + (["min"] if belady else [])
-    tasks = []
-    for n_slots in slots:
-        for name in names:
-            chosen = name == policy
-            for layer in layers:
-                tasks.append(Task(layer, n_slots, name, streams[layer], traces.n_experts,
-                                  hints=plan if chosen else None, profile=profile if chosen else None,
-                                  prior=prior if chosen else 0.0, hint_share=hint_share,
-                                  hint_prior=hint_prior, record_tokens=name in (policy, "lru"),
-                                  hint_lift=hint_lift, sources=sources))
-    # The variants (ceilings, autopin) run the policy under test and L0's LRU.
-    variants = list(dict.fromkeys((policy, "lru")))
-    split_slots = {}
-    if layer_rows is not None and len(layer_rows) != len(layers):
-        raise ReplayError(f"{len(layer_rows)} layer ceilings for {len(layers)} replayed layers: give one per layer")
-    if ceilings or layer_rows is not None:
-        curves = sequence_curves(trained_on, layers, traces.n_experts) if layer_rows is None else None
-        for n_slots in slots:
-            split_slots[n_slots] = list(layer_rows) if curves is None else \
-                split_rows(curves, n_slots * len(layers), min(traces.top_k, n_slots), traces.n_experts)
-            for name in variants:
-                for layer, rows in zip(layers, split_slots[n_slots]):
-                    tasks.append(Task(layer, rows, name, streams[layer], traces.n_experts, point=n_slots,
-                                      label=f"{name}+ceilings"))
-    if autopin:
-        for n_slots in slots:
-            for name in variants:
-                for layer in layers:
-                    tasks.append(Task(layer, n_slots, name, streams[layer], traces.n_experts,
-                                      autopin_top_k=traces.top_k, label=f"{name}+autopin", sources=sources))
-    k = traces.top_k if prefetch_k is None else prefetch_k
-    if prefetch:
-        if k < 1:
-            raise ReplayError(f"--prefetch-k must be at least 1, got {k}")
-        routed = _routed(sequences)
+    return layers
+
+
+def _split_training(sequences: list, split: bool, train: float) -> tuple[list, list]:
+    """The sequences scored and those learned from (the first `train` share, where something learns)."""
+    if not split:
+        return sequences, []
+    if not 0 <= train < 1:
+        raise ReplayError(f"--train is the share of sequences to learn from, in [0, 1); got {train}")
+    at = round(train * len(sequences))
+    if at >= len(sequences):
+        raise ReplayError("--train leaves no sequence to score on: lower it or give more sequences")
+    return sequences[at:], sequences[:at]
+
+
+def _ceiling_slots(traces: TraceSet, trained_on: list, layers: list[int], slots: list[int],
+                   layer_rows: list[int] | None) -> dict[int, list[int]]:
+    """Per capacity, each replayed layer's slots: given (layer_rows), or split by the learned share's hit curves."""
+    if layer_rows is not None:
+        if len(layer_rows) != len(layers):
+            raise ReplayError(f"{len(layer_rows)} layer ceilings for {len(layers)} replayed layers: give one per "
+                              "layer")
+        return {n_slots: list(layer_rows) for n_slots in slots}
+    curves = sequence_curves(trained_on, layers, traces.n_experts)
+    return {n_slots: split_rows(curves, n_slots * len(layers), min(traces.top_k, n_slots), traces.n_experts)
+            for n_slots in slots}
+
+
+def _prefetch_tasks(traces: TraceSet, prefetch: tuple[str, ...], k: int, trained_on: list, sequences: list,
+                    slots: list[int], layers: list[int], policy: str, streams: dict, tasks: list) -> dict[str, Score]:
+    """Score each next-layer predictor's guesses and add its replays (the policy under test, loading the guesses
+    before each lookup) to `tasks`."""
+    if not prefetch:
+        return {}
+    if k < 1:
+        raise ReplayError(f"--prefetch-k must be at least 1, got {k}")
+    routed = _routed(sequences)
     scores = {}
     for name in prefetch:
         guesses = guess_streams(name, trained_on, routed, traces.n_experts, k)
@@ -462,79 +396,25 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
             for guess, batch in zip(guesses[layer], routed[:, layer].tolist()):
                 score.add(guess, batch)
         scores[name] = score
-        for n_slots in slots:
-            for layer in layers:
-                tasks.append(Task(layer, n_slots, policy, streams[layer], traces.n_experts, guesses=guesses[layer],
-                                  label=f"prefetch:{name}"))
+        tasks += [Task(layer, n_slots, policy, streams[layer], traces.n_experts, guesses=guesses[layer],
+                       label=f"prefetch:{name}") for n_slots in slots for layer in layers]
+    return scores
+
+
+def _run_tasks(tasks: list[Task], jobs: int) -> list[dict]:
     if jobs > 1 and len(tasks) > 1:
         with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn")) as pool:
-            results = list(pool.map(replay_layer, tasks, chunksize=1))
-    else:
-        results = [replay_layer(t) for t in tasks]
-    n_tokens = sum(s.n_tokens for s in sequences)
-    # Sequence starts that follow a sequence of another domain: the cold start hints are meant for (one client's).
+            return list(pool.map(replay_layer, tasks, chunksize=1))
+    return [replay_layer(t) for t in tasks]
+
+
+def _domain_starts(sequences: list, processes: int) -> list[int]:
+    """Sequence starts that follow a sequence of another domain: the cold starts hints are meant for (one
+    client's; none with several)."""
     starts, t, previous = [], 0, None
     for s in sequences if processes == 1 else ():
         if previous is not None and s.domain != previous:
             starts.append(t)
         previous = s.domain
         t += s.n_tokens
-    by_key = {(t.point or t.slots, r["policy"], r["layer"]): r for t, r in zip(tasks, results)}
-    for extra, asked in (("ceilings", ceilings or layer_rows is not None), ("autopin", autopin)):
-        names += [f"{name}+{extra}" for name in variants] if asked else []
-    capacities = []
-    for n_slots in slots:
-        policies = {}
-        for name in names:
-            rs = [by_key[(n_slots, name, layer)] for layer in layers]
-            loads = sum(r["loads"] for r in rs)
-            switch_hit_rate = None
-            if rs[0]["per_token"] is not None:
-                total = array("l", [0]) * n_tokens
-                for r in rs:
-                    per = array("H")
-                    per.frombytes(r["per_token"])
-                    for i, h in enumerate(per):
-                        total[i] += h
-                sw_hits = sw_lookups = 0
-                for start in starts:
-                    for i in range(start, min(start + switch_window, n_tokens)):
-                        sw_hits += total[i]
-                        sw_lookups += sum(len(streams[layer][i]) for layer in layers)
-                switch_hit_rate = _rate(sw_hits, sw_lookups)
-            policies[name] = PolicyResult(
-                hits=sum(r["hits"] for r in rs), lookups=sum(r["lookups"] for r in rs), loads=loads,
-                preloads=sum(r["preloads"] for r in rs), per_layer=[_rate(r["hits"], r["lookups"]) for r in rs],
-                records_per_token=loads / n_tokens if n_tokens else None, switch_hit_rate=switch_hit_rate)
-        floor = policies["min"].loads if "min" in policies else 0
-        for name, r in policies.items():
-            policies[name] = replace(r, misses_vs_min=r.loads / floor if floor else None,
-                                     bytes_per_token=None if record_bytes is None or r.records_per_token is None
-                                     else r.records_per_token * record_bytes)
-        demand = policies[policy].records_per_token
-        ahead = {}
-        for name in prefetch:
-            rs = [by_key[(n_slots, f"prefetch:{name}", layer)] for layer in layers]
-            loaded = sum(r["loads"] + r["prefetch_loads"] for r in rs)
-            per_token = loaded / n_tokens if n_tokens else None
-            ahead[name] = PrefetchResult(
-                hits=sum(r["hits"] for r in rs), lookups=sum(r["lookups"] for r in rs),
-                loads=sum(r["loads"] for r in rs), prefetch_loads=sum(r["prefetch_loads"] for r in rs),
-                useful=sum(r["useful"] for r in rs), wasted=sum(r["wasted"] for r in rs),
-                records_per_token=per_token, records_vs_demand=per_token / demand if demand else None,
-                per_layer=[_rate(r["hits"], r["lookups"]) for r in rs])
-        p, base, ceiling = (policies[n].hit_rate if n in policies else None for n in (policy, "lru", "min"))
-        gap = None
-        if None not in (p, base, ceiling) and ceiling > base and policy != "lru":
-            gap = (p - base) / (ceiling - base)
-        capacities.append(CapacityResult(n_slots, n_slots / traces.n_experts, policies, ahead, gap))
-    return ReplayResult(
-        traces=traces.paths, model=traces.model, n_layers=traces.n_layers, n_experts=traces.n_experts,
-        top_k=traces.top_k, sequences=len(sequences), tokens=n_tokens, order=order, seed=seed, policy=policy,
-        compare=[n for n in names if n != policy], profile=profile.path if profile is not None else None,
-        hints=hints, hint_stats=hint_stats, prior=prior, hint_share=hint_share, hint_prior=hint_prior,
-        hint_lift=hint_lift, layers=layers, switch_window=switch_window, domain_switches=len(starts),
-        capacities=capacities, prefetch=list(prefetch), prefetch_k=k if prefetch else None,
-        trained_on={"sequences": len(trained_on), "tokens": sum(s.n_tokens for s in trained_on)},
-        ceilings=split_slots, autopin=autopin, prefetch_scores=scores, processes=processes,
-        record_bytes=record_bytes)
+    return starts
