@@ -119,9 +119,9 @@ def test_it_never_evicts_a_pin_or_the_batch_being_loaded():
 def test_a_small_report_is_one_batch_per_layer():
     """moe-l2d folds a layer's hits and misses as one piece where they fit, so that the policy sees the lookups of
     one forward as one batch."""
-    pieces = report_pieces({0: [[1, 2], [3]], 1: [[], [4]]}, {}, 8, {0: [3]}, {1: [4]})
+    pieces = report_pieces({0: [[1, 2], [3]], 1: [[], [4]]}, {}, 8, {1: [4]})
     assert [p.layers for p in pieces] == [{0: [[1, 2], [3]]}, {1: [[], [4]]}]
-    assert pieces[0].keep == {0: frozenset({1, 2, 3})} and pieces[0].notify == {0: [3]} and not pieces[0].given
+    assert pieces[0].keep == {0: frozenset({1, 2, 3})} and not pieces[0].given
     assert pieces[1].given == {1: [4]}
     # Past the piece size, hits and misses go apart as before.
     big = report_pieces({0: [list(range(6)), [6, 7, 8]]}, {}, 4)
