@@ -42,6 +42,7 @@ from moe_l2.client.options import DEFAULTS
 from moe_l2.client.pool import ExpertPool
 from moe_l2.client.row_loader import RowLoader
 from moe_l2.lab import synthetic
+from moe_l2.lab.bench import drop_page_cache
 from moe_l2.lab.daemon_process import DaemonProcess
 from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
@@ -180,15 +181,6 @@ class Sample:
     events: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # event -> [(expert, ns)]
 
 
-def drop(paths) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def cpu_clock(pid: int) -> int:
     """The clock id of another process's CPU time (Linux: what clock_getcpuclockid gives, CPUCLOCK_SCHED)."""
     return ((~pid) << 3) | 2
@@ -211,7 +203,7 @@ def one_fetch(name: str, pool: ExpertPool, files: ModelFiles, indexes, daemon_cl
     layer = rng.randrange(files.n_layers)
     index = indexes[layer]
     experts = rng.sample([e for e in range(files.n_experts) if index.slot_of(e) == -1], batch)
-    drop(files.files)
+    drop_page_cache(files)
     cpu_self, cpu_daemon = time.process_time(), time.clock_gettime(daemon_clock)
     sample = Sample(layer, experts, now())
     counts = pool.fetch(layer, experts)
