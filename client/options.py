@@ -108,9 +108,8 @@ class StreamOptions:
     shared_l0: bool | None = _option(
         None, "one set of L0 rows for all layers ({l0_slots} counts rows in all), evicting the least recently used "
               "expert of any layer, instead of rows in every layer; by default shared where the experts moe-l2d's "
-              "shared memory holds are computed on in place (with a daemon, {l2_reads} in-place), so that L0 only "
-              "catches what the daemon has not loaded yet and a few rows leave the memory to L2 ({prefetch} then "
-              "has the daemon load its guesses into L2), and per layer otherwise",
+              "shared memory holds are computed on in place (with a daemon, {l2_reads} in-place), so that L0 holds "
+              "only what L2 lacks and a few rows leave the memory to L2, and per layer otherwise",
         "--l0-shared", action=argparse.BooleanOptionalAction, exclusive="l0 layout")
     l0_grow: bool = _option(
         False, "L0 starts with the model's top-k rows (per layer, or in all when shared) and grows them by half at "
