@@ -235,8 +235,6 @@ class Server:
             reply = self._handlers[type(request)](identity, request)
         except ProtocolError as exc:
             reply = self._refuse(request.id, exc.ename, exc.evalue)
-        except (ValueError, KeyError) as exc:
-            reply = self._refuse(request.id, "BadRequest", str(exc).strip("'\"") or type(exc).__name__)
         except Exception as exc:  # a handler bug must not take the daemon down
             log.exception("request failed")
             reply = self._refuse(request.id, "InternalError", f"{type(exc).__name__}: {exc}")

@@ -20,7 +20,7 @@ from .conftest import wait_for
 
 # Every ename a refusal may carry; InternalError (a handler bug) is not one of them.
 ENAMES = {"MalformedFrame", "FrameTooLarge", "VersionMismatch", "UnknownType", "BadField", "TooManyIds",
-          "TooManyParts", "UnknownModel", "FingerprintMismatch", "OutOfRange", "BadRequest", "NoProfile",
+          "TooManyParts", "UnknownModel", "FingerprintMismatch", "OutOfRange", "NoProfile",
           "UnknownDomain", "NoPredictor", "Busy"}
 FIELDS = sorted({name for cls in protocol.REQUESTS.values() for name in cls.FIELDS})
 
