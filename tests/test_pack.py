@@ -375,3 +375,12 @@ def test_a_packed_model_streams_through_the_mlx_lm_integration_bit_identically(p
         assert lm.files.format == "packed"
         assert mx.array_equal(lm.model(ids), whole(ids)).item()
         assert lm.pool.counts.l3_reads > out.n_layers * out.top_k
+
+
+def test_a_source_file_swapped_for_a_fifo_after_the_check_is_refused_not_read(tmp_path):
+    """pack opens the source's files again to copy them: one that became a FIFO since ModelFiles.open checked the
+    model would block the pack for good; it is refused with the model's own message."""
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+    with pytest.raises(PackError, match="not a regular file"):
+        packer._open_source(fifo)

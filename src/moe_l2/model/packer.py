@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Optional
 
 from moe_l2.atomic_file import AtomicFile, final_name, open_dir
+from moe_l2.model.bounds import open_regular
 from moe_l2.model.checksums import MANIFEST_NAME, Manifest, manifest_path, write_manifest
 from moe_l2.model.files import ModelFiles
 from moe_l2.model.packed import PACK_MARKER, checkpoint_reader
@@ -336,12 +337,21 @@ def _write_shard(files: ModelFiles, src_fds: list[int], out: Path, out_fd: int, 
                 bar.update(len(buf))
 
 
+def _open_source(path) -> int:
+    """A file of the source model, checked as ModelFiles.open checked it: nothing swapped in since (a FIFO would
+    hang the pack) is read."""
+    try:
+        return open_regular(path)
+    except ValueError as e:
+        raise PackError(str(e)) from None
+
+
 def _copy_atomic(src: Path, dst: Path, data: Optional[bytes] = None, *, dir_fd: int | None = None) -> None:
     """dst: src's bytes (or `data`) with src's mode and times; dir_fd: dst's directory, when held."""
     st = os.stat(src)
     with _PackFile(dst, dir_fd) as f:
         if data is None:
-            with open(src, "rb") as fh:
+            with os.fdopen(_open_source(src), "rb") as fh:
                 while chunk := fh.read(_CHUNK):
                     _write_all(f.fd, chunk)
         else:
@@ -484,7 +494,7 @@ def _pack_into(files: ModelFiles, src: Path, out: Path, out_fd: int, shards: lis
     from tqdm import tqdm
 
     total = sum(s.size for s in shards)
-    src_fds = [os.open(p, os.O_RDONLY) for p in files.files]
+    src_fds = [_open_source(p) for p in files.files]
     checksums: dict[int, list[int]] = {}
     try:
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pack {out.name}",
