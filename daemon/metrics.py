@@ -66,6 +66,11 @@ def families(payload: dict) -> list:
                         ("resident", "experts resident in the layer"), ("pinned", "experts pinned in the layer"))}
     layer_counters = {name: CounterMetricFamily(f"moe_l2_layer_{name}", doc, labels=["model", "layer"])
                       for name, doc in (("hits", "L2 hits in the layer"), ("misses", "L2 misses in the layer"))}
+    warm = {name: family(f"moe_l2_warm_start_{name}", doc, labels=["model"]) for name, family, doc in (
+        ("records", GaugeMetricFamily, "records the warm start preloads (daemon/warm_start.py)"),
+        ("preloaded", CounterMetricFamily, "of them, those preloaded so far"),
+        ("pending", GaugeMetricFamily, "of them, those still queued"),
+        ("saved_timestamp_seconds", GaugeMetricFamily, "when the heat the warm start restored was saved"))}
     lookups = CounterMetricFamily("moe_l2_lookups", "clients' expert lookups by where their bytes came from, as "
                                   "they report them: l0 (the client's own rows), l2 (held in L2 when looked up), "
                                   "daemon_disk (read from the model files by moe-l2d while the lookup waited: "
@@ -80,12 +85,17 @@ def families(payload: dict) -> list:
                           ("unbacked_slots", "unbacked_slots"), ("model_loads_in_flight", "loads_in_flight")):
             gauges[name].add_metric(label, m[key])
         gauges["served_layers"].add_metric(label, len(m["layers"]))
+        if m.get("warm_start") is not None:
+            for name, key in (("records", "records"), ("preloaded", "preloaded"), ("pending", "pending"),
+                              ("saved_timestamp_seconds", "saved_at")):
+                warm[name].add_metric(label, m["warm_start"][key])
         for source, n in m.get("tiers", {}).items():
             lookups.add_metric([m["path"], source], n)
         for layer in m["layers"]:  # the served layers, by MoE layer number
             for name, family in (*layer_gauges.items(), *layer_counters.items()):
                 family.add_metric([m["path"], str(layer["layer"])], layer[name])
-    return out + [*counters.values(), lookups, *gauges.values(), *layer_gauges.values(), *layer_counters.values()]
+    return out + [*counters.values(), lookups, *gauges.values(), *warm.values(), *layer_gauges.values(),
+                  *layer_counters.values()]
 
 
 class StatsCollector:

@@ -19,7 +19,7 @@ from moe_l2.daemon.loader import Loader, Preload
 from moe_l2.daemon.served import ServedModel
 from moe_l2.layout import Geometry, new_token, segment_name
 
-from .conftest import assert_resident_exact, budget_for, stats, wait_for
+from .conftest import assert_resident_exact, budget_for, free_port, scrape, stats, wait_for
 
 SLOTS = 4
 
@@ -74,13 +74,21 @@ def test_a_daemon_stopped_and_started_again_holds_what_it_held(policy, daemon_fa
     assert os.stat(saved).st_mode & 0o777 == 0o600
     heat = decode(saved.read_bytes(), model_files)
 
-    second = daemon_factory([model_dir], budget, "--policy", policy, runtime_dir=first.runtime_dir)
+    port = free_port()
+    second = daemon_factory([model_dir], budget, "--policy", policy, "--metrics", f"127.0.0.1:{port}",
+                            runtime_dir=first.runtime_dir)
     m = settled(second)  # no client has connected
     assert held(m) == before
     records = sum(len(experts) for experts, _ in before)
     assert m["warm_start"]["records"] == m["warm_start"]["preloaded"] == m["loads_done"] == records
     assert heat.saved_at == m["warm_start"]["saved_at"]
     assert f"warm start: preloaded {records} of {records} records" in render(stats(second))
+    label = ("model", m["path"])
+    samples = scrape(port)
+    assert samples[("moe_l2_warm_start_records", label)] == samples[("moe_l2_warm_start_preloaded_total", label)] \
+        == records
+    assert samples[("moe_l2_warm_start_pending", label)] == 0
+    assert samples[("moe_l2_warm_start_saved_timestamp_seconds", label)] == pytest.approx(heat.saved_at)
     assert second.stop() == 0
     # The policies' states, the pins and the experts came back exactly: with no lookup in between, the second
     # daemon saved what the first did.
