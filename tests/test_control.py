@@ -78,7 +78,8 @@ def fake_daemon():
         with open(seen, "w") as out:
             started.append((subprocess.Popen([sys.executable, "-P", "-c", FAKE_DAEMON, address, mode], stdout=out),
                             directory))
-        wait_for(lambda: (directory / "moe-l2d.sock").exists(), what="the fake daemon's socket")
+        # Listening, not only bound: libzmq makes the file at bind(), and a connect before its listen() is refused.
+        wait_for(lambda: accepts(directory / "moe-l2d.sock"), what="the fake daemon's socket")
         return address, seen
 
     yield start
@@ -86,6 +87,15 @@ def fake_daemon():
         proc.kill()
         proc.wait()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def accepts(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 @pytest.fixture
