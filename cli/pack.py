@@ -42,10 +42,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         packed = pack(model, args.out, max_shard_bytes=max_shard, moe_l2_only=args.moe_l2_only,
                       verify=args.verify, progress=not args.quiet)
-    except PackError as e:
-        print(f"moe-l2 pack: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
+    except (PackError, OSError) as e:
         print(f"moe-l2 pack: {e}", file=sys.stderr)
         return 1
     size = sum(f.stat().st_size for f in packed.files)
