@@ -102,13 +102,19 @@ class Donor:
             time.sleep(0.01)
         return self.accepting
 
-    def give(self, layer: int, pool, experts: list[int], rows: list[int], keep=()) -> list[Gift]:
+    @property
+    def wake_fd(self) -> int:
+        """A byte written here wakes the donor's thread (what `give(wake=False)` leaves to the caller)."""
+        return self._wake_w.fileno()
+
+    def give(self, layer: int, pool, experts: list[int], rows: list[int], keep=(), wake: bool = True) -> list[Gift]:
         """Queue records about to be read into these rows of the layer's pool; returns at once, with the gifts
         to pass to `read_done` once the read has ended. keep: experts of the layer the slots must not be taken
-        from (the batch computing on L2's records in place)."""
+        from (the batch computing on L2's records in place). wake=False: the caller wakes the thread (wake_fd)."""
         gifts = [Gift(layer, expert, pool, row, pool.giving(row, True)) for expert, row in zip(experts, rows)]
         self._gifts.put((layer, gifts, list(keep)))
-        self._wake()
+        if wake:
+            self._wake()
         return gifts
 
     def read_done(self, gifts: list[Gift], whole: bool) -> None:

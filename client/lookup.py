@@ -55,14 +55,15 @@ class Lookup:
     given: list[int] = field(default_factory=list)
     reported: bool = False
 
-    def report(self, client, now: bool = False) -> None:
+    def report(self, client, now: bool = False, wake: bool = True) -> None:
         """Tell the daemon what L2 had (lent or copied) and lacked (it loads what it lacked, but those given),
-        unless it was told already or there is none. now: without waiting for the connection's next flush."""
+        unless it was told already or there is none. now: without waiting for the connection's next flush
+        (wake=False: once the caller wakes the connection thread)."""
         if self.reported or client is None:
             return
         self.reported = True
         client.report(self.layer, [*self.lent, *(e for e, ok in zip(self.missing, self.copied) if ok)],
-                      [e for e, ok in zip(self.missing, self.copied) if not ok], self.picks, now, self.given)
+                      [e for e, ok in zip(self.missing, self.copied) if not ok], self.picks, now, self.given, wake)
 
     def counts(self, l0_hits: int, filled: TierCounts) -> TierCounts:
         """The lookup's TierCounts: `l0_hits`, the lent experts as L2 hits, and what filling the misses counted."""

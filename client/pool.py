@@ -32,6 +32,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
+from moe_l2 import _native
 from moe_l2.model import ModelFiles
 
 from moe_l2.client.donor import Donor
@@ -331,15 +332,18 @@ class ExpertPool:
         def give(copied: list[bool], coming: list[bool]) -> list[bool]:
             # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read, and
             # report the lookup now, so that the daemon's policy knows of it before it picks their victims. Those
-            # on their way into L2 are waited for (load_rows), not given.
+            # on their way into L2 are waited for (load_rows), not given. The two threads are woken once the read
+            # has let go of the GIL (a thread woken before would delay its start: docs/benchmarks.md, "Fills").
             unread = [(e, r) for e, r, ok, c in zip(missing, rows, copied, coming) if not (ok or c)]
             gifts.extend(self.donor.give(layer, lp, [e for e, _ in unread], [r for _, r in unread],
-                                         keep=[*lookup.lent, *lookup.picks]))
+                                         keep=[*lookup.lent, *lookup.picks], wake=False))
             lookup.copied, lookup.given = copied, [e for e, _ in unread]
-            lookup.report(self.client, now=True)
+            lookup.report(self.client, now=True, wake=False)
+            _native.wake_when_reading([self.donor.wake_fd, self.client.wake_fd])
             return copied
 
         def read(whole: bool) -> None:
+            _native.flush_read_wakes()  # where nothing was read (every miss on its way into L2), or the read failed
             # The donor may copy the gifts once their rows are whole: before this fetch waits for what is coming.
             if gifts:
                 self.donor.read_done(gifts, whole)

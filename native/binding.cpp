@@ -287,6 +287,13 @@ void init_pread(nb::module_& m) {
         "aligned scratch memory and copied out as it lands; on up to `threads` threads, with the GIL "
         "released. With `checksums`, returns each job's CRC-32 over its pieces in order (as zlib.crc32 chained over "
         "them), computed as the bytes land; else [].");
+  m.def("wake_when_reading", &wake_when_reading, "fds"_a,
+        "Have this thread's next pread_records or pread_scatter write one byte to each fd once it has released "
+        "the GIL to read: the threads those fds wake then run beside the reads instead of delaying their start. "
+        "Replaces what was set before.");
+  m.def("flush_read_wakes", &flush_read_wakes, nb::call_guard<nb::gil_scoped_release>(),
+        "Write what wake_when_reading set and no read has written yet (a fetch that ends up reading nothing), and "
+        "clear it.");
   m.def("set_direct", &set_direct, "fd"_a, "enable"_a = true,
         "Direct I/O for fd: O_DIRECT on Linux, F_NOCACHE on macOS. Returns whether reads now "
         "bypass the page cache (False where the filesystem or platform has none).");

@@ -257,6 +257,7 @@ std::optional<OsError> run_parallel(size_t n, int threads,
                                     const std::function<std::optional<OsError>(size_t)>& work) {
   std::optional<OsError> failure;
   nb::gil_scoped_release unlocked;
+  flush_read_wakes();
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   std::mutex failure_lock;
@@ -285,6 +286,21 @@ void check_threads(const char* fn, int threads, int64_t unit_bytes) {
     throw_value_error(fn, "unit_bytes must be a multiple of " + std::to_string(kDirectAlign) + " from " +
                               std::to_string(kDirectAlign) + " to 1 GiB, got " + std::to_string(unit_bytes));
   }
+}
+
+namespace {
+thread_local std::vector<int> t_read_wakes;
+}  // namespace
+
+void wake_when_reading(std::vector<int> fds) { t_read_wakes = std::move(fds); }
+
+void flush_read_wakes() {
+  const char byte = 0;
+  for (int fd : t_read_wakes) {
+    while (write(fd, &byte, 1) < 0 && errno == EINTR) {
+    }  // a full pipe or socket holds wake-ups already (EAGAIN): nothing is lost
+  }
+  t_read_wakes.clear();
 }
 
 int64_t direct_fallbacks() { return g_direct_fallbacks.load(); }

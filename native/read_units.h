@@ -93,6 +93,12 @@ std::optional<OsError> read_unit(const char* fn, const Unit& u);
 std::optional<OsError> run_parallel(size_t n, int threads,
                                     const std::function<std::optional<OsError>(size_t)>& work);
 
+// Descriptors this thread's next reads (run_parallel) write one byte to once the GIL is released: threads a
+// fetch has work for are woken while its reads run, not before, when they would take the GIL from it.
+// Replaces what was set; flush_read_wakes writes what is still set now, and clears it.
+void wake_when_reading(std::vector<int> fds);
+void flush_read_wakes();
+
 // ValueError unless threads >= 1 and unit_bytes a multiple of kDirectAlign up to 1 GiB.
 void check_threads(const char* fn, int threads, int64_t unit_bytes);
 

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from moe_l2 import _native
+from moe_l2.client import donor as donor_module
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
 from moe_l2.fill_protocol import encode, fill_socket_path
@@ -65,6 +66,26 @@ def test_misses_read_by_a_process_of_the_daemons_uid_are_given_to_l2_exact_and_n
     for layer, experts in ((0, [2, 9]), (1, [3, 7])):
         for expert in experts:
             assert slot_record(model_files, running_daemon, layer, expert) == model_files.read_record(layer, expert)
+
+
+def test_a_give_goes_out_while_the_miss_is_read(running_daemon, model_files, monkeypatch):
+    # The donor's thread looks at its queue only when woken (or each TICK_S, here never): the desk can offer slots
+    # before the read is done only if the read woke it (_native.wake_when_reading).
+    monkeypatch.setattr(donor_module, "TICK_S", 3600.0)
+    with filling_pool(model_files, running_daemon) as pool:
+        read_done = pool.donor.read_done
+
+        def offered_first(gifts, whole):
+            wait_for(lambda: fills(running_daemon)["offered"] == 3, what="the desk's offers, before the read is done",
+                     detail=lambda: fills(running_daemon))
+            read_done(gifts, whole)
+
+        monkeypatch.setattr(pool.donor, "read_done", offered_first)
+        assert pool.fetch(2, [1, 4, 6]).l3_reads == 3
+        wait_for(lambda: fills(running_daemon)["donated"] == 3, what="three donations",
+                 detail=lambda: fills(running_daemon))
+    for expert in (1, 4, 6):
+        assert slot_record(model_files, running_daemon, 2, expert) == model_files.read_record(2, expert)
 
 
 needs_root = pytest.mark.skipif(not nobody_runs_python(),

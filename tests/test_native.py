@@ -9,6 +9,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -868,6 +869,42 @@ def test_pread_records_many_jobs_on_many_threads(data_file, shm_name):
     for _, off, n, mem, dst_off in jobs:
         assert bytes(mem.view()[dst_off : dst_off + n]) == payload[off : off + n]
     native.pread_records([], threads=8)
+
+
+def pending_bytes(fd: int) -> bytes:
+    try:
+        return os.read(fd, 64)
+    except BlockingIOError:
+        return b""
+
+
+def test_wakes_asked_for_are_written_by_this_threads_next_read_and_by_a_flush(data_file):
+    fd, payload, _ = data_file
+    dst = native.Buffer(1 << 20)
+    pipes = [os.pipe() for _ in range(2)]
+    for r, _ in pipes:
+        os.set_blocking(r, False)
+    try:
+        native.wake_when_reading([w for _, w in pipes])
+        assert [pending_bytes(r) for r, _ in pipes] == [b"", b""]  # nothing until a read runs
+        # Another thread's read does not write this thread's wakes.
+        other = threading.Thread(target=native.pread_records, args=([(fd, 0, 4096, dst, 0)],))
+        other.start()
+        other.join()
+        assert [pending_bytes(r) for r, _ in pipes] == [b"", b""]
+        native.pread_scatter([(fd, 0, 1 << 20, [(0, 1 << 20, dst, 0)])], threads=2)
+        assert [pending_bytes(r) for r, _ in pipes] == [b"\0", b"\0"]  # once each, as the read ran
+        native.pread_records([(fd, 0, 4096, dst, 0)], threads=1)
+        native.flush_read_wakes()
+        assert [pending_bytes(r) for r, _ in pipes] == [b"", b""]  # written once: nothing left
+        native.wake_when_reading([pipes[0][1]])
+        native.flush_read_wakes()  # a fetch that read nothing
+        assert [pending_bytes(r) for r, _ in pipes] == [b"\0", b""]
+        assert bytes(dst.view()[:4096]) == payload[:4096]
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
 
 
 def test_pread_records_short_file_is_a_clear_error(data_file):
