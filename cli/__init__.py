@@ -15,7 +15,7 @@ from moe_l2 import __version__
 
 # Subcommand -> (its module in cli/, its one-line help), in the order --help lists them.
 COMMANDS = {
-    "demo": ("demo", "the built-in demo: a small model, a daemon, a cold and a warm run"),
+    "demo": ("demo", "the built-in demo: a small model, alone and with a daemon: cold, warm, restarted"),
     "generate": ("generate", "generate text with an mlx-lm MoE model, its experts streamed"),
     "serve": ("serve", "serve an mlx-lm MoE model over an OpenAI-compatible HTTP API, its experts streamed"),
     "stats": ("stats", "hit rates, occupancy, loads and memory of the running daemon"),

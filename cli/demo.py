@@ -1,11 +1,12 @@
 """`moe-l2 demo`: the whole system on a small built-in model, in about a minute.
 
-Creates the demo model in the user cache dir (once), drops its pages from the page cache (Linux), starts a
-private moe-l2d for it and generates from a few prompts three times: L2 cold, then warm (each with a fresh L0),
-then in a second process started against the warm daemon. It shows side by side where the experts came from,
-the bytes read from disk, the time spent waiting for experts per token and the time to the first token, says
-whether compute or the experts dominate on this machine, checks the tokens against the model loaded whole, and
-stops the daemon.
+Creates the demo model in the user cache dir (once) and generates from a few prompts five times, the model's
+pages dropped from the page cache (Linux) before the first, the second and the last: with no daemon; with a
+private moe-l2d, L2 cold, then warm (each with a fresh L0); in a second process started against the warm daemon;
+and in a third process once the daemon was stopped and started again (it preloads what it held). It shows side by
+side where the experts came from, the bytes read from disk, the time spent waiting for experts per token and the
+time to the first token, says whether compute or the experts dominate on this machine and what the daemon changed
+for one process, checks the tokens against the model loaded whole, and stops the daemon.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def _whole_model_tokens(model: Path, max_tokens: int) -> list[list[int]]:
 
 
 # The runs, in order: a name, and the state of L2 as each began.
-RUNS = (("run 1", "L2 cold"), ("run 2", "L2 warm"), ("process 2", "L2 warm"))
+RUNS = (("alone", "no daemon"), ("run 1", "L2 cold"), ("run 2", "L2 warm"), ("process 2", "L2 warm"),
+        ("process 3", "restart"))
 LABEL_WIDTH, COLUMN_WIDTH = 32, 20
 
 
@@ -193,16 +195,90 @@ def render_verdict(cold: dict, *warm: dict) -> str:
     """What dominates a token's time on this machine, computing or waiting for experts, and what L2 changed."""
     compute = _per_token_ms(cold, cold["wall_s"] - cold["stall_s"])
     stall = _per_token_ms(cold, cold["stall_s"])
-    after = ", ".join(f"{_per_token_ms(run, run['stall_s']):.2f} ms ({name})" for (name, _), run in zip(RUNS[1:], warm))
+    after = ", ".join(f"{_per_token_ms(run, run['stall_s']):.2f} ms ({name})" for (name, _), run in zip(RUNS[2:], warm))
     return (f"on this machine {'compute' if compute >= stall else 'waiting for experts'} dominates: run 1 spent "
             f"{compute:.1f} ms per token computing and {stall:.2f} ms waiting for experts; with L2 warm, the wait "
             f"was {after}")
 
 
-def run(args: argparse.Namespace) -> int:
+def render_gains(alone: dict, *runs: dict) -> str:
+    """What moe-l2d changed for one process: each run's wait for experts and disk reads against the run alone."""
+    def wait(run: dict) -> float:
+        return _per_token_ms(run, run["stall_s"])
+
+    def read(run: dict) -> int:
+        return run["counts"].bytes_read + run["daemon_read"]
+
+    from moe_l2.sizes import format_size
+
+    parts = [f"{name} ({l2}) {wait(run):.2f} ms and {format_size(read(run))}"
+             for (name, l2), run in zip(RUNS[1:], runs)]
+    return (f"one process against none: alone (no daemon, nothing cached) waited {wait(alone):.2f} ms a token for "
+            f"experts and read {format_size(read(alone))} from disk; with moe-l2d, " + ", ".join(parts))
+
+
+def _await_preload(socket: str, timeout_s: float = 60.0) -> int:
+    """Until a restarted moe-l2d has preloaded what its predecessor held (its warm start has nothing pending);
+    returns how many experts it preloaded."""
+    from moe_l2 import protocol
+    from moe_l2.client.connection import request, wait_idle
+
+    deadline = time.monotonic() + timeout_s
+    while (warm := request(socket, protocol.Stats(id=1)).payload["models"][0]["warm_start"] or {}).get("pending"):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"moe-l2d on {socket} had not preloaded what it held after {timeout_s:g} s")
+        time.sleep(0.05)
+    wait_idle(socket)
+    return warm.get("preloaded", 0)
+
+
+def _runs_with_daemon(model: Path, files, args: argparse.Namespace, out: dict) -> tuple[int, list[str]]:
+    """Run 1, run 2 and process 2 against a private moe-l2d, then process 3 against it stopped and started again
+    (in the same state dir: it preloads what it held), the model's pages dropped before it. Fills `out`; returns
+    the daemons' exit status (the first non-zero) and the shared memory they left."""
     from moe_l2.lab.bench import drop_page_cache
     from moe_l2.lab.daemon_process import DaemonProcess
     from moe_l2.layout import Geometry
+
+    every_expert = Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, files.n_experts)
+    first = DaemonProcess.serving([model], every_expert)
+    second = DaemonProcess.serving([model], every_expert, runtime_dir=first.runtime_dir)
+    print("starting moe-l2d for it ...", flush=True)
+    try:
+        first.start()
+        print(f"  serving on {first.socket}")
+
+        def measured(daemon, run_prompts) -> dict:
+            before = _daemon_figures(daemon.socket)[0]
+            one = run_prompts()
+            read, resident, given = _daemon_figures(daemon.socket)
+            return dict(one, daemon_read=read - before, resident=resident, given=given)
+
+        print("run 1 (L2 cold: experts come from the model file, read by this process, which gives them to L2) ...",
+              flush=True)
+        out["run 1"] = measured(first, lambda: _run_prompts(model, first.socket, args.l0_slots, args.max_tokens))
+        print("run 2 (L2 warm: a fresh L0 in this process finds the experts in shared memory) ...", flush=True)
+        out["run 2"] = measured(first, lambda: _run_prompts(model, first.socket, args.l0_slots, args.max_tokens))
+        print("process 2 (L2 warm: a second process, started now, finds them there too) ...", flush=True)
+        out["process 2"] = measured(
+            first, lambda: _run_in_second_process(model, first.socket, args.l0_slots, args.max_tokens))
+        print("process 3 (moe-l2d stopped and started again: it preloads what it held, then a third process) ...",
+              flush=True)
+        first.stop()
+        drop_page_cache(files)
+        second.start()
+        preloaded = _await_preload(second.socket)
+        out["process 3"] = dict(measured(
+            second, lambda: _run_in_second_process(model, second.socket, args.l0_slots, args.max_tokens)),
+            preloaded=preloaded)
+    finally:
+        codes = [first.stop(), second.stop()]
+        left = second.cleanup() + first.cleanup()
+    return next((c for c in codes if c), 0), left
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_l2.lab.bench import drop_page_cache
     from moe_l2.model import ModelFiles
     from moe_l2.sizes import format_size
 
@@ -215,70 +291,50 @@ def run(args: argparse.Namespace) -> int:
     record = files.layout.nbytes
     print(f"demo model: {model}\n  {files.model_type}, {files.n_layers} MoE layers x {files.n_experts} experts "
           f"(top {files.top_k}), {format_size(record)} per expert")
-    # So that run 1 reads the disk, not what the last run (or the model's creation) left in memory.
+    # So that the first runs read the disk, not what the last run (or the model's creation) left in memory.
     dropped = hasattr(os, "posix_fadvise")
     drop_page_cache(files)
-    every_expert = Geometry.budget_for(files.n_layers, files.n_experts, record, files.n_experts)
-    daemon = DaemonProcess.serving([model], every_expert)
-    print("starting moe-l2d for it ...", flush=True)
+    print("alone (no daemon: every expert read from the model file by this process) ...", flush=True)
+    by_name = {"alone": dict(_run_prompts(model, None, args.l0_slots, args.max_tokens), daemon_read=0)}
+    drop_page_cache(files)
     try:
-        daemon.start()
-    except RuntimeError as exc:
-        daemon.cleanup()
-        print(f"moe-l2 demo: cannot start moe-l2d: {exc}", file=sys.stderr)
-        return 1
-    try:
-        print(f"  serving on {daemon.socket}")
-        print("run 1 (L2 cold: experts come from the model file, read by this process, which gives them to L2) ...",
-              flush=True)
-
-        def measured(run_prompts) -> tuple[dict, tuple[int, int]]:
-            before = _daemon_figures(daemon.socket)[0]
-            one = run_prompts()
-            read, resident, given = _daemon_figures(daemon.socket)
-            return dict(one, daemon_read=read - before), (resident, given)
-
-        cold, (cold_resident, cold_given) = measured(
-            lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
-        print("run 2 (L2 warm: a fresh L0 in this process finds the experts in shared memory) ...", flush=True)
-        warm, _ = measured(lambda: _run_prompts(model, daemon.socket, args.l0_slots, args.max_tokens))
-        print("process 2 (L2 warm: a second process, started now, finds them there too) ...", flush=True)
-        second, _ = measured(lambda: _run_in_second_process(model, daemon.socket, args.l0_slots, args.max_tokens))
+        code, left = _runs_with_daemon(model, files, args, by_name)
     except RuntimeError as exc:
         print(f"moe-l2 demo: {exc}", file=sys.stderr)
         return 1
-    finally:
-        code = daemon.stop()
-        left = daemon.cleanup()
 
     print("checking against the model loaded whole ...", flush=True)
     whole = _whole_model_tokens(model, args.max_tokens)
-    runs = (cold, warm, second)
+    runs = [by_name[name] for name, _ in RUNS]
     same = [all(run["tokens"][i] == tokens for run in runs) for i, tokens in enumerate(whole)]
+    alone, cold = runs[0], runs[1]
 
     print()
     for prompt, text in zip(PROMPTS, cold["texts"]):
         print(f"> {prompt}\n{text.strip()[:200]}\n")
     print("(random weights: the text is noise; what matters is where the experts came from)\n")
-    print(f"L0: {cold['l0_slots']} in each process (a layer has {files.n_experts} experts); "
-          f"L2: every expert fits the daemon's shared memory")
+    print(f"L0: {cold['l0_slots']} in each process with the daemon, {alone['l0_slots']} alone (a layer has "
+          f"{files.n_experts} experts); L2: every expert fits the daemon's shared memory")
     print(render_table(*runs))
     print()
-    print(f"run 1: L2 took in {cold_resident} experts of {format_size(record)} "
-          f"({format_size(cold_resident * record)}): {cold_given} read by this process and given to it, "
-          f"{cold_resident - cold_given} read by moe-l2d; "
+    print(f"run 1: L2 took in {cold['resident']} experts of {format_size(record)} "
+          f"({format_size(cold['resident'] * record)}): {cold['given']} read by this process and given to it, "
+          f"{cold['resident'] - cold['given']} read by moe-l2d; "
           + ("from disk: the model's pages were dropped from the page cache first" if dropped else
              "perhaps from the page cache: nothing drops one file's cached pages here"))
+    print(f"process 3: the restarted moe-l2d read {runs[4]['preloaded']} experts "
+          f"({format_size(runs[4]['preloaded'] * record)}) from disk before it started, what its predecessor held")
     print("ms/token: over the tokens generated, prefill included; waiting for experts: the forward's time in L0 "
           "fills, L2 copies and loans, disk reads and load-through; time to first token: the first prompt's")
-    print(render_verdict(*runs))
+    print(render_verdict(*runs[1:]))
+    print(render_gains(*runs))
     print("attached to the daemon: " + ", ".join(f"{name} {'yes' if r['attached'] else 'NO'}"
-                                                 for (name, _), r in zip(RUNS, runs)))
+                                                 for (name, _), r in zip(RUNS[1:], runs[1:])))
     print(f"tokens identical to the whole model: {sum(same)}/{len(same)} prompts")
     print(f"daemon stopped (exit {code}); shared memory "
           f"{'cleaned up' if not left else 'left behind and now removed: ' + ', '.join(left)}")
     print(f"done in {time.perf_counter() - started:.1f} s")
-    ok = all(same) and all(r["attached"] for r in runs) and not left and code == 0
+    ok = all(same) and all(r["attached"] for r in runs[1:]) and not left and code == 0
     return 0 if ok else 1
 
 

@@ -17,7 +17,8 @@ from mlx_lm.generate import stream_generate
 from moe_l2.cli import main as moe_l2_main
 from moe_l2.client.connection import wait_idle
 from moe_l2.lm.generation import encode_prompt
-from moe_l2.cli.demo import COLUMN_WIDTH, DEMO_NAME, LABEL_WIDTH, ensure_demo_model, render_verdict
+from moe_l2.cli.demo import COLUMN_WIDTH, DEMO_NAME, LABEL_WIDTH, RUNS, ensure_demo_model, render_gains, render_verdict
+from moe_l2.client.lookup import TierCounts
 from moe_l2.cli.generate import render
 from moe_l2.cli.stats import model_rates
 from moe_l2.cli.stats import render as render_stats
@@ -243,12 +244,14 @@ def test_demo_end_to_end(tmp_path):
     assert first.returncode == 0, first.stdout + first.stderr
     assert "creating the demo model" in first.stderr
     for line in ("tokens identical to the whole model: 3/3 prompts",
-                 "attached to the daemon: run 1 yes, run 2 yes, process 2 yes", "shared memory cleaned up"):
+                 "attached to the daemon: run 1 yes, run 2 yes, process 2 yes, process 3 yes",
+                 "shared memory cleaned up"):
         assert line in first.stdout
-    assert "dominates: run 1 spent" in first.stdout
-    # Label, then a column per run: run 1 (L2 cold), run 2 (L2 warm), process 2 (L2 warm).
+    assert "dominates: run 1 spent" in first.stdout and "one process against none: alone" in first.stdout
+    # Label, then a column per run: alone (no daemon), run 1 (L2 cold), run 2 (L2 warm), process 2 (L2 warm),
+    # process 3 (the daemon restarted).
     table = {line[:LABEL_WIDTH].strip(): [line[LABEL_WIDTH + COLUMN_WIDTH * i:][:COLUMN_WIDTH].strip()
-                                          for i in range(3)]
+                                          for i in range(len(RUNS))]
              for line in first.stdout.splitlines() if len(line) > LABEL_WIDTH}
     for row in ("waiting for experts, ms/token", "time to first token, ms"):
         assert all(float(v) >= 0 for v in table[row]), row
@@ -260,11 +263,14 @@ def test_demo_end_to_end(tmp_path):
     resident, given, loaded = map(int, took.groups())
     record = ModelFiles.open(tmp_path / DEMO_NAME).layout.nbytes
     assert resident > 0 and given > 0 and given + loaded == resident
-    assert table["read from disk by moe-l2d"] == [format_size(loaded * record), "0 B", "0 B"]
-    # Cold, every expert not yet in L2 came from disk: read by the process, or by the daemon while it waited;
-    # warm, in this process or a second one, L2 held them all.
-    assert (table["disk, read by moe-l2d"][0], table["disk, read by this process"][0]) != ("0.0%", "0.0%")
-    for warm in (1, 2):
+    assert table["read from disk by moe-l2d"] == ["0 B", format_size(loaded * record), "0 B", "0 B", "0 B"]
+    # Alone, every L0 miss came from disk, read by the process; cold, every expert not yet in L2: read by the
+    # process, or by the daemon while it waited; warm, in this process, a second one or a third after the daemon
+    # restarted and preloaded what it held (all of it: nothing was evicted), L2 held them all.
+    assert table["L2 hits (shared memory)"][0] == "0.0%" and table["disk, read by this process"][0] != "0.0%"
+    assert (table["disk, read by moe-l2d"][1], table["disk, read by this process"][1]) != ("0.0%", "0.0%")
+    assert f"the restarted moe-l2d read {resident} experts" in first.stdout
+    for warm in (2, 3, 4):
         assert (table["disk, read by moe-l2d"][warm], table["disk, read by this process"][warm]) == ("0.0%", "0.0%")
         assert table["read from disk by this process"][warm] == "0 B"
         assert float(table["L2 hits (shared memory)"][warm].rstrip("%")) > 0
@@ -421,3 +427,14 @@ def test_the_demo_says_what_dominates_a_token():
         "experts; with L2 warm, the wait was 0.20 ms (run 2), 0.30 ms (process 2)")
     assert render_verdict(run(1.0, 0.6), run(0.4, 0.0), run(0.4, 0.0)).startswith(
         "on this machine waiting for experts dominates: run 1 spent 40.0 ms per token computing and 60.00 ms")
+
+
+def test_the_demo_says_what_the_daemon_changed_for_one_process():
+    def run(stall_s, read, daemon_read=0):
+        return {"generated": 10, "stall_s": stall_s, "counts": TierCounts(bytes_read=read), "daemon_read": daemon_read}
+
+    assert render_gains(run(0.05, 4 << 20), run(0.03, 1 << 20, 2 << 20), run(0.004, 0), run(0.004, 0),
+                        run(0.005, 0)) == (
+        "one process against none: alone (no daemon, nothing cached) waited 5.00 ms a token for experts and read "
+        "4.0 MiB from disk; with moe-l2d, run 1 (L2 cold) 3.00 ms and 3.0 MiB, run 2 (L2 warm) 0.40 ms and 0 B, "
+        "process 2 (L2 warm) 0.40 ms and 0 B, process 3 (restart) 0.50 ms and 0 B")
