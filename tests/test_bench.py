@@ -353,7 +353,10 @@ def test_load_through_runs_beside_moe_l2_which_fills(tiny, capsys):
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     moe, through = result["configs"]
-    assert moe["counts"]["l2_awaited"] == 0 and moe["counts"]["l3_reads"] > 0
-    assert through["counts"]["l2_awaited"] > 0 and through["l0_experts"] * SHARED_ROWS == moe["l0_experts"]
+    # moe-l2 reads its misses itself. It waits only for a record already on its way into L2: one it gave whose row
+    # the next lookup took before the copy, which the daemon then reads (client/donor.py). On a loaded machine a
+    # few are; load-through waits for every miss L2 lacks.
+    assert moe["counts"]["l3_reads"] > 0 and moe["counts"]["l2_awaited"] < through["counts"]["l2_awaited"]
+    assert through["l0_experts"] * SHARED_ROWS == moe["l0_experts"]
     assert through["counts"]["lookups"] == moe["counts"]["lookups"]
     assert {(r["name"], r["against"]) for r in result["ratios"]} >= {("moe-l2+load-through", "moe-l2")}
