@@ -333,7 +333,7 @@ class ExpertPool:
             # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read, and
             # report the lookup now, so that the daemon's policy knows of it before it picks their victims. Those
             # on their way into L2 are waited for (load_rows), not given. The two threads are woken once the read
-            # has let go of the GIL (a thread woken before would delay its start: docs/benchmarks.md, "Fills").
+            # has let go of the GIL (woken before, they delayed its start: docs/decisions.md, "Fills").
             unread = [(e, r) for e, r, ok, c in zip(missing, rows, copied, coming) if not (ok or c)]
             gifts.extend(self.donor.give(layer, lp, [e for e, _ in unread], [r for _, r in unread],
                                          keep=[*lookup.lent, *lookup.picks], wake=False))

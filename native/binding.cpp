@@ -290,7 +290,7 @@ void init_pread(nb::module_& m) {
   m.def("wake_when_reading", &wake_when_reading, "fds"_a,
         "Have this thread's next pread_records or pread_scatter write one byte to each fd once it has released "
         "the GIL to read: the threads those fds wake then run beside the reads instead of delaying their start. "
-        "Replaces what was set before.");
+        "The fds must be non-blocking (a full one already holds a wake-up). Replaces what was set before.");
   m.def("flush_read_wakes", &flush_read_wakes, nb::call_guard<nb::gil_scoped_release>(),
         "Write what wake_when_reading set and no read has written yet (a fetch that ends up reading nothing), and "
         "clear it.");
