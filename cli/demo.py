@@ -218,17 +218,16 @@ def render_gains(alone: dict, *runs: dict) -> str:
 
 
 def _await_preload(socket: str, timeout_s: float = 60.0) -> int:
-    """Until a restarted moe-l2d has preloaded what its predecessor held (its warm start has nothing pending);
-    returns how many experts it preloaded."""
+    """Until a restarted moe-l2d has preloaded what its predecessor held (its warm start has nothing pending:
+    queued or being read); returns how many experts it preloaded."""
     from moe_l2 import protocol
-    from moe_l2.client.connection import request, wait_idle
+    from moe_l2.client.connection import request
 
     deadline = time.monotonic() + timeout_s
     while (warm := request(socket, protocol.Stats(id=1)).payload["models"][0]["warm_start"] or {}).get("pending"):
         if time.monotonic() >= deadline:
             raise RuntimeError(f"moe-l2d on {socket} had not preloaded what it held after {timeout_s:g} s")
         time.sleep(0.05)
-    wait_idle(socket)
     return warm.get("preloaded", 0)
 
 

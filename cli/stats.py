@@ -162,7 +162,7 @@ def _warm_start(m: dict) -> list[str]:
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(w["saved_at"]))
     except (OverflowError, OSError, ValueError):  # no time a daemon of this release sends
         saved = f"{w['saved_at']!r} s since the epoch"
-    going = f", {w['pending']} still queued" if w["pending"] else ""
+    going = f", {w['pending']} still to load" if w["pending"] else ""
     return [f"  warm start: preloaded {w['preloaded']} of {w['records']} records ({format_size(w['preloaded_bytes'])}) "
             f"that L2 held at {saved}{going}"]
 

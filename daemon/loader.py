@@ -20,18 +20,23 @@ log = logging.getLogger("moe-l2d.loader")
 class Preload:
     """Records of one model to load when nothing else waits, in order (the hottest first); `loaded` counts those
     that a preload itself put in L2 (not those a client's load got there first, nor those that found no free
-    slot)."""
+    slot), `finished` those a thread is done with either way."""
 
     def __init__(self, model, records: list[tuple[int, int]]):
         self.model = model
         self.records = records  # (layer, expert)
         self.taken = 0
         self.loaded = 0
+        self.finished = 0
 
     def pending(self) -> list[tuple[int, int]]:
         """The records no thread has taken yet (read without the loader's lock: a snapshot)."""
         taken = self.taken
         return self.records[taken:]
+
+    def unfinished(self) -> int:
+        """The records not loaded or passed over yet: queued, or being read (a snapshot)."""
+        return len(self.records) - self.finished
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,7 @@ class Loader:
                 self._in_flight -= 1
             if loaded:
                 preload.loaded += 1
+            preload.finished += 1
             self._lock.notify()
 
     def shutdown(self) -> None:

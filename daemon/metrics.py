@@ -69,7 +69,7 @@ def families(payload: dict) -> list:
     warm = {name: family(f"moe_l2_warm_start_{name}", doc, labels=["model"]) for name, family, doc in (
         ("records", GaugeMetricFamily, "records the warm start preloads (daemon/warm_start.py)"),
         ("preloaded", CounterMetricFamily, "of them, those preloaded so far"),
-        ("pending", GaugeMetricFamily, "of them, those still queued"),
+        ("pending", GaugeMetricFamily, "of them, those still queued or being read"),
         ("saved_timestamp_seconds", GaugeMetricFamily, "when the heat the warm start restored was saved"))}
     lookups = CounterMetricFamily("moe_l2_lookups", "clients' expert lookups by where their bytes came from, as "
                                   "they report them: l0 (the client's own rows), l2 (held in L2 when looked up), "

@@ -452,7 +452,7 @@ class ServedModel:
         if p is None:
             return None
         return {"saved_at": self.heat_saved_at, "records": len(p.records), "preloaded": p.loaded,
-                "preloaded_bytes": p.loaded * self.files.layout.nbytes, "pending": len(p.pending())}
+                "preloaded_bytes": p.loaded * self.files.layout.nbytes, "pending": p.unfinished()}
 
     def close(self) -> None:
         """Unmap and unlink the segments and close the files; the loader must be stopped first."""
