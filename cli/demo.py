@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     # So that the first runs read the disk, not what the last run (or the model's creation) left in memory.
     dropped = hasattr(os, "posix_fadvise")
     drop_page_cache(files)
-    print("alone (no daemon: every expert read from the model file by this process) ...", flush=True)
+    print("alone (no daemon: what L0 lacks is read from the model file by this process) ...", flush=True)
     by_name = {"alone": dict(_run_prompts(model, None, args.l0_slots, args.max_tokens), daemon_read=0)}
     drop_page_cache(files)
     try:
