@@ -203,13 +203,13 @@ def render_verdict(cold: dict, *warm: dict) -> str:
 
 def render_gains(alone: dict, *runs: dict) -> str:
     """What moe-l2d changed for one process: each run's wait for experts and disk reads against the run alone."""
+    from moe_l2.sizes import format_size
+
     def wait(run: dict) -> float:
         return _per_token_ms(run, run["stall_s"])
 
     def read(run: dict) -> int:
         return run["counts"].bytes_read + run["daemon_read"]
-
-    from moe_l2.sizes import format_size
 
     parts = [f"{name} ({l2}) {wait(run):.2f} ms and {format_size(read(run))}"
              for (name, l2), run in zip(RUNS[1:], runs)]

@@ -29,7 +29,7 @@ class Preload:
         self.loaded = 0
         self.finished = 0
 
-    def pending(self) -> list[tuple[int, int]]:
+    def untaken(self) -> list[tuple[int, int]]:
         """The records no thread has taken yet (read without the loader's lock: a snapshot)."""
         taken = self.taken
         return self.records[taken:]
@@ -90,7 +90,7 @@ class Loader:
     def preload(self, preload: Preload) -> None:
         """Queue a warm start's records behind every client's load, now and to come."""
         with self._lock:
-            if not self._stopping and preload.pending():
+            if not self._stopping and preload.untaken():
                 self._preloads.append(preload)
                 self._lock.notify_all()
 

@@ -164,7 +164,7 @@ def snapshot(model: ServedModel) -> Heat:
     first by the layer's policy, at most a slot each; its pins and policy state."""
     pending: dict[int, list[int]] = {}
     if model.preload is not None:
-        for layer, expert in model.preload.pending():
+        for layer, expert in model.preload.untaken():
             pending.setdefault(layer, []).append(expert)
     layers = []
     for layer, store in model.stores.items():

@@ -249,7 +249,7 @@ def test_a_clients_misses_are_loaded_before_the_preload_still_queued(threads, mo
         wait_for(lambda: filled == [0], what="the first preload record")
         # Taken by a thread, the first record is still to load until that thread is done with it (what `stats`
         # counts as pending: a caller that waits for none pending sees every preloaded record).
-        assert preload.unfinished() == 5 and len(preload.pending()) < 5
+        assert preload.unfinished() == 5 and len(preload.untaken()) < 5
         assert served.demand(0, [9, 3], loader) == 2
         if threads == 2:
             wait_for(lambda: len(filled) == 3, what="the misses, on the thread the preload leaves free")
