@@ -193,8 +193,9 @@ class Asked:
 
 def test_a_client_that_never_reads_gets_a_few_answers_then_is_neither_read_nor_kept(running_daemon, zmtp):
     """Issue 37.12: stats requests sent without reading an answer took stats p99 to 318 ms: the daemon answered
-    every one. Now it answers until the answers fill the sockets on the way, drops what is already on its way
-    undone, reads no more of the client, and closes it STALLED_S later."""
+    every one. Now it answers until the answers fill the sockets on the way, reads no more of the client, drops
+    undone what was already on its way (if any: the gate may stop reading at the end of a request), and closes it
+    STALLED_S later."""
     asked = Asked(running_daemon)
     before = asked()
     greedy = zmtp()
@@ -205,17 +206,21 @@ def test_a_client_that_never_reads_gets_a_few_answers_then_is_neither_read_nor_k
     wait_for(lambda: asked()["gate"]["refused"] == {"not reading": 1}, timeout=STALLED_S + 20,
              what="the connection closed for not reading")
     after = asked()
-    answered = after["requests"] - before["requests"] - after["unanswered"] - (asked.count - 1)
-    assert after["unanswered"] > 0 and answered < 200, (sent * 100, after["unanswered"], answered)
+    read = after["requests"] - before["requests"] - (asked.count - 1)
+    answered = read - after["unanswered"]
+    # One CI run: 1400 sent, 100 read, all 100 answered, none dropped.
+    assert read < sent * 100 and answered < 200, (sent * 100, read, answered)
     assert after["rss_bytes"] - before["rss_bytes"] < 24 << 20
-    assert "does not read its replies" in running_daemon.log()
+    assert after["unanswered"] == 0 or "does not read its replies" in running_daemon.log()
 
 
 @pytest.mark.slow
 def test_a_heartbeat_client_that_never_reads_is_detached(running_daemon, zmtp, model_files):
-    """Issue 37.12: hellos sent without reading the answers kept a client attached for good. Now its connection is
-    closed STALLED_S after its answers filled the sockets on the way, and its last hello expires as a silent
-    client's does (CLIENT_TIMEOUT_S), while a client that reads stays attached."""
+    """Issue 37.12: hellos sent without reading the answers kept a client attached for good. Now it is detached
+    either way it shows: where its answers fill the sockets on the way, the gate closes its connection STALLED_S
+    later and its last hello expires as a silent client's does (CLIENT_TIMEOUT_S); where the server's pipe to it
+    is full first, the server drops the answer and forgets it (one CI run: the answers that got through fitted the
+    sockets, so the gate never saw a stall). A client that reads stays attached."""
     hello = frame(protocol.Hello(id=1, model=os.path.realpath(model_files.path), fingerprint=model_files.fingerprint,
                                  client="deaf:1:x").encode())
     reading = L2Client(model_files, running_daemon.socket, wait_s=5)
@@ -225,10 +230,10 @@ def test_a_heartbeat_client_that_never_reads_is_detached(running_daemon, zmtp, m
         def names() -> list[str]:
             return [c["name"] for c in stats(running_daemon)["daemon"]["client_list"]]
 
-        wait_for(lambda: gate_figures(running_daemon)["refused"] == {"not reading": 1}, timeout=STALLED_S + 20,
-                 what="its connection closed")
-        wait_for(lambda: "deaf:1:x" not in names(), timeout=CLIENT_TIMEOUT_S + 20,
+        wait_for(lambda: "deaf:1:x" not in names(), timeout=STALLED_S + CLIENT_TIMEOUT_S + 20,
                  what="the client that never reads to be detached")
+        closed = gate_figures(running_daemon)["refused"] == {"not reading": 1}
+        assert closed or "does not read its replies" in running_daemon.log()
         assert reading.attached and reading.name in names()
     finally:
         reading.close()
