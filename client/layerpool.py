@@ -250,6 +250,12 @@ class LayerPool:
         with self._lock:
             return expert in self._row_of
 
+    def absent(self, experts) -> list[int]:
+        """The experts not in L0, sorted."""
+        with self._lock:
+            row_of = self._row_of
+            return sorted(e for e in experts if e not in row_of)
+
     def holds_all(self) -> bool:
         """Every expert of the layer is resident: L0 never refills a row of this layer again (never true of
         shared rows, which other layers may take)."""
@@ -260,6 +266,10 @@ class LayerPool:
         """The batch can be resident at once, beside the caller's pinned experts outside it (autopinned ones give
         way: `take_rows`)."""
         with self._lock:
+            # Resident already, they fit: pins are resident too. Asked of every layer lent from, where summing
+            # every layer's pins (shared rows) would cost O(layers).
+            if all(e in self._row_of for e in experts):
+                return True
             return len(self._held_pins() | set(experts)) <= self.unpinned_rows + len(self._pinned)
 
     def _held_pins(self) -> set[int]:

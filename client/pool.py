@@ -250,7 +250,7 @@ class ExpertPool:
         self._check_experts(batch)
         # Held as a guess counts as held: the fetch promotes it.
         guesses = self._ahead.before_fetch(layer, batch) if self._ahead is not None else frozenset()
-        missing = sorted(e for e in batch if not lp.holds(e) and e not in guesses)
+        missing = [e for e in lp.absent(batch) if e not in guesses]
         loan = view.lend(layer, missing)
         lookup = Lookup(layer, picks, list(loan.experts))
         absent = sorted(set(missing) - set(loan.experts))
@@ -291,7 +291,7 @@ class ExpertPool:
     def _fetch(self, lp: LayerPool, batch: set[int], lookup: Lookup) -> TierCounts:
         """Make `batch` resident in L0 (its experts checked, the layer's prefetch settled), fill what it lacked,
         count the lookup with what L2 lent it, and report it unless it was reported already."""
-        missing = sorted(e for e in batch if not lp.holds(e))
+        missing = lp.absent(batch)
         lp.access(batch)
         if self._ahead is None:
             promoted, taken = 0, self._take_rows(lookup.layer, lp, batch, missing) if missing else {}
