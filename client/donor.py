@@ -132,9 +132,6 @@ class Donor:
             pass
 
     def _run(self) -> None:
-        # The copies into L2 wait for every other thread, so that a read the token waits on is never woken late.
-        if not _native.run_in_background():
-            log.debug("the donor's thread runs in the foreground: the platform has no background class for it")
         selector = selectors.DefaultSelector()
         selector.register(self._wake_r, selectors.EVENT_READ)
         try:

@@ -9,7 +9,6 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include "background.h"
 #include "crc32.h"
 #include "memory.h"
 #include "read_units.h"
@@ -309,9 +308,6 @@ void init_pread(nb::module_& m) {
         "Bytes of the file's range [offset, offset + nbytes) resident in the page cache (mincore); "
         "nbytes < 0: to the end of the file.");
   m.attr("DIRECT_ALIGN") = kDirectAlign;
-  m.def("run_in_background", &run_in_background,
-        "Put the calling thread in the background class for good, where its work waits for every other thread's "
-        "(Linux: SCHED_IDLE; macOS: the utility QoS class): the class, or '' where the platform refused it.");
 }
 
 void init_crc32(nb::module_& m) {

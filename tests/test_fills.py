@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 
@@ -92,23 +91,6 @@ def test_a_give_goes_out_while_the_miss_is_read(running_daemon, model_files, mon
 needs_root = pytest.mark.skipif(not nobody_runs_python(),
                                 reason="the hostile side runs as uid 65534: needs root, setpriv, and this "
                                        "interpreter's packages readable by other users (a private venv is not)")
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="reads a thread's scheduling class: Linux's os.sched_getscheduler")
-def test_the_donors_copies_wait_for_every_other_thread(running_daemon, model_files):
-    """Its copies into L2 never delay the wake-up of a read that the token waits on (docs/benchmarks.md, "The
-    donor in the background")."""
-    before = set(threading.enumerate())
-    with filling_pool(model_files, running_daemon) as pool:
-        donor, = (t for t in set(threading.enumerate()) - before if t.name == "moe-l2-donor")
-        wait_for(lambda: os.sched_getscheduler(donor.native_id) == os.SCHED_IDLE,
-                 what="the donor's thread in the background class")
-        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the forward's thread, which reads, is not
-        assert pool.fetch(0, [2, 9]).l3_reads == 2
-        wait_for(lambda: fills(running_daemon)["donated"] == 2, what="two donations",
-                 detail=lambda: fills(running_daemon))
-    for expert in (2, 9):
-        assert slot_record(model_files, running_daemon, 0, expert) == model_files.read_record(0, expert)
 
 
 def slot_meta(files, daemon, layer: int, slot: int) -> tuple[int, int, int]:

@@ -907,23 +907,6 @@ def test_wakes_asked_for_are_written_by_this_threads_next_read_and_by_a_flush(da
             os.close(w)
 
 
-def test_run_in_background_moves_only_the_calling_thread():
-    """The donor's thread takes the background class (client/donor.py), never the thread that reads."""
-    got = {}
-
-    def worker():
-        got["kind"] = native.run_in_background()
-        if sys.platform == "linux":
-            got["class"] = os.sched_getscheduler(0)  # pid 0: this thread
-
-    thread = threading.Thread(target=worker)
-    thread.start()
-    thread.join()
-    assert got["kind"] == {"linux": "SCHED_IDLE", "darwin": "QOS_CLASS_UTILITY"}.get(sys.platform, "")
-    if sys.platform == "linux":
-        assert got["class"] == os.SCHED_IDLE and os.sched_getscheduler(0) == os.SCHED_OTHER
-
-
 def test_pread_records_short_file_is_a_clear_error(data_file):
     fd, payload, path = data_file
     dst = native.Buffer(1 << 20)
