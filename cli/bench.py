@@ -23,6 +23,7 @@ from moe_l2.client import options
 from moe_l2.cli.flags import add_renamed
 from moe_l2.model import ModelFiles
 from moe_l2.model.location import path_arg, resolve_model
+from moe_l2.lab.busy import busy_cores
 from moe_l2.lab.synthetic import GEOMETRIES, SyntheticError, build
 from moe_l2.sizes import format_pct, format_size
 from moe_l2.lab.bench import (BASES, CONFIGS, DEFAULT_COMPUTE_MS, DEFAULT_CONFIGS, HIT_RATES, PHASES, STREAMING, VARIED,
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-ms", type=float, default=DEFAULT_COMPUTE_MS, metavar="MS",
                         help=f"model compute per layer, during which background work may run (default "
                              f"{DEFAULT_COMPUTE_MS}: decode on an M2 Max, see docs/architecture.md)")
+    parser.add_argument("--busy-cores", type=int, default=0, metavar="N",
+                        help="keep N cores busy with CPU-bound programs while the configurations run, as on a "
+                             "machine doing other work (default 0)")
     add_renamed(parser, "--budget-share", "--budget", default="25%,50%", metavar="SHARE[,SHARE...]",
                 help="memory for experts, as shares of all experts' bytes (default 25%%,50%%)")
     parser.add_argument("--processes", default="1,3", metavar="N[,N...]",
@@ -128,7 +132,10 @@ def _model(args, traces) -> tuple[Path, str]:
 def render(result: BenchResult) -> str:
     lines = [f"{result.model}: record {format_size(result.record_bytes)}, experts "
              f"{format_size(result.expert_bytes)}; trace {result.trace}; compute "
-             f"{result.compute_s_per_layer * 1e3:g} ms per layer; L2 reads {result.l2_reads}; {result.machine}", ""]
+             f"{result.compute_s_per_layer * 1e3:g} ms per layer; L2 reads {result.l2_reads}; {result.machine}"
+             + (f", {result.busy_cores} kept busy beside the runs" if result.busy_cores else "")
+             + (f"; load average {result.load_average:.1f} at the end" if result.load_average is not None else ""),
+             ""]
     phases = any(c.phase for c in result.configs)
     lines.append(f"{'config':<16}{'budget':>7}{'procs':>6}" + (f"  {'phase':<12}" if phases else "")
                  + f"{'stall ms/tok':>13}{'1st tok ms':>11}{'tok/s':>8}{'vs page-cache':>14}"
@@ -230,6 +237,34 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _run_points(result: BenchResult, files: ModelFiles, shares: list[float], counts: list[int],
+                configs: list[str], traces, args: argparse.Namespace) -> None:
+    """Run each configuration at each point (budget share, processes) into `result`."""
+    for share in shares:
+        for n in counts:
+            # cold-warm: no warm-up, the first pass is the cold one; the second round's clients are new.
+            parts = trace_parts(traces, files.n_layers, n, args.tokens, 0 if args.scenario else args.warmup)
+            rounds = [(parts, 2), (parts, 1)] if args.scenario else [(parts, 1)]
+            phases = PHASES if args.scenario else (None,)
+            by_config = {config: [ConfigResult(config, share, n, phase) for phase in phases] for config in configs}
+            result.configs += [c for point in by_config.values() for c in point]
+            # Interleaved, so that the disk's drift between runs falls on every configuration alike.
+            for _ in range(args.repeat):
+                for config, point in by_config.items():
+                    if point[0].skipped is not None:
+                        continue
+                    try:
+                        plan, runs = run_config(files, config, share, rounds, args)
+                    except Skipped as exc:
+                        for c in point:
+                            c.skipped = str(exc)
+                        continue
+                    for c, run in zip(point, runs):
+                        c.l0_experts, c.l0_shared, c.l2_slots, c.budget_bytes = (
+                            plan["capacity"], plan["shared_l0"], plan["slots"], plan["budget"])
+                        c.runs.append(run)
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         shares, counts = _shares(args.budget_share), _ints(args.processes, "--processes")
@@ -241,6 +276,8 @@ def _run(args: argparse.Namespace) -> int:
             raise BenchError("--tokens must be at least 1, --warmup a share below 1, --compute-ms at least 0")
         if args.repeat < 1:
             raise BenchError(f"--repeat must be at least 1, not {args.repeat}")
+        if args.busy_cores < 0:
+            raise BenchError(f"--busy-cores must be 0 or more, not {args.busy_cores}")
         traces = read_traces(args.trace)
         path, name = _model(args, traces)
         files = ModelFiles.open(path)
@@ -252,30 +289,10 @@ def _run(args: argparse.Namespace) -> int:
                              record_bytes=files.layout.nbytes,
                              expert_bytes=files.n_layers * files.n_experts * files.layout.nbytes,
                              machine=f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
-                             repeat=args.repeat)
-        for share in shares:
-            for n in counts:
-                # cold-warm: no warm-up, the first pass is the cold one; the second round's clients are new.
-                parts = trace_parts(traces, files.n_layers, n, args.tokens, 0 if args.scenario else args.warmup)
-                rounds = [(parts, 2), (parts, 1)] if args.scenario else [(parts, 1)]
-                phases = PHASES if args.scenario else (None,)
-                by_config = {config: [ConfigResult(config, share, n, phase) for phase in phases] for config in configs}
-                result.configs += [c for point in by_config.values() for c in point]
-                # Interleaved, so that the disk's drift between runs falls on every configuration alike.
-                for _ in range(args.repeat):
-                    for config, point in by_config.items():
-                        if point[0].skipped is not None:
-                            continue
-                        try:
-                            plan, runs = run_config(files, config, share, rounds, args)
-                        except Skipped as exc:
-                            for c in point:
-                                c.skipped = str(exc)
-                            continue
-                        for c, run in zip(point, runs):
-                            c.l0_experts, c.l0_shared, c.l2_slots, c.budget_bytes = (
-                                plan["capacity"], plan["shared_l0"], plan["slots"], plan["budget"])
-                            c.runs.append(run)
+                             repeat=args.repeat, busy_cores=args.busy_cores)
+        with busy_cores(args.busy_cores):
+            _run_points(result, files, shares, counts, configs, traces, args)
+        result.load_average = os.getloadavg()[0]
         if not result.done():
             raise BenchError("nothing could run: " + "; ".join(c.skipped for c in result.configs))
     except (BenchError, TraceError, SyntheticError, ValueError, OSError) as exc:

@@ -390,6 +390,8 @@ class BenchResult:
     expert_bytes: int
     machine: str
     repeat: int = 1
+    busy_cores: int = 0  # CPU-bound programs beside the runs (--busy-cores)
+    load_average: float | None = None  # the machine's, over the last minute, when the runs ended
     configs: list[ConfigResult] = field(default_factory=list)
 
     def done(self) -> list[ConfigResult]:

@@ -17,6 +17,7 @@ import pytest
 from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main
 from moe_l2.client.donor import SHARED_ROWS
+from moe_l2.lab.busy import busy_cores
 from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
@@ -205,6 +206,40 @@ def test_a_budget_under_top_k_and_a_mismatched_trace_say_what_to_do(tiny, tmp_pa
     assert main(["bench", "--geometry", "gpt-oss-20b", "--trace", str(trace), "--cache-dir", str(tmp_path)]) == 1
     assert "pass the geometry of the trace's model" in capsys.readouterr().err
     assert not list(tmp_path.glob("gpt-oss-20b*"))
+
+
+def test_busy_cores_spin_beside_the_runs_and_are_stated(tiny, capsys):
+    model, trace = tiny
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--budget-share", "50%", "--processes", "1",
+                 "--configs", "pread", "--busy-cores", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["busy_cores"] == 2 and result["load_average"] >= 0
+    assert not [p for p in psutil.Process().children(recursive=True) if "getppid" in " ".join(p.cmdline())]
+    assert main(["bench", "--model", str(model), "--trace", str(trace), "--busy-cores", "-1"]) == 1
+    assert "--busy-cores must be 0 or more" in capsys.readouterr().err
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_busy_core_spins_until_its_block_ends_or_its_parent_dies():
+    with busy_cores(2) as spinners:
+        wait_for(lambda: all(psutil.Process(s.pid).cpu_times().user > 0.2 for s in spinners), 30,
+                 "the spinners' CPU time")
+    assert all(s.returncode is not None for s in spinners)
+    # A bench killed outright: its spinner sees its parent go, and ends.
+    parent = subprocess.Popen([sys.executable, "-c", "import time\nfrom moe_l2.lab.busy import busy_cores\n"
+                               "with busy_cores(1) as (s,):\n    print(s.pid, flush=True)\n    time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    with parent.stdout:
+        pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    wait_for(lambda: _gone(pid), 30, "the end of the spinner whose parent died")
 
 
 def test_the_old_name_of_first_layers_still_works_and_is_hidden(capsys):
