@@ -2,24 +2,17 @@
 
 A miss path whose helpers run only where a core would idle is fast on a quiet machine and starves on a busy one
 (docs/benchmarks.md, "The donor in the background"): the bench shows both.
+
+Each spinner runs as ``python -P -m moe_l2.lab.lifeline PARENT_PID moe_l2.lab.busy``, tied to the bench
+(lab/lifeline.py), so that a bench killed outright leaves no spinner behind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-import sys
 
-# Spins at the default priority, and ends once its parent (argv[1], passed in: the parent may die before the
-# spinner's interpreter has started) is gone: a bench killed outright leaves no spinner.
-SPIN = """\
-import os, sys
-parent = int(sys.argv[1])
-while os.getppid() == parent:
-    for _ in range(1_000_000):
-        pass
-"""
+from moe_l2.lab import lifeline
 
 
 @contextlib.contextmanager
@@ -28,11 +21,15 @@ def busy_cores(n: int):
     spinners = []
     try:
         for _ in range(n):
-            spinners.append(subprocess.Popen([sys.executable, "-c", SPIN, str(os.getpid())],
-                                             stdin=subprocess.DEVNULL))
+            spinners.append(subprocess.Popen(lifeline.command(__name__), stdin=subprocess.DEVNULL))
         yield spinners
     finally:
         for spinner in spinners:
             spinner.kill()
         for spinner in spinners:
             spinner.wait()
+
+
+if __name__ == "__main__":
+    while True:
+        pass
