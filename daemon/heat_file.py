@@ -28,9 +28,10 @@ from moe_l2.cache.store import PIN_KINDS
 from moe_l2.protocol import quote
 
 VERSION = 1
-# What a layer's entry may take at most, per expert of the model and beside them: the adaptive policy's six scores
-# and shadows of each expert take under 100 bytes, its pins and held list a few more.
-EXPERT_BYTES = 256
+# What a layer's entry may take at most, per expert of the model and beside them: the learned policy's 46 numbers
+# of each expert (its own weights and their mean squares for 4 horizons, counts, scores) take about 420 bytes as
+# msgpack's doubles, the adaptive policy's under 100, the pins and held list a few more.
+EXPERT_BYTES = 512
 LAYER_BYTES = 1024
 HEAD_BYTES = 4096
 MAX_DOMAIN_CHARS = 256

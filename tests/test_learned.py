@@ -85,19 +85,19 @@ def test_replay_is_deterministic_with_one_client_and_with_several(tmp_path):
 
 def test_its_state_stays_bounded_on_a_long_trace_from_many_clients():
     """100 clients in turn, 30,000 batches: the pending batches, the clients kept as context, the shadows and the
-    arrays stay within their bounds (a layer of 32 experts: under 40 KiB)."""
+    arrays stay within their bounds (a layer of 32 experts: under 96 KiB, 64 of it the weights)."""
     rng = random.Random(0)
     policy = LearnedReuse(32, 8)
     most = 0
     for t in range(30_000):
         policy.observe(rng.sample(range(32), 4), source=t % 100)
-        assert len(policy._pending) <= learned.HORIZON_RANGE[1]
+        assert all(len(p) <= max(learned.HORIZON_MULTIPLES) * learned.HORIZON_RANGE[1] for p in policy._pending)
         assert len(policy._recent) <= learned.MAX_SOURCES
         most = max(most, policy.nbytes)
-    assert most < 40 << 10
+    assert most < 96 << 10
     assert len(policy._lru_shadow) <= 8 and len(policy._model_shadow) <= 8
     assert all(math.isfinite(s) for s in policy._score)
-    assert np.isfinite(policy._cross).all() and np.isfinite(policy._own).all()
+    assert all(np.isfinite(a).all() for a in (policy._cross, policy._history, policy._own))
 
 
 def test_it_never_evicts_a_pin_or_the_batch_being_loaded():
@@ -156,10 +156,10 @@ def test_moe_l2d_and_l0_run_the_one_implementation(daemon_factory, model_dir, mo
     """The same batches through a real moe-l2d started with --policy learned (reports, misses loaded before the
     next) and through a real L0 pool with policy learned hit exactly where the store's reference does. The counts
     tell apart LRU, and the learned policy fed one lookup at a time or a token's hits apart from its misses (the
-    reference's hits would be 163, 207 and 225 of 900)."""
+    reference's hits would be 163, 213 and 226 of 900)."""
     slots, batches = 6, walk(300)
     expected = reference_hits(batches, slots, "learned")
-    assert expected == 247
+    assert expected == 229
 
     pool = ExpertPool(model_files, slots, policy="learned", grow=False)
     try:

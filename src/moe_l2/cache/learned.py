@@ -3,16 +3,19 @@ the layer's own routing predicts it (docs/policy-report.md, "The learned policy"
 
 Time counts in batches: what the caller observes at once (`observe`): a token's picks in replay, a report's
 lookups of the layer in moe-l2d, a forward's picks of the layer in L0. After each batch the model scores every
-expert e of the layer:
+expert e of the layer, for each horizon h_k:
 
-    z_e = bias_e + sum over f in the batch of cross[f, e] + own_e . (1 if e is in the batch, log1p of e's
-          decayed pick counts with half-lives HALF_LIVES batches)
+    z_ke = bias_ke + sum over f in the batch of cross[k, f, e] + sum over f of past_f . history[k, f, e]
+           + own_ke . (1 if e is in the batch, log1p of e's decayed pick counts with half-lives HALF_LIVES)
 
-a logistic regression of "e is picked within the next `horizon` batches". The cross weights carry what
-recency and frequency cannot: which experts follow which (in replay, most of what it gains over `adaptive`).
-The label of a batch's scores is known `horizon` batches later; the model then takes one RMSprop step on it,
-so it keeps following the workload. The horizon is the cache's lifetime in batches: HORIZON_FACTOR times the
-capacity over the mean distinct experts per batch, within HORIZON_RANGE.
+a logistic regression of "e is picked within the next h_k batches", where past_f is the source's decayed picks
+before this batch (HISTORY_DECAY a batch). The cross and history weights carry what recency and frequency cannot:
+which experts follow which (in replay, most of what it gains over `adaptive`). An expert's score is the sum of
+its probabilities over the horizons, so that the one evicted is the one expected back the latest, as Belady's MIN
+evicts (one horizon ranks only "soon or not"). The label of a batch's scores for h_k is known h_k batches later;
+the model then takes one RMSprop step on it, so it keeps following the workload. The horizons are
+HORIZON_MULTIPLES of the cache's lifetime in batches: the capacity over the mean distinct experts per batch,
+within HORIZON_RANGE.
 
 Several clients (`source`): the batch is each client's latest one, up to MAX_SOURCES seen within SOURCE_TTL
 horizons, since what a client picks next follows from its own latest picks, not from another's.
@@ -21,22 +24,26 @@ Guard: a shadow LRU cache and a shadow of the model's ranking, of the live capac
 where LRU has hit more over the latest ~DUEL_WINDOW accesses (a drifting working set that the model has not
 learned), the live cache evicts as LRU does, until the model's shadow is ahead again.
 
-Deterministic (no randomness), and bounded: per layer O(n_experts^2) floats (the cross weights and their
-RMSprop state) plus HORIZON_RANGE[1] pending batches; numpy work of O(n_experts x batch) per batch.
+Deterministic (no randomness), and bounded: per layer 4 x len(HORIZON_MULTIPLES) x n_experts^2 floats (the
+cross and history weights and their RMSprop state) plus max(HORIZON_MULTIPLES) x HORIZON_RANGE[1] pending batches;
+numpy work of O(horizons x n_experts x the batch and its history) per batch.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
 HALF_LIVES = (4.0, 32.0, 256.0)  # batches
 LEARNING_RATE = 0.003
 RMS_DECAY = 0.99
-HORIZON_FACTOR = 1.0
-HORIZON_RANGE = (2, 16)
+HORIZON_RANGE = (2, 16)  # the cache's lifetime in batches
+HORIZON_MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # of the lifetime: the horizons an expert's score sums over
+HISTORY_DECAY = 0.5  # a source's picks one batch older weigh this much less in its history
+_HISTORY_FLOOR = 0.01  # past weights below it (picks 7 batches old and older) are dropped
 DUEL_WINDOW = 4096.0  # accesses: the half-life of the shadows' hit counts
 # Sources (clients) whose latest batch is context: at most MAX_SOURCES, each for SOURCE_TTL horizons.
 MAX_SOURCES = 16
@@ -59,18 +66,22 @@ class LearnedReuse:
         if n_experts < 1 or capacity < 1:
             raise ValueError("the learned policy needs the layer's number of experts and its capacity")
         n = self.n_experts = n_experts
-        # Per expert, the weights of its own features (picked now, log1p of each decayed count) and its bias.
-        self._own = np.zeros((2 + len(HALF_LIVES), n), np.float32)
-        self._cross = np.zeros((n, n), np.float32)  # cross[f, e]: f picked now -> e picked soon
+        k = len(HORIZON_MULTIPLES)
+        # Per horizon and expert, the weights of its own features (picked now, log1p of each decayed count) and
+        # its bias.
+        self._own = np.zeros((k, 2 + len(HALF_LIVES), n), np.float32)
+        self._cross = np.zeros((k, n, n), np.float32)  # cross[k, f, e]: f picked now -> e picked within h_k
+        self._history = np.zeros((k, n, n), np.float32)  # history[k, f, e]: f picked lately -> the same
         self._own_ms = np.zeros_like(self._own)  # RMSprop's mean squared gradients
         self._cross_ms = np.zeros_like(self._cross)
+        self._history_ms = np.zeros_like(self._history)
         self._decay = np.array([2.0 ** (-1.0 / h) for h in HALF_LIVES], np.float32)[:, None]
         self._counts = np.zeros((len(HALF_LIVES), n), np.float32)
         self._ones = np.ones((1, n), np.float32)  # the bias' feature
-        # Batches whose label is not known yet, oldest first: (context, features, clock, logits).
-        self._pending: deque[tuple[np.ndarray, np.ndarray, int, np.ndarray]] = deque()
+        # Per horizon, the batches whose label is not known yet, oldest first.
+        self._pending: tuple[deque[_Scored], ...] = tuple(deque() for _ in HORIZON_MULTIPLES)
         self._clock = 0
-        self._recent: OrderedDict[object, tuple[np.ndarray, int]] = OrderedDict()  # source -> latest batch
+        self._recent: OrderedDict[object, _Source] = OrderedDict()
         self._batch_mean = 0.0
         self._score = [0.0] * n
         self._last = [0] * n  # clock of each expert's latest pick: ties, the LRU ranking
@@ -88,11 +99,11 @@ class LearnedReuse:
 
     @property
     def horizon(self) -> int:
-        """Batches ahead the model predicts: about how long an expert stays cached."""
+        """About how long an expert stays cached, in batches: the horizons are multiples of it."""
         low, high = HORIZON_RANGE
         if self._batch_mean <= 0:
             return low
-        return int(min(high, max(low, round(HORIZON_FACTOR * self.capacity / self._batch_mean))))
+        return int(min(high, max(low, round(self.capacity / self._batch_mean))))
 
     def observe(self, experts: Iterable[int], source=None) -> None:
         """One batch of picks of this layer, from `source` (a client; None: the only one); the model learns from
@@ -105,19 +116,26 @@ class LearnedReuse:
         clock = self._clock
         self._batch_mean += (len(picked) - self._batch_mean) / min(clock, 256)
         horizon = self.horizon
-        context = self._context(source, ids, clock, horizon)
+        context, past = self._context(source, ids, clock, horizon)
         self._last_picked[ids] = clock
-        while self._pending and clock - self._pending[0][2] >= horizon:
-            self._learn(*self._pending.popleft())
+        for k, pending in enumerate(self._pending):
+            h = max(1, round(HORIZON_MULTIPLES[k] * horizon))
+            while pending and clock - pending[0].clock >= h:
+                self._learn(k, pending.popleft())
         now = np.zeros(self.n_experts, np.float32)
         now[ids] = 1.0
         self._counts *= self._decay
         self._counts += now
         now[context] = 1.0
         features = np.concatenate((now[None], np.log1p(self._counts), self._ones))
-        logits = (self._own * features).sum(axis=0) + self._cross[context].sum(axis=0)
-        self._pending.append((context, features, clock, logits))
-        self._score = logits.tolist()
+        past_ids = np.flatnonzero(past >= _HISTORY_FLOOR)
+        past_weights = past[past_ids]
+        logits = ((self._own * features).sum(axis=1) + self._cross[:, context].sum(axis=1)
+                  + np.einsum("f,kfe->ke", past_weights, self._history[:, past_ids]))
+        scored = _Scored(context, past_ids, past_weights, features, clock, logits)
+        for pending in self._pending:
+            pending.append(scored)
+        self._score = (1.0 / (1.0 + np.exp(-logits))).sum(axis=0).tolist()
         last = self._last
         for e in picked:
             last[e] = clock
@@ -125,36 +143,53 @@ class LearnedReuse:
 
     @property
     def nbytes(self) -> int:
-        """Memory of its arrays now, pending batches included (at most HORIZON_RANGE[1] of them)."""
-        fixed = sum(a.nbytes for a in (self._own, self._cross, self._own_ms, self._cross_ms, self._decay,
-                                       self._counts, self._ones, self._last_picked))
-        return fixed + sum(sum(a.nbytes for a in (c, f, z)) for c, f, _, z in self._pending)
+        """Memory of its arrays now, the sources' histories and the pending batches included."""
+        fixed = sum(a.nbytes for a in (self._own, self._cross, self._history, self._own_ms, self._cross_ms,
+                                       self._history_ms, self._decay, self._counts, self._ones, self._last_picked))
+        sources = sum(s.batch.nbytes + s.past.nbytes for s in self._recent.values())
+        pending = {id(b): b.nbytes for p in self._pending for b in p}  # the horizons share each batch
+        return fixed + sources + sum(pending.values())
 
     def access(self, expert: int, count: int = 1) -> None:
         self.observe((expert,))
 
-    def _context(self, source, ids: np.ndarray, clock: int, horizon: int) -> np.ndarray:
-        """The latest batch of every source seen lately, this one's being `ids`."""
+    def _context(self, source, ids: np.ndarray, clock: int, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+        """The latest batch of every source seen lately (this one's being `ids`), and this source's decayed picks
+        before `ids`: what a client picks next follows from its own recent picks."""
         recent = self._recent
-        recent[source] = (ids, clock)
+        mine = recent.get(source)
+        if mine is None:
+            mine = _Source(ids, clock, np.zeros(self.n_experts, np.float32))
+        else:
+            mine.past *= HISTORY_DECAY
+            mine.past[mine.batch] += HISTORY_DECAY
+            mine.batch, mine.clock = ids, clock
+        recent[source] = mine
         recent.move_to_end(source)
         stale = clock - SOURCE_TTL * horizon
-        while len(recent) > MAX_SOURCES or next(iter(recent.values()))[1] < stale:
+        while len(recent) > MAX_SOURCES or next(iter(recent.values())).clock < stale:
             recent.popitem(last=False)
-        return ids if len(recent) == 1 else np.concatenate([batch for batch, _ in recent.values()])
+        context = ids if len(recent) == 1 else np.concatenate([s.batch for s in recent.values()])
+        return context, mine.past
 
-    def _learn(self, context: np.ndarray, features: np.ndarray, at: int, logits: np.ndarray) -> None:
-        """One RMSprop step on a batch `horizon` batches old, from the logits it was scored with: was each expert
-        picked since."""
-        error = 1.0 / (1.0 + np.exp(-logits)) - (self._last_picked > at)
-        grad = features * error
-        ms = self._own_ms
+    def _learn(self, k: int, scored: _Scored) -> None:
+        """One RMSprop step of horizon k's weights on a batch h_k batches old, from the logits it was scored with:
+        was each expert picked since."""
+        error = 1.0 / (1.0 + np.exp(-scored.logits[k])) - (self._last_picked > scored.clock)
+        grad = scored.features * error
+        ms = self._own_ms[k]
         ms *= RMS_DECAY
         ms += (1 - RMS_DECAY) * grad * grad
-        self._own -= LEARNING_RATE * grad / (np.sqrt(ms) + _EPS)
-        ms = self._cross_ms[context] * RMS_DECAY + (1 - RMS_DECAY) * error * error
-        self._cross_ms[context] = ms
-        self._cross[context] -= LEARNING_RATE * error / (np.sqrt(ms) + _EPS)
+        self._own[k] -= LEARNING_RATE * grad / (np.sqrt(ms) + _EPS)
+        context = scored.context
+        ms = self._cross_ms[k, context] * RMS_DECAY + (1 - RMS_DECAY) * error * error
+        self._cross_ms[k, context] = ms
+        self._cross[k, context] -= LEARNING_RATE * error / (np.sqrt(ms) + _EPS)
+        past = scored.past_ids
+        grad = scored.past_weights[:, None] * error
+        ms = self._history_ms[k, past] * RMS_DECAY + (1 - RMS_DECAY) * grad * grad
+        self._history_ms[k, past] = ms
+        self._history[k, past] -= LEARNING_RATE * grad / (np.sqrt(ms) + _EPS)
 
     def _shadows(self, picked: list[int]) -> None:
         """Run the picks through the LRU shadow and the model's, and follow LRU while it has hit more lately."""
@@ -246,6 +281,29 @@ class LearnedReuse:
         self._lru_shadow = OrderedDict.fromkeys(lru[-self.capacity:])
         self._model_shadow = set(sorted(model, key=lambda e: (score[e], e))[-self.capacity:])
         self.follows_lru = self._duel[0] > self._duel[1]
+
+
+@dataclass(slots=True)
+class _Source:
+    """A client as context: its latest batch, when, and its decayed picks before that batch."""
+    batch: np.ndarray
+    clock: int
+    past: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    """A batch's scores, kept until each horizon's label is known."""
+    context: np.ndarray  # the experts picked now, by this source and the others'
+    past_ids: np.ndarray  # this source's earlier picks, and their weights
+    past_weights: np.ndarray
+    features: np.ndarray  # every expert's own features
+    clock: int
+    logits: np.ndarray  # per horizon and expert
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.context, self.past_ids, self.past_weights, self.features, self.logits))
 
 
 def _numbers(value, shape: tuple[int, ...], low: float, high: float, what: str) -> np.ndarray:
