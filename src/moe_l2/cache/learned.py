@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import zip_longest
 
 import numpy as np
 
@@ -118,10 +119,15 @@ class LearnedReuse:
         horizon = self.horizon
         context, past = self._context(source, ids, clock, horizon)
         self._last_picked[ids] = clock
+        due = [[] for _ in self._pending]
         for k, pending in enumerate(self._pending):
             h = max(1, round(HORIZON_MULTIPLES[k] * horizon))
             while pending and clock - pending[0].clock >= h:
-                self._learn(k, pending.popleft())
+                due[k].append((k, pending.popleft()))
+        # One step for all horizons at once (they own disjoint weights); a horizon that shrank may have several
+        # batches due, learned from in turn.
+        for step in zip_longest(*due):
+            self._learn([d for d in step if d is not None])
         now = np.zeros(self.n_experts, np.float32)
         now[ids] = 1.0
         self._counts *= self._decay
@@ -172,24 +178,23 @@ class LearnedReuse:
         context = ids if len(recent) == 1 else np.concatenate([s.batch for s in recent.values()])
         return context, mine.past
 
-    def _learn(self, k: int, scored: _Scored) -> None:
-        """One RMSprop step of horizon k's weights on a batch h_k batches old, from the logits it was scored with:
-        was each expert picked since."""
-        error = 1.0 / (1.0 + np.exp(-scored.logits[k])) - (self._last_picked > scored.clock)
-        grad = scored.features * error
-        ms = self._own_ms[k]
-        ms *= RMS_DECAY
-        ms += (1 - RMS_DECAY) * grad * grad
-        self._own[k] -= LEARNING_RATE * grad / (np.sqrt(ms) + _EPS)
-        context = scored.context
-        ms = self._cross_ms[k, context] * RMS_DECAY + (1 - RMS_DECAY) * error * error
-        self._cross_ms[k, context] = ms
-        self._cross[k, context] -= LEARNING_RATE * error / (np.sqrt(ms) + _EPS)
-        past = scored.past_ids
-        grad = scored.past_weights[:, None] * error
-        ms = self._history_ms[k, past] * RMS_DECAY + (1 - RMS_DECAY) * grad * grad
-        self._history_ms[k, past] = ms
-        self._history[k, past] -= LEARNING_RATE * grad / (np.sqrt(ms) + _EPS)
+    def _learn(self, due: list[tuple[int, _Scored]]) -> None:
+        """One RMSprop step of each horizon k's weights (k distinct) on its batch h_k batches old, from the logits
+        it was scored with: was each expert picked since."""
+        ks = np.array([k for k, _ in due], np.intp)
+        clocks = np.array([scored.clock for _, scored in due])
+        error = 1.0 / (1.0 + np.exp(-np.stack([scored.logits[k] for k, scored in due]))) \
+            - (self._last_picked > clocks[:, None])
+        features = np.stack([scored.features for _, scored in due])
+        _step(self._own, self._own_ms, ks, features * error[:, None])
+        sizes = [len(scored.context) for _, scored in due]
+        rows = np.concatenate([scored.context for _, scored in due])
+        _step(self._cross, self._cross_ms, (np.repeat(ks, sizes), rows), np.repeat(error, sizes, axis=0))
+        sizes = [len(scored.past_ids) for _, scored in due]
+        rows = np.concatenate([scored.past_ids for _, scored in due])
+        weights = np.concatenate([scored.past_weights for _, scored in due])
+        _step(self._history, self._history_ms, (np.repeat(ks, sizes), rows),
+              weights[:, None] * np.repeat(error, sizes, axis=0))
 
     def _shadows(self, picked: list[int]) -> None:
         """Run the picks through the LRU shadow and the model's, and follow LRU while it has hit more lately."""
@@ -281,6 +286,13 @@ class LearnedReuse:
         self._lru_shadow = OrderedDict.fromkeys(lru[-self.capacity:])
         self._model_shadow = set(sorted(model, key=lambda e: (score[e], e))[-self.capacity:])
         self.follows_lru = self._duel[0] > self._duel[1]
+
+
+def _step(weights: np.ndarray, mean_squares: np.ndarray, index, grad: np.ndarray) -> None:
+    """RMSprop on the weights at `index` (rows named twice get the same step once, as each is computed alike)."""
+    ms = mean_squares[index] * RMS_DECAY + (1 - RMS_DECAY) * grad * grad
+    mean_squares[index] = ms
+    weights[index] -= LEARNING_RATE * grad / (np.sqrt(ms) + _EPS)
 
 
 @dataclass(slots=True)
