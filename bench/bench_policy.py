@@ -1,6 +1,7 @@
 """Cache policies, hints and the domain predictor on real routing traces: the numbers of docs/policy-report.md.
 
-Sections (each writes <results>/<section>.json and prints Markdown tables; --sections picks them):
+Sections (each writes <results>/<section>.json and prints Markdown tables; --sections picks them; the learned
+section writes its file after each of its runs, so one stopped early keeps what it finished):
 
 - main:        every trace x order (blocked, interleave seed 0) x capacity (25, 37.5, 50% of the experts):
                hit rate of adaptive (the default), LRU, LFU and Belady's MIN, through `moe_l2.cache.replay`, all
@@ -328,7 +329,8 @@ def learned_point(c: dict) -> dict:
             "gap": {n: (ps[n]["hit_rate"] - lru) / (ceiling - lru) for n in ("learned", "adaptive")}}
 
 
-def section_learned(traces_by_file: dict, jobs: int) -> dict:
+def section_learned(traces_by_file: dict, jobs: int, save) -> dict:
+    """Each run's points are saved as the run ends (`save`): the section takes over an hour here."""
     out = {}
     for name, traces in traces_by_file.items():
         record = record_bytes(traces.model)
@@ -339,6 +341,7 @@ def section_learned(traces_by_file: dict, jobs: int) -> dict:
             r = rp.replay(chosen, slots=slots_for(traces.n_experts), policy="learned", compare=LEARNED_COMPARE,
                           seed=0, jobs=jobs, record_bytes=record, **kw).to_json()
             out[f"{name}|{part}|{mix}"] = [learned_point(c) for c in r["capacities"]]
+            save(out)
             print(f"  learned {name} {part} {mix}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
     return out
 
@@ -479,24 +482,27 @@ def main() -> int:
     traces = {} if args.report_only else {f.name: read_traces(f) for f in files}
     args.results.mkdir(parents=True, exist_ok=True)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+
+    def write(section: str, data: dict) -> None:
+        (args.results / f"{section}.json").write_text(json.dumps(data, indent=1))
+
     runners = {
         "main": (lambda: section_main(traces, args.jobs), report_main),
         "hints": (lambda: section_hints(traces, args.jobs, args.layer_step), report_hints),
         "predictor": (lambda: section_predictor(traces), report_predictor),
         "sensitivity": (lambda: section_sensitivity(traces, args.jobs, args.layer_step), report_sensitivity),
-        "learned": (lambda: section_learned(traces, args.jobs), report_learned),
+        "learned": (lambda: section_learned(traces, args.jobs, lambda data: write("learned", data)), report_learned),
         "sweep": (lambda: section_sweep(traces, args.jobs, args.layer_step), report_sweep),
         "cost": (lambda: section_cost(traces), report_cost),
     }
     for section in sections:
         compute, report = runners[section]
-        path = args.results / f"{section}.json"
         if args.report_only:
-            data = json.loads(path.read_text())
+            data = json.loads((args.results / f"{section}.json").read_text())
         else:
             start = time.time()
             data = compute()
-            path.write_text(json.dumps(data, indent=1))
+            write(section, data)
             print(f"{section}: {time.time() - start:.0f} s", file=sys.stderr)
         print(f"\n## {section}\n")
         print(report(data))
