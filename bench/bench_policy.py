@@ -434,16 +434,16 @@ def section_cost(traces_by_file: dict, repeat: int = 3) -> dict:
         out["lookups"][f"{label}|{slots}|{n}"] = {p: statistics.median(t) for p, t in times.items()}
     for geometry in GEOMETRIES.values():
         out["memory"][geometry.name] = memory_of(geometry.n_experts, geometry.top_k, geometry.n_moe_layers)
-    out["memory"]["256 experts, top-8, 58 layers (DeepSeek-V3's shape)"] = memory_of(256, 8, 58)
+    out["memory"]["256 experts, top-8 (DeepSeek-V3's shape)"] = memory_of(256, 8, 58)
     return out
 
 
 def memory_of(n_experts: int, top_k: int, layers: int) -> dict:
-    """The learned policy's bytes per layer at its most (every pending batch held), and per model."""
+    """The learned policy's bytes per layer at its most (every pending batch held, two clients), and per model."""
     policy = learned.LearnedReuse(n_experts, learned.HORIZON_RANGE[1] * top_k)
     rng = random.Random(0)
-    for _ in range(4 * learned.HORIZON_RANGE[1]):
-        policy.observe(rng.sample(range(n_experts), top_k))
+    for t in range(4 * learned.HORIZON_RANGE[1]):
+        policy.observe(rng.sample(range(n_experts), top_k), source=t % 2)
     return {"layer": policy.nbytes, "model": policy.nbytes * layers, "layers": layers}
 
 

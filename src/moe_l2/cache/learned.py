@@ -6,7 +6,8 @@ lookups of the layer in moe-l2d, a forward's picks of the layer in L0. After eac
 expert e of the layer, for each horizon h_k:
 
     z_ke = bias_ke + sum over f in the batch of cross[k, f, e] + sum over f of past_f . history[k, f, e]
-           + own_ke . (1 if e is in the batch, log1p of e's decayed pick counts with half-lives HALF_LIVES)
+           + sum over g in the other clients' latest batches of cross[k, n + g, e]
+           + own_ke . (1 if e is in a latest batch, log1p of e's decayed pick counts with half-lives HALF_LIVES)
 
 a logistic regression of "e is picked within the next h_k batches", where past_f is the source's decayed picks
 before this batch (HISTORY_DECAY a batch). The cross and history weights carry what recency and frequency cannot:
@@ -17,16 +18,18 @@ the model then takes one RMSprop step on it, so it keeps following the workload.
 HORIZON_MULTIPLES of the cache's lifetime in batches: the capacity over the mean distinct experts per batch,
 within HORIZON_RANGE.
 
-Several clients (`source`): the batch is each client's latest one, up to MAX_SOURCES seen within SOURCE_TTL
-horizons, since what a client picks next follows from its own latest picks, not from another's.
+Several clients (`source`): the context is each client's latest batch, up to MAX_SOURCES seen within SOURCE_TTL
+horizons, since what a client picks next follows from its own latest picks, not from another's. The other clients'
+batches have cross weights of their own (rows n to 2n - 1, added when a second client first shows): what they
+predict of the shared cache's next picks differs from what the reporting client's own batch does.
 
 Guard: a shadow LRU cache and a shadow of the model's ranking, of the live capacity, see the same accesses;
 where LRU has hit more over the latest ~DUEL_WINDOW accesses (a drifting working set that the model has not
 learned), the live cache evicts as LRU does, until the model's shadow is ahead again.
 
 Deterministic (no randomness), and bounded: per layer 4 x len(HORIZON_MULTIPLES) x n_experts^2 floats (the
-cross and history weights and their RMSprop state) plus max(HORIZON_MULTIPLES) x HORIZON_RANGE[1] pending batches;
-numpy work of O(horizons x n_experts x the batch and its history) per batch.
+cross and history weights and their RMSprop state; 6 x once several clients report) plus max(HORIZON_MULTIPLES) x
+HORIZON_RANGE[1] pending batches; numpy work of O(horizons x n_experts x the batch and its history) per batch.
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ class LearnedReuse:
         # Per horizon and expert, the weights of its own features (picked now, log1p of each decayed count) and
         # its bias.
         self._own = np.zeros((k, 2 + len(HALF_LIVES), n), np.float32)
-        self._cross = np.zeros((k, n, n), np.float32)  # cross[k, f, e]: f picked now -> e picked within h_k
+        # cross[k, f, e]: f picked now (f < n: by the reporting client; n + f: by another) -> e picked within h_k
+        self._cross = np.zeros((k, n, n), np.float32)
         self._history = np.zeros((k, n, n), np.float32)  # history[k, f, e]: f picked lately -> the same
         self._own_ms = np.zeros_like(self._own)  # RMSprop's mean squared gradients
         self._cross_ms = np.zeros_like(self._cross)
@@ -132,7 +136,7 @@ class LearnedReuse:
         now[ids] = 1.0
         self._counts *= self._decay
         self._counts += now
-        now[context] = 1.0
+        now[context % self.n_experts] = 1.0
         features = np.concatenate((now[None], np.log1p(self._counts), self._ones))
         past_ids = np.flatnonzero(past >= _HISTORY_FLOOR)
         past_weights = past[past_ids]
@@ -160,8 +164,9 @@ class LearnedReuse:
         self.observe((expert,))
 
     def _context(self, source, ids: np.ndarray, clock: int, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-        """The latest batch of every source seen lately (this one's being `ids`), and this source's decayed picks
-        before `ids`: what a client picks next follows from its own recent picks."""
+        """The latest batch of every source seen lately (this one's being `ids`; the others' as rows n_experts on,
+        which are added the first time there are others), and this source's decayed picks before `ids`: what a
+        client picks next follows from its own recent picks."""
         recent = self._recent
         mine = recent.get(source)
         if mine is None:
@@ -175,8 +180,13 @@ class LearnedReuse:
         stale = clock - SOURCE_TTL * horizon
         while len(recent) > MAX_SOURCES or next(iter(recent.values())).clock < stale:
             recent.popitem(last=False)
-        context = ids if len(recent) == 1 else np.concatenate([s.batch for s in recent.values()])
-        return context, mine.past
+        if len(recent) == 1:
+            return ids, mine.past
+        n = self.n_experts
+        if len(self._cross[0]) == n:
+            self._cross, self._cross_ms = (np.concatenate((a, np.zeros_like(a)), axis=1)
+                                           for a in (self._cross, self._cross_ms))
+        return np.concatenate([ids] + [s.batch + n for s in recent.values() if s is not mine]), mine.past
 
     def _learn(self, due: list[tuple[int, _Scored]]) -> None:
         """One RMSprop step of each horizon k's weights (k distinct) on its batch h_k batches old, from the logits
@@ -306,7 +316,7 @@ class _Source:
 @dataclass(frozen=True, slots=True)
 class _Scored:
     """A batch's scores, kept until each horizon's label is known."""
-    context: np.ndarray  # the experts picked now, by this source and the others'
+    context: np.ndarray  # the experts picked now, by this source and (plus n_experts) by the others
     past_ids: np.ndarray  # this source's earlier picks, and their weights
     past_weights: np.ndarray
     features: np.ndarray  # every expert's own features
