@@ -483,8 +483,11 @@ def main() -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
 
+    def path(section: str) -> Path:
+        return args.results / f"{section}.json"
+
     def write(section: str, data: dict) -> None:
-        (args.results / f"{section}.json").write_text(json.dumps(data, indent=1))
+        path(section).write_text(json.dumps(data, indent=1))
 
     runners = {
         "main": (lambda: section_main(traces, args.jobs), report_main),
@@ -498,7 +501,7 @@ def main() -> int:
     for section in sections:
         compute, report = runners[section]
         if args.report_only:
-            data = json.loads((args.results / f"{section}.json").read_text())
+            data = json.loads(path(section).read_text())
         else:
             start = time.time()
             data = compute()
