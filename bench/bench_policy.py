@@ -439,11 +439,12 @@ def section_cost(traces_by_file: dict, repeat: int = 3) -> dict:
 
 
 def memory_of(n_experts: int, top_k: int, layers: int) -> dict:
-    """The learned policy's bytes per layer at its most (every pending batch held, two clients), and per model."""
+    """The learned policy's bytes per layer at its most (every pending batch held, MAX_SOURCES clients), and per
+    model."""
     policy = learned.LearnedReuse(n_experts, learned.HORIZON_RANGE[1] * top_k)
     rng = random.Random(0)
     for t in range(4 * learned.HORIZON_RANGE[1]):
-        policy.observe(rng.sample(range(n_experts), top_k), source=t % 2)
+        policy.observe(rng.sample(range(n_experts), top_k), source=t % learned.MAX_SOURCES)
     return {"layer": policy.nbytes, "model": policy.nbytes * layers, "layers": layers}
 
 

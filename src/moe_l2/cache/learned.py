@@ -6,30 +6,32 @@ lookups of the layer in moe-l2d, a forward's picks of the layer in L0. After eac
 expert e of the layer, for each horizon h_k:
 
     z_ke = bias_ke + sum over f in the batch of cross[k, f, e] + sum over f of past_f . history[k, f, e]
-           + sum over g in the other clients' latest batches of cross[k, n + g, e]
-           + own_ke . (1 if e is in a latest batch, log1p of e's decayed pick counts with half-lives HALF_LIVES)
+           + own_ke . (1 if e is in the batch, log1p of e's decayed pick counts with half-lives HALF_LIVES)
 
-a logistic regression of "e is picked within the next h_k batches", where past_f is the source's decayed picks
-before this batch (HISTORY_DECAY a batch). The cross and history weights carry what recency and frequency cannot:
-which experts follow which (in replay, most of what it gains over `adaptive`). An expert's score is the sum of
-its probabilities over the horizons, so that the one evicted is the one expected back the latest, as Belady's MIN
-evicts (one horizon ranks only "soon or not"). The label of a batch's scores for h_k is known h_k batches later;
-the model then takes one RMSprop step on it, so it keeps following the workload. The horizons are
-HORIZON_MULTIPLES of the cache's lifetime in batches: the capacity over the mean distinct experts per batch,
-within HORIZON_RANGE.
+a logistic regression of "the batch's client picks e within the next h_k batches", where past_f is the client's
+decayed picks before this batch (HISTORY_DECAY a batch). The cross and history weights carry what recency and
+frequency cannot: which experts follow which (in replay, most of what it gains over `adaptive`). An expert's score
+is the sum of its probabilities over the horizons, so that the one evicted is the one expected back the latest, as
+Belady's MIN evicts (one horizon ranks only "soon or not"); with several clients, the probability of a pick by any
+of them. The label of a batch's scores for h_k is known h_k batches later; the model then takes one RMSprop step on
+it, so it keeps following the workload. The horizons are HORIZON_MULTIPLES of the cache's lifetime in batches: the
+capacity over the mean distinct experts per batch, within HORIZON_RANGE.
 
-Several clients (`source`): the context is each client's latest batch, up to MAX_SOURCES seen within SOURCE_TTL
-horizons, since what a client picks next follows from its own latest picks, not from another's. The other clients'
-batches have cross weights of their own (rows n to 2n - 1, added when a second client first shows): what they
-predict of the shared cache's next picks differs from what the reporting client's own batch does.
+Several clients (`source`): what a client picks next follows from its own picks, not from another's, so each
+client's batch is scored from that client's batch and history, and labelled by that client's later picks; the
+cache's chance of a pick of e within h_k is 1 - prod over clients c of (1 - p_cke), from each client's latest
+scores, for up to MAX_SOURCES clients seen within SOURCE_TTL horizons (docs/policy-report.md, "Several clients").
 
 Guard: a shadow LRU cache and a shadow of the model's ranking, of the live capacity, see the same accesses;
-where LRU has hit more over the latest ~DUEL_WINDOW accesses (a drifting working set that the model has not
-learned), the live cache evicts as LRU does, until the model's shadow is ahead again.
+where LRU has hit more lately (a drifting working set that the model has not learned), the live cache evicts as LRU
+does, until the model's shadow is ahead again. "Lately" is the latest quarter of the batches seen (DUEL_AGE, within
+DUEL_WINDOW): a cold model's first batches, which it ranks worse than LRU, soon stop counting against it
+(docs/policy-report.md, "What moe-l2d's policy sees").
 
 Deterministic (no randomness), and bounded: per layer 4 x len(HORIZON_MULTIPLES) x n_experts^2 floats (the
-cross and history weights and their RMSprop state; 6 x once several clients report) plus max(HORIZON_MULTIPLES) x
-HORIZON_RANGE[1] pending batches; numpy work of O(horizons x n_experts x the batch and its history) per batch.
+cross and history weights and their RMSprop state) plus max(HORIZON_MULTIPLES) x HORIZON_RANGE[1] pending batches
+and MAX_SOURCES clients' scores; numpy work of O(horizons x n_experts x (the batch and its history + the clients))
+per batch.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ HORIZON_RANGE = (2, 16)  # the cache's lifetime in batches
 HORIZON_MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # of the lifetime: the horizons an expert's score sums over
 HISTORY_DECAY = 0.5  # a source's picks one batch older weigh this much less in its history
 _HISTORY_FLOOR = 0.01  # past weights below it (picks 7 batches old and older) are dropped
-DUEL_WINDOW = 4096.0  # accesses: the half-life of the shadows' hit counts
-# Sources (clients) whose latest batch is context: at most MAX_SOURCES, each for SOURCE_TTL horizons.
+DUEL_AGE = 0.25  # of the batches seen: the half-life of the shadows' hit counts,
+DUEL_WINDOW = (16.0, 4096.0)  # within these many batches
+# Sources (clients) whose latest scores count: at most MAX_SOURCES, each for SOURCE_TTL horizons.
 MAX_SOURCES = 16
 SOURCE_TTL = 4
 _EPS = 1e-6
@@ -74,8 +77,7 @@ class LearnedReuse:
         # Per horizon and expert, the weights of its own features (picked now, log1p of each decayed count) and
         # its bias.
         self._own = np.zeros((k, 2 + len(HALF_LIVES), n), np.float32)
-        # cross[k, f, e]: f picked now (f < n: by the reporting client; n + f: by another) -> e picked within h_k
-        self._cross = np.zeros((k, n, n), np.float32)
+        self._cross = np.zeros((k, n, n), np.float32)  # cross[k, f, e]: f picked now -> e picked within h_k
         self._history = np.zeros((k, n, n), np.float32)  # history[k, f, e]: f picked lately -> the same
         self._own_ms = np.zeros_like(self._own)  # RMSprop's mean squared gradients
         self._cross_ms = np.zeros_like(self._cross)
@@ -90,12 +92,10 @@ class LearnedReuse:
         self._batch_mean = 0.0
         self._score = [0.0] * n
         self._last = [0] * n  # clock of each expert's latest pick: ties, the LRU ranking
-        self._last_picked = np.zeros(n, np.int64)  # the same, for the labels
         self.capacity = capacity
         self._lru_shadow: OrderedDict[int, None] = OrderedDict()
         self._model_shadow: set[int] = set()
         self._duel = [0.0, 0.0]  # decayed hits of the LRU shadow and of the model's
-        self._duel_growth = 2.0 ** (1.0 / DUEL_WINDOW)
         self._duel_inc = 1.0
         self.follows_lru = False
 
@@ -121,8 +121,8 @@ class LearnedReuse:
         clock = self._clock
         self._batch_mean += (len(picked) - self._batch_mean) / min(clock, 256)
         horizon = self.horizon
-        context, past = self._context(source, ids, clock, horizon)
-        self._last_picked[ids] = clock
+        mine = self._source(source, ids, clock, horizon)
+        mine.last_picked[ids] = clock
         due = [[] for _ in self._pending]
         for k, pending in enumerate(self._pending):
             h = max(1, round(HORIZON_MULTIPLES[k] * horizon))
@@ -136,16 +136,16 @@ class LearnedReuse:
         now[ids] = 1.0
         self._counts *= self._decay
         self._counts += now
-        now[context % self.n_experts] = 1.0
         features = np.concatenate((now[None], np.log1p(self._counts), self._ones))
-        past_ids = np.flatnonzero(past >= _HISTORY_FLOOR)
-        past_weights = past[past_ids]
-        logits = ((self._own * features).sum(axis=1) + self._cross[:, context].sum(axis=1)
+        past_ids = np.flatnonzero(mine.past >= _HISTORY_FLOOR)
+        past_weights = mine.past[past_ids]
+        logits = ((self._own * features).sum(axis=1) + self._cross[:, ids].sum(axis=1)
                   + np.einsum("f,kfe->ke", past_weights, self._history[:, past_ids]))
-        scored = _Scored(context, past_ids, past_weights, features, clock, logits)
+        scored = _Scored(ids, past_ids, past_weights, features, clock, logits, mine.last_picked)
         for pending in self._pending:
             pending.append(scored)
-        self._score = (1.0 / (1.0 + np.exp(-logits))).sum(axis=0).tolist()
+        mine.chances = 1.0 / (1.0 + np.exp(-logits))
+        self._score = self._scores()
         last = self._last
         for e in picked:
             last[e] = clock
@@ -155,22 +155,26 @@ class LearnedReuse:
     def nbytes(self) -> int:
         """Memory of its arrays now, the sources' histories and the pending batches included."""
         fixed = sum(a.nbytes for a in (self._own, self._cross, self._history, self._own_ms, self._cross_ms,
-                                       self._history_ms, self._decay, self._counts, self._ones, self._last_picked))
-        sources = sum(s.batch.nbytes + s.past.nbytes for s in self._recent.values())
+                                       self._history_ms, self._decay, self._counts, self._ones))
+        sources = sum(s.nbytes for s in self._recent.values())
         pending = {id(b): b.nbytes for p in self._pending for b in p}  # the horizons share each batch
-        return fixed + sources + sum(pending.values())
+        kept = {id(s.last_picked) for s in self._recent.values()}  # a client let go lives on in its batches' labels
+        gone = {id(b.last_picked): b.last_picked.nbytes for p in self._pending for b in p
+                if id(b.last_picked) not in kept}
+        return fixed + sources + sum(pending.values()) + sum(gone.values())
 
     def access(self, expert: int, count: int = 1) -> None:
         self.observe((expert,))
 
-    def _context(self, source, ids: np.ndarray, clock: int, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-        """The latest batch of every source seen lately (this one's being `ids`; the others' as rows n_experts on,
-        which are added the first time there are others), and this source's decayed picks before `ids`: what a
-        client picks next follows from its own recent picks."""
+    def _source(self, source, ids: np.ndarray, clock: int, horizon: int) -> _Source:
+        """The client `source`, its latest batch now `ids` and its history decayed by one batch; clients not seen
+        within SOURCE_TTL horizons, or past MAX_SOURCES, are let go (one let go past MAX_SOURCES while it still
+        picks labels its pending batches by the picks it made before)."""
         recent = self._recent
         mine = recent.get(source)
         if mine is None:
-            mine = _Source(ids, clock, np.zeros(self.n_experts, np.float32))
+            n = self.n_experts
+            mine = _Source(ids, clock, np.zeros(n, np.float32), np.zeros(n, np.int64))
         else:
             mine.past *= HISTORY_DECAY
             mine.past[mine.batch] += HISTORY_DECAY
@@ -180,25 +184,25 @@ class LearnedReuse:
         stale = clock - SOURCE_TTL * horizon
         while len(recent) > MAX_SOURCES or next(iter(recent.values())).clock < stale:
             recent.popitem(last=False)
-        if len(recent) == 1:
-            return ids, mine.past
-        n = self.n_experts
-        if len(self._cross[0]) == n:
-            self._cross, self._cross_ms = (np.concatenate((a, np.zeros_like(a)), axis=1)
-                                           for a in (self._cross, self._cross_ms))
-        return np.concatenate([ids] + [s.batch + n for s in recent.values() if s is not mine]), mine.past
+        return mine
+
+    def _scores(self) -> list[float]:
+        """Each expert's chance of a pick by any recent client, summed over the horizons."""
+        chances = [s.chances for s in self._recent.values() if s.chances is not None]
+        if len(chances) == 1:
+            return chances[0].sum(axis=0).tolist()
+        return (1.0 - np.prod(1.0 - np.stack(chances), axis=0)).sum(axis=0).tolist()
 
     def _learn(self, due: list[tuple[int, _Scored]]) -> None:
         """One RMSprop step of each horizon k's weights (k distinct) on its batch h_k batches old, from the logits
-        it was scored with: was each expert picked since."""
+        it was scored with: has its client picked each expert since."""
         ks = np.array([k for k, _ in due], np.intp)
-        clocks = np.array([scored.clock for _, scored in due])
         error = 1.0 / (1.0 + np.exp(-np.stack([scored.logits[k] for k, scored in due]))) \
-            - (self._last_picked > clocks[:, None])
+            - np.stack([scored.last_picked > scored.clock for _, scored in due])
         features = np.stack([scored.features for _, scored in due])
         _step(self._own, self._own_ms, ks, features * error[:, None])
-        sizes = [len(scored.context) for _, scored in due]
-        rows = np.concatenate([scored.context for _, scored in due])
+        sizes = [len(scored.batch) for _, scored in due]
+        rows = np.concatenate([scored.batch for _, scored in due])
         _step(self._cross, self._cross_ms, (np.repeat(ks, sizes), rows), np.repeat(error, sizes, axis=0))
         sizes = [len(scored.past_ids) for _, scored in due]
         rows = np.concatenate([scored.past_ids for _, scored in due])
@@ -209,7 +213,8 @@ class LearnedReuse:
     def _shadows(self, picked: list[int]) -> None:
         """Run the picks through the LRU shadow and the model's, and follow LRU while it has hit more lately."""
         capacity = self.capacity
-        self._duel_inc *= self._duel_growth
+        low, high = DUEL_WINDOW
+        self._duel_inc *= 2.0 ** (1.0 / min(high, max(low, self._clock * DUEL_AGE)))
         lru, model = self._lru_shadow, self._model_shadow
         score, last = self._score, self._last
         hits = [0, 0]
@@ -289,7 +294,6 @@ class LearnedReuse:
         model = _experts(state["model_shadow"], n, "learned model shadow")
         self._clock, self._batch_mean, self._duel_inc = clock, float(batch_mean), float(duel_inc)
         self._last = list(last)
-        self._last_picked = np.array(last, np.int64)
         self._counts, self._own, self._own_ms = (a.astype(np.float32) for a in (counts, own, own_ms))
         self._score, self._duel = score.tolist(), duel.tolist()
         # A smaller store keeps the most recent of LRU's shadow and the best scored of the model's.
@@ -307,25 +311,33 @@ def _step(weights: np.ndarray, mean_squares: np.ndarray, index, grad: np.ndarray
 
 @dataclass(slots=True)
 class _Source:
-    """A client as context: its latest batch, when, and its decayed picks before that batch."""
+    """A client: its latest batch, when, its decayed picks before that batch, the clock of its latest pick of each
+    expert (its labels), and its latest batch's chances per horizon and expert (None until scored)."""
     batch: np.ndarray
     clock: int
     past: np.ndarray
+    last_picked: np.ndarray
+    chances: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.batch, self.past, self.last_picked, self.chances) if a is not None)
 
 
 @dataclass(frozen=True, slots=True)
 class _Scored:
     """A batch's scores, kept until each horizon's label is known."""
-    context: np.ndarray  # the experts picked now, by this source and (plus n_experts) by the others
+    batch: np.ndarray  # the experts its client picked
     past_ids: np.ndarray  # this source's earlier picks, and their weights
     past_weights: np.ndarray
     features: np.ndarray  # every expert's own features
     clock: int
     logits: np.ndarray  # per horizon and expert
+    last_picked: np.ndarray  # its client's, as it goes on: the labels
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.context, self.past_ids, self.past_weights, self.features, self.logits))
+        return sum(a.nbytes for a in (self.batch, self.past_ids, self.past_weights, self.features, self.logits))
 
 
 def _numbers(value, shape: tuple[int, ...], low: float, high: float, what: str) -> np.ndarray:
