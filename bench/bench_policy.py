@@ -19,8 +19,8 @@ section writes its file after each of its runs, so one stopped early keeps what 
                shuffle; its settings were chosen on the others) in four mixes: interleave, blocked, blocked with
                the domains in reverse order, and 4 client processes taking turns; all layers.
 - sweep:       the learned policy against LRU at every capacity, held-out sequences, every 6th layer.
-- cost:        microseconds per lookup of the store with LRU, adaptive and learned, taking turns; the learned
-               policy's memory per layer and per model.
+- cost:        microseconds per lookup of the store with LRU, adaptive and learned, taking turns, with one client
+               and with several reporting in turn; the learned policy's memory per layer and per model.
 
     pip install matplotlib            # for the plot only; not a dependency of moe-l2
     python bench/bench_policy.py [--traces ../shared/traces] [--sections main,hints,predictor,sensitivity,...]
@@ -415,21 +415,27 @@ def zipf_batches(n_experts: int, top_k: int, tokens: int, seed: int = 0) -> list
 
 def section_cost(traces_by_file: dict, repeat: int = 3) -> dict:
     """Microseconds per lookup of the store with each policy (replay_layer: the policy's work and the store's), the
-    policies taking turns; and the learned policy's memory per layer."""
+    policies taking turns, with one client and with the batches reported by several in turn (the learned policy
+    combines every recent client's chances on each batch); and the learned policy's memory per layer."""
     cases = []
     for name, traces in traces_by_file.items():
         batches = [tuple(t[0]) for s in traces.sequences for t in s.experts][:20000]
+        label, n = f"{name.split('.')[0]} layer 0", traces.n_experts
         for share in (0.25, 0.5):
-            cases.append((f"{name.split('.')[0]} layer 0", traces.n_experts, round(share * traces.n_experts), batches))
+            cases.append((label, n, round(share * n), batches, 1))
+        cases.append((f"{label}, 4 clients", n, n // 2, batches, 4))
     for n, k in ((128, 8), (256, 8)):
-        cases.append((f"zipf, {n} experts, top-{k}", n, n // 4, zipf_batches(n, k, 8000)))
+        cases.append((f"zipf, {n} experts, top-{k}", n, n // 4, zipf_batches(n, k, 8000), 1))
+    cases.append((f"zipf, 256 experts, top-8, {learned.MAX_SOURCES} clients", 256, 64, zipf_batches(256, 8, 8000),
+                  learned.MAX_SOURCES))
     out = {"lookups": {}, "memory": {}}
-    for label, n, slots, batches in cases:
+    for label, n, slots, batches, clients in cases:
+        sources = [t % clients for t in range(len(batches))] if clients > 1 else None
         times = {p: [] for p in COST_POLICIES}
         for _ in range(repeat):
             for p in COST_POLICIES:
                 start = time.perf_counter()
-                r = rp.replay_layer(rp.Task(0, slots, p, batches, n))
+                r = rp.replay_layer(rp.Task(0, slots, p, batches, n, sources=sources))
                 times[p].append((time.perf_counter() - start) / r["lookups"] * 1e6)
         out["lookups"][f"{label}|{slots}|{n}"] = {p: statistics.median(t) for p, t in times.items()}
     for geometry in GEOMETRIES.values():
