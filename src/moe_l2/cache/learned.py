@@ -201,14 +201,11 @@ class LearnedReuse:
             - np.stack([scored.last_picked > scored.clock for _, scored in due])
         features = np.stack([scored.features for _, scored in due])
         _step(self._own, self._own_ms, ks, features * error[:, None])
-        sizes = [len(scored.batch) for _, scored in due]
-        rows = np.concatenate([scored.batch for _, scored in due])
-        _step(self._cross, self._cross_ms, (np.repeat(ks, sizes), rows), np.repeat(error, sizes, axis=0))
-        sizes = [len(scored.past_ids) for _, scored in due]
-        rows = np.concatenate([scored.past_ids for _, scored in due])
+        index, grad = _rows(ks, error, [scored.batch for _, scored in due])
+        _step(self._cross, self._cross_ms, index, grad)
+        index, grad = _rows(ks, error, [scored.past_ids for _, scored in due])
         weights = np.concatenate([scored.past_weights for _, scored in due])
-        _step(self._history, self._history_ms, (np.repeat(ks, sizes), rows),
-              weights[:, None] * np.repeat(error, sizes, axis=0))
+        _step(self._history, self._history_ms, index, weights[:, None] * grad)
 
     def _shadows(self, picked: list[int]) -> None:
         """Run the picks through the LRU shadow and the model's, and follow LRU while it has hit more lately."""
@@ -300,6 +297,13 @@ class LearnedReuse:
         self._lru_shadow = OrderedDict.fromkeys(lru[-self.capacity:])
         self._model_shadow = set(sorted(model, key=lambda e: (score[e], e))[-self.capacity:])
         self.follows_lru = self._duel[0] > self._duel[1]
+
+
+def _rows(ks: np.ndarray, error: np.ndarray, picked: list[np.ndarray]) -> tuple[tuple, np.ndarray]:
+    """The weights' rows that due batch i's experts picked[i] feed in horizon ks[i], and each row's gradient: its
+    batch's error (the rows' feature is 1)."""
+    sizes = [len(p) for p in picked]
+    return (np.repeat(ks, sizes), np.concatenate(picked)), np.repeat(error, sizes, axis=0)
 
 
 def _step(weights: np.ndarray, mean_squares: np.ndarray, index, grad: np.ndarray) -> None:
