@@ -71,7 +71,8 @@ def record(args, directory: Path) -> dict[int, LayerStream]:
     command = [sys.executable, "-m", "moe_l2.cli", "bench", "--trace", str(args.trace), "--first-layers",
                str(args.first_layers), "--tokens", str(args.tokens), "--processes", str(args.processes),
                "--budget-share", args.budget_share, "--configs", "moe-l2", "--repeat", "1"]
-    subprocess.run(command, env=env, check=True)
+    if subprocess.run(command, env=env).returncode:
+        sys.exit("moe-l2 bench failed (its message is above): nothing was recorded")
     recorded = [read_stream(path) for path in sorted(streams.glob("*.jsonl"))]
     daemons = [layers for layers in recorded if any(s.batches for s in layers.values())]
     if len(daemons) != 1:
