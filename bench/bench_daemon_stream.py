@@ -29,6 +29,7 @@ from pathlib import Path
 
 from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES
 from moe_l2.cache.replay import Task, replay_layer
+from moe_l2.cache.replay_results import gap_closed
 
 RECORDER = r'''
 import json, os
@@ -121,8 +122,8 @@ def replay_stream(layers: dict[int, LayerStream], policies: list[str], parts: in
 
 def report(layers: dict[int, LayerStream], totals: dict[str, dict], parts: int) -> str:
     def closed(name: str, part: slice) -> str:
-        lru, best, hits = (sum(totals[n]["hits"][part]) for n in ("lru", "min", name))
-        return f"{100 * (hits - lru) / (best - lru):.1f}%" if best > lru else "-"
+        gap = gap_closed(*(sum(totals[n]["hits"][part]) for n in (name, "lru", "min")))
+        return "-" if gap is None else f"{100 * gap:.1f}%"
 
     batches = sum(len(layer.batches) for layer in layers.values())
     clients = max((len(set(layer.sources)) for layer in layers.values()), default=0)

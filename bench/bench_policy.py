@@ -44,6 +44,7 @@ from moe_l2.cache import policy as policies
 from moe_l2.cache import replay as rp
 from moe_l2.cache.prediction import cross_validate
 from moe_l2.cache.profile import Profile
+from moe_l2.cache.replay_results import gap_closed
 from moe_l2.cache.trace import TraceSet, read_traces
 from moe_l2.lab.synthetic import GEOMETRIES
 
@@ -326,7 +327,7 @@ def learned_point(c: dict) -> dict:
     return {"slots": c["slots"], "share": c["share"],
             **{n: {k: ps[n][k] for k in ("hit_rate", "misses_vs_min", "records_per_token", "bytes_per_token")}
                for n in ("learned", *LEARNED_COMPARE, "min")},
-            "gap": {n: (ps[n]["hit_rate"] - lru) / (ceiling - lru) for n in ("learned", "adaptive")}}
+            "gap": {n: gap_closed(ps[n]["hit_rate"], lru, ceiling) for n in ("learned", "adaptive")}}
 
 
 def section_learned(traces_by_file: dict, jobs: int, save) -> dict:

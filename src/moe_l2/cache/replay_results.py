@@ -13,6 +13,12 @@ def _rate(hits: int, lookups: int) -> float | None:
     return hits / lookups if lookups else None
 
 
+def gap_closed(hits: float, lru: float, ceiling: float) -> float | None:
+    """The share of LRU's distance to MIN a policy covers, from the three's hits (or hit rates) on one stream; None
+    where MIN does no better than LRU."""
+    return (hits - lru) / (ceiling - lru) if ceiling > lru else None
+
+
 @dataclass(frozen=True)
 class _Lookups:
     """Lookups over the replayed layers, and of them the hits; to_json leads with the hit rate."""
@@ -147,8 +153,8 @@ class Tally:
         ahead = {name: self._prefetch(self._layers(n_slots, f"prefetch:{name}"), demand) for name in self.prefetch}
         p, base, ceiling = (policies[n].hit_rate if n in policies else None for n in (self.policy, "lru", "min"))
         gap = None
-        if None not in (p, base, ceiling) and ceiling > base and self.policy != "lru":
-            gap = (p - base) / (ceiling - base)
+        if None not in (p, base, ceiling) and self.policy != "lru":
+            gap = gap_closed(p, base, ceiling)
         return CapacityResult(n_slots, n_slots / n_experts, policies, ahead, gap)
 
     def _policy(self, rs: list[dict]) -> PolicyResult:
