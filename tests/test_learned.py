@@ -128,7 +128,8 @@ def test_with_several_clients_an_expert_scores_its_chance_of_a_pick_by_any():
     combined = (1 - (1 - chances[0]) * (1 - chances[1])).sum(axis=0)
     assert np.allclose(policy._score, combined, rtol=1e-5)
     # Each client's own next picks rank first in its own chances, and both clients' stay high in the score.
-    next_a, next_b = loop(12, 2, 601)[-1], tuple(12 + e for e in loop(12, 2, 601)[-1])
+    next_a = loop(12, 2, 601)[-1]
+    next_b = tuple(12 + e for e in next_a)
     top = sorted(range(24), key=lambda e: -policy._score[e])[:8]
     assert set(next_a) <= set(top) and set(next_b) <= set(top)
     for _ in range(learned.SOURCE_TTL * learned.HORIZON_RANGE[1] + 1):
