@@ -23,14 +23,16 @@ import msgpack
 import platformdirs
 
 from moe_l2.atomic_file import AtomicFile
+from moe_l2.cache.learned import PAIR_STATE_BYTES
 from moe_l2.cache.policy import POLICIES
 from moe_l2.cache.store import PIN_KINDS
 from moe_l2.protocol import quote
 
-VERSION = 1
-# What a layer's entry may take at most, per expert of the model and beside them: the learned policy's 46 numbers
-# of each expert (its own weights and their mean squares for 4 horizons, counts, scores) take about 420 bytes as
-# msgpack's doubles, the adaptive policy's under 100, the pins and held list a few more.
+VERSION = 2  # 2: the learned policy's state keeps its whole model
+# What a layer's entry may take at most, per expert of the model, per pair of experts and beside them: the learned
+# policy's 46 numbers of each expert (its own weights and their mean squares for 4 horizons, counts, scores) take
+# about 420 bytes as msgpack's doubles, the adaptive policy's under 100, the pins and held list a few more; its
+# weights from expert to expert take PAIR_STATE_BYTES a pair.
 EXPERT_BYTES = 512
 LAYER_BYTES = 1024
 HEAD_BYTES = 4096
@@ -60,7 +62,7 @@ def file_name(fingerprint: str) -> str:
 
 def max_bytes(n_layers: int, n_experts: int) -> int:
     """The most bytes a heat file of a model of this size may hold; larger ones are not read."""
-    return HEAD_BYTES + n_layers * (LAYER_BYTES + n_experts * EXPERT_BYTES)
+    return HEAD_BYTES + n_layers * (LAYER_BYTES + n_experts * EXPERT_BYTES + n_experts ** 2 * PAIR_STATE_BYTES)
 
 
 @dataclass(frozen=True)

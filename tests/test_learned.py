@@ -226,8 +226,9 @@ def test_moe_l2d_and_l0_run_the_one_implementation(daemon_factory, model_dir, mo
 
 
 def test_its_state_survives_a_restart_and_a_planted_state_is_refused():
-    """state() is what moe-l2d's heat file keeps (msgpack); restored, the policy ranks and evicts as it did. A state
-    that is damaged or planted is refused with a ValueError naming the field, before anything changes."""
+    """state() is what moe-l2d's heat file keeps (msgpack); restored, the policy holds the same model, weights from
+    expert to expert included, and ranks and evicts as it did. A state that is damaged or planted is refused with a
+    ValueError naming the field, before anything changes."""
     rng = random.Random(0)
     policy = LearnedReuse(32, 8)
     for _ in range(2000):
@@ -237,14 +238,20 @@ def test_its_state_survives_a_restart_and_a_planted_state_is_refused():
     restored.restore(saved, 32)
     assert restored.hottest(range(32)) == policy.hottest(range(32))
     assert restored.victim(range(32)) == policy.victim(range(32))
+    assert restored.state() == policy.state() and saved["cross"] != LearnedReuse(32, 8).state()["cross"]
     n = 32
+    nan = np.full((4, n, n), np.nan, "<f4").tobytes()
+    negative = np.full((4, n, n), -1.0, "<f4").tobytes()
     for bad, words in [({}, "fields"), ({**saved, "clock": -1}, "clock"), ({**saved, "clock": True}, "clock"),
                        ({**saved, "last": [0] * (n - 1)}, "last picks"),
                        ({**saved, "last": [saved["clock"] + 1] * n}, "last picks"),
                        ({**saved, "own": [[float("nan")] * n] * 5}, "weights"),
                        ({**saved, "counts": "x"}, "counts"), ({**saved, "counts": [[1e300] * n] * 3}, "counts"),
                        ({**saved, "lru_shadow": [0, 0]}, "LRU shadow"), ({**saved, "model_shadow": [n]}, "model"),
-                       ({**saved, "duel": [1.0]}, "duel"), ({**saved, "batch_mean": [1, 2]}, "batch mean")]:
+                       ({**saved, "duel": [1.0]}, "duel"), ({**saved, "batch_mean": [1, 2]}, "batch mean"),
+                       ({**saved, "cross": saved["cross"][:-4]}, "cross weights"),
+                       ({**saved, "cross": [0.0] * n}, "cross weights"), ({**saved, "history": nan}, "history weights"),
+                       ({**saved, "history_ms": negative}, "history mean squares")]:
         fresh = LearnedReuse(32, 8)
         with pytest.raises(ValueError, match=words):
             fresh.restore(bad, n)

@@ -64,6 +64,9 @@ _MAX_COUNTS = 2 * max(HALF_LIVES)
 _MAX_WEIGHT = 1e6
 _MAX_SCORE = 1e9
 _MAX_DUEL = 1e6 * _RESCALE
+# The n_experts x n_experts arrays a state keeps, per horizon, as float32: the bytes a pair of experts takes in it.
+_PAIRED = ("cross", "cross_ms", "history", "history_ms")
+PAIR_STATE_BYTES = 4 * len(_PAIRED) * len(HORIZON_MULTIPLES)
 
 
 class LearnedReuse:
@@ -257,15 +260,17 @@ class LearnedReuse:
         score = self._score
         return sorted(experts, key=lambda e: (-score[e], -last[e], e))
 
-    _STATE = ("clock", "batch_mean", "counts", "own", "own_ms", "last", "score", "lru_shadow", "model_shadow",
-              "duel", "duel_inc")
+    _STATE = ("clock", "batch_mean", "counts", "own", "own_ms", "cross", "cross_ms", "history", "history_ms", "last",
+              "score", "lru_shadow", "model_shadow", "duel", "duel_inc")
 
     def state(self) -> dict:
-        """What a restart keeps: the per-expert part (clock, counts, own weights, scores, shadows, the duel), a
-        few numbers per expert. The cross weights (n_experts^2) are learned again, in a few hundred batches."""
+        """What a restart keeps: the whole model (the cross and history weights and their mean squares as
+        little-endian float32 bytes, PAIR_STATE_BYTES a pair of experts), the counts, scores, shadows and the duel;
+        not the pending batches or the clients, which a restart has none of."""
         return {"clock": self._clock, "batch_mean": self._batch_mean, "counts": self._counts.tolist(),
-                "own": self._own.tolist(), "own_ms": self._own_ms.tolist(), "last": list(self._last),
-                "score": list(self._score), "lru_shadow": list(self._lru_shadow),
+                "own": self._own.tolist(), "own_ms": self._own_ms.tolist(),
+                **{name: getattr(self, f"_{name}").astype("<f4").tobytes() for name in _PAIRED},
+                "last": list(self._last), "score": list(self._score), "lru_shadow": list(self._lru_shadow),
                 "model_shadow": sorted(self._model_shadow), "duel": list(self._duel), "duel_inc": self._duel_inc}
 
     def restore(self, state, n_experts: int) -> None:
@@ -283,6 +288,9 @@ class LearnedReuse:
         counts = _numbers(state["counts"], self._counts.shape, 0, _MAX_COUNTS, "learned counts")
         own = _numbers(state["own"], self._own.shape, -_MAX_WEIGHT, _MAX_WEIGHT, "learned weights")
         own_ms = _numbers(state["own_ms"], self._own.shape, 0, _MAX_WEIGHT, "learned mean squares")
+        paired = {name: _packed(state[name], self._cross.shape, 0 if name.endswith("_ms") else -_MAX_WEIGHT,
+                                _MAX_WEIGHT, f"learned {_paired_name(name)}")
+                  for name in _PAIRED}
         score = _numbers(state["score"], (n,), -_MAX_SCORE, _MAX_SCORE, "learned scores")
         batch_mean = _numbers(state["batch_mean"], (), 0, n, "learned batch mean")
         duel = _numbers(state["duel"], (2,), 0, _MAX_DUEL, "learned duel")
@@ -292,6 +300,8 @@ class LearnedReuse:
         self._clock, self._batch_mean, self._duel_inc = clock, float(batch_mean), float(duel_inc)
         self._last = list(last)
         self._counts, self._own, self._own_ms = (a.astype(np.float32) for a in (counts, own, own_ms))
+        for name, array in paired.items():
+            setattr(self, f"_{name}", array)
         self._score, self._duel = score.tolist(), duel.tolist()
         # A smaller store keeps the most recent of LRU's shadow and the best scored of the model's.
         self._lru_shadow = OrderedDict.fromkeys(lru[-self.capacity:])
@@ -354,6 +364,20 @@ def _numbers(value, shape: tuple[int, ...], low: float, high: float, what: str) 
         raise ValueError(f"the {what} are not {' x '.join(map(str, shape)) or 'one'} finite numbers from {low:g} "
                          f"to {high:g}")
     return array
+
+
+def _paired_name(name: str) -> str:
+    return f"{name.removesuffix('_ms')} mean squares" if name.endswith("_ms") else f"{name} weights"
+
+
+def _packed(value, shape: tuple[int, ...], low: float, high: float, what: str) -> np.ndarray:
+    """A saved float32 array of `shape` (state()'s bytes), every element a finite number from low to high."""
+    if not isinstance(value, bytes) or len(value) != 4 * int(np.prod(shape)):
+        raise ValueError(f"the {what} are not {' x '.join(map(str, shape))} float32 numbers")
+    array = np.frombuffer(value, "<f4").reshape(shape)
+    if not np.isfinite(array).all() or (array < low).any() or (array > high).any():
+        raise ValueError(f"the {what} are not finite numbers from {low:g} to {high:g}")
+    return array.astype(np.float32)
 
 
 def _experts(value, n_experts: int, what: str) -> list[int]:
