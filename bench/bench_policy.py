@@ -17,7 +17,8 @@ section writes its file after each of its runs, so one stopped early keeps what 
 - learned:     the learned policy against adaptive, LRU and MIN at the main section's points (all sequences,
                blocked and interleave), then on the held-out sequences (the odd-numbered ones of the seed-0
                shuffle; its settings were chosen on the others) in four mixes: interleave, blocked, blocked with
-               the domains in reverse order, and 4 client processes taking turns; all layers.
+               the domains in reverse order, and 4 client processes taking turns; and the held-out interleave
+               once more as a restarted daemon scores it, after the tuning half (replay --warm); all layers.
 - sweep:       the learned policy against LRU at every capacity, held-out sequences, every 6th layer.
 - cost:        microseconds per lookup of the store with LRU, adaptive and learned, taking turns, with one client
                and with several reporting in turn; the learned policy's memory per layer and per model.
@@ -310,6 +311,14 @@ def held_out(traces: TraceSet) -> TraceSet:
     return subset(traces, rp.order_sequences(traces.sequences, "interleave", 0)[1::2])
 
 
+def restarted(traces: TraceSet) -> tuple[TraceSet, dict]:
+    """The tuning half, then the held-out sequences in the interleave mix's order, and the replay arguments that
+    restart every policy between them (replay --warm): the held-out interleave scored as a restarted daemon would."""
+    shuffled = rp.order_sequences(traces.sequences, "interleave", 0)
+    tuning, held = shuffled[0::2], rp.order_sequences(shuffled[1::2], "interleave", 0)
+    return subset(traces, tuning + held), {"order": "file", "warm": True, "train": len(tuning) / len(shuffled)}
+
+
 def mixed(traces: TraceSet, mix: str) -> tuple[TraceSet, dict]:
     """The sequences as a mix runs them, and the replay arguments that run them so."""
     if mix == "blocked, domains reversed":
@@ -337,6 +346,7 @@ def section_learned(traces_by_file: dict, jobs: int, save) -> dict:
         record = record_bytes(traces.model)
         runs = [("all", order, traces, {"order": order}) for order in ("blocked", "interleave")]
         runs += [("held out", mix, *mixed(held_out(traces), mix)) for mix in MIXES]
+        runs.append(("held out, restarted", "interleave", *restarted(traces)))
         for part, mix, chosen, kw in runs:
             start = time.time()
             r = rp.replay(chosen, slots=slots_for(traces.n_experts), policy="learned", compare=LEARNED_COMPARE,

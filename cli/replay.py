@@ -69,6 +69,11 @@ def render(result: ReplayResult, per_layer: bool = True) -> str:
                  f"{result.domain_switches} domain switches")
     lines.append("")
     lines.extend(_render_records(result, names))
+    if result.warm:
+        trained = result.trained_on
+        lines.append(f"--warm: every policy but MIN ran over the first {trained['sequences']} sequences "
+                     f"({trained['tokens']} tokens) and was restarted from its saved state, its store preloaded; "
+                     "scored on the others only")
     if result.ceilings:
         trained = result.trained_on
         lines.append(f"+ceilings: the slots of all layers split by the LRU hit curves of the first "
@@ -179,8 +184,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(REPLAY_PREDICTORS)} (the trace holds no hidden states, so the router "
                              "predictor cannot be replayed)")
     add_renamed(parser, "--train", "--prefetch-train", type=float, default=0.5, metavar="F",
-                help="share of the sequences the predictors and --ceilings learn from before scoring begins; "
-                     "with either, every policy is scored on the rest only (default 0.5)")
+                help="share of the sequences the predictors, --ceilings and --warm learn from before scoring "
+                     "begins; with any, every policy is scored on the rest only (default 0.5)")
     parser.add_argument("--ceilings", action="store_true",
                         help="also run the policy under test and LRU with per-layer slots: each capacity's "
                              "slots in all layers split by the LRU hit curves of the --train share (what "
@@ -188,6 +193,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--autopin", action="store_true",
                         help="also run the policy under test and LRU pinning each layer's hottest experts, as "
                              "the client's --l0-autopin does")
+    parser.add_argument("--warm", action="store_true",
+                        help="score the policies as a restarted moe-l2d has them: each first runs over the --train "
+                             "share, then restarts from its saved state with its store preloaded")
     parser.add_argument("--prefetch-k", type=int, metavar="K",
                         help="guesses per token and layer (default: the trace's top-k)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -216,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
                         jobs=max(1, args.jobs), hint_share=args.hint_share, hint_prior=args.hint_prior,
                         hint_lift=args.hint_lift, prefetch=prefetch, train=args.train,
                         prefetch_k=args.prefetch_k, ceilings=args.ceilings, autopin=args.autopin,
-                        processes=args.processes, record_bytes=_record_bytes(traces.model))
+                        processes=args.processes, record_bytes=_record_bytes(traces.model), warm=args.warm)
     except ReplayError as exc:  # flags out of range or that do not go together
         print(f"moe-l2 replay: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from array import array
 
 import msgpack
 import numpy as np
@@ -174,6 +175,20 @@ def walk(batches: int, seed: int = 7) -> list[tuple[int, ...]]:
         x = (x + rng.choice((1, 2, 5))) % 16
         out.append(tuple(sorted({x, (x + 3) % 16, (x + 7) % 16})))
     return out
+
+
+def test_restarted_it_goes_on_from_what_it_learned():
+    """moe-l2 replay --warm restarts each policy from its saved state after the train share, as moe-l2d restarts:
+    on the walk, the restarted model hits as the one that never stopped does, where a cold one is still learning,
+    and its store starts with what it held."""
+    before, after = walk(2200)[:2000], walk(2200)[2000:]
+    never_stopped = replay_layer(Task(0, 6, "learned", before + after, 16, record_tokens=True))
+    restarted = replay_layer(Task(0, 6, "learned", after, 16, warm=(before, None)))
+    cold = replay_layer(Task(0, 6, "learned", after, 16))
+    lru, best = (replay_layer(Task(0, 6, name, after, 16))["hits"] for name in ("lru", "min"))
+    assert restarted["preloads"] == 6 and cold["preloads"] == 0
+    assert restarted["hits"] >= sum(array("H", never_stopped["per_token"])[len(before):]) - 2
+    assert (restarted["hits"] - cold["hits"]) / (best - lru) > 0.08
 
 
 def reference_hits(batches, slots: int, name: str) -> int:

@@ -248,12 +248,25 @@ def test_replay_command_prints_a_table_and_json(tmp_path, capsys):
     assert set(data["capacities"][0]["policies"]) == {"learned", "lru", "min"}
 
 
+def test_warm_scores_the_rest_after_a_restart_that_followed_the_train_share(tmp_path, capsys):
+    path = synthetic_trace(tmp_path / "t.jsonl.gz", seqs=8, tokens=20)
+    assert replay_cmd.run(args_for(trace=[path], slots="2,4", jobs=1, warm=True, train=0.25, json=True)) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["warm"] and data["trained_on"] == {"sequences": 2, "tokens": 40}
+    assert data["sequences"] == 6 and data["tokens"] == 120
+    for entry in data["capacities"]:
+        # Every store but MIN's starts with what it held before the restart, at most a slot each.
+        assert entry["policies"]["min"]["preloads"] == 0
+        assert all(entry["policies"][n]["preloads"] == 2 * entry["slots"] for n in ("learned", "lru", "adaptive"))
+
+
 @pytest.mark.parametrize("kw, words, status", [
     ({"slots": "0"}, "a layer holds 1..8 experts", 2),
     ({"slots": "a,b"}, "integers separated by commas", 2),
     ({"hints": True}, "--hints needs --profile", 2),
     ({"moe_layers": "7"}, "layer 7 out of range", 2),
     ({"compare": "fifo"}, "unknown comparison policy", 2),
+    ({"warm": True, "autopin": True}, "--warm scores the policies alone", 2),
     ({"profile": "/nonexistent/p.json"}, "cannot read profile", 1),  # the flags are fine, the file is not
 ])
 def test_replay_command_errors(tmp_path, capsys, kw, words, status):

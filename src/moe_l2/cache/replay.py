@@ -29,6 +29,10 @@ compute to do so. The predictor keeps learning online, a block of tokens after g
 `--ceilings` runs the policy under test and LRU (L0's policy) also with per-layer ceilings: the slots of a
 capacity in all layers, split by the hit curves of the first `train` share (src/moe_l2/cache/ceilings.py, what
 `moe-l2 profile` learns and `l0_ceilings` uses), scored on the rest only: the held-out figure of the split.
+
+`--warm` scores the policies as a restarted moe-l2d has them (docs/architecture.md, "Warm after a restart"): each
+first runs over the first `train` share, then its state is saved and restored and its store preloaded with what
+it held, hottest first; every policy is scored on the rest only, MIN from an empty store.
 """
 
 from __future__ import annotations
@@ -38,13 +42,14 @@ from array import array
 from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import repeat
 from multiprocessing import get_context
 
 import numpy as np
 
 from moe_l2.cache.ceilings import sequence_curves, split_rows
 from moe_l2.cache.heat import Heat, pin_limit
-from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy
+from moe_l2.cache.policy import DEFAULT_POLICY, POLICIES, BeladyMIN, make_policy, restored_policy
 from moe_l2.cache.prediction import PredictorError
 from moe_l2.cache.prefetch import REPLAY_PREDICTORS, guess_streams
 from moe_l2.cache.score import Score
@@ -127,16 +132,16 @@ class Task:
     point: int = 0   # the capacity it is reported under, where that is not `slots` (ceilings); 0: slots
     autopin_top_k: int = 0  # autopin: pin the layer's hottest experts (src/moe_l2/cache/heat.py), leaving this many
     sources: list | None = None  # per token, the client that sent it (--processes); None: one client
+    warm: tuple | None = None  # (batches, sources) a restarted daemon's policy saw before (--warm)
 
 
 def replay_layer(task: Task) -> dict:
     """One layer, one capacity, one policy: the daemon's own LayerStore over the layer's token batches."""
     batches = task.batches
-    if task.policy == "min":
-        policy = BeladyMIN(batches)
-    else:
-        policy = make_policy(task.policy, capacity=task.slots, n_experts=task.n_experts)
+    policy, held = _started(task)
     store = LayerStore(task.n_experts, task.slots, policy)
+    for e in held:
+        store.commit(store.reserve(e))
     if task.profile is not None and task.prior > 0 and hasattr(policy, "set_prior"):
         policy.set_prior(task.profile.shares(None, task.layer), task.prior)
     hint_at = {}
@@ -147,7 +152,8 @@ def replay_layer(task: Task) -> dict:
     slot, observe, reserve, commit = store.slot, store.observe, store.reserve, store.commit
     sources = task.sources
     heat = Heat(task.n_experts, pin_limit(task.slots, task.autopin_top_k)) if task.autopin_top_k else None
-    hits = lookups = loads = preloads = 0
+    hits = lookups = loads = 0
+    preloads = len(held)
     prefetch_loads = useful = wasted = 0
     prefetched: set[int] = set()
     per_token = array("H", bytes(2 * len(batches))) if task.record_tokens else None
@@ -207,6 +213,33 @@ def replay_layer(task: Task) -> dict:
             "per_token": per_token.tobytes() if per_token is not None else None}
 
 
+def _started(task: Task) -> tuple[object, list[int]]:
+    """The task's policy, and the experts its store starts with: none, or what a restart preloads (--warm)."""
+    if task.policy == "min":
+        return BeladyMIN(task.batches), []
+    if task.warm is not None:
+        return restarted(task)
+    return make_policy(task.policy, capacity=task.slots, n_experts=task.n_experts), []
+
+
+def restarted(task: Task) -> tuple[object, list[int]]:
+    """The task's policy as moe-l2d has it after a restart that followed the batches `task.warm`: run over them in
+    a store of its own, its state() restored (daemon/warm_start.py), and the experts that store held, hottest first,
+    which the restarted daemon preloads."""
+    policy = make_policy(task.policy, capacity=task.slots, n_experts=task.n_experts)
+    store = LayerStore(task.n_experts, task.slots, policy)
+    batches, sources = task.warm
+    for batch, source in zip(batches, sources or repeat(None)):
+        misses = [e for e in batch if store.slot(e) < 0]
+        store.observe(batch, source)
+        for e in misses:
+            r = store.reserve(e)
+            if r is not None:
+                store.commit(r)
+    held = policy.hottest(store.held())[:task.slots]
+    return restored_policy(task.policy, policy.state(), task.n_experts, task.slots), held
+
+
 def take_turns(sequences: list, processes: int) -> tuple[list, list[int]]:
     """The tokens in the order `processes` clients would send them, each running the sequences it takes in turn
     (the next one when its own ends), the clients taking turns token by token; and the client of each token."""
@@ -257,7 +290,8 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
            layers: list[int] | None = None, jobs: int = 1, switch_window: int = SWITCH_WINDOW,
            belady: bool = True, prefetch: tuple[str, ...] = (), train: float = 0.5,
            prefetch_k: int | None = None, ceilings: bool = False, autopin: bool = False,
-           layer_rows: list[int] | None = None, processes: int = 1, record_bytes: int | None = None) -> ReplayResult:
+           layer_rows: list[int] | None = None, processes: int = 1, record_bytes: int | None = None,
+           warm: bool = False) -> ReplayResult:
     """Run the trace and return what it measured (`moe-l2 replay` renders it as a table or JSON).
 
     hints: None, "prompt" (predict each sequence's domain from its prompt) or "oracle" (use the trace's
@@ -272,25 +306,29 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
     layer_rows: ceilings given instead of learned (one per replayed layer, as `--l0-ceilings` sets them), run as
     the ceilings variants are, on every sequence and reported under each capacity alike.
     processes: clients taking turns token by token (take_turns); hints, prefetch and ceilings need one.
-    record_bytes: one record's size, for bytes per token."""
+    record_bytes: one record's size, for bytes per token.
+    warm: score the policies as restarted after the first `train` share (restarted), on the rest only."""
     _check_choices(traces, policy, compare, profile, hints, processes, prefetch, ceilings or layer_rows is not None)
+    if warm and (hints or prefetch or ceilings or layer_rows is not None or autopin):
+        raise ReplayError("--warm scores the policies alone: give it without --hints, --prefetch, --ceilings and "
+                          "--autopin")
     layers = _checked_layers(traces, layers)
     sequences, trained_on = _split_training(order_sequences(traces.sequences, order, seed),
-                                            bool(prefetch or ceilings), train)
+                                            bool(prefetch or ceilings or warm), train)
     plan, hint_stats = (None, None)
     if hints:
         try:
             plan, hint_stats = plan_hints(sequences, profile, hints)
         except PredictorError as exc:
             raise ReplayError(str(exc)) from None
-    tokens, sources = ([token for s in sequences for token in s.experts], None) if processes == 1 else \
-        take_turns(sequences, processes)
-    streams = {layer: [tuple(token[layer]) for token in tokens] for layer in layers}
+    streams, sources = _streams(sequences, processes, layers)
+    before = _streams(trained_on, processes, layers) if warm else None
     names = [policy] + [c for c in compare if c != policy] + (["min"] if belady else [])
     tasks = [Task(layer, n_slots, name, streams[layer], traces.n_experts, hints=plan if name == policy else None,
                   profile=profile if name == policy else None, prior=prior if name == policy else 0.0,
                   hint_share=hint_share, hint_prior=hint_prior, record_tokens=name in (policy, "lru"),
-                  hint_lift=hint_lift, sources=sources)
+                  hint_lift=hint_lift, sources=sources,
+                  warm=(before[0][layer], before[1]) if before and name != "min" else None)
              for n_slots in slots for name in names for layer in layers]
     # The variants (ceilings, autopin) run the policy under test and L0's LRU.
     variants = list(dict.fromkeys((policy, "lru")))
@@ -320,7 +358,15 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
         prefetch_k=k if prefetch else None,
         trained_on={"sequences": len(trained_on), "tokens": sum(s.n_tokens for s in trained_on)},
         ceilings=split_slots, autopin=autopin, prefetch_scores=scores, processes=processes,
-        record_bytes=record_bytes)
+        record_bytes=record_bytes, warm=warm)
+
+
+def _streams(sequences: list, processes: int, layers: list[int]) -> tuple[dict, list | None]:
+    """Per layer, the sequences' token batches in the order `processes` clients send them, and each token's
+    client (None: one client)."""
+    tokens, sources = ([token for s in sequences for token in s.experts], None) if processes == 1 else \
+        take_turns(sequences, processes)
+    return {layer: [tuple(token[layer]) for token in tokens] for layer in layers}, sources
 
 
 def _check_choices(traces: TraceSet, policy: str, compare, profile: Profile | None, hints: str | None,

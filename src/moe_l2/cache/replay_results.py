@@ -39,7 +39,7 @@ class PolicyResult(_Lookups):
     """One policy at one capacity, over the replayed layers."""
 
     loads: int
-    preloads: int                     # loads a hint made before its sequence
+    preloads: int                     # loads a hint made before its sequence, or a restart (--warm) before all
     per_layer: list[float | None]     # each replayed layer's hit rate, in ReplayResult.layers' order
     records_per_token: float | None   # loads per token over all layers
     switch_hit_rate: float | None = None  # over the tokens after domain switches (the policy under test and LRU)
@@ -105,12 +105,13 @@ class ReplayResult:
     capacities: list[CapacityResult]
     prefetch: list[str]              # the predictors scored
     prefetch_k: int | None           # their guesses per token and layer
-    trained_on: dict                 # sequences and tokens the predictors and ceilings learned from
+    trained_on: dict                 # sequences and tokens the predictors, ceilings and --warm learned from
     ceilings: dict[int, list[int]]   # --ceilings: per capacity (slots), each replayed layer's slots
     autopin: bool                    # --autopin: "<policy>+autopin" and "lru+autopin" were run
     prefetch_scores: dict[str, Score]
     processes: int = 1               # clients taking turns token by token
     record_bytes: int | None = None  # one expert's record, for bytes per token
+    warm: bool = False               # the policies were restarted after the trained_on sequences
 
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
