@@ -11,6 +11,7 @@ layer, the second of every layer, and so on, so that a client that comes early f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
@@ -42,7 +43,9 @@ class WarmStart:
         self.models = models
         self.loader = loader
         self._dir_fd = self._open_dir()
-        self._written: dict[str, Heat] = {}  # per fingerprint, the heat last written, its time left out
+        # Per fingerprint, a digest of the heat last written, its time left out: not a copy of the policies' state,
+        # which is megabytes a layer for the learned model of a large one.
+        self._written: dict[str, bytes] = {}
         self._failed: str | None = None  # the last save's failure, logged once until a save succeeds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moe-l2d-heat", daemon=True)
@@ -100,8 +103,8 @@ class WarmStart:
             return
         for model in self.models:
             heat = snapshot(model)
-            timeless = dataclasses.replace(heat, saved_at=0.0)
-            if self._written.get(heat.fingerprint) == timeless:
+            digest = hashlib.blake2b(dataclasses.replace(heat, saved_at=0.0).encode(), digest_size=16).digest()
+            if self._written.get(heat.fingerprint) == digest:
                 continue
             name = file_name(heat.fingerprint)
             try:
@@ -112,7 +115,7 @@ class WarmStart:
                     log.warning("%s; the next start will be cold", problem)
                 self._failed = problem
                 continue
-            self._written[heat.fingerprint] = timeless
+            self._written[heat.fingerprint] = digest
             self._failed = None
 
     def stop(self, save: bool) -> None:

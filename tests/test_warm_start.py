@@ -17,6 +17,7 @@ from moe_l2.cli.stats import render
 from moe_l2.daemon.heat_file import Heat, LayerHeat, file_name, max_bytes
 from moe_l2.daemon.loader import Loader, Preload
 from moe_l2.daemon.served import ServedModel
+from moe_l2.daemon.warm_start import WarmStart
 from moe_l2.layout import Geometry, new_token, segment_name
 
 from .conftest import assert_resident_exact, budget_for, free_port, scrape, stats, wait_for
@@ -264,5 +265,31 @@ def test_a_clients_misses_are_loaded_before_the_preload_still_queued(threads, mo
             assert bytes(served.data[0].view()[start:start + g.record_bytes]) == model_files.read_record(0, expert)
     finally:
         release.set()
+        loader.shutdown()
+        served.close()
+
+
+def test_a_heat_that_did_not_change_is_not_written_again(model_files, tmp_path):
+    """The periodic save writes a model's heat only where it changed since the last write (a learned model's state
+    is megabytes for a large model): the file is replaced after a lookup, not after nothing."""
+    geometry = Geometry.for_budget(model_files.n_layers, model_files.n_experts, model_files.layout.nbytes,
+                                   budget_for(model_files, SLOTS))
+    served = ServedModel(model_files, geometry, lambda layer, nbytes: _native.Segment.create(
+        segment_name("i40heat", 0, layer, new_token()), nbytes, 0o600), epoch=1)
+    loader = Loader(1)
+    warm = WarmStart(tmp_path, [served], loader)
+    saved = tmp_path / file_name(model_files.fingerprint)
+    try:
+        warm.save()
+        first = os.stat(saved).st_ino
+        warm.save()
+        assert os.stat(saved).st_ino == first
+        with served.lock:
+            served.stores[0].observe([1, 2])
+        warm.save()
+        assert os.stat(saved).st_ino != first
+        assert decode(saved.read_bytes(), model_files).layers[0].policy_state["clock"] == 1
+    finally:
+        warm.stop(save=False)
         loader.shutdown()
         served.close()
