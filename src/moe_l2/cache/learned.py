@@ -269,7 +269,7 @@ class LearnedReuse:
         not the pending batches or the clients, which a restart has none of."""
         return {"clock": self._clock, "batch_mean": self._batch_mean, "counts": self._counts.tolist(),
                 "own": self._own.tolist(), "own_ms": self._own_ms.tolist(),
-                **{name: getattr(self, f"_{name}").astype("<f4").tobytes() for name in _PAIRED},
+                **{name: getattr(self, f"_{name}").astype("<f4", copy=False).tobytes() for name in _PAIRED},
                 "last": list(self._last), "score": list(self._score), "lru_shadow": list(self._lru_shadow),
                 "model_shadow": sorted(self._model_shadow), "duel": list(self._duel), "duel_inc": self._duel_inc}
 
