@@ -181,7 +181,8 @@ def test_restarted_it_goes_on_from_what_it_learned():
     """moe-l2 replay --warm restarts each policy from its saved state after the train share, as moe-l2d restarts:
     on the walk, the restarted model hits as the one that never stopped does, where a cold one is still learning,
     and its store starts with what it held."""
-    before, after = walk(2200)[:2000], walk(2200)[2000:]
+    batches = walk(2200)
+    before, after = batches[:2000], batches[2000:]
     never_stopped = replay_layer(Task(0, 6, "learned", before + after, 16, record_tokens=True))
     restarted = replay_layer(Task(0, 6, "learned", after, 16, warm=(before, None)))
     cold = replay_layer(Task(0, 6, "learned", after, 16))
