@@ -260,8 +260,8 @@ class LearnedReuse:
         score = self._score
         return sorted(experts, key=lambda e: (-score[e], -last[e], e))
 
-    _STATE = ("clock", "batch_mean", "counts", "own", "own_ms", "cross", "cross_ms", "history", "history_ms", "last",
-              "score", "lru_shadow", "model_shadow", "duel", "duel_inc")
+    _STATE = ("clock", "batch_mean", "counts", "own", "own_ms", *_PAIRED, "last", "score", "lru_shadow",
+              "model_shadow", "duel", "duel_inc")
 
     def state(self) -> dict:
         """What a restart keeps: the whole model (the cross and history weights and their mean squares as
