@@ -328,7 +328,8 @@ class ServedModel:
         hits_total = misses_total = 0
         for layer, (hits, misses) in layers.items():
             with self.lock:
-                self.stores[layer].observe(lookups[layer], source)
+                before = self.stores.get(layer - 1)
+                self.stores[layer].observe(lookups[layer], source, before.latest(source) if before else None)
                 self.layer_hits[layer] += len(hits)
                 self.layer_misses[layer] += len(misses)
             hits_total += len(hits)

@@ -65,7 +65,7 @@ _MAX_WEIGHT = 1e6
 _MAX_SCORE = 1e9
 _MAX_DUEL = 1e6 * _RESCALE
 # The n_experts x n_experts arrays a state keeps, per horizon, as float32: the bytes a pair of experts takes in it.
-_PAIRED = ("cross", "cross_ms", "history", "history_ms")
+_PAIRED = ("cross", "cross_ms", "history", "history_ms", "before", "before_ms")
 PAIR_STATE_BYTES = 4 * len(_PAIRED) * len(HORIZON_MULTIPLES)
 
 
@@ -85,6 +85,8 @@ class LearnedReuse:
         self._own_ms = np.zeros_like(self._own)  # RMSprop's mean squared gradients
         self._cross_ms = np.zeros_like(self._cross)
         self._history_ms = np.zeros_like(self._history)
+        self._before = np.zeros((k, n, n), np.float32)  # before[k, g, e]: g picked at the layer before -> the same
+        self._before_ms = np.zeros_like(self._before)
         self._decay = np.array([2.0 ** (-1.0 / h) for h in HALF_LIVES], np.float32)[:, None]
         self._counts = np.zeros((len(HALF_LIVES), n), np.float32)
         self._ones = np.ones((1, n), np.float32)  # the bias' feature
@@ -113,9 +115,10 @@ class LearnedReuse:
             return low
         return int(min(high, max(low, round(self.capacity / self._batch_mean))))
 
-    def observe(self, experts: Iterable[int], source=None) -> None:
-        """One batch of picks of this layer, from `source` (a client; None: the only one); the model learns from
-        the batch `horizon` batches back and scores every expert anew."""
+    def observe(self, experts: Iterable[int], source=None, context: Iterable[int] | None = None) -> None:
+        """One batch of picks of this layer, from `source` (a client; None: the only one), and `context`, that
+        client's latest picks at the layer before (None: unknown); the model learns from the batch `horizon`
+        batches back and scores every expert anew."""
         picked = sorted(set(experts))
         if not picked:
             return
@@ -142,9 +145,11 @@ class LearnedReuse:
         features = np.concatenate((now[None], np.log1p(self._counts), self._ones))
         past_ids = np.flatnonzero(mine.past >= _HISTORY_FLOOR)
         past_weights = mine.past[past_ids]
+        before = np.array(sorted(set(context)) if context is not None else (), np.intp)
         logits = ((self._own * features).sum(axis=1) + self._cross[:, ids].sum(axis=1)
+                  + self._before[:, before].sum(axis=1)
                   + np.einsum("f,kfe->ke", past_weights, self._history[:, past_ids]))
-        scored = _Scored(ids, past_ids, past_weights, features, clock, logits, mine.last_picked)
+        scored = _Scored(ids, past_ids, past_weights, features, clock, logits, mine.last_picked, before)
         for pending in self._pending:
             pending.append(scored)
         mine.chances = 1.0 / (1.0 + np.exp(-logits))
@@ -157,14 +162,20 @@ class LearnedReuse:
     @property
     def nbytes(self) -> int:
         """Memory of its arrays now, the sources' histories and the pending batches included."""
-        fixed = sum(a.nbytes for a in (self._own, self._cross, self._history, self._own_ms, self._cross_ms,
-                                       self._history_ms, self._decay, self._counts, self._ones))
+        fixed = sum(a.nbytes for a in (self._own, self._cross, self._history, self._before, self._own_ms,
+                                       self._cross_ms, self._history_ms, self._before_ms, self._decay, self._counts,
+                                       self._ones))
         sources = sum(s.nbytes for s in self._recent.values())
         pending = {id(b): b.nbytes for p in self._pending for b in p}  # the horizons share each batch
         kept = {id(s.last_picked) for s in self._recent.values()}  # a client let go lives on in its batches' labels
         gone = {id(b.last_picked): b.last_picked.nbytes for p in self._pending for b in p
                 if id(b.last_picked) not in kept}
         return fixed + sources + sum(pending.values()) + sum(gone.values())
+
+    def latest(self, source=None) -> list[int] | None:
+        """The client's latest batch at this layer, while it counts as recent: the layer after's context."""
+        mine = self._recent.get(source)
+        return None if mine is None else mine.batch.tolist()
 
     def access(self, expert: int, count: int = 1) -> None:
         self.observe((expert,))
@@ -206,6 +217,8 @@ class LearnedReuse:
         _step(self._own, self._own_ms, ks, features * error[:, None])
         index, grad = _rows(ks, error, [scored.batch for _, scored in due])
         _step(self._cross, self._cross_ms, index, grad)
+        index, grad = _rows(ks, error, [scored.before for _, scored in due])
+        _step(self._before, self._before_ms, index, grad)
         index, grad = _rows(ks, error, [scored.past_ids for _, scored in due])
         weights = np.concatenate([scored.past_weights for _, scored in due])
         _step(self._history, self._history_ms, index, weights[:, None] * grad)
@@ -348,10 +361,12 @@ class _Scored:
     clock: int
     logits: np.ndarray  # per horizon and expert
     last_picked: np.ndarray  # its client's, as it goes on: the labels
+    before: np.ndarray  # its client's picks at the layer before
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.batch, self.past_ids, self.past_weights, self.features, self.logits))
+        return sum(a.nbytes for a in (self.batch, self.past_ids, self.past_weights, self.features, self.logits,
+                                      self.before))
 
 
 def _numbers(value, shape: tuple[int, ...], low: float, high: float, what: str) -> np.ndarray:

@@ -359,11 +359,12 @@ def restored_policy(name: str, state, n_experts: int, capacity: int | None = Non
     return policy
 
 
-def observe(policy, experts: Iterable[int], source=None) -> None:
-    """Tell a policy of one batch of accesses from `source`: at once where it takes batches, else one by one."""
+def observe(policy, experts: Iterable[int], source=None, context: Iterable[int] | None = None) -> None:
+    """Tell a policy of one batch of accesses from `source` (and its latest at the layer before, `context`): at once
+    where it takes batches, else one by one."""
     batch = getattr(policy, "observe", None)
     if batch is not None:
-        batch(experts, source)
+        batch(experts, source, context)
         return
     for expert in experts:
         policy.access(expert)

@@ -132,7 +132,8 @@ class Task:
     point: int = 0   # the capacity it is reported under, where that is not `slots` (ceilings); 0: slots
     autopin_top_k: int = 0  # autopin: pin the layer's hottest experts (src/moe_l2/cache/heat.py), leaving this many
     sources: list | None = None  # per token, the client that sent it (--processes); None: one client
-    warm: tuple | None = None  # (batches, sources) a restarted daemon's policy saw before (--warm)
+    warm: tuple | None = None  # (batches, sources, context) a restarted daemon's policy saw before (--warm)
+    context: list | None = None  # per token, the batch at the layer before (None: the first layer)
 
 
 def replay_layer(task: Task) -> dict:
@@ -186,7 +187,8 @@ def replay_layer(task: Task) -> dict:
         lookups += len(batch)
         if per_token is not None:
             per_token[t] = h
-        observe(batch, sources[t] if sources is not None else None)
+        observe(batch, sources[t] if sources is not None else None,
+                task.context[t] if task.context is not None else None)
         if prefetched:
             demanded = prefetched.intersection(batch)
             useful += len(demanded)
@@ -228,10 +230,10 @@ def restarted(task: Task) -> tuple[object, list[int]]:
     which the restarted daemon preloads."""
     policy = make_policy(task.policy, capacity=task.slots, n_experts=task.n_experts)
     store = LayerStore(task.n_experts, task.slots, policy)
-    batches, sources = task.warm
-    for batch, source in zip(batches, sources or repeat(None)):
+    batches, sources, context = task.warm
+    for batch, source, before in zip(batches, sources or repeat(None), context or repeat(None)):
         misses = [e for e in batch if store.slot(e) < 0]
-        store.observe(batch, source)
+        store.observe(batch, source, before)
         for e in misses:
             r = store.reserve(e)
             if r is not None:
@@ -327,19 +329,20 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
     tasks = [Task(layer, n_slots, name, streams[layer], traces.n_experts, hints=plan if name == policy else None,
                   profile=profile if name == policy else None, prior=prior if name == policy else 0.0,
                   hint_share=hint_share, hint_prior=hint_prior, record_tokens=name in (policy, "lru"),
-                  hint_lift=hint_lift, sources=sources,
-                  warm=(before[0][layer], before[1]) if before and name != "min" else None)
+                  hint_lift=hint_lift, sources=sources, context=_before(streams, layer),
+                  warm=(before[0][layer], before[1], _before(before[0], layer)) if before and name != "min" else None)
              for n_slots in slots for name in names for layer in layers]
     # The variants (ceilings, autopin) run the policy under test and L0's LRU.
     variants = list(dict.fromkeys((policy, "lru")))
     split_slots = _ceiling_slots(traces, trained_on, layers, slots, layer_rows) \
         if ceilings or layer_rows is not None else {}
     for n_slots, rows in split_slots.items():
-        tasks += [Task(layer, n, name, streams[layer], traces.n_experts, point=n_slots, label=f"{name}+ceilings")
+        tasks += [Task(layer, n, name, streams[layer], traces.n_experts, point=n_slots, label=f"{name}+ceilings",
+                       context=_before(streams, layer))
                   for name in variants for layer, n in zip(layers, rows)]
     if autopin:
         tasks += [Task(layer, n_slots, name, streams[layer], traces.n_experts, autopin_top_k=traces.top_k,
-                       label=f"{name}+autopin", sources=sources)
+                       label=f"{name}+autopin", sources=sources, context=_before(streams, layer))
                   for n_slots in slots for name in variants for layer in layers]
     k = traces.top_k if prefetch_k is None else prefetch_k
     scores = _prefetch_tasks(traces, prefetch, k, trained_on, sequences, slots, layers, policy, streams, tasks)
@@ -362,11 +365,17 @@ def replay(traces: TraceSet, *, slots: list[int], policy: str = DEFAULT_POLICY, 
 
 
 def _streams(sequences: list, processes: int, layers: list[int]) -> tuple[dict, list | None]:
-    """Per layer, the sequences' token batches in the order `processes` clients send them, and each token's
-    client (None: one client)."""
+    """Per layer and the layer before each, the sequences' token batches in the order `processes` clients send
+    them, and each token's client (None: one client)."""
     tokens, sources = ([token for s in sequences for token in s.experts], None) if processes == 1 else \
         take_turns(sequences, processes)
-    return {layer: [tuple(token[layer]) for token in tokens] for layer in layers}, sources
+    wanted = sorted({*layers, *(layer - 1 for layer in layers if layer > 0)})
+    return {layer: [tuple(token[layer]) for token in tokens] for layer in wanted}, sources
+
+
+def _before(streams: dict, layer: int) -> list | None:
+    """Each token's batch at the layer before `layer`: the context the learned policy weighs (None at the first)."""
+    return streams.get(layer - 1)
 
 
 def _check_choices(traces: TraceSet, policy: str, compare, profile: Profile | None, hints: str | None,
@@ -443,6 +452,7 @@ def _prefetch_tasks(traces: TraceSet, prefetch: tuple[str, ...], k: int, trained
                 score.add(guess, batch)
         scores[name] = score
         tasks += [Task(layer, n_slots, policy, streams[layer], traces.n_experts, guesses=guesses[layer],
+                       context=_before(streams, layer),
                        label=f"prefetch:{name}") for n_slots in slots for layer in layers]
     return scores
 

@@ -71,10 +71,17 @@ class LayerStore:
     def pinned(self, expert: int) -> bool:
         return expert in self._pinned
 
-    def observe(self, experts: list[int], source=None) -> None:
+    def observe(self, experts: list[int], source=None, context: list[int] | None = None) -> None:
         """Tell the policy of one batch of lookups (a token's in replay, a report's in the daemon) from `source`
-        (the client that made them; None: the only one)."""
-        observe(self.policy, experts, source)
+        (the client that made them; None: the only one), and `context`, that client's latest at the layer before
+        (None: unknown)."""
+        observe(self.policy, experts, source, context)
+
+    def latest(self, source=None) -> list[int] | None:
+        """The client's latest batch here as the policy keeps it (None where it keeps none): the context of the
+        layer after."""
+        latest = getattr(self.policy, "latest", None)
+        return latest(source) if latest is not None else None
 
     def reserve(self, expert: int, keep: frozenset[int] = frozenset(), evict: bool = True) -> Reservation | None:
         """Give the expert a slot to be loaded into, never evicting one in `keep` (replay's prefetch keeps its
