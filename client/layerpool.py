@@ -51,7 +51,7 @@ import mlx.core as mx
 
 from moe_l2 import _native
 from moe_l2.cache.heat import Heat, pin_limit
-from moe_l2.cache.policy import make_policy, observe
+from moe_l2.cache.policy import latest, make_policy, observe
 from moe_l2.model import ModelFiles
 from moe_l2.model.records import row_strides
 
@@ -318,14 +318,20 @@ class LayerPool:
         with self._lock:
             self._pinned.update(experts)
 
-    def access(self, experts) -> None:
-        """The forward demands these experts: tell the policy."""
+    def access(self, experts, context: list[int] | None = None) -> None:
+        """The forward demands these experts: tell the policy, with `context`, the token's picks at the layer
+        before (None: unknown)."""
         with self._lock:
-            observe(self._policy, experts)
+            observe(self._policy, experts, None, context)
             if self._shared is not None:
                 for expert in experts:
                     if expert in self._row_of:
                         self._shared.touch(self, expert)
+
+    def latest(self) -> list[int] | None:
+        """The batch the policy was last told of, where it keeps it: the layer after's context."""
+        with self._lock:
+            return latest(self._policy)
 
     def take_rows(self, experts: list[int], batch: set[int]) -> list[int]:
         """Rows for experts not in L0: free ones, new ones while below the ceiling (the rows grow), then the rows
@@ -489,9 +495,9 @@ class AutopinLayerPool(LayerPool):
             super().pin(experts)
             self._held.update(experts)
 
-    def access(self, experts) -> None:
+    def access(self, experts, context: list[int] | None = None) -> None:
         with self._lock:
-            super().access(experts)
+            super().access(experts, context)
             if self._heat.add(experts):
                 self._pinned = self._held | {e for e in self._heat.hot if e in self._row_of}
 

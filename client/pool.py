@@ -292,7 +292,8 @@ class ExpertPool:
         """Make `batch` resident in L0 (its experts checked, the layer's prefetch settled), fill what it lacked,
         count the lookup with what L2 lent it, and report it unless it was reported already."""
         missing = lp.absent(batch)
-        lp.access(batch)
+        before = self.layers.get(lookup.layer - 1)
+        lp.access(batch, before.latest() if before is not None else None)
         if self._ahead is None:
             promoted, taken = 0, self._take_rows(lookup.layer, lp, batch, missing) if missing else {}
         else:  # guesses held in side rows are L0 hits: promoted, without a read or a copy

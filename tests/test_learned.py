@@ -241,28 +241,46 @@ def test_moe_l2d_and_l0_run_the_one_implementation(daemon_factory, model_dir, mo
         client.close()
 
 
-def test_moe_l2d_gives_each_layer_the_same_clients_latest_lookups_at_the_layer_before(daemon_factory, model_dir,
-                                                                                     model_files):
-    """A token's lookups at layers 0 and 1 reported together: moe-l2d's layer 1 hits exactly where a reference store
-    told of layer 0's batch as context does, and not where one told nothing does."""
-    slots, below, batches = 6, walk(300, seed=3), walk(300)
+def reference_with_layer_before(below: list, batches: list, slots: int) -> tuple[int, int]:
+    """What layer 1 of two reference stores hits on `batches`, its policy told of each token's batch at layer 0
+    (`below`), and what one told nothing hits."""
     stores = [LayerStore(16, slots, make_policy("learned", slots, 16)) for _ in range(2)]
     alone = LayerStore(16, slots, make_policy("learned", slots, 16))
-    expected = without = 0
+    told = untold = 0
     for b0, b1 in zip(below, batches):
         for layer, batch in enumerate((b0, b1)):
             store = stores[layer]
             missing = [e for e in batch if store.slot(e) < 0]
-            expected += layer * (len(batch) - len(missing))
+            told += layer * (len(batch) - len(missing))
             store.observe(batch, None, stores[0].latest() if layer else None)
             for expert in missing:
                 store.commit(store.reserve(expert, keep=frozenset(batch)))
         missing = [e for e in b1 if alone.slot(e) < 0]
-        without += len(b1) - len(missing)
+        untold += len(b1) - len(missing)
         alone.observe(b1)
         for expert in missing:
             alone.commit(alone.reserve(expert, keep=frozenset(b1)))
+    return told, untold
+
+
+def test_moe_l2d_and_l0_give_each_layer_the_tokens_latest_picks_at_the_layer_before(daemon_factory, model_dir,
+                                                                                    model_files):
+    """A token's lookups at layers 0 and 1: a real L0 pool with policy learned, and a real moe-l2d told of both in
+    one report, hit at layer 1 exactly where a reference store told of layer 0's batch as context does, and not
+    where one told nothing does."""
+    slots, below, batches = 6, walk(300, seed=3), walk(300)
+    expected, without = reference_with_layer_before(below, batches, slots)
     assert expected != without
+
+    pool = ExpertPool(model_files, slots, policy="learned", grow=False)
+    try:
+        hits = 0
+        for b0, b1 in zip(below, batches):
+            pool.fetch(0, list(b0))
+            hits += pool.fetch(1, list(b1)).l0_hits
+        assert hits == expected
+    finally:
+        pool.close()
 
     daemon = daemon_factory([model_dir], str(budget_for(model_files, slots)), "--policy", "learned")
     client = L2Client(model_files, daemon.socket, wait_s=5)

@@ -370,6 +370,13 @@ def observe(policy, experts: Iterable[int], source=None, context: Iterable[int] 
         policy.access(expert)
 
 
+def latest(policy, source=None) -> list[int] | None:
+    """The batch `source` last told a policy of, where the policy keeps it (None where it keeps none): the layer
+    after's context."""
+    kept = getattr(policy, "latest", None)
+    return kept(source) if kept is not None else None
+
+
 def make_policy(name: str, capacity: int | None = None, n_experts: int | None = None):
     """A policy for one layer of `n_experts` experts and `capacity` slots (`learned` needs both)."""
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe_l2.cache.policy import observe
+from moe_l2.cache.policy import latest, observe
 
 if TYPE_CHECKING:
     from moe_l2.cache.profile import Profile
@@ -80,8 +80,7 @@ class LayerStore:
     def latest(self, source=None) -> list[int] | None:
         """The client's latest batch here as the policy keeps it (None where it keeps none): the context of the
         layer after."""
-        latest = getattr(self.policy, "latest", None)
-        return latest(source) if latest is not None else None
+        return latest(self.policy, source)
 
     def reserve(self, expert: int, keep: frozenset[int] = frozenset(), evict: bool = True) -> Reservation | None:
         """Give the expert a slot to be loaded into, never evicting one in `keep` (replay's prefetch keeps its
