@@ -28,7 +28,7 @@ from moe_l2.cache.policy import POLICIES
 from moe_l2.cache.store import PIN_KINDS
 from moe_l2.protocol import quote
 
-VERSION = 2  # 2: the learned policy's state keeps its whole model
+VERSION = 3  # 2: the learned policy's state keeps its whole model; 3: and its weights from the layer before
 # What a layer's entry may take at most, per expert of the model, per pair of experts and beside them: the learned
 # policy's 46 numbers of each expert (its own weights and their mean squares for 4 horizons, counts, scores) take
 # about 420 bytes as msgpack's doubles, the adaptive policy's under 100, the pins and held list a few more; its

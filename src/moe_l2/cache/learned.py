@@ -6,11 +6,14 @@ lookups of the layer in moe-l2d, a forward's picks of the layer in L0. After eac
 expert e of the layer, for each horizon h_k:
 
     z_ke = bias_ke + sum over f in the batch of cross[k, f, e] + sum over f of past_f . history[k, f, e]
+           + sum over g in the context of before[k, g, e]
            + own_ke . (1 if e is in the batch, log1p of e's decayed pick counts with half-lives HALF_LIVES)
 
 a logistic regression of "the batch's client picks e within the next h_k batches", where past_f is the client's
-decayed picks before this batch (HISTORY_DECAY a batch). The cross and history weights carry what recency and
-frequency cannot: which experts follow which (in replay, most of what it gains over `adaptive`). An expert's score
+decayed picks before this batch (HISTORY_DECAY a batch) and the context is that client's latest batch at the layer
+before (its token's picks there in replay and L0, its latest lookups there in moe-l2d; none at the first layer).
+The cross, history and before weights carry what recency and frequency cannot: which experts follow which (in
+replay, most of what it gains over `adaptive`; docs/policy-report.md, "The layer before"). An expert's score
 is the sum of its probabilities over the horizons, so that the one evicted is the one expected back the latest, as
 Belady's MIN evicts (one horizon ranks only "soon or not"); with several clients, the probability of a pick by any
 of them. The label of a batch's scores for h_k is known h_k batches later; the model then takes one RMSprop step on
@@ -28,10 +31,10 @@ does, until the model's shadow is ahead again. "Lately" is the latest quarter of
 DUEL_WINDOW): a cold model's first batches, which it ranks worse than LRU, soon stop counting against it
 (docs/policy-report.md, "What moe-l2d's policy sees").
 
-Deterministic (no randomness), and bounded: per layer 4 x len(HORIZON_MULTIPLES) x n_experts^2 floats (the
-cross and history weights and their RMSprop state) plus max(HORIZON_MULTIPLES) x HORIZON_RANGE[1] pending batches
-and MAX_SOURCES clients' scores; numpy work of O(horizons x n_experts x (the batch and its history + the clients))
-per batch.
+Deterministic (no randomness), and bounded: per layer 6 x len(HORIZON_MULTIPLES) x n_experts^2 floats (the
+cross, history and before weights and their RMSprop state) plus max(HORIZON_MULTIPLES) x HORIZON_RANGE[1] pending
+batches and MAX_SOURCES clients' scores; numpy work of O(horizons x n_experts x (the batch, its context and its
+history + the clients)) per batch.
 """
 
 from __future__ import annotations
