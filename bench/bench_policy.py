@@ -21,7 +21,8 @@ section writes its file after each of its runs, so one stopped early keeps what 
                once more as a restarted daemon scores it, after the tuning half (replay --warm); all layers.
 - sweep:       the learned policy against LRU at every capacity, held-out sequences, every 6th layer.
 - cost:        microseconds per lookup of the store with LRU, adaptive and learned, taking turns, with one client
-               and with several reporting in turn; the learned policy's memory per layer and per model.
+               and with several reporting in turn, at layer 1 with layer 0's batches as context; the learned
+               policy's memory per layer and per model.
 
     pip install matplotlib            # for the plot only; not a dependency of moe-l2
     python bench/bench_policy.py [--traces ../shared/traces] [--sections main,hints,predictor,sensitivity,...]
@@ -427,26 +428,29 @@ def zipf_batches(n_experts: int, top_k: int, tokens: int, seed: int = 0) -> list
 def section_cost(traces_by_file: dict, repeat: int = 3) -> dict:
     """Microseconds per lookup of the store with each policy (replay_layer: the policy's work and the store's), the
     policies taking turns, with one client and with the batches reported by several in turn (the learned policy
-    combines every recent client's chances on each batch); and the learned policy's memory per layer."""
+    combines every recent client's chances on each batch), each token's batch at the layer before given as context
+    (a second Zipf stream for the synthetic ones); and the learned policy's memory per layer."""
     cases = []
     for name, traces in traces_by_file.items():
-        batches = [tuple(t[0]) for s in traces.sequences for t in s.experts][:20000]
-        label, n = f"{name.split('.')[0]} layer 0", traces.n_experts
+        tokens = [t for s in traces.sequences for t in s.experts][:20000]
+        batches, before = [tuple(t[1]) for t in tokens], [tuple(t[0]) for t in tokens]
+        label, n = f"{name.split('.')[0]} layer 1", traces.n_experts
         for share in (0.25, 0.5):
-            cases.append((label, n, round(share * n), batches, 1))
-        cases.append((f"{label}, 4 clients", n, n // 2, batches, 4))
+            cases.append((label, n, round(share * n), batches, before, 1))
+        cases.append((f"{label}, 4 clients", n, n // 2, batches, before, 4))
     for n, k in ((128, 8), (256, 8)):
-        cases.append((f"zipf, {n} experts, top-{k}", n, n // 4, zipf_batches(n, k, 8000), 1))
+        cases.append((f"zipf, {n} experts, top-{k}", n, n // 4, zipf_batches(n, k, 8000),
+                      zipf_batches(n, k, 8000, seed=1), 1))
     cases.append((f"zipf, 256 experts, top-8, {learned.MAX_SOURCES} clients", 256, 64, zipf_batches(256, 8, 8000),
-                  learned.MAX_SOURCES))
+                  zipf_batches(256, 8, 8000, seed=1), learned.MAX_SOURCES))
     out = {"lookups": {}, "memory": {}}
-    for label, n, slots, batches, clients in cases:
+    for label, n, slots, batches, before, clients in cases:
         sources = [t % clients for t in range(len(batches))] if clients > 1 else None
         times = {p: [] for p in COST_POLICIES}
         for _ in range(repeat):
             for p in COST_POLICIES:
                 start = time.perf_counter()
-                r = rp.replay_layer(rp.Task(0, slots, p, batches, n, sources=sources))
+                r = rp.replay_layer(rp.Task(1, slots, p, batches, n, sources=sources, context=before))
                 times[p].append((time.perf_counter() - start) / r["lookups"] * 1e6)
         out["lookups"][f"{label}|{slots}|{n}"] = {p: statistics.median(t) for p, t in times.items()}
     for geometry in GEOMETRIES.values():
@@ -456,12 +460,13 @@ def section_cost(traces_by_file: dict, repeat: int = 3) -> dict:
 
 
 def memory_of(n_experts: int, top_k: int, layers: int) -> dict:
-    """The learned policy's bytes per layer at its most (every pending batch held, MAX_SOURCES clients), and per
-    model."""
+    """The learned policy's bytes per layer at its most (every pending batch held, with its context, MAX_SOURCES
+    clients), and per model."""
     policy = learned.LearnedReuse(n_experts, learned.HORIZON_RANGE[1] * top_k)
     rng = random.Random(0)
     for t in range(4 * learned.HORIZON_RANGE[1]):
-        policy.observe(rng.sample(range(n_experts), top_k), source=t % learned.MAX_SOURCES)
+        policy.observe(rng.sample(range(n_experts), top_k), source=t % learned.MAX_SOURCES,
+                       context=rng.sample(range(n_experts), top_k))
     return {"layer": policy.nbytes, "model": policy.nbytes * layers, "layers": layers}
 
 
