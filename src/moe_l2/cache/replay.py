@@ -42,7 +42,6 @@ from array import array
 from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import repeat
 from multiprocessing import get_context
 
 import numpy as np
@@ -138,11 +137,16 @@ class Task:
 
 def replay_layer(task: Task) -> dict:
     """One layer, one capacity, one policy: the daemon's own LayerStore over the layer's token batches."""
-    batches = task.batches
     policy, held = _started(task)
     store = LayerStore(task.n_experts, task.slots, policy)
     for e in held:
         store.commit(store.reserve(e))
+    return _replayed(task, store, preloads=len(held))
+
+
+def _replayed(task: Task, store: LayerStore, preloads: int) -> dict:
+    """The task's batches through `store`, which holds its `preloads` already: the counts replay reports."""
+    batches, policy = task.batches, store.policy
     if task.profile is not None and task.prior > 0 and hasattr(policy, "set_prior"):
         policy.set_prior(task.profile.shares(None, task.layer), task.prior)
     hint_at = {}
@@ -154,7 +158,6 @@ def replay_layer(task: Task) -> dict:
     sources = task.sources
     heat = Heat(task.n_experts, pin_limit(task.slots, task.autopin_top_k)) if task.autopin_top_k else None
     hits = lookups = loads = 0
-    preloads = len(held)
     prefetch_loads = useful = wasted = 0
     prefetched: set[int] = set()
     per_token = array("H", bytes(2 * len(batches))) if task.record_tokens else None
@@ -231,13 +234,8 @@ def restarted(task: Task) -> tuple[object, list[int]]:
     policy = make_policy(task.policy, capacity=task.slots, n_experts=task.n_experts)
     store = LayerStore(task.n_experts, task.slots, policy)
     batches, sources, context = task.warm
-    for batch, source, before in zip(batches, sources or repeat(None), context or repeat(None)):
-        misses = [e for e in batch if store.slot(e) < 0]
-        store.observe(batch, source, before)
-        for e in misses:
-            r = store.reserve(e)
-            if r is not None:
-                store.commit(r)
+    _replayed(Task(task.layer, task.slots, task.policy, batches, task.n_experts, sources=sources, context=context),
+              store, preloads=0)
     held = policy.hottest(store.held())[:task.slots]
     return restored_policy(task.policy, policy.state(), task.n_experts, task.slots), held
 
