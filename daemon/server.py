@@ -477,14 +477,16 @@ class Server:
 def report_pieces(layers: dict[int, list[list[int]]], routed: dict[int, list[int]], size: int,
                   given: dict[int, list[int]] | None = None) -> list[ReportPiece]:
     """Split a report into pieces of at most `size` looked-up ids (routed picks count 1/ROUTED_PER_LOOKUP each)
-    that ServedModel.report counts as it counts the whole: per layer its hits, then its misses, in order (one piece
+    that ServedModel.report counts as it counts the whole: layer by layer, its hits, then its misses (one piece
     where they fit, so that the policy sees the layer's lookups as one batch); when the report names its routed
     picks, the lookup pieces carry an empty pick list (so their lookups are not counted as picks). A piece with
     misses keeps (never evicts for its loads) every expert the report names in its layer, as the whole report
     would, and carries the misses of its own that the report's `given` names (the client gives them: not
     loaded)."""
     pieces = []
-    for layer, (hits, misses) in layers.items():
+    # In layer order: a layer's context is the same client's latest lookups at the layer before (the learned
+    # policy), this token's where the report has them.
+    for layer, (hits, misses) in sorted(layers.items()):
         no_picks = {layer: []} if routed else {}
         keep = {layer: frozenset([*hits, *misses, *routed.get(layer, ())])}
         read = set((given or {}).get(layer, ()))

@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from moe_l2 import protocol
 from moe_l2.cache import learned
 from moe_l2.cache import replay as rp
 from moe_l2.cache.learned import LearnedReuse
@@ -20,6 +21,7 @@ from moe_l2.cache.store import LayerStore
 from moe_l2.cache.trace import read_traces
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
+from moe_l2.control import dealer
 from moe_l2.daemon.server import report_pieces
 
 from .conftest import budget_for, shared_trace, stats, synthetic_trace, wait_for
@@ -266,8 +268,8 @@ def reference_with_layer_before(below: list, batches: list, slots: int) -> tuple
 def test_moe_l2d_and_l0_give_each_layer_the_tokens_latest_picks_at_the_layer_before(daemon_factory, model_dir,
                                                                                     model_files):
     """A token's lookups at layers 0 and 1: a real L0 pool with policy learned, and a real moe-l2d told of both in
-    one report, hit at layer 1 exactly where a reference store told of layer 0's batch as context does, and not
-    where one told nothing does."""
+    one report that names layer 1 first, hit at layer 1 exactly where a reference store told of layer 0's batch as
+    context does, and not where one told nothing does."""
     slots, below, batches = 6, walk(300, seed=3), walk(300)
     expected, without = reference_with_layer_before(below, batches, slots)
     assert expected != without
@@ -285,21 +287,23 @@ def test_moe_l2d_and_l0_give_each_layer_the_tokens_latest_picks_at_the_layer_bef
     daemon = daemon_factory([model_dir], str(budget_for(model_files, slots)), "--policy", "learned")
     client = L2Client(model_files, daemon.socket, wait_s=5)
     viewer = ExpertPool(model_files, model_files.top_k, client)
+    reporter = dealer(daemon.socket, None, protocol.MAX_REPLY_BYTES)  # one client: one socket for every report
     try:
         view, seen = viewer._l2_view(), 0
-        for b0, b1 in zip(below, batches):
-            asked = {}
-            for layer, batch in enumerate((b0, b1)):
-                held = view.lend(layer, list(batch)).experts
-                asked[layer] = [e for e in batch if e not in held]
-                client.report(layer, [e for e in batch if e in held], asked[layer], list(batch))
-                seen += len(batch)
+        for t, (b0, b1) in enumerate(zip(below, batches)):
+            held = {layer: view.lend(layer, list(batch)).experts for layer, batch in ((1, b1), (0, b0))}
+            asked = {layer: [e for e in batch if e not in held[layer]] for layer, batch in ((1, b1), (0, b0))}
+            reporter.send(protocol.Report(id=t, model=model_files.fingerprint, layers={
+                layer: [[e for e in batch if e in held[layer]], asked[layer]] for layer, batch in ((1, b1), (0, b0))
+            }).encode())
+            seen += len(b0) + len(b1)
             wait_for(lambda: stats(daemon)["models"][0]["hits"] + stats(daemon)["models"][0]["misses"] == seen,
                      what="the report")
             wait_for(lambda: all(len(view.lend(layer, asked[layer]).experts) == len(asked[layer]) for layer in asked),
                      what="the misses in L2")
         assert stats(daemon)["models"][0]["layers"][1]["hits"] == expected
     finally:
+        reporter.close(0)
         viewer.close()
         client.close()
 
