@@ -1,5 +1,6 @@
-"""Warm after a restart: each served model's heat saved in the state dir every SAVE_EVERY_S and at a clean stop,
-restored and preloaded at the next start (docs/architecture.md, "Warm after a restart").
+"""Warm after a restart: each served model's heat saved in the state dir every SAVE_EVERY_S (longer for a large
+heat: save_interval) and at a clean stop, restored and preloaded at the next start (docs/architecture.md, "Warm
+after a restart").
 
 What is kept of a model (daemon/heat_file.py): per served layer the experts held, hottest first by the policy
 (with the records a preload had not reached yet), the pins and the policy's state; the active hint domain. At
@@ -30,8 +31,10 @@ from moe_l2.daemon.served import ServedModel
 
 log = logging.getLogger("moe-l2d.warm")
 
-# A crash loses at most this much of what L2 learned.
+# A crash loses at most this much of what L2 learned, or more where the heat is large: the saves write at most
+# WRITE_BYTES_PER_S on average (the learned model of 256 experts a layer is hundreds of MiB; docs/decisions.md).
 SAVE_EVERY_S = 180.0
+WRITE_BYTES_PER_S = (1 << 30) / 3600
 
 
 class WarmStart:
@@ -94,21 +97,25 @@ class WarmStart:
             self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(SAVE_EVERY_S):
-            self.save()
+        wait = SAVE_EVERY_S
+        while not self._stop.wait(wait):
+            wait = save_interval(self.save())
 
-    def save(self) -> None:
-        """Write each model's heat where it changed since the last write; a failure is logged once."""
+    def save(self) -> int:
+        """Write each model's heat where it changed since the last write; a failure is logged once. Returns the
+        bytes written."""
+        written = 0
         if self._dir_fd is None:
-            return
+            return written
         for model in self.models:
             heat = snapshot(model)
             digest = hashlib.blake2b(dataclasses.replace(heat, saved_at=0.0).encode(), digest_size=16).digest()
             if self._written.get(heat.fingerprint) == digest:
                 continue
             name = file_name(heat.fingerprint)
+            data = heat.encode()
             try:
-                write(self.directory, self._dir_fd, name, heat.encode())
+                write(self.directory, self._dir_fd, name, data)
             except OSError as exc:
                 problem = f"cannot save L2's heat to {self.directory / name}: {exc.strerror or exc}"
                 if problem != self._failed:
@@ -117,6 +124,8 @@ class WarmStart:
                 continue
             self._written[heat.fingerprint] = digest
             self._failed = None
+            written += len(data)
+        return written
 
     def stop(self, save: bool) -> None:
         """Stop the periodic saves; save once more if `save` (a daemon that served: one whose start failed keeps
@@ -129,6 +138,12 @@ class WarmStart:
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None
+
+
+def save_interval(written: int) -> float:
+    """The wait before the next save after one that wrote `written` bytes: SAVE_EVERY_S, longer where the heat is so
+    large that saving it that often would write more than WRITE_BYTES_PER_S."""
+    return max(SAVE_EVERY_S, written / WRITE_BYTES_PER_S)
 
 
 def restore(model: ServedModel, heat: Heat) -> list[tuple[int, int]]:

@@ -17,7 +17,7 @@ from moe_l2.cli.stats import render
 from moe_l2.daemon.heat_file import Heat, LayerHeat, file_name, max_bytes
 from moe_l2.daemon.loader import Loader, Preload
 from moe_l2.daemon.served import ServedModel
-from moe_l2.daemon.warm_start import WarmStart
+from moe_l2.daemon.warm_start import SAVE_EVERY_S, WarmStart, save_interval
 from moe_l2.layout import Geometry, new_token, segment_name
 
 from .conftest import assert_resident_exact, budget_for, free_port, scrape, stats, wait_for
@@ -271,7 +271,8 @@ def test_a_clients_misses_are_loaded_before_the_preload_still_queued(threads, mo
 
 def test_a_heat_that_did_not_change_is_not_written_again(model_files, tmp_path):
     """The periodic save writes a model's heat only where it changed since the last write (a learned model's state
-    is megabytes for a large model): the file is replaced after a lookup, not after nothing."""
+    is megabytes for a large model): the file is replaced after a lookup, not after nothing, and save() says how
+    many bytes it wrote, which set the wait before the next (test_a_large_heat_is_saved_less_often)."""
     geometry = Geometry.for_budget(model_files.n_layers, model_files.n_experts, model_files.layout.nbytes,
                                    budget_for(model_files, SLOTS))
     served = ServedModel(model_files, geometry, lambda layer, nbytes: _native.Segment.create(
@@ -280,16 +281,26 @@ def test_a_heat_that_did_not_change_is_not_written_again(model_files, tmp_path):
     warm = WarmStart(tmp_path, [served], loader)
     saved = tmp_path / file_name(model_files.fingerprint)
     try:
-        warm.save()
+        assert warm.save() == saved.stat().st_size
         first = os.stat(saved).st_ino
-        warm.save()
+        assert warm.save() == 0
         assert os.stat(saved).st_ino == first
         with served.lock:
             served.stores[0].observe([1, 2])
-        warm.save()
+        assert warm.save() == saved.stat().st_size
         assert os.stat(saved).st_ino != first
         assert decode(saved.read_bytes(), model_files).layers[0].policy_state["clock"] == 1
     finally:
         warm.stop(save=False)
         loader.shutdown()
         served.close()
+
+
+def test_a_large_heat_is_saved_less_often():
+    """The saves write at most a GiB an hour on average: a small model's heat every SAVE_EVERY_S, the largest heat of
+    DeepSeek-V3's shape (about 350 MiB, most of it learned weights) every 20 minutes; after nothing written, the
+    usual wait."""
+    assert save_interval(0) == save_interval(10 << 20) == SAVE_EVERY_S
+    dsv3 = max_bytes(58, 256)
+    assert 19 * 60 < save_interval(dsv3) < 22 * 60
+    assert dsv3 / save_interval(dsv3) * 3600 <= 1 << 30
