@@ -272,7 +272,7 @@ def test_a_clients_misses_are_loaded_before_the_preload_still_queued(threads, mo
 def test_a_heat_that_did_not_change_is_not_written_again(model_files, tmp_path):
     """The periodic save writes a model's heat only where it changed since the last write (a learned model's state
     is megabytes for a large model): the file is replaced after a lookup, not after nothing, and save() says how
-    many bytes it wrote, which set the wait before the next (test_a_large_heat_is_saved_less_often)."""
+    many bytes it wrote, which sets the wait before the next (test_a_large_heat_is_saved_less_often)."""
     geometry = Geometry.for_budget(model_files.n_layers, model_files.n_experts, model_files.layout.nbytes,
                                    budget_for(model_files, SLOTS))
     served = ServedModel(model_files, geometry, lambda layer, nbytes: _native.Segment.create(
