@@ -194,15 +194,15 @@ def test_restarted_it_goes_on_from_what_it_learned():
     assert (restarted["hits"] - cold["hits"]) / (best - lru) > 0.08
 
 
-def reference_hits(batches, slots: int, name: str) -> int:
+def reference_hits(batches, slots: int, name: str, context=None) -> int:
     """What a store evicting by `name` hits on `batches`, loading each batch's misses and never evicting the
-    batch: what moe-l2d and L0 do."""
+    batch: what moe-l2d and L0 do; its policy told of `context`, each batch's at the layer before, where given."""
     store = LayerStore(16, slots, make_policy(name, slots, 16))
     hits = 0
-    for batch in batches:
+    for t, batch in enumerate(batches):
         missing = [e for e in batch if store.slot(e) < 0]
         hits += len(batch) - len(missing)
-        store.observe(batch)
+        store.observe(batch, None, context[t] if context is not None else None)
         for expert in missing:
             store.commit(store.reserve(expert, keep=frozenset(batch)))
     return hits
@@ -243,36 +243,14 @@ def test_moe_l2d_and_l0_run_the_one_implementation(daemon_factory, model_dir, mo
         client.close()
 
 
-def reference_with_layer_before(below: list, batches: list, slots: int) -> tuple[int, int]:
-    """What layer 1 of two reference stores hits on `batches`, its policy told of each token's batch at layer 0
-    (`below`), and what one told nothing hits."""
-    stores = [LayerStore(16, slots, make_policy("learned", slots, 16)) for _ in range(2)]
-    alone = LayerStore(16, slots, make_policy("learned", slots, 16))
-    told = untold = 0
-    for b0, b1 in zip(below, batches):
-        for layer, batch in enumerate((b0, b1)):
-            store = stores[layer]
-            missing = [e for e in batch if store.slot(e) < 0]
-            told += layer * (len(batch) - len(missing))
-            store.observe(batch, None, stores[0].latest() if layer else None)
-            for expert in missing:
-                store.commit(store.reserve(expert, keep=frozenset(batch)))
-        missing = [e for e in b1 if alone.slot(e) < 0]
-        untold += len(b1) - len(missing)
-        alone.observe(b1)
-        for expert in missing:
-            alone.commit(alone.reserve(expert, keep=frozenset(b1)))
-    return told, untold
-
-
 def test_moe_l2d_and_l0_give_each_layer_the_tokens_latest_picks_at_the_layer_before(daemon_factory, model_dir,
                                                                                     model_files):
     """A token's lookups at layers 0 and 1: a real L0 pool with policy learned, and a real moe-l2d told of both in
     one report that names layer 1 first, hit at layer 1 exactly where a reference store told of layer 0's batch as
     context does, and not where one told nothing does."""
     slots, below, batches = 6, walk(300, seed=3), walk(300)
-    expected, without = reference_with_layer_before(below, batches, slots)
-    assert expected != without
+    expected = reference_hits(batches, slots, "learned", context=below)
+    assert expected != reference_hits(batches, slots, "learned")
 
     pool = ExpertPool(model_files, slots, policy="learned", grow=False)
     try:
