@@ -239,7 +239,7 @@ def check_model(text: str, budget: int | None) -> tuple[dict, list[Check], int |
              "read": {"path": speed.path, "read_bytes": speed.nbytes, "elapsed_s": speed.seconds, "mb_s": speed.mb_s,
                       "direct": speed.direct, "cached_before_bytes": speed.cached_before},
              "plan": {"l2_budget_bytes": p.l2_budget, "l2_slots": p.l2_slots, "l0_slots": p.l0_slots,
-                      "l0_per_process_bytes": p.l0_per_process, "processes": p.processes}}
+                      "l0_shared": p.l0_shared, "l0_per_process_bytes": p.l0_per_process, "processes": p.processes}}
     checks = []
     if files.direct_default and not supported:
         checks.append(Check("direct I/O", "fail", f"{biggest}'s filesystem has none: this packed model's misses go "
@@ -259,7 +259,7 @@ def check_model(text: str, budget: int | None) -> tuple[dict, list[Check], int |
                         f"{os.path.basename(speed.path)} in {speed.seconds * 1000:.1f} ms, {how}"))
     if p.l2_slots:
         checks.append(Check("plan", "note", f"one process: L2 {format_size(p.l2_budget)} ({p.l2_slots} of "
-                            f"{p.n_experts} experts per layer), L0 {p.l0_slots} per layer (moe-l2 plan --model "
+                            f"{p.n_experts} experts per layer), {p.l0_text} (moe-l2 plan --model "
                             f"{text} --processes N for more)"))
     else:
         checks.append(Check("plan", "warn", f"{format_size(p.available)} available leaves nothing for L2 beside one "

@@ -43,12 +43,14 @@ def tier_hit_rates(traces, p: Plan, layers: list[int] | None = None, l0_rows: li
     """Replay the trace (over `layers`, None: all) at L0's capacity with the pool's policy, or at `l0_rows` (one
     ceiling per replayed layer: --l0-ceilings), and at L2's with the daemon's. The tiers are inclusive (L2 is at
     least as large as L0 and sees the same experts), so what L0 misses and L2 holds is L2's share and the rest is
-    read from disk; every process is assumed to route like the trace."""
+    read from disk; every process is assumed to route like the trace. A shared L0 is counted no hits: its rows
+    hold the misses of the layers being computed, which L2 holds afterwards."""
     l2 = [p.l2_slots, p.l2_slots - 1] if p.l2_short else [p.l2_slots] if p.l2_slots else []
-    result = replay(traces, slots=sorted({p.l0_slots, *l2}), policy=DEFAULT_POLICY, compare=(L0_POLICY,),
-                    belady=False, layers=layers, layer_rows=l0_rows)
+    l0_slots = set() if p.l0_shared else {p.l0_slots}
+    result = replay(traces, slots=sorted({*l0_slots, *l2}) or [p.l0_slots], policy=DEFAULT_POLICY,
+                    compare=(L0_POLICY,), belady=False, layers=layers, layer_rows=l0_rows)
     rate = {(c.slots, name): r.hit_rate or 0.0 for c in result.capacities for name, r in c.policies.items()}
-    l0 = rate[(p.l0_slots, L0_POLICY if l0_rows is None else f"{L0_POLICY}+ceilings")]
+    l0 = 0.0 if p.l0_shared else rate[(p.l0_slots, L0_POLICY if l0_rows is None else f"{L0_POLICY}+ceilings")]
     l2_alone = 0.0
     if p.l2_slots:
         # The last l2_short served layers hold a slot fewer: weigh the two capacities by their layers.
@@ -67,7 +69,7 @@ def render(files: ModelFiles, sizes: ModelSizes, p: Plan, rates: dict | None, la
         f"memory {format_size(p.total)}, available {format_size(p.available)}",
         f"  OS and other programs   {format_size(p.os_headroom)}",
         f"  each of {p.processes} process(es): weights {format_size(p.non_expert_per_process)}, KV "
-        f"{format_size(p.kv_per_process)}, L0 {p.l0_slots} experts per layer ({format_size(p.l0_per_process)})",
+        f"{format_size(p.kv_per_process)}, {p.l0_text}",
     ]
     if ceilings is not None:
         lines.append(f"    L0 ceilings per MoE layer (--l0-ceilings): {' '.join(map(str, ceilings))}")
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         served = None if args.layers is None else list(files.moe_layers_in(parse_ranges(args.layers)))
         sizes = ModelSizes.of(files, None if served is None else len(served))
         kv = DEFAULT_KV_BYTES if args.kv is None else parse_size(args.kv)
-        p = plan(read_memory(), sizes, args.processes, kv_bytes=kv)
+        p = plan(read_memory(), sizes, args.processes, kv_bytes=kv, shared_l0=args.l0_ceilings is None)
         ceilings = None
         if args.l0_ceilings is not None:
             layers = list(range(files.n_layers))

@@ -29,10 +29,6 @@ from moe_l2.fill_protocol import FillProtocolError, FrameReader, encode, fill_so
 
 log = logging.getLogger("moe-l2.client")
 
-# Top-k multiples of rows a shared L0 needs where its misses are given: a layer's misses beside the rows the layers
-# before it are still being given from (with top-k rows in all, the next layer took them first and 38% of the
-# donations were cancelled, each then read again by the daemon: docs/benchmarks.md, "Fills").
-SHARED_ROWS = 2
 # How long a new connection waits for the desk's welcome, and closing for the answers to gives already sent.
 ANSWER_S = 2.0
 # How often the thread looks whether the attachment changed (a daemon restarted) while nothing else happens.

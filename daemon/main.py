@@ -396,8 +396,8 @@ class Daemon:
                                f"available memory leaves nothing for L2 beside {p.processes} process(es) and "
                                f"{format_size(p.os_headroom)} for the system (moe-l2 plan --model {files.path} "
                                "shows the split); give --budget SIZE or fewer --processes")
-        log.info("budget auto: %s for L2 (%s), %d L0 slots per process, for %d process(es) in %s available",
-                 format_size(p.l2_budget), describe_slots(p.l2_slots, p.l2_short), p.l0_slots, p.processes,
+        log.info("budget auto: %s for L2 (%s), %s per process, for %d process(es) in %s available",
+                 format_size(p.l2_budget), describe_slots(p.l2_slots, p.l2_short), p.l0_text, p.processes,
                  format_size(p.available))
         return p.l2_budget
 

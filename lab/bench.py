@@ -25,13 +25,13 @@ from moe_l2.lab import lifeline
 from moe_l2.lab.cgroup import MemoryCgroup
 from moe_l2.client import options
 from moe_l2.client.connection import request
-from moe_l2.client.donor import SHARED_ROWS
 from moe_l2.client.lookup import TierCounts
 from moe_l2.client.prefetcher import side_rows
 from moe_l2.lab.replayer import anon_bytes, disk_read_bytes
 from moe_l2.lab.daemon_process import DaemonProcess
 from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
+from moe_l2.plan import shared_l0_rows
 from moe_l2.sizes import format_pct, format_size
 
 # moe-l2+POLICY: moe-l2 with moe-l2d evicting by POLICY (its --policy) instead of the default.
@@ -96,8 +96,8 @@ def plan_memory(files: ModelFiles, config: str, share: float, processes: int, l0
         capacity = min(files.n_experts, budget // processes // row)
     else:
         most = files.n_experts * (layers if shared_l0 else 1)
-        # A shared L0 whose misses are given to L2 holds them while the next layer reads (client/donor.py).
-        least = top_k * (SHARED_ROWS if fills and shared_l0 else 1)
+        # A shared L0 whose misses are given to L2 holds them while the next layer reads (moe_l2.plan).
+        least = shared_l0_rows(top_k) if fills and shared_l0 else top_k
         capacity = max(least, min(most, int(l0_share * budget / processes) // row - side))
         # The daemon spends all of it: a remainder short of a slot in every layer buys slots in some layers.
         l2_budget = budget - processes * (capacity + side) * row

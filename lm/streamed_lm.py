@@ -177,12 +177,13 @@ def pipeline_stage(model: nn.Module, files: ModelFiles, group: mx.distributed.Gr
 
 
 def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str | None = None,
-                 n_layers: int | None = None, shared: bool = False, side: int = 0) -> int:
+                 n_layers: int | None = None, shared: bool = False, side: int = 0, beside_l2: bool = False) -> int:
     """L0 experts per layer (shared: in all, rows any of the process' `n_layers` MoE layers takes): `slots`, or
     as many as `budget` bytes buy beside `side` side rows (next-layer prefetch's, laid out as the slots: the
-    budget is a hard ceiling on both), or the plan's for this machine's memory (moe_l2.plan: a quarter of the
-    experts, at least twice the experts per token, fewer when memory is short; in all, that many per layer),
-    less the side rows. At least top_k: a token needs them all. Given as `slots`, the side rows come on top
+    budget is a hard ceiling on both), or the plan's for this machine's memory (moe_l2.plan), less the side
+    rows: beside_l2 (shared, and a daemon answered at load), top_k rows in all, leaving the memory to L2; else
+    a quarter of the experts, at least twice the experts per token, fewer when memory is short (in all, that
+    many per layer). At least top_k: a token needs them all. Given as `slots`, the side rows come on top
     (ExpertPool.ceiling_bytes counts both)."""
     n_layers = n_layers or files.n_layers
     where = "in all" if shared else "per layer"
@@ -197,8 +198,8 @@ def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str 
                              f"{beside}; a token needs {files.top_k}: give at least "
                              f"{format_size((files.top_k + side) * per_slot)}")
     elif slots is None:
-        slots = max(files.top_k, plan(read_memory(), ModelSizes.of(files)).l0_slots * (n_layers if shared else 1)
-                    - side)
+        planned = plan(read_memory(), ModelSizes.of(files), shared_l0=shared and beside_l2).l0_slots
+        slots = max(files.top_k, planned * (n_layers if shared and not beside_l2 else 1) - side)
     elif slots < files.top_k:
         raise ValueError(f"L0 needs at least {files.top_k} slots {where} (the experts of one token), got {slots}")
     return min(slots, files.n_experts * (n_layers if shared else 1))
@@ -256,7 +257,9 @@ class StreamedLM:
         prefetch = options.prefetch != "off"
         side = side_rows(self.files.top_k) if prefetch else 0
         try:
-            slots = l0_slots_for(self.files, options.l0_slots, options.l0_budget, len(layers), shared, side)
+            # Sized for what answered at load: a daemon that comes later leaves this L0 as it was.
+            slots = l0_slots_for(self.files, options.l0_slots, options.l0_budget, len(layers), shared, side,
+                                 beside_l2=self.client is not None and self.client.attached)
             self.pool = ExpertPool(self.files, options.l0_capacity(self.files, layers, slots),
                                    self.client, policy=options.policy, direct=options.direct,
                                    verify=options.verify, layers=layers, lend=options.lend, shared_l0=shared,

@@ -24,10 +24,10 @@ from moe_l2.cache.trace import read_traces
 from moe_l2.lm.streamed_lm import StreamedLM, l0_slots_for
 from moe_l2.layout import Geometry, record_stride
 from moe_l2.plan import (DEFAULT_KV_BYTES, GiB, MEMORY_FILE_ENV, Memory, ModelSizes, default_l0_slots, os_headroom,
-                         plan)
+                         plan, shared_l0_rows)
 from moe_l2.sizes import parse_size
 
-from .conftest import stats, synthetic_trace
+from .conftest import budget_for, stats, synthetic_trace
 
 SIZES = ModelSizes(n_layers=4, n_experts=32, top_k=4, record_bytes=3 * 4096 + 100, non_expert_bytes=50 << 20)
 
@@ -48,25 +48,30 @@ def fake_memory(tmp_path, monkeypatch):
 
 
 def test_plenty_of_memory_caches_every_expert_with_the_default_l0():
-    p = plan(Memory(64 * GiB, 48 * GiB), SIZES, processes=3)
+    p = plan(Memory(64 * GiB, 48 * GiB), SIZES, processes=3, shared_l0=False)
     assert p.l2_slots == SIZES.n_experts
     assert p.l2_budget == SIZES.l2_budget_for(SIZES.n_experts)
-    assert p.l0_slots == default_l0_slots(SIZES) == 8
+    assert p.l0_slots == default_l0_slots(SIZES) == 8 and not p.l0_shared
     # L0's rows lie as L2's slots, each record on a page: that, not the record, is what a row takes.
     row = record_stride(SIZES.record_bytes)
     assert p.l0_per_process == 8 * SIZES.n_layers * row and row > SIZES.record_bytes
+    # A daemon's clients computing in place (the default): 1.5 x top-k rows in all layers, whatever the memory.
+    shared = plan(Memory(64 * GiB, 48 * GiB), SIZES, processes=3)
+    assert (shared.l0_shared, shared.l0_slots, shared.l0_per_process) == (True, 6, 6 * row)
+    assert shared.l2_slots == SIZES.n_experts
     assert p.os_headroom == os_headroom(64 * GiB) == int(6.4 * GiB)
     assert p.kv_per_process == DEFAULT_KV_BYTES
     assert fits(p, SIZES)
 
 
+@pytest.mark.parametrize("shared_l0", [False, True])
 @pytest.mark.parametrize("processes", [1, 2, 5])
-def test_short_memory_gives_l2_every_byte_left_after_l0_and_never_overcommits(processes):
+def test_short_memory_gives_l2_every_byte_left_after_l0_and_never_overcommits(processes, shared_l0):
     fixed = os_headroom(16 * GiB) + processes * (SIZES.non_expert_bytes + DEFAULT_KV_BYTES)
     previous = None
     for extra_slots in range(0, 40, 3):
         available = fixed + extra_slots * SIZES.n_layers * 4 * 4096
-        p = plan(Memory(16 * GiB, available), SIZES, processes)
+        p = plan(Memory(16 * GiB, available), SIZES, processes, shared_l0=shared_l0)
         assert p.l0_slots >= SIZES.top_k  # a token needs all its experts
         if p.l2_slots:
             assert fits(p, SIZES)
@@ -83,13 +88,16 @@ def test_short_memory_gives_l2_every_byte_left_after_l0_and_never_overcommits(pr
 
 
 def test_no_room_leaves_l2_empty_and_more_processes_leave_less():
-    squeezed = plan(Memory(8 * GiB, os_headroom(8 * GiB) + DEFAULT_KV_BYTES), SIZES, processes=1)
+    squeezed = plan(Memory(8 * GiB, os_headroom(8 * GiB) + DEFAULT_KV_BYTES), SIZES, processes=1, shared_l0=False)
     assert squeezed.l2_slots == 0 and squeezed.l2_budget == 0 and squeezed.l0_slots == SIZES.top_k
     big = ModelSizes(n_layers=4, n_experts=32, top_k=4, record_bytes=1 << 20, non_expert_bytes=50 << 20)
     memory = Memory(16 * GiB, os_headroom(16 * GiB) + 4 * (big.non_expert_bytes + DEFAULT_KV_BYTES) + (100 << 20))
-    one, four = plan(memory, big, 1), plan(memory, big, 4)
+    one, four = plan(memory, big, 1, shared_l0=False), plan(memory, big, 4, shared_l0=False)
     assert one.l2_slots == big.n_experts and one.l0_slots == default_l0_slots(big)
     assert 0 < four.l2_slots < one.l2_slots and four.l0_slots == big.top_k and fits(four, big)
+    # Shared, 1.5 x top-k rows in all: the four processes leave L2 more than top-k rows in every layer do.
+    shared = plan(memory, big, 4)
+    assert four.l2_slots < shared.l2_slots < one.l2_slots and fits(shared, big)
     with pytest.raises(ValueError, match="at least 1"):
         plan(memory, SIZES, processes=0)
 
@@ -131,22 +139,20 @@ def test_plan_command_prints_the_split_and_each_tiers_hit_rate(capsys, fake_memo
     trace = synthetic_trace(tmp_path / "t.jsonl", n_layers=model_files.n_layers, n_experts=model_files.n_experts,
                             top_k=model_files.top_k)
     rates = plan_json(capsys, "--model", str(model_dir), "--trace", str(trace))["hit_rates"]
-    # Ground truth, computed here: L0 is an LRU of the planned size; with every expert in L2 (plenty of
-    # memory), only each layer's first touch of an expert goes to disk.
+    # Ground truth, computed here: the shared L0 of a few rows is counted no hits; with every expert in L2
+    # (plenty of memory), only each layer's first touch of an expert goes to disk.
     sequences = order_sequences(read_traces([trace]).sequences, "interleave", 0)
-    l0 = expected.l0_slots
-    lookups = hits = first = 0
+    lookups = first = 0
     for layer in range(model_files.n_layers):
         stream = [tuple(token[layer]) for s in sequences for token in s.experts]
         lookups += sum(len(t) for t in stream)
-        hits += lru_hits(stream, l0)
         first += len({e for t in stream for e in t})
-    assert rates["l0"] == pytest.approx(hits / lookups)
-    assert rates["l3"] == pytest.approx(first / lookups)
-    assert rates["l0"] + rates["l2"] + rates["l3"] == pytest.approx(1.0)
+    assert rates["l0"] == 0 and rates["l3"] == pytest.approx(first / lookups)
+    assert rates["l2"] == pytest.approx(1 - first / lookups)
     assert cli.main(["plan", "--model", str(model_dir), "--trace", str(trace)]) == 0
     table = capsys.readouterr().out
-    assert f"L0 {l0} experts per layer" in table and "expected hit rate" in table
+    assert f"L0 {shared_l0_rows(model_files.top_k)} rows in all layers, shared" in table
+    assert "expected hit rate" in table
     # The printed budget is a size people read, and buys the daemon exactly the planned slots.
     printed = re.search(r"moe-l2d --budget (\S+)\)", table).group(1)
     assert re.fullmatch(r"[0-9.]+[KMGT]iB", printed), printed
@@ -223,10 +229,30 @@ def test_default_l0_comes_from_the_plan_and_tokens_stay_identical(fake_memory, m
     sizes = ModelSizes.of(model_files)
     roomy = Memory(64 * GiB, 32 * GiB)
     fake_memory(roomy.total, roomy.available)
-    assert l0_slots_for(model_files) == plan(roomy, sizes).l0_slots == default_l0_slots(sizes)
+    assert l0_slots_for(model_files) == plan(roomy, sizes, shared_l0=False).l0_slots == default_l0_slots(sizes)
     short = auto_memory(model_files, pool=200_000)
     fake_memory(short.total, short.available)
-    assert l0_slots_for(model_files) == plan(short, sizes).l0_slots == model_files.top_k
+    assert l0_slots_for(model_files) == plan(short, sizes, shared_l0=False).l0_slots == model_files.top_k
     with StreamedLM(model_dir, daemon=False) as lm:
         assert lm.pool.capacity == model_files.top_k
+        assert [r.token for r in stream_generate(lm.model, lm.tokenizer, mx.array(ids), max_tokens=8)] == expected
+
+
+def test_a_client_with_a_daemon_at_load_holds_a_few_rows_in_all_and_one_without_the_plans_per_layer(
+        daemon_factory, fake_memory, model_dir, model_files, tmp_path):
+    """Computing on L2's records in place, L0 holds only the misses being read: the memory is L2's. A process that
+    found no daemon at load caches in L0 alone, as the plan's rows in every layer."""
+    whole, tokenizer = load(str(model_dir))
+    ids = tokenizer.encode("The router picks the experts; the cache keeps them close. " * 3)[:40]
+    expected = [r.token for r in stream_generate(whole, tokenizer, mx.array(ids), max_tokens=8)]
+    roomy = Memory(64 * GiB, 32 * GiB)
+    fake_memory(roomy.total, roomy.available)
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)))
+    with StreamedLM(model_dir, socket=daemon.socket, client_wait_s=5) as lm:
+        assert lm.pool.shared_l0 and lm.pool.capacity == shared_l0_rows(model_files.top_k)
+        assert [r.token for r in stream_generate(lm.model, lm.tokenizer, mx.array(ids), max_tokens=8)] == expected
+        assert lm.pool.counts.l2_hits + lm.pool.counts.l3_reads > 0
+    with StreamedLM(model_dir, socket=f"ipc://{tmp_path / 'nobody.sock'}", client_wait_s=0.2) as lm:
+        per_layer = default_l0_slots(ModelSizes.of(model_files))
+        assert lm.pool.shared_l0 and lm.pool.capacity == per_layer * model_files.n_layers
         assert [r.token for r in stream_generate(lm.model, lm.tokenizer, mx.array(ids), max_tokens=8)] == expected

@@ -8,6 +8,7 @@ How many slots a budget buys stays with `moe_l2.layout.Geometry` (one owner per 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass
 import psutil
 
 from moe_l2.layout import BudgetError, Geometry, record_stride
+from moe_l2.sizes import format_size
 
 GiB = 1 << 30
 # Tests only: a JSON file {"total": bytes, "available": bytes} read instead of the machine's memory, where
@@ -24,6 +26,10 @@ DEFAULT_KV_BYTES = 1 * GiB  # per process: a few thousand tokens of context for 
 # L0 may take at most this share of what is left after headroom, non-expert weights and KV: L2 is the one
 # copy every process shares, so it gets the rest.
 L0_SHARE = 0.5
+# A shared L0's rows, in top-k multiples: a layer's misses beside those of the layer before, whose copies into L2
+# may still run (a row taken first cancels its donation, read again by the daemon); with twice top-k, L2's share
+# bought fewer bytes, with top-k more donations were cancelled (docs/benchmarks.md, "A shared L0's rows").
+SHARED_L0_ROWS = 1.5
 
 
 class PlanError(ValueError):
@@ -115,12 +121,19 @@ class Plan:
     os_headroom: int
     non_expert_per_process: int
     kv_per_process: int
-    l0_slots: int           # experts per layer in each process' L0
+    l0_slots: int           # experts per layer in each process' L0, or rows in all where l0_shared
     l0_per_process: int     # bytes
     l2_slots: int           # experts per layer in L2; 0 when nothing is left for it
     l2_budget: int          # bytes, for moe-l2d --budget
     l2_short: int           # the served layers that get one L2 slot fewer: the rest of the budget is spent
     n_experts: int
+    l0_shared: bool         # one set of rows for all layers, beside an L2 computed on in place
+
+    @property
+    def l0_text(self) -> str:
+        """What each process' L0 holds, as `moe-l2 plan` and moe-l2d's log say it."""
+        where = "rows in all layers, shared" if self.l0_shared else "experts per layer"
+        return f"L0 {self.l0_slots} {where} ({format_size(self.l0_per_process)})"
 
     def to_dict(self) -> dict:
         """`plan --json`'s "plan": the byte figures named by their unit."""
@@ -132,18 +145,28 @@ def default_l0_slots(model: ModelSizes) -> int:
     return min(model.n_experts, max(2 * model.top_k, model.n_experts // 4))
 
 
+def shared_l0_rows(top_k: int) -> int:
+    """The rows of a shared L0 beside an L2 computed on in place."""
+    return math.ceil(SHARED_L0_ROWS * top_k)
+
+
 def plan(memory: Memory, model: ModelSizes, processes: int = 1, *, kv_bytes: int = DEFAULT_KV_BYTES,
-         headroom: int | None = None) -> Plan:
+         headroom: int | None = None, shared_l0: bool = True) -> Plan:
     """Split available memory: OS headroom first, then every process' non-expert weights and KV cache, then
-    L0 (at most `L0_SHARE` of the rest over all processes, never under a token's top_k experts), then L2
-    (the rest, at most every expert)."""
+    L0, then L2 (the rest, at most every expert). L0 is, with `shared_l0` (the clients of a daemon, computing on
+    L2's records in place: the default), `shared_l0_rows` in all layers, which hold only the misses being read
+    and given to L2; else rows in every layer, at most `L0_SHARE` of the rest over all processes and never
+    under top_k (docs/architecture.md, "Budgets that size themselves")."""
     if processes < 1:
         raise PlanError(f"processes must be at least 1, got {processes}")
     headroom = os_headroom(memory.total) if headroom is None else headroom
     pool = memory.available - headroom - processes * (model.non_expert_bytes + kv_bytes)
-    per_slot = model.l0_slot_bytes
-    affordable = max(0, int(pool * L0_SHARE)) // (processes * per_slot)
-    l0_slots = max(model.top_k, min(default_l0_slots(model), affordable))
+    if shared_l0:
+        l0_slots, per_slot = shared_l0_rows(model.top_k), record_stride(model.record_bytes)
+    else:
+        per_slot = model.l0_slot_bytes
+        affordable = max(0, int(pool * L0_SHARE)) // (processes * per_slot)
+        l0_slots = max(model.top_k, min(default_l0_slots(model), affordable))
     rest = pool - processes * l0_slots * per_slot
     budget = min(rest, model.l2_budget_for(model.n_experts))
     try:
@@ -152,4 +175,4 @@ def plan(memory: Memory, model: ModelSizes, processes: int = 1, *, kv_bytes: int
         l2 = None
     return Plan(memory.total, memory.available, processes, headroom, model.non_expert_bytes, kv_bytes,
                 l0_slots, l0_slots * per_slot, l2.n_slots if l2 else 0, budget if l2 else 0,
-                l2.n_short if l2 else 0, model.n_experts)
+                l2.n_short if l2 else 0, model.n_experts, shared_l0)
