@@ -272,6 +272,8 @@ class Donor:
             if gift is None:
                 self._answer(Gift(layer, expert, None, -1, -1, read=False, slot=slot))
                 continue
+            if not gift.done:
+                gift.pool.offer(gift.row)
             gift.slot = slot
             if gift.read is None:
                 self._offered.add(gift)  # copied once its read has ended (_take_reads)
@@ -310,7 +312,7 @@ class Donor:
                 continue
             gift.done = True
             if gift.pool is not None:
-                gift.pool.giving(gift.row, False)
+                gift.pool.giving(gift.row, False, offered=gift.slot is not None)
             if gift in self._offered:
                 self._offered.discard(gift)
                 if self._sock is not None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import time
 from collections import OrderedDict
 
 import mlx.core as mx
@@ -58,6 +59,10 @@ from moe_l2.model.records import row_strides
 # How much a pool's rows grow at a time when every row is taken and it is below its ceiling: as the resident
 # pool of the MLX streaming runtime that moe-l2 grew from.
 GROWTH = 1.5
+# How long a layer waits for this process' donor to copy a row out (its slot in L2 offered already) before taking
+# the row and cancelling the donation, which moe-l2d then reads again: a 12.6 MiB record copies in about 1.5 ms on
+# the 2-core VM (docs/benchmarks.md, "A shared L0's rows").
+DONATION_WAIT_S = 0.005
 
 
 class Synchronizes:
@@ -94,8 +99,10 @@ class Rows:
         self._cooling: list[tuple[int, int]] = []  # (side row, the pool's synchronizes when it left demand)
         self.writes: list[int] = []  # per row, how often it was handed out to be written
         self.giving: collections.Counter = collections.Counter()  # rows whose records the donor has yet to copy
+        self.offered: collections.Counter = collections.Counter()  # of those, rows whose slot in L2 is offered
         self._syncs = syncs or Synchronizes()
         self.lock = threading.RLock()
+        self.copied = threading.Condition(self.lock)  # notified as the donor is done with a row
         self._resize(min(start, ceiling))
 
     def take_free(self, n: int) -> list[int]:
@@ -183,7 +190,8 @@ class SharedRows(Rows):
 
     def victim(self, taker: "LayerPool", batch: set[int]) -> tuple["LayerPool", int]:
         """The least recently used expert of any layer, outside the taker's batch and unpinned; one whose row
-        the donor has yet to copy only when there is no other (its donation is then cancelled)."""
+        the donor has yet to copy only when there is no other (its donation is then cancelled, unless `take`
+        waits for the copy)."""
         fallback = None
         for lp, expert in self.order:
             if not (lp is taker and expert in batch) and not lp.is_pinned(expert):
@@ -193,6 +201,16 @@ class SharedRows(Rows):
         if fallback is not None:
             return fallback
         raise RuntimeError("no L0 row to take: every row holds the batch or a pinned expert")
+
+    def take(self, taker: "LayerPool", batch: set[int], deadline: float) -> int:
+        """The victim's row, evicted. A victim whose donation has its slot offered is copied by the donor alone,
+        without moe-l2d: that copy is waited for until `deadline` (time.monotonic()), the victim chosen anew
+        after each wake-up (the caller holds the lock, which the wait lets go)."""
+        owner, expert = self.victim(taker, batch)
+        while self.offered[owner.row_of(expert)] and (left := deadline - time.monotonic()) > 0:
+            self.copied.wait(left)
+            owner, expert = self.victim(taker, batch)
+        return owner._drop(expert)
 
     def pinned(self) -> int:
         return sum(lp.n_pinned for lp in self.layers)
@@ -338,10 +356,10 @@ class LayerPool:
         of residents outside the batch (the forward in flight), evicted."""
         with self._lock:
             rows = self._rows.take_free(len(experts))
+            deadline = time.monotonic() + DONATION_WAIT_S
             for _ in range(len(experts) - len(rows)):
                 if self._shared is not None:
-                    owner, victim = self._shared.victim(self, batch)
-                    rows.append(owner._drop(victim))
+                    rows.append(self._shared.take(self, batch, deadline))
                     continue
                 candidates = self._evictable(batch)
                 # A row the donor has yet to copy goes last: taking it cancels that donation.
@@ -440,15 +458,27 @@ class LayerPool:
         with self._lock:
             return self._rows.writes[row]
 
-    def giving(self, row: int, pending: bool) -> int:
-        """The donor has a copy of the row's record to make (pending), or is done with it; returns the row's
-        writes count: eviction takes such a row last, so that the copy is seldom cancelled."""
+    def giving(self, row: int, pending: bool, offered: bool = False) -> int:
+        """The donor has a copy of the row's record to make (pending), or is done with it (offered: its slot had
+        been offered); returns the row's writes count: eviction takes such a row last, so that the copy is
+        seldom cancelled."""
         with self._lock:
             rows = self._rows
             rows.giving[row] += 1 if pending else -1
             if rows.giving[row] <= 0:
                 del rows.giving[row]
+            if offered:
+                rows.offered[row] -= 1
+                if rows.offered[row] <= 0:
+                    del rows.offered[row]
+            if not pending:
+                rows.copied.notify_all()
             return rows.writes[row]
+
+    def offer(self, row: int) -> None:
+        """The donor has the slot for the row's record: its copy no longer waits on moe-l2d."""
+        with self._lock:
+            self._rows.offered[row] += 1
 
     def checksum(self, row: int) -> int:
         """record_checksum of the record in a row (docs/formats.md, "Checksums")."""

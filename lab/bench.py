@@ -31,7 +31,6 @@ from moe_l2.lab.replayer import anon_bytes, disk_read_bytes
 from moe_l2.lab.daemon_process import DaemonProcess
 from moe_l2.layout import BudgetError, Geometry
 from moe_l2.model import ModelFiles
-from moe_l2.plan import shared_l0_rows
 from moe_l2.sizes import format_pct, format_size
 
 # moe-l2+POLICY: moe-l2 with moe-l2d evicting by POLICY (its --policy) instead of the default.
@@ -79,7 +78,7 @@ def trace_parts(traces, n_layers: int, processes: int, tokens: int | None, warmu
 
 
 def plan_memory(files: ModelFiles, config: str, share: float, processes: int, l0_share: float,
-          shared_l0: bool = False, fills: bool = False) -> dict:
+          shared_l0: bool = False) -> dict:
     """L0 rows per layer (or in all, shared_l0) and process, and L2's budget and slots (in all layers): the same
     memory for experts in every config. moe-l2+prefetch's side rows (client/prefetcher.py) come out of it too:
     out of L0's share where L0 has one, else out of L2's."""
@@ -96,9 +95,7 @@ def plan_memory(files: ModelFiles, config: str, share: float, processes: int, l0
         capacity = min(files.n_experts, budget // processes // row)
     else:
         most = files.n_experts * (layers if shared_l0 else 1)
-        # A shared L0 whose misses are given to L2 holds them while the next layer reads (moe_l2.plan).
-        least = shared_l0_rows(top_k) if fills and shared_l0 else top_k
-        capacity = max(least, min(most, int(l0_share * budget / processes) // row - side))
+        capacity = max(top_k, min(most, int(l0_share * budget / processes) // row - side))
         # The daemon spends all of it: a remainder short of a slot in every layer buys slots in some layers.
         l2_budget = budget - processes * (capacity + side) * row
         try:
@@ -179,7 +176,7 @@ def run_config(files: ModelFiles, config: str, share: float, rounds: list[tuple[
         raise Skipped("moe-l2+autopin pins in per-layer L0 rows, and moe-l2's L0 is shared here: run it with "
                       "--no-l0-shared and --l0-share above 0, or with --l2-reads copy")
     fills = stream.fill_l2 and config != "moe-l2+load-through"
-    plan = plan_memory(files, config, share, len(rounds[0][0]), l0_share, shared_l0, fills)
+    plan = plan_memory(files, config, share, len(rounds[0][0]), l0_share, shared_l0)
     drop_page_cache(files)
     daemon = cgroup = None
     runs: list[Run] = []

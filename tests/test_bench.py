@@ -16,7 +16,6 @@ import pytest
 
 from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main
-from moe_l2.plan import shared_l0_rows
 from moe_l2.lab.busy import busy_cores
 from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
@@ -79,8 +78,8 @@ def test_every_configuration_runs_and_its_counts_add_up(tiny, tmp_path, capsys):
     # moe-l2: every L0 miss is looked up in L2, and the daemon's L2 served some of them.
     assert moe["counts"]["l2_lookups"] == lookups + moe["torn_lookups"] - moe["counts"]["l0_hits"]
     assert moe["l2_slots"] >= 1 and moe["counts"]["l2_hits"] > 0 and moe["counts"]["l2_lent"] > 0
-    # In-place reads: top-k rows in all, half as many more where the misses are given to L2 (fills, the default).
-    assert moe["l0_experts"] == shared_l0_rows(files.top_k) > files.top_k and moe["l0_shared"]
+    # In-place reads: top-k rows in all, the rest of the memory L2's.
+    assert moe["l0_experts"] == files.top_k and moe["l0_shared"]
     # Fills (the default): the clients read their misses themselves and gave them to L2; a record one of them found
     # on its way (the other's gift) it waited for on its slot (one that landed before the wait began is copied
     # without a sleep), and such waits are counted, each woken or expired.
@@ -393,6 +392,6 @@ def test_load_through_runs_beside_moe_l2_which_fills(tiny, capsys):
     # the next lookup took before the copy, which the daemon then reads (client/donor.py). On a loaded machine a
     # few are; load-through waits for every miss L2 lacks.
     assert moe["counts"]["l3_reads"] > 0 and moe["counts"]["l2_awaited"] < through["counts"]["l2_awaited"]
-    assert shared_l0_rows(through["l0_experts"]) == moe["l0_experts"]
+    assert through["l0_experts"] == moe["l0_experts"]
     assert through["counts"]["lookups"] == moe["counts"]["lookups"]
     assert {(r["name"], r["against"]) for r in result["ratios"]} >= {("moe-l2+load-through", "moe-l2")}

@@ -8,11 +8,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+from contextlib import contextmanager
 
 import pytest
 
 from moe_l2 import _native
 from moe_l2.client import donor as donor_module
+from moe_l2.client import layerpool
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
 from moe_l2.fill_protocol import encode, fill_socket_path
@@ -263,3 +266,93 @@ def test_a_give_with_an_id_out_of_range_is_offered_nothing_and_changes_nothing(r
     assert (layer["loading"], layer["resident"], fills(running_daemon)["offered"]) == (0, 0, 0)
     donor.offer(model_files, 1, 3)  # the desk serves on
     donor.sock.close()
+
+
+class WatchedCondition(threading.Condition):
+    """The shared rows' `copied`, saying once a layer has waited on it."""
+
+    def __init__(self, lock):
+        super().__init__(lock)
+        self.waited = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waited.set()
+        return super().wait(timeout)
+
+
+@contextmanager
+def shared_pool_with_copies_held(files, daemon, monkeypatch):
+    """A filling pool with one shared L0 of top-k rows whose donor learns of no read's end until `release()`: the
+    rows of layer 0's misses, their slots offered, stay the donor's, to copy, while the test looks."""
+    held, go = [], threading.Event()
+    real_read_done = donor_module.Donor.read_done
+
+    def read_done(self, gifts, whole):
+        if go.is_set():
+            return real_read_done(self, gifts, whole)
+        held.append((self, list(gifts), whole))
+
+    def release():
+        go.set()
+        for donor, gifts, whole in held:
+            real_read_done(donor, gifts, whole)
+
+    monkeypatch.setattr(donor_module.Donor, "read_done", read_done)
+    client = L2Client(files, daemon.socket, wait_s=5)
+    pool = ExpertPool(files, capacity=files.top_k, client=client, fill_l2=True, lend=False, shared_l0=True)
+    try:
+        wait_for(lambda: pool.donor.accepting, what="the fill desk's welcome")
+        rows = pool.layers[0].rows
+        rows.copied = WatchedCondition(rows.lock)
+        k = files.top_k
+        assert pool.fetch(0, list(range(k))).l3_reads == k
+        wait_for(lambda: sum(rows.offered.values()) == k, what="the slots of layer 0's misses offered")
+        yield pool, release
+    finally:
+        if not go.is_set():
+            release()
+        pool.close()
+        client.close()
+
+
+def test_a_layer_waits_for_its_donor_to_copy_a_row_whose_slot_is_offered_instead_of_cancelling(
+        running_daemon, model_files, monkeypatch):
+    """Layer 1's misses need every row, all still being given from layer 0, their slots offered: the layer waits
+    for the donor's copies (the donor alone, not moe-l2d), so nothing is cancelled and nothing read twice."""
+    monkeypatch.setattr(layerpool, "DONATION_WAIT_S", 60.0)
+    k = model_files.top_k
+    with shared_pool_with_copies_held(model_files, running_daemon, monkeypatch) as (pool, release):
+        fetched = []
+        fetch = threading.Thread(target=lambda: fetched.append(pool.fetch(1, list(range(k)))))
+        fetch.start()
+        rows = pool.layers[1].rows
+        wait_for(rows.copied.waited.is_set, what="layer 1 waiting for the copies")
+        release()
+        fetch.join(60)
+        assert fetched[0].l3_reads == k
+        wait_for(lambda: fills(running_daemon)["donated"] == 2 * k, what="both layers' donations",
+                 detail=lambda: fills(running_daemon))
+        assert pool.donor.counts.cancelled == 0
+    model = stats(running_daemon)["models"][0]
+    assert model["loads_done"] == 0 and model["fills"]["cancelled"] == 0
+    for layer in (0, 1):
+        for expert in range(k):
+            assert slot_record(model_files, running_daemon, layer, expert) == model_files.read_record(layer, expert)
+
+
+def test_a_copy_that_does_not_come_is_waited_for_only_so_long_and_its_donation_read_by_the_daemon(
+        running_daemon, model_files, monkeypatch):
+    """The donor's copies held past DONATION_WAIT_S: layer 1 takes the rows and goes on; the donations those rows
+    held are cancelled once the donor looks, and moe-l2d reads them, so that L2 still holds them exact."""
+    monkeypatch.setattr(layerpool, "DONATION_WAIT_S", 0.05)
+    k = model_files.top_k
+    with shared_pool_with_copies_held(model_files, running_daemon, monkeypatch) as (pool, release):
+        assert pool.fetch(1, list(range(k))).l3_reads == k  # returns with the copies still held
+        assert pool.layers[1].rows.copied.waited.is_set()
+        release()
+        wait_for(lambda: pool.donor.counts.cancelled == k and fills(running_daemon)["donated"] == k,
+                 what="layer 0's donations cancelled, layer 1's filled", detail=lambda: fills(running_daemon))
+    wait_for(lambda: stats(running_daemon)["models"][0]["loads_done"] == k, what="the daemon's reads")
+    for layer in (0, 1):
+        for expert in range(k):
+            assert slot_record(model_files, running_daemon, layer, expert) == model_files.read_record(layer, expert)

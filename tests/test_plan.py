@@ -24,7 +24,7 @@ from moe_l2.cache.trace import read_traces
 from moe_l2.lm.streamed_lm import StreamedLM, l0_slots_for
 from moe_l2.layout import Geometry, record_stride
 from moe_l2.plan import (DEFAULT_KV_BYTES, GiB, MEMORY_FILE_ENV, Memory, ModelSizes, default_l0_slots, os_headroom,
-                         plan, shared_l0_rows)
+                         plan)
 from moe_l2.sizes import parse_size
 
 from .conftest import budget_for, stats, synthetic_trace
@@ -55,9 +55,9 @@ def test_plenty_of_memory_caches_every_expert_with_the_default_l0():
     # L0's rows lie as L2's slots, each record on a page: that, not the record, is what a row takes.
     row = record_stride(SIZES.record_bytes)
     assert p.l0_per_process == 8 * SIZES.n_layers * row and row > SIZES.record_bytes
-    # A daemon's clients computing in place (the default): 1.5 x top-k rows in all layers, whatever the memory.
+    # A daemon's clients computing in place (the default): top-k rows in all layers, whatever the memory.
     shared = plan(Memory(64 * GiB, 48 * GiB), SIZES, processes=3)
-    assert (shared.l0_shared, shared.l0_slots, shared.l0_per_process) == (True, 6, 6 * row)
+    assert (shared.l0_shared, shared.l0_slots, shared.l0_per_process) == (True, SIZES.top_k, SIZES.top_k * row)
     assert shared.l2_slots == SIZES.n_experts
     assert p.os_headroom == os_headroom(64 * GiB) == int(6.4 * GiB)
     assert p.kv_per_process == DEFAULT_KV_BYTES
@@ -95,7 +95,7 @@ def test_no_room_leaves_l2_empty_and_more_processes_leave_less():
     one, four = plan(memory, big, 1, shared_l0=False), plan(memory, big, 4, shared_l0=False)
     assert one.l2_slots == big.n_experts and one.l0_slots == default_l0_slots(big)
     assert 0 < four.l2_slots < one.l2_slots and four.l0_slots == big.top_k and fits(four, big)
-    # Shared, 1.5 x top-k rows in all: the four processes leave L2 more than top-k rows in every layer do.
+    # Shared, top-k rows in all: the four processes leave L2 more than top-k rows in every layer do.
     shared = plan(memory, big, 4)
     assert four.l2_slots < shared.l2_slots < one.l2_slots and fits(shared, big)
     with pytest.raises(ValueError, match="at least 1"):
@@ -151,7 +151,7 @@ def test_plan_command_prints_the_split_and_each_tiers_hit_rate(capsys, fake_memo
     assert rates["l2"] == pytest.approx(1 - first / lookups)
     assert cli.main(["plan", "--model", str(model_dir), "--trace", str(trace)]) == 0
     table = capsys.readouterr().out
-    assert f"L0 {shared_l0_rows(model_files.top_k)} rows in all layers, shared" in table
+    assert f"L0 {model_files.top_k} rows in all layers, shared" in table
     assert "expected hit rate" in table
     # The printed budget is a size people read, and buys the daemon exactly the planned slots.
     printed = re.search(r"moe-l2d --budget (\S+)\)", table).group(1)
@@ -249,7 +249,7 @@ def test_a_client_with_a_daemon_at_load_holds_a_few_rows_in_all_and_one_without_
     fake_memory(roomy.total, roomy.available)
     daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)))
     with StreamedLM(model_dir, socket=daemon.socket, client_wait_s=5) as lm:
-        assert lm.pool.shared_l0 and lm.pool.capacity == shared_l0_rows(model_files.top_k)
+        assert lm.pool.shared_l0 and lm.pool.capacity == model_files.top_k
         assert [r.token for r in stream_generate(lm.model, lm.tokenizer, mx.array(ids), max_tokens=8)] == expected
         assert lm.pool.counts.l2_hits + lm.pool.counts.l3_reads > 0
     with StreamedLM(model_dir, socket=f"ipc://{tmp_path / 'nobody.sock'}", client_wait_s=0.2) as lm:

@@ -8,7 +8,6 @@ How many slots a budget buys stays with `moe_l2.layout.Geometry` (one owner per 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -26,10 +25,6 @@ DEFAULT_KV_BYTES = 1 * GiB  # per process: a few thousand tokens of context for 
 # L0 may take at most this share of what is left after headroom, non-expert weights and KV: L2 is the one
 # copy every process shares, so it gets the rest.
 L0_SHARE = 0.5
-# A shared L0's rows, in top-k multiples: a layer's misses beside those of the layer before, whose copies into L2
-# may still run (a row taken first cancels its donation, read again by the daemon); with twice top-k, L2's share
-# bought fewer bytes, with top-k more donations were cancelled (docs/benchmarks.md, "A shared L0's rows").
-SHARED_L0_ROWS = 1.5
 
 
 class PlanError(ValueError):
@@ -145,24 +140,19 @@ def default_l0_slots(model: ModelSizes) -> int:
     return min(model.n_experts, max(2 * model.top_k, model.n_experts // 4))
 
 
-def shared_l0_rows(top_k: int) -> int:
-    """The rows of a shared L0 beside an L2 computed on in place."""
-    return math.ceil(SHARED_L0_ROWS * top_k)
-
-
 def plan(memory: Memory, model: ModelSizes, processes: int = 1, *, kv_bytes: int = DEFAULT_KV_BYTES,
          headroom: int | None = None, shared_l0: bool = True) -> Plan:
     """Split available memory: OS headroom first, then every process' non-expert weights and KV cache, then
     L0, then L2 (the rest, at most every expert). L0 is, with `shared_l0` (the clients of a daemon, computing on
-    L2's records in place: the default), `shared_l0_rows` in all layers, which hold only the misses being read
-    and given to L2; else rows in every layer, at most `L0_SHARE` of the rest over all processes and never
+    L2's records in place: the default), a token's top_k rows in all layers, which hold only the misses being
+    read and given to L2 (docs/benchmarks.md, "A shared L0's rows"); else rows in every layer, at most `L0_SHARE` of the rest over all processes and never
     under top_k (docs/architecture.md, "Budgets that size themselves")."""
     if processes < 1:
         raise PlanError(f"processes must be at least 1, got {processes}")
     headroom = os_headroom(memory.total) if headroom is None else headroom
     pool = memory.available - headroom - processes * (model.non_expert_bytes + kv_bytes)
     if shared_l0:
-        l0_slots, per_slot = shared_l0_rows(model.top_k), record_stride(model.record_bytes)
+        l0_slots, per_slot = model.top_k, record_stride(model.record_bytes)
     else:
         per_slot = model.l0_slot_bytes
         affordable = max(0, int(pool * L0_SHARE)) // (processes * per_slot)
