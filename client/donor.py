@@ -5,7 +5,8 @@ queues the record here and returns, and this thread tells the daemon's fill desk
 src/moe_l2/fill_protocol.py), so that the desk reserves a slot while the read runs; `read_done` says when the row is
 whole. Once both are there the thread copies the row into the offered slot through a writable mapping of the
 layer's data segment (checksummed as it lands: _native.copy_record) and says `filled`, or `cancelled` when the
-read failed or the row was handed out again since (its writes count moved: a fetch never waits for a donation).
+read failed or the row was handed out again since (its writes count moved: a fetch waits for an offered copy only
+so long, client/layerpool.py's DONATION_WAIT_S).
 One disk read per miss, the process's own, and L2 holds the record afterwards (docs/architecture.md, "Fills").
 
 Only a process of the daemon's uid gets to fill: the desk refuses any other, whose data segments are not writable

@@ -145,8 +145,9 @@ def plan(memory: Memory, model: ModelSizes, processes: int = 1, *, kv_bytes: int
     """Split available memory: OS headroom first, then every process' non-expert weights and KV cache, then
     L0, then L2 (the rest, at most every expert). L0 is, with `shared_l0` (the clients of a daemon, computing on
     L2's records in place: the default), a token's top_k rows in all layers, which hold only the misses being
-    read and given to L2 (docs/benchmarks.md, "A shared L0's rows"); else rows in every layer, at most `L0_SHARE` of the rest over all processes and never
-    under top_k (docs/architecture.md, "Budgets that size themselves")."""
+    read and given to L2 (docs/benchmarks.md, "A shared L0's rows"); else rows in every layer, at most
+    `L0_SHARE` of the rest over all processes and never under top_k (docs/architecture.md, "Budgets that size
+    themselves")."""
     if processes < 1:
         raise PlanError(f"processes must be at least 1, got {processes}")
     headroom = os_headroom(memory.total) if headroom is None else headroom
