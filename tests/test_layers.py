@@ -70,10 +70,11 @@ def test_the_daemon_holds_only_the_served_layers_segments_and_slots(daemon, file
 def test_the_budget_per_served_layer_is_larger_with_auto_budgets_too(files):
     """--budget auto (moe_l2.plan) sizes L2 for the served layers only."""
     sizes = ModelSizes.of(files)
-    # Room for the weights, an L0 of 8 slots and an L2 of 8 slots in every MoE layer.
+    # Room for the weights, an L0 of 8 slots and an L2 of 8 slots in every MoE layer (L0 in every layer: a client
+    # without a daemon at load).
     memory = Memory(total=64 << 20, available=sizes.non_expert_bytes + 8 * sizes.l0_slot_bytes + budget_for(files, 8))
-    every = plan(memory, sizes, kv_bytes=0, headroom=0)
-    served = plan(memory, ModelSizes.of(files, len(SERVED)), kv_bytes=0, headroom=0)
+    every = plan(memory, sizes, kv_bytes=0, headroom=0, shared_l0=False)
+    served = plan(memory, ModelSizes.of(files, len(SERVED)), kv_bytes=0, headroom=0, shared_l0=False)
     assert (every.l0_slots, every.l2_slots, served.l0_slots, served.l2_slots) == (8, 8, 8, 12)
     assert served.l2_budget == Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, 12,
                                                    len(SERVED)) <= every.l2_budget
