@@ -101,7 +101,8 @@ class StreamOptions:
     l0_slots: int | None = _option(
         None, "experts kept in this process: per layer, or in all with a shared L0 (default: moe-l2 plan's for "
               "this machine: with a daemon at load and a shared L0, top-k rows in all, leaving the memory to "
-              "L2; else a quarter of the experts of every layer, fewer when memory is short)",
+              "L2, and more only where L2 holds every expert; else a quarter of the experts of every layer, "
+              "fewer when memory is short)",
         "--l0-slots", type=int, exclusive="l0 size")
     l0_budget: int | str | None = _option(
         None, "memory for this process' experts over all layers, in bytes or as a size such as 2GiB",

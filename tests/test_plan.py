@@ -55,9 +55,10 @@ def test_plenty_of_memory_caches_every_expert_with_the_default_l0():
     # L0's rows lie as L2's slots, each record on a page: that, not the record, is what a row takes.
     row = record_stride(SIZES.record_bytes)
     assert p.l0_per_process == 8 * SIZES.n_layers * row and row > SIZES.record_bytes
-    # A daemon's clients computing in place (the default): top-k rows in all layers, whatever the memory.
+    # A daemon's clients computing in place (the default): rows in all layers, as many as every layer's default
+    # where L2 holds every expert beside them.
     shared = plan(Memory(64 * GiB, 48 * GiB), SIZES, processes=3)
-    assert (shared.l0_shared, shared.l0_slots, shared.l0_per_process) == (True, SIZES.top_k, SIZES.top_k * row)
+    assert (shared.l0_shared, shared.l0_slots, shared.l0_per_process) == (True, 8 * SIZES.n_layers, 32 * row)
     assert shared.l2_slots == SIZES.n_experts
     assert p.os_headroom == os_headroom(64 * GiB) == int(6.4 * GiB)
     assert p.kv_per_process == DEFAULT_KV_BYTES
@@ -73,6 +74,8 @@ def test_short_memory_gives_l2_every_byte_left_after_l0_and_never_overcommits(pr
         available = fixed + extra_slots * SIZES.n_layers * 4 * 4096
         p = plan(Memory(16 * GiB, available), SIZES, processes, shared_l0=shared_l0)
         assert p.l0_slots >= SIZES.top_k  # a token needs all its experts
+        if shared_l0 and p.l2_slots < SIZES.n_experts:
+            assert p.l0_slots == SIZES.top_k  # L2 first: L0's copies of its records would cost it records
         if p.l2_slots:
             assert fits(p, SIZES)
         if p.l2_slots < SIZES.n_experts:
@@ -139,7 +142,7 @@ def test_plan_command_prints_the_split_and_each_tiers_hit_rate(capsys, fake_memo
     trace = synthetic_trace(tmp_path / "t.jsonl", n_layers=model_files.n_layers, n_experts=model_files.n_experts,
                             top_k=model_files.top_k)
     rates = plan_json(capsys, "--model", str(model_dir), "--trace", str(trace))["hit_rates"]
-    # Ground truth, computed here: the shared L0 of a few rows is counted no hits; with every expert in L2
+    # Ground truth, computed here: the shared L0 is counted no hits; with every expert in L2
     # (plenty of memory), only each layer's first touch of an expert goes to disk.
     sequences = order_sequences(read_traces([trace]).sequences, "interleave", 0)
     lookups = first = 0
@@ -151,7 +154,7 @@ def test_plan_command_prints_the_split_and_each_tiers_hit_rate(capsys, fake_memo
     assert rates["l2"] == pytest.approx(1 - first / lookups)
     assert cli.main(["plan", "--model", str(model_dir), "--trace", str(trace)]) == 0
     table = capsys.readouterr().out
-    assert f"L0 {model_files.top_k} rows in all layers, shared" in table
+    assert f"L0 {expected.l0_slots} rows in all layers, shared" in table
     assert "expected hit rate" in table
     # The printed budget is a size people read, and buys the daemon exactly the planned slots.
     printed = re.search(r"moe-l2d --budget (\S+)\)", table).group(1)
@@ -238,21 +241,25 @@ def test_default_l0_comes_from_the_plan_and_tokens_stay_identical(fake_memory, m
         assert [r.token for r in stream_generate(lm.model, lm.tokenizer, mx.array(ids), max_tokens=8)] == expected
 
 
-def test_a_client_with_a_daemon_at_load_holds_a_few_rows_in_all_and_one_without_the_plans_per_layer(
+def test_a_client_with_a_daemon_at_load_holds_top_k_rows_in_all_where_memory_is_short(
         daemon_factory, fake_memory, model_dir, model_files, tmp_path):
-    """Computing on L2's records in place, L0 holds only the misses being read: the memory is L2's. A process that
-    found no daemon at load caches in L0 alone, as the plan's rows in every layer."""
+    """Computing on L2's records in place, L0 holds only the misses being read where L2 cannot hold every expert:
+    the memory is L2's. A process that found no daemon at load caches in L0 alone, as the plan's rows in every
+    layer; with memory to spare, a daemon's client holds that many rows in all."""
     whole, tokenizer = load(str(model_dir))
     ids = tokenizer.encode("The router picks the experts; the cache keeps them close. " * 3)[:40]
     expected = [r.token for r in stream_generate(whole, tokenizer, mx.array(ids), max_tokens=8)]
-    roomy = Memory(64 * GiB, 32 * GiB)
-    fake_memory(roomy.total, roomy.available)
+    sizes = ModelSizes.of(model_files)
+    short = auto_memory(model_files, pool=600_000)
+    assert plan(short, sizes).l2_slots < model_files.n_experts  # the fake memory really limits L2
+    fake_memory(short.total, short.available)
     daemon = daemon_factory([model_dir], str(budget_for(model_files, model_files.n_experts)))
+    nobody = f"ipc://{tmp_path / 'nobody.sock'}"
+    per_layer = plan(short, sizes, shared_l0=False).l0_slots
+    for socket, rows in ((daemon.socket, model_files.top_k), (nobody, per_layer * model_files.n_layers)):
+        with StreamedLM(model_dir, socket=socket, client_wait_s=5 if socket == daemon.socket else 0.2) as lm:
+            assert lm.pool.shared_l0 and lm.pool.capacity == rows
+            assert [r.token for r in stream_generate(lm.model, lm.tokenizer, mx.array(ids), max_tokens=8)] == expected
+    fake_memory(64 * GiB, 32 * GiB)
     with StreamedLM(model_dir, socket=daemon.socket, client_wait_s=5) as lm:
-        assert lm.pool.shared_l0 and lm.pool.capacity == model_files.top_k
-        assert [r.token for r in stream_generate(lm.model, lm.tokenizer, mx.array(ids), max_tokens=8)] == expected
-        assert lm.pool.counts.l2_hits + lm.pool.counts.l3_reads > 0
-    with StreamedLM(model_dir, socket=f"ipc://{tmp_path / 'nobody.sock'}", client_wait_s=0.2) as lm:
-        per_layer = default_l0_slots(ModelSizes.of(model_files))
-        assert lm.pool.shared_l0 and lm.pool.capacity == per_layer * model_files.n_layers
-        assert [r.token for r in stream_generate(lm.model, lm.tokenizer, mx.array(ids), max_tokens=8)] == expected
+        assert lm.pool.capacity == default_l0_slots(sizes) * model_files.n_layers

@@ -140,12 +140,22 @@ def default_l0_slots(model: ModelSizes) -> int:
     return min(model.n_experts, max(2 * model.top_k, model.n_experts // 4))
 
 
+def shared_l0_rows(model: ModelSizes, pool: int, processes: int) -> int:
+    """A shared L0's rows in all layers beside an L2 computed on in place: a token's top_k, which hold the misses
+    being read and given to L2, and only what L2 cannot use beside them (every expert in it), up to the per-layer
+    default in every layer: where memory is short, L0's copies of L2's records would cost L2 records
+    (docs/benchmarks.md, "A shared L0's rows"); where it is not, an L0 hit costs less than an L2 loan."""
+    per_slot = record_stride(model.record_bytes)
+    spare = pool - model.l2_budget_for(model.n_experts) - processes * model.top_k * per_slot
+    return model.top_k + min(max(0, spare) // (processes * per_slot),
+                             default_l0_slots(model) * model.n_layers - model.top_k)
+
+
 def plan(memory: Memory, model: ModelSizes, processes: int = 1, *, kv_bytes: int = DEFAULT_KV_BYTES,
          headroom: int | None = None, shared_l0: bool = True) -> Plan:
     """Split available memory: OS headroom first, then every process' non-expert weights and KV cache, then
     L0, then L2 (the rest, at most every expert). L0 is, with `shared_l0` (the clients of a daemon, computing on
-    L2's records in place: the default), a token's top_k rows in all layers, which hold only the misses being
-    read and given to L2 (docs/benchmarks.md, "A shared L0's rows"); else rows in every layer, at most
+    L2's records in place: the default), `shared_l0_rows` in all layers; else rows in every layer, at most
     `L0_SHARE` of the rest over all processes and never under top_k (docs/architecture.md, "Budgets that size
     themselves")."""
     if processes < 1:
@@ -153,7 +163,7 @@ def plan(memory: Memory, model: ModelSizes, processes: int = 1, *, kv_bytes: int
     headroom = os_headroom(memory.total) if headroom is None else headroom
     pool = memory.available - headroom - processes * (model.non_expert_bytes + kv_bytes)
     if shared_l0:
-        l0_slots, per_slot = model.top_k, record_stride(model.record_bytes)
+        l0_slots, per_slot = shared_l0_rows(model, pool, processes), record_stride(model.record_bytes)
     else:
         per_slot = model.l0_slot_bytes
         affordable = max(0, int(pool * L0_SHARE)) // (processes * per_slot)
