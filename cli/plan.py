@@ -46,9 +46,10 @@ def tier_hit_rates(traces, p: Plan, layers: list[int] | None = None, l0_rows: li
     read from disk; every process is assumed to route like the trace. A shared L0 is counted no hits: its rows
     hold the misses of the layers being computed, which L2 holds afterwards."""
     l2 = [p.l2_slots, p.l2_slots - 1] if p.l2_short else [p.l2_slots] if p.l2_slots else []
-    l0_slots = set() if p.l0_shared else {p.l0_slots}
+    # A shared L0 is not replayed; with no L2 either, the replay only counts the tokens.
+    l0_slots = () if p.l0_shared else (p.l0_slots,)
     result = replay(traces, slots=sorted({*l0_slots, *l2}) or [p.l0_slots], policy=DEFAULT_POLICY,
-                    compare=(L0_POLICY,), belady=False, layers=layers, layer_rows=l0_rows)
+                    compare=() if p.l0_shared else (L0_POLICY,), belady=False, layers=layers, layer_rows=l0_rows)
     rate = {(c.slots, name): r.hit_rate or 0.0 for c in result.capacities for name, r in c.policies.items()}
     l0 = 0.0 if p.l0_shared else rate[(p.l0_slots, L0_POLICY if l0_rows is None else f"{L0_POLICY}+ceilings")]
     l2_alone = 0.0
