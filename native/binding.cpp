@@ -210,6 +210,10 @@ void init_segment(nb::module_& m) {
            nb::call_guard<nb::gil_scoped_release>(),
            "Take a released range back into use: reserve its pages again (Linux: posix_fallocate; OSError, "
            "e.g. ENOSPC where /dev/shm is full, leaves it unusable), then lock them if the segment was locked.")
+      .def("prefault", &Segment::prefault, "offset"_a, "nbytes"_a,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Map a page-aligned range's pages for writing now, changing no byte (Linux: MADV_POPULATE_WRITE), "
+           "so that a later copy into them takes no page fault.")
       .def("close", &Segment::close,
            "Drop this object's mapping (idempotent); the memory is unmapped once no view uses it.")
       .def("__repr__", [](const Segment& self) {
@@ -304,6 +308,8 @@ void init_pread(nb::module_& m) {
   m.def("_scatter_straight", &scatter_straight, "enable"_a,
         "Bench hook: False makes pread_scatter copy every piece out of its scratch (the path before "
         "aligned pieces were read straight into their rows); True, the default, again.");
+  m.def("_prefault_by_touch", &prefault_by_touch, "enable"_a,
+        "Test hook: True makes Segment.prefault touch every page, as on macOS; False, the default, again.");
   m.def("page_cache_bytes", &page_cache_bytes, "fd"_a, "offset"_a = 0, "nbytes"_a = -1,
         "Bytes of the file's range [offset, offset + nbytes) resident in the page cache (mincore); "
         "nbytes < 0: to the end of the file.");

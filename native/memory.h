@@ -83,6 +83,8 @@ class Memory {
 void fresh_huge_pages(void* data, size_t nbytes);
 // The size of the pages fresh_huge_pages asks for (2 MiB on Linux), 0 where it does nothing.
 size_t huge_page_bytes();
+// Test hook: Segment::prefault touches every page, as on macOS, instead of asking Linux to map them.
+void prefault_by_touch(bool enable);
 
 // C++-owned memory allocated by MLX's own allocator, so that arrays made from it are views
 // that MLX ops (CPU, Metal, CUDA) read in place.
@@ -145,6 +147,10 @@ class Segment : public Memory {
   // again when create() locked the segment. An OSError (ENOSPC where /dev/shm is full) leaves the range
   // unusable: nothing may touch it until a later call succeeds. Only for segments this process created.
   void restore(int64_t offset, int64_t nbytes);
+  // Maps a page-aligned range's pages for writing now, changing no byte (Linux 5.14+: MADV_POPULATE_WRITE;
+  // elsewhere one write fault a page), so that a copy into them later takes no page fault: a mapping opened
+  // here faults on every page it first writes. Writable segments only.
+  void prefault(int64_t offset, int64_t nbytes);
   // Drops this object's mapping; the memory is unmapped once no view or running call uses it.
   void close() { region_.reset(); }
   std::string describe() const override { return "segment '" + name_ + "'"; }

@@ -1,5 +1,6 @@
-// POSIX shared-memory segments (Segment: create, open, unlink, release, restore; its MLX view, array, is
+// POSIX shared-memory segments (Segment: create, open, unlink, release, restore, prefault; its MLX view, array, is
 // memory.cpp's) and HostBuffer's anonymous pages: memory this process maps from the OS.
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -289,6 +290,37 @@ void Segment::restore(int64_t offset, int64_t nbytes) {
   }
   if (locked_) {
     mlock(addr, len);  // best effort, as at create(): the limit may have shrunk since
+  }
+}
+
+std::atomic<bool> g_prefault_by_touch{false};  // test hook: the loop macOS runs, on Linux too
+
+void prefault_by_touch(bool enable) { g_prefault_by_touch.store(enable); }
+
+void Segment::prefault(int64_t offset, int64_t nbytes) {
+  const char* fn = "Segment.prefault";
+  if (region_ == nullptr || readonly()) {
+    throw_value_error(fn, describe() + " is closed or read-only");
+  }
+  auto [addr, len] = page_range(fn, *this, offset, nbytes, region_->data);
+#if defined(__linux__)
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14's; an older kernel answers EINVAL, and the loop below runs
+#endif
+  if (!g_prefault_by_touch.load() && len != 0) {
+    if (madvise(addr, len, MADV_POPULATE_WRITE) == 0) {
+      return;
+    }
+    if (errno != EINVAL) {
+      int err = errno;
+      throw OsError(err, prefixed(fn, "cannot map pages of " + describe() + ": " + errno_text(err)));
+    }
+  }
+#endif
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  for (size_t off = 0; off < len; off += page) {
+    // An atomic or of zero: a write fault that changes no byte, whoever else writes the page meanwhile.
+    __atomic_fetch_or(reinterpret_cast<unsigned char*>(addr + off), 0, __ATOMIC_RELAXED);
   }
 }
 

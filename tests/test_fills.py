@@ -22,8 +22,8 @@ from moe_l2.fill_protocol import encode, fill_socket_path
 from moe_l2.layout import IndexHeader
 from moe_l2.model import ModelFiles
 
-from .conftest import (AS_NOBODY, RawDonor, daemon_segments, filling_pool, nobody_runs_python, quarter_budget,
-                       slot_stride, stats, wait_for)
+from .conftest import (AS_NOBODY, RawDonor, daemon_segments, filling_pool, nobody_runs_python, pages_mapped,
+                       quarter_budget, slot_stride, stats, wait_for)
 
 
 def fills(daemon) -> dict:
@@ -338,6 +338,25 @@ def test_a_layer_waits_for_its_donor_to_copy_a_row_whose_slot_is_offered_instead
     for layer in (0, 1):
         for expert in range(k):
             assert slot_record(model_files, running_daemon, layer, expert) == model_files.read_record(layer, expert)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/pagemap is Linux's")
+def test_the_donor_maps_an_offered_slot_while_the_read_runs(running_daemon, model_files, monkeypatch):
+    """The slots offered for layer 0's misses are mapped for writing while their reads still run (held), so that
+    the copy after the read takes no page fault; a slot not offered (layer 1's) is not; the copies land exact."""
+    k = model_files.top_k
+    stride = slot_stride(model_files, running_daemon)
+    with shared_pool_with_copies_held(model_files, running_daemon, monkeypatch) as (pool, release):
+        segment = pool.donor._writable[0]
+        offered = sorted(gift.slot for gift in pool.donor._offered)
+        assert len(offered) == k
+        wait_for(lambda: all(pages_mapped(segment.address + slot * stride, stride) == stride // os.sysconf(
+            "SC_PAGESIZE") for slot in offered), what="the offered slots mapped before their reads end")
+        assert pages_mapped(pool.donor._writable[1].address, stride) == 0  # layer 1 gave nothing
+        release()
+        wait_for(lambda: fills(running_daemon)["donated"] == k, what="layer 0's donations")
+    for expert in range(k):
+        assert slot_record(model_files, running_daemon, 0, expert) == model_files.read_record(0, expert)
 
 
 def test_a_copy_that_does_not_come_is_waited_for_only_so_long_and_its_donation_read_by_the_daemon(

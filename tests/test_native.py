@@ -21,7 +21,7 @@ import pytest
 from moe_l2 import _native as native
 from moe_l2.layout import LAYOUT_VERSION, Geometry
 
-from .conftest import FUTEX_SYSCALL, sleeping_on, wait_for
+from .conftest import FUTEX_SYSCALL, pages_mapped, sleeping_on, wait_for
 
 PAGE = os.sysconf("SC_PAGESIZE")
 _names = itertools.count()
@@ -276,6 +276,38 @@ def test_segment_size_errors(shm_name):
         native.Segment.create(shm_name(), 0)
     with pytest.raises(ValueError, match=r"\[Segment.create\] mode must be"):
         native.Segment.create(shm_name(), PAGE, mode=0o1777)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/pagemap is Linux's")
+@pytest.mark.parametrize("touch", [False, True], ids=["madvise", "touch"])
+def test_prefault_maps_a_range_for_writing_and_changes_no_byte(shm_name, touch):
+    """A mapping opened here faults on every page it first writes; prefault maps a range ahead (the donor's slot
+    offered while its read runs: client/donor.py), by MADV_POPULATE_WRITE or, as on macOS, a touch of each page."""
+    name = shm_name()
+    owner = native.Segment.create(name, 16 * PAGE)
+    pattern = random.Random(7).randbytes(16 * PAGE)
+    owner.view()[:] = pattern
+    writer = native.Segment.open(name, readonly=False)
+    assert pages_mapped(writer.address, 16 * PAGE) == 0
+    native._prefault_by_touch(touch)
+    try:
+        writer.prefault(4 * PAGE, 8 * PAGE)
+    finally:
+        native._prefault_by_touch(False)
+    assert pages_mapped(writer.address + 4 * PAGE, 8 * PAGE) == 8
+    assert pages_mapped(writer.address, 4 * PAGE) == pages_mapped(writer.address + 12 * PAGE, 4 * PAGE) == 0
+    assert bytes(owner.view()) == pattern
+
+
+def test_prefault_refuses_a_readonly_mapping_and_a_range_off_the_pages(shm_name):
+    name = shm_name()
+    native.Segment.create(name, 4 * PAGE)
+    with pytest.raises(ValueError, match=r"\[Segment.prefault\] segment .* is closed or read-only"):
+        native.Segment.open(name).prefault(0, PAGE)
+    writer = native.Segment.open(name, readonly=False)
+    for offset, nbytes in ((1, PAGE), (0, PAGE + 1), (4 * PAGE, PAGE), (0, 5 * PAGE), (-PAGE, PAGE)):
+        with pytest.raises(ValueError, match=r"\[Segment.prefault\] (range|offset)"):
+            writer.prefault(offset, nbytes)
 
 
 # --- atomics ---------------------------------------------------------------------------
