@@ -1,10 +1,11 @@
 """Where a cold miss's time goes, hop by hop, on each of a process's three ways to an expert L0 and L2 lack: its
 own read with no daemon (pread), its own read given to moe-l2d's L2 (fills: a pool of the daemon's uid, fill_l2
-on, the default), and the daemon's read waited for (load-through: fill_l2 off). Issue 36.
+on, the default), and the daemon's read waited for (load-through: fill_l2 off); and fills as they were before the
+donor mapped a slot ahead and copied each record as it landed (fills-after-read). Issue 36.
 
 A real moe-l2d serves a packed model of a real geometry (`moe-l2 bench --geometry`'s, lab/synthetic.py: default
 DeepSeek-V2-Lite, 4.6 MiB records, no checksum manifest, as `moe-l2 bench` runs it: so the only CRCs are the
-donor's, as it copies, and the daemon's check of a donation); the three pools take turns, round by round, on a
+donor's, as it copies, and the daemon's check of a donation); the four pools take turns, round by round, on a
 lone miss and on a batch (--batch), each fetch of experts that L0 and L2 lack, the model file dropped from the page
 cache first. Timestamps are CLOCK_MONOTONIC, the same clock in both processes:
   - in this process, from subclasses of the pool's RowLoader and Donor made here (as bench_load_through.py's
@@ -104,9 +105,9 @@ def mark(event: str, layer: int, experts) -> None:
 class TimedLoader(RowLoader):
     """The pool's row loader, marking its reads of the model file, its copies from L2 and its report."""
 
-    def read_from_l3(self, layer, lp, todo):
+    def read_from_l3(self, layer, lp, todo, landed=None):
         mark("read_begin", layer, [e for e, _ in todo])
-        sums = super().read_from_l3(layer, lp, todo)
+        sums = super().read_from_l3(layer, lp, todo, landed)
         mark("read_end", layer, [e for e, _ in todo])
         return sums
 
@@ -145,6 +146,21 @@ class TimedDonor(Donor):
         return checksum
 
 
+class AfterReadDonor(TimedDonor):
+    """fills-after-read's donor: it maps no slot ahead of its copy, as before 298f822."""
+
+    def _prefault(self, gift):
+        pass
+
+
+class AfterReadLoader(TimedLoader):
+    """fills-after-read's loader: its reads say nothing as each record lands, so that the donor copies them all
+    after the read, as before the read said so."""
+
+    def read_from_l3(self, layer, lp, todo, landed=None):
+        return super().read_from_l3(layer, lp, todo)
+
+
 # Per path, its milestones: (label, event, "first" or "last" of the batch's records) and its hops per record: (label,
 # begin event, end event), each record's end minus its begin, averaged over the batch.
 PATHS = {
@@ -168,6 +184,7 @@ PATHS = {
                       ("copy from L2 ends", "l2_copy_end", "last"), ("fetch returns", "fetch_end", "last")],
                      [("daemon's load (read)", "load_begin", "finish_begin")]),
 }
+PATHS["fills-after-read"] = PATHS["fills"]
 
 
 @dataclass
@@ -290,17 +307,22 @@ def idle_cpu(daemon_clock: int, seconds: float = 1.0) -> tuple[float, float]:
 
 def make_pools(files: ModelFiles, daemon: DaemonProcess, batch: int, load_through_s: float):
     """{path: pool} (the pread pool without a client, each other with its own L2Client) and the clients."""
-    clients = [L2Client(files, daemon.socket, wait_s=5) for _ in range(2)]
+    clients = [L2Client(files, daemon.socket, wait_s=5) for _ in range(3)]
     pools = {"pread": ExpertPool(files, batch, lend=False),
              "fills": ExpertPool(files, batch, clients[0], lend=False, fill_l2=True,
                                  load_through_s=DEFAULTS.load_through_s),
+             "fills-after-read": ExpertPool(files, batch, clients[2], lend=False, fill_l2=True,
+                                            load_through_s=DEFAULTS.load_through_s),
              "load-through": ExpertPool(files, batch, clients[1], lend=False, fill_l2=False,
                                         load_through_s=load_through_s)}
     for pool in pools.values():
         pool.loader.__class__ = TimedLoader
     pools["fills"].donor.__class__ = TimedDonor
-    if not pools["fills"].donor.wait_accepted(5):
-        raise SystemExit(f"moe-l2d's fill desk did not take this process: {pools['fills'].donor.refused}")
+    pools["fills-after-read"].loader.__class__ = AfterReadLoader
+    pools["fills-after-read"].donor.__class__ = AfterReadDonor
+    for name in ("fills", "fills-after-read"):
+        if not pools[name].donor.wait_accepted(5):
+            raise SystemExit(f"moe-l2d's fill desk did not take this process: {pools[name].donor.refused}")
     for pool in pools.values():  # every row touched once: a first write into fresh pages costs faults
         for layer in range(files.n_layers):
             pool.fetch(layer, range(batch))

@@ -2,8 +2,9 @@
 
 A miss is read by the process that needs it, into its L0 row, as with no daemon at all. As the read starts, `give`
 queues the record here and returns, and this thread tells the daemon's fill desk (daemon/fills.py,
-src/moe_l2/fill_protocol.py), so that the desk reserves a slot while the read runs; `read_done` says when the row is
-whole. Once both are there the thread copies the row into the offered slot through a writable mapping of the
+src/moe_l2/fill_protocol.py), so that the desk reserves a slot while the read runs; the read says as each record
+lands (a packed model's: ModelFiles.read_into_rows' `landed`), `read_done` when it ended. Once the slot is offered
+and the record whole, the thread copies the row into the offered slot through a writable mapping of the
 layer's data segment (checksummed as it lands: _native.copy_record) and says `filled`, or `cancelled` when the
 read failed or the row was handed out again since (its writes count moved: a fetch waits for an offered copy only
 so long, client/layerpool.py's DONATION_WAIT_S).
@@ -49,6 +50,15 @@ class Gift:
     read: bool | None = None
     slot: int | None = None  # offered for it
     done: bool = False  # copied, cancelled or dropped: its row released
+    landed: object = None  # a _native.Memory whose 4-byte word `word` the read sets as the record lands
+    word: int = 0
+
+    def whole(self) -> bool | None:
+        """Whether the row holds the whole record: True once its own read landed or the read ended whole, False
+        once the read failed, None while it runs."""
+        if self.read is None and self.landed is not None and self.landed.load_u32(4 * self.word):
+            return True
+        return self.read
 
 
 @dataclass
@@ -77,8 +87,7 @@ class Donor:
         self._reader = FrameReader(("welcome", "refused", "offer"))
         self._writable: dict[int, object] = {}  # MoE layer -> its data segment, mapped writable
         self._sent: collections.deque = collections.deque()  # per give sent, its gifts by expert, awaiting an offer
-        self._offered: set[Gift] = set()  # offered a slot, their read not done yet
-        self._read: queue.SimpleQueue = queue.SimpleQueue()  # gifts whose read ended
+        self._offered: dict[Gift, None] = {}  # offered a slot, their record not whole yet, in the order offered
         self._thread = threading.Thread(target=self._run, name="moe-l2-donor", daemon=True)
         self._thread.start()
 
@@ -104,11 +113,15 @@ class Donor:
         """A byte written here wakes the donor's thread (what `give(wake=False)` leaves to the caller)."""
         return self._wake_w.fileno()
 
-    def give(self, layer: int, pool, experts: list[int], rows: list[int], keep=(), wake: bool = True) -> list[Gift]:
+    def give(self, layer: int, pool, experts: list[int], rows: list[int], keep=(), wake: bool = True,
+             landed=None, words=()) -> list[Gift]:
         """Queue records about to be read into these rows of the layer's pool; returns at once, with the gifts
         to pass to `read_done` once the read has ended. keep: experts of the layer the slots must not be taken
-        from (the batch computing on L2's records in place). wake=False: the caller wakes the thread (wake_fd)."""
-        gifts = [Gift(layer, expert, pool, row, pool.giving(row, True)) for expert, row in zip(experts, rows)]
+        from (the batch computing on L2's records in place). wake=False: the caller wakes the thread (wake_fd).
+        landed, words: the read sets word words[i] of `landed` as experts[i]'s record lands, and wakes the thread
+        (ModelFiles.read_into_rows), which copies it then."""
+        gifts = [Gift(layer, expert, pool, row, pool.giving(row, True), landed=landed, word=word)
+                 for expert, row, word in zip(experts, rows, words or [0] * len(experts))]
         self._gifts.put((layer, gifts, list(keep)))
         if wake:
             self._wake()
@@ -118,7 +131,6 @@ class Donor:
         """The gifts' read ended: their rows hold the whole records (whole), or the read failed."""
         for gift in gifts:
             gift.read = whole
-            self._read.put(gift)
         if gifts:
             self._wake()
 
@@ -277,14 +289,14 @@ class Donor:
             if not gift.done:
                 gift.pool.offer(gift.row)
             gift.slot = slot
-            if gift.read is None:
-                self._offered.add(gift)  # copied once its read has ended (_take_reads)
+            if gift.whole() is None:
+                self._offered[gift] = None  # copied once its record has landed (_take_reads)
                 reading.append(gift)
             else:
                 self._answer(gift)
         self._drop(gifts.values())  # those L2 holds or loads already, or has no room for
         for gift in reading:
-            if gift.read is None:
+            if gift.whole() is None:
                 self._prefault(gift)
 
     def _prefault(self, gift: Gift) -> None:
@@ -300,19 +312,14 @@ class Donor:
             log.debug("could not map slot %d of layer %d ahead of its copy: %s", gift.slot, gift.layer, exc)
 
     def _take_reads(self) -> None:
-        """Answer the offers whose reads ended since."""
-        try:
-            while True:
-                gift = self._read.get_nowait()
-                if gift in self._offered:
-                    self._offered.discard(gift)
-                    self._answer(gift)
-        except queue.Empty:
-            pass
+        """Answer the offers whose records landed or whose reads ended since."""
+        for gift in [gift for gift in self._offered if gift.whole() is not None]:
+            del self._offered[gift]
+            self._answer(gift)
 
     def _answer(self, gift: Gift) -> None:
         """Copy an offered gift into its slot and say filled, or say cancelled."""
-        checksum = self._copy(gift, gift.slot) if gift.read and not gift.done else None
+        checksum = self._copy(gift, gift.slot) if gift.whole() and not gift.done else None
         self._drop([gift])
         fields = {"model": self.files.fingerprint, "layer": gift.layer, "expert": gift.expert, "slot": gift.slot}
         if checksum is None:
@@ -332,7 +339,7 @@ class Donor:
             if gift.pool is not None:
                 gift.pool.giving(gift.row, False, offered=gift.slot is not None)
             if gift in self._offered:
-                self._offered.discard(gift)
+                del self._offered[gift]
                 if self._sock is not None:
                     self.counts.cancelled += 1
                     self._send(encode("cancelled", model=self.files.fingerprint, layer=gift.layer,

@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from moe_l2 import _native
 from moe_l2.model import ModelFiles
+from moe_l2.model.records import Landed
 
 from moe_l2.client.donor import Donor
 from moe_l2.client.l2view import L2View, Loan
@@ -323,6 +324,9 @@ class ExpertPool:
         lookup reported, as their read starts; handed over once it ended), or, on their way into L2 already,
         waited for and copied. Marks in the lookup which came from L2; returns the counts."""
         layer, missing, gifts = lookup.layer, lookup.missing, []
+        gives = self._gives()
+        # The record of missing[i] says so in word i as its read lands: the donor copies it while the rest are read.
+        landed = Landed(_native.Buffer(4 * len(missing)), self.donor.wake_fd) if gives else None
 
         def load_through(copied: list[bool], coming: list[bool]) -> list[bool]:
             # Report the L2 misses now, so that the daemon starts loading them, and copy them as they land.
@@ -335,10 +339,11 @@ class ExpertPool:
             # report the lookup now, so that the daemon's policy knows of it before it picks their victims. Those
             # on their way into L2 are waited for (load_rows), not given. The two threads are woken once the read
             # has let go of the GIL (woken before, they delayed its start: docs/decisions.md, "Fills").
-            unread = [(e, r) for e, r, ok, c in zip(missing, rows, copied, coming) if not (ok or c)]
-            gifts.extend(self.donor.give(layer, lp, [e for e, _ in unread], [r for _, r in unread],
-                                         keep=[*lookup.lent, *lookup.picks], wake=False))
-            lookup.copied, lookup.given = copied, [e for e, _ in unread]
+            unread = [i for i, (ok, c) in enumerate(zip(copied, coming)) if not (ok or c)]
+            given = [missing[i] for i in unread]
+            gifts.extend(self.donor.give(layer, lp, given, [rows[i] for i in unread], keep=[*lookup.lent, *lookup.picks],
+                                         wake=False, landed=landed.words, words=unread))
+            lookup.copied, lookup.given = copied, given
             lookup.report(self.client, now=True, wake=False)
             _native.wake_when_reading([self.donor.wake_fd, self.client.wake_fd])
             return copied
@@ -350,12 +355,11 @@ class ExpertPool:
                 self.donor.read_done(gifts, whole)
                 gifts.clear()
 
-        gives = self._gives()
         through = self.load_through_s and self.client is not None and not lookup.reported and not gives
         try:
             lookup.copied, filled = self.loader.load_rows(
                 layer, lp, missing, rows, load_through if through else give if gives else None,
-                coming_s=self.load_through_s if gives else 0.0, on_read=read)
+                coming_s=self.load_through_s if gives else 0.0, on_read=read, landed=landed)
         except BaseException:
             read(False)
             raise

@@ -6,11 +6,13 @@ nothing: the pool points the slot table at the rows once they hold their whole r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 
 from moe_l2.model import ModelFiles
+from moe_l2.model.records import Landed
 
 from moe_l2.client.layerpool import LayerPool
 from moe_l2.client.lookup import TierCounts
@@ -40,7 +42,8 @@ class RowLoader:
         self.fds = files.open_fds(direct)
 
     def load_rows(self, layer: int, lp: LayerPool, experts: list[int], rows: list[int], on_l2_miss=None,
-                  side: bool = False, coming_s: float = 0.0, on_read=None) -> tuple[list[bool], TierCounts]:
+                  side: bool = False, coming_s: float = 0.0, on_read=None,
+                  landed: Landed | None = None) -> tuple[list[bool], TierCounts]:
         """Fill rows taken for the experts with their records: L2 copies, the file for the rest, checked as
         configured; nothing is published. Returns which came from L2 and the counts; on failure the rows go
         back (side: side rows, the prefetch worker's).
@@ -48,7 +51,8 @@ class RowLoader:
         coming_s: the misses whose records are on their way into L2 (read by another process, or by the daemon)
         are not read: once the rest are, they are waited for, up to coming_s after the lookup, and copied; only
         those that have not landed by then are read too (docs/architecture.md, "Fills"). on_read(True): called once
-        the misses read at first are whole and checked, before that wait."""
+        the misses read at first are whole and checked, before that wait. landed: the misses read at first say so
+        as each lands (ModelFiles.read_into_rows), experts[i] in word i."""
         counts = TierCounts()
         try:
             start = time.perf_counter()
@@ -60,8 +64,9 @@ class RowLoader:
                 counts.l2_awaited = sum(copied) - present
             copied = self._checked_copies(layer, lp, experts, rows, copied)
             copied_at = time.perf_counter()
-            unread = [(e, r) for e, r, ok, c in zip(experts, rows, copied, coming) if not (ok or c)]
-            self._read_checked(layer, lp, unread)
+            at = [i for i, (ok, c) in enumerate(zip(copied, coming)) if not (ok or c)]
+            unread = [(experts[i], rows[i]) for i in at]
+            self._read_checked(layer, lp, unread, landed and dataclasses.replace(landed, at=tuple(at)))
             if on_read is not None:
                 on_read(True)
             read_at = waited_at = time.perf_counter()
@@ -153,14 +158,16 @@ class RowLoader:
             return copied
         return [ok and self._intact_copy(layer, lp, e, r) for e, r, ok in zip(experts, rows, copied)]
 
-    def _read_checked(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> None:
+    def _read_checked(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]],
+                      landed: Landed | None = None) -> None:
         """Read (expert, row) pairs from the model file and check them against the manifest as configured."""
-        sums = self.read_from_l3(layer, lp, todo)
+        sums = self.read_from_l3(layer, lp, todo, landed)
         if self.check_file:
             for (expert, row), checksum in zip(todo, sums or [lp.checksum(row) for _, row in todo]):
                 self.files.check_record(layer, expert, checksum, "the model file")
 
-    def read_from_l3(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]]) -> list[int] | None:
+    def read_from_l3(self, layer: int, lp: LayerPool, todo: list[tuple[int, int]],
+                     landed: Landed | None = None) -> list[int] | None:
         """Read into the rows: stacked models piece by piece, packed ones in one read per expert straight into
         its row, GGUF ones converted to MLX's layout on the way (see ModelFiles.read_into_rows).
         Returns the records' checksums where the format computed them as it read (packed), else None."""
@@ -168,7 +175,7 @@ class RowLoader:
             return None
         targets = [(expert, lp.places(row)) for expert, row in todo]
         return self.files.read_into_rows(self.fds, layer, targets, threads=self.read_threads,
-                                         checksums=self.check_file)
+                                         checksums=self.check_file, landed=landed)
 
     def close(self) -> None:
         for fd in self.fds:

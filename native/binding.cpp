@@ -283,14 +283,16 @@ void init_pread(nb::module_& m) {
         "`unit_bytes`, on up to `threads` threads, with the GIL released. Direct-I/O fds (see "
         "set_direct) read whole aligned blocks, through a bounce buffer where the job is unaligned.");
   m.def("pread_scatter", &pread_scatter, "jobs"_a, "threads"_a = 4, "unit_bytes"_a = kReadUnitBytes,
-        "checksums"_a = false,
+        "checksums"_a = false, "landed"_a = nb::none(),
+        "landed_at"_a = std::vector<int64_t>{}, "landed_fd"_a = -1,
         "For each job (fd, file_offset, nbytes, pieces): the extent read in reads of at most "
         "`unit_bytes`, one preadv each, straight into the pieces (src_offset, nbytes, dst, dst_offset) "
         "as far as a direct read can fill them (wholly, on a buffered fd; pieces that lie in one dst as "
         "they lie in the file as one range, the bytes between them written there too), the rest into "
         "aligned scratch memory and copied out as it lands; on up to `threads` threads, with the GIL "
         "released. With `checksums`, returns each job's CRC-32 over its pieces in order (as zlib.crc32 chained over "
-        "them), computed as the bytes land; else [].");
+        "them), computed as the bytes land; else []. With `landed` (a Buffer of 4-byte words), as all of job j's "
+        "bytes are in its pieces, word landed_at[j] becomes 1 and landed_fd gets one byte.");
   m.def("wake_when_reading", &wake_when_reading, "fds"_a,
         "Have this thread's next pread_records or pread_scatter write one byte to each fd once it has released "
         "the GIL to read: the threads those fds wake then run beside the reads instead of delaying their start. "

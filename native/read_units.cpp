@@ -294,11 +294,15 @@ thread_local std::vector<int> t_read_wakes;
 
 void wake_when_reading(std::vector<int> fds) { t_read_wakes = std::move(fds); }
 
-void flush_read_wakes() {
+void write_wake(int fd) {
   const char byte = 0;
+  while (write(fd, &byte, 1) < 0 && errno == EINTR) {
+  }  // a full pipe or socket holds wake-ups already (EAGAIN): nothing is lost
+}
+
+void flush_read_wakes() {
   for (int fd : t_read_wakes) {
-    while (write(fd, &byte, 1) < 0 && errno == EINTR) {
-    }  // a full pipe or socket holds wake-ups already (EAGAIN): nothing is lost
+    write_wake(fd);
   }
   t_read_wakes.clear();
 }

@@ -98,6 +98,8 @@ std::optional<OsError> run_parallel(size_t n, int threads,
 // Replaces what was set; flush_read_wakes writes what is still set now, and clears it.
 void wake_when_reading(std::vector<int> fds);
 void flush_read_wakes();
+// One byte to a non-blocking fd; a full one already holds a wake-up.
+void write_wake(int fd);
 
 // ValueError unless threads >= 1 and unit_bytes a multiple of kDirectAlign up to 1 GiB.
 void check_threads(const char* fn, int threads, int64_t unit_bytes);

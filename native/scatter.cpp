@@ -274,17 +274,60 @@ std::vector<uint32_t> job_checksums(const std::vector<ScatterPlanJob>& jobs,
   return sums;
 }
 
+// The word each job sets as it lands, and how many units each job still waits for.
+struct Landed {
+  std::vector<uint32_t*> words;
+  int fd = -1;
+  std::unique_ptr<std::atomic<size_t>[]> left;
+
+  void unit_done(size_t job) {
+    if (!words.empty() && left[job].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      __atomic_store_n(words[job], 1u, __ATOMIC_RELEASE);
+      write_wake(fd);
+    }
+  }
+};
+
+Landed landed_words(const char* fn, Memory* landed, const std::vector<int64_t>& at, int fd, const ScatterPlan& plan,
+                    std::vector<std::shared_ptr<Region>>& regions) {
+  Landed signal;
+  if (landed == nullptr) {
+    return signal;
+  }
+  if (fd < 0 || at.size() != plan.jobs.size()) {
+    throw_value_error(fn, "landed needs landed_fd, the descriptor to wake, and landed_at, a word for each of the " +
+                              std::to_string(plan.jobs.size()) + " jobs; got " + std::to_string(at.size()));
+  }
+  regions.push_back(landed->region(fn, true));
+  for (size_t j = 0; j < at.size(); ++j) {
+    size_t off = checked_mul(fn, to_size(fn, "landed_at", at[j]), 4);
+    landed->check_range(fn, off, 4);
+    signal.words.push_back(reinterpret_cast<uint32_t*>(regions.back()->data + off));
+  }
+  if (reinterpret_cast<uintptr_t>(regions.back()->data) % alignof(uint32_t) != 0) {
+    throw_value_error(fn, "landed's words are not 4-byte aligned");
+  }
+  signal.fd = fd;
+  signal.left.reset(new std::atomic<size_t>[plan.jobs.size()]);
+  for (size_t j = 0; j < plan.jobs.size(); ++j) {
+    signal.left[j].store(plan.jobs[j].n_units);
+  }
+  return signal;
+}
+
 }  // namespace
 
 // Each unit's thread reads it, then copies out the bytes of its pieces that no straight range put in place
 // and checksums the pieces' bytes it read, so that both overlap the other units' reads.
 std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int threads, int64_t unit_bytes,
-                                    bool checksums) {
+                                    bool checksums, Memory* landed, const std::vector<int64_t>& landed_at,
+                                    int landed_fd) {
   const char* fn = "pread_scatter";
   check_threads(fn, threads, unit_bytes);
   std::vector<std::shared_ptr<Region>> regions;  // kept mapped while the GIL is released
   FdStates fds;
   const ScatterPlan plan = plan_scatter(fn, jobs, size_t(unit_bytes), checksums, fds, regions);
+  Landed signal = landed_words(fn, landed, landed_at, landed_fd, plan, regions);
   if (plan.scratch_bytes == 0) {  // no job has a byte to read
     return std::vector<uint32_t>(checksums ? jobs.size() : 0, 0);
   }
@@ -304,6 +347,7 @@ std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int thr
     ChecksumPart* unit_parts =
         checksums ? parts.data() + job.first_part + (i - job.first_unit) * job.pieces.size() : nullptr;
     copy_out_unit(job, u, unit_parts);
+    signal.unit_done(u.job);
     return std::nullopt;
   });
   if (failure) {

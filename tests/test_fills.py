@@ -140,6 +140,24 @@ def test_a_fill_claimed_but_not_made_publishes_nothing(daemon_factory, model_dir
     data.close()
 
 
+def test_a_packed_record_is_copied_into_l2_as_it_lands_not_when_the_read_ends(daemon_factory, packed_model,
+                                                                           monkeypatch):
+    """A packed model is read record by record, and each says so as it lands (pread_scatter's landed words): the
+    donor copies it into its slot then, with no word of the whole read's end (read_done, never told here)."""
+    monkeypatch.setattr(donor_module.Donor, "read_done", lambda self, gifts, whole: None)
+    files = ModelFiles.open(packed_model)
+    daemon = daemon_factory([packed_model], quarter_budget(files))
+    k = files.top_k
+    with filling_pool(files, daemon) as pool:
+        assert pool.fetch(0, list(range(k))).l3_reads == k
+        wait_for(lambda: fills(daemon)["donated"] == k, what="the records copied as they landed",
+                 detail=lambda: fills(daemon))
+        assert pool.donor.counts.cancelled == 0
+    assert stats(daemon)["models"][0]["loads_done"] == 0
+    for expert in range(k):
+        assert slot_record(files, daemon, 0, expert) == files.read_record(0, expert)
+
+
 KILLED_DONOR = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})

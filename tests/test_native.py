@@ -1,5 +1,6 @@
 """moe_l2._native on real objects: MLX-backed buffers, shared memory, seqlock copies, preads."""
 
+import contextlib
 import errno
 import itertools
 import os
@@ -908,6 +909,51 @@ def pending_bytes(fd: int) -> bytes:
         return os.read(fd, 64)
     except BlockingIOError:
         return b""
+
+
+def test_pread_scatter_says_each_job_has_landed_as_it_lands(data_file):
+    """Job j's word landed_at[j] becomes 1 once its bytes are all in place, before the jobs after it are read
+    (the donor copies that record meanwhile: client/donor.py). The wake-up pipe is full and blocking here, so
+    the one read thread stops at job 0's wake-up until the test drains it."""
+    fd, payload, _ = data_file
+    mib = 1 << 20
+    dst = native.Buffer(3 * mib)
+    words = native.Buffer(16)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(w, b"\0" * 4096)
+    os.set_blocking(w, True)
+    jobs = [(fd, j * mib, mib, [(0, mib, dst, j * mib)]) for j in range(3)]
+    read = threading.Thread(target=native.pread_scatter, args=(jobs,),
+                            kwargs=dict(threads=1, landed=words, landed_at=[2, 0, 1], landed_fd=w))
+    read.start()
+    try:
+        wait_for(lambda: words.load_u32(8) == 1, what="job 0's word (2)")
+        assert [words.load_u32(4 * i) for i in (0, 1, 3)] == [0, 0, 0]  # jobs 1 and 2 not read yet
+    finally:
+        os.set_blocking(r, False)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(r, 1 << 16):
+                pass
+        read.join()
+    assert [words.load_u32(4 * i) for i in range(4)] == [1, 1, 1, 0]
+    assert bytes(dst.view()) == payload[:3 * mib]
+    os.close(r)
+    os.close(w)
+
+
+def test_pread_scatter_refuses_landed_words_it_cannot_set(data_file):
+    fd, _, _ = data_file
+    dst, words = native.Buffer(PAGE), native.Buffer(8)
+    jobs = [(fd, 0, PAGE, [(0, PAGE, dst, 0)])]
+    for kwargs, message in ((dict(landed_at=[0]), "landed needs landed_fd"),
+                            (dict(landed_at=[0, 1], landed_fd=1), "a word for each of the 1 jobs; got 2"),
+                            (dict(landed_at=[2], landed_fd=1), r"bytes \[8, 12\) are outside"),
+                            (dict(landed_at=[-1], landed_fd=1), "landed_at must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            native.pread_scatter(jobs, landed=words, **kwargs)
 
 
 def test_wakes_asked_for_are_written_by_this_threads_next_read_and_by_a_flush(data_file):

@@ -18,7 +18,7 @@ from typing import Optional
 from moe_l2.model import gguf, packed, safetensors
 from moe_l2.model.bounds import check_directory, open_regular
 from moe_l2.model.checksums import MANIFEST_NAME, CorruptRecord, Manifest, UnreadableRecord, load_manifest
-from moe_l2.model.records import RecordLayout, RecordReader, hash_part
+from moe_l2.model.records import Landed, RecordLayout, RecordReader, hash_part
 from moe_l2.ranges import format_ranges, format_ranges_of
 
 __all__ = ["DIRECT_IO", "ModelFiles"]
@@ -243,16 +243,17 @@ class ModelFiles:
             raise self._unreadable(layer, [expert for expert, *_ in targets], exc, fds) from None
 
     def read_into_rows(self, fds: list[int], layer: int, targets, *, threads: int = 1,
-                       checksums: bool = False) -> list[int] | None:
+                       checksums: bool = False, landed: Landed | None = None) -> list[int] | None:
         """Read records of one layer into client pool rows, from fds (from open_fds), with the native reads.
 
         targets: [(expert, [(memory, offset), one per layout piece])]. A stacked record is read piece by
         piece, a packed one in one read scattered into the rows, a GGUF one converted on the way. With
-        checksums: each record's record_checksum where the format computes it as it reads (packed), else None."""
+        checksums: each record's record_checksum where the format computes it as it reads (packed), else None.
+        landed: where the format reads record by record (packed), each record says so as it lands."""
         for expert, _ in targets:
             self._check(layer, expert)
         try:
-            return self.reader.read_into_rows(fds, layer, targets, threads, checksums)
+            return self.reader.read_into_rows(fds, layer, targets, threads, checksums, landed)
         except OSError as exc:
             raise self._unreadable(layer, [expert for expert, _ in targets], exc, fds) from None
 

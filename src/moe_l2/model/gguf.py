@@ -41,7 +41,7 @@ from typing import Optional
 import numpy as np
 
 from moe_l2.model.bounds import Extent, check_extents, open_regular
-from moe_l2.model.records import RecordLayout, RecordReader, hash_part, pread_plain
+from moe_l2.model.records import Landed, RecordLayout, RecordReader, hash_part, pread_plain
 
 __all__ = ["SUPPORTED_TYPES", "GROUP_SIZE", "Source", "GGUFModel", "is_gguf", "parse", "piece_specs",
            "transcode_reference", "GGUFReader"]
@@ -504,7 +504,7 @@ class GGUFReader(RecordReader):
                                      for expert, memory, base, _ in targets], threads)
 
     def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int,
-                       checksums: bool = False) -> None:
+                       checksums: bool = False, landed: Landed | None = None) -> None:
         self._transcode(fds, layer, targets, threads)
 
     def _scratch(self, nbytes: int):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from moe_l2.model.records import PACK_ALIGN, RecordLayout, RecordReader
+from moe_l2.model.records import PACK_ALIGN, Landed, RecordLayout, RecordReader
 from moe_l2.model.safetensors import Checkpoint, SafetensorsReader
 
 __all__ = ["PACK_MARKER", "NotPacked", "record_starts", "PackedReader", "checkpoint_reader"]
@@ -86,7 +86,7 @@ class PackedReader(SafetensorsReader):
         _native.pread_records(jobs, threads=threads, unit_bytes=self.read_unit_bytes)
 
     def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int,
-                       checksums: bool = False) -> list[int] | None:
+                       checksums: bool = False, landed: Landed | None = None) -> list[int] | None:
         from moe_l2 import _native
 
         scatter = []
@@ -98,7 +98,8 @@ class PackedReader(SafetensorsReader):
         sums = []
         for i in range(0, len(scatter), per_call):
             sums += _native.pread_scatter(scatter[i:i + per_call], threads=threads, unit_bytes=self.read_unit_bytes,
-                                          checksums=checksums)
+                                          checksums=checksums, **({} if landed is None else dict(
+                                              landed=landed.words, landed_at=landed.at[i:i + per_call], landed_fd=landed.fd)))
         return sums if checksums else None
 
 

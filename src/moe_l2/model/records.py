@@ -19,7 +19,7 @@ from moe_l2 import _native
 from moe_l2.layout import record_stride
 from moe_l2.model.bounds import open_regular
 
-__all__ = ["ALIGN", "PACK_ALIGN", "FORMATS", "Piece", "RecordLayout", "RecordReader", "hash_part", "pread_plain",
+__all__ = ["ALIGN", "PACK_ALIGN", "FORMATS", "Landed", "Piece", "RecordLayout", "RecordReader", "hash_part", "pread_plain",
            "record_checksum"]
 
 ALIGN = 64
@@ -30,6 +30,17 @@ FORMATS = ("safetensors", "packed", "gguf")
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Landed:
+    """Where a read into rows says that a record is whole: word at[i] of `words` (4 bytes each, a _native.Memory)
+    becomes 1 as targets[i] lands, and `fd` gets one byte (client/donor.py copies the record on into L2 while
+    the records after it are still read)."""
+
+    words: object
+    fd: int
+    at: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,12 +197,13 @@ class RecordReader(ABC):
 
     @abstractmethod
     def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int,
-                       checksums: bool = False) -> list[int] | None:
+                       checksums: bool = False, landed: Landed | None = None) -> list[int] | None:
         """Read records into client pool rows, in MLX's layout, with the native reads (GIL released).
 
         targets: [(expert, [(memory, offset), one per layout piece])]; fds from ModelFiles.open_fds. With
         checksums, a reader that computes them as the bytes land (packed) returns each target's
-        record_checksum; None means the caller computes them."""
+        record_checksum; None means the caller computes them. With `landed`, a reader that reads record by
+        record (packed) says as each lands; the others say nothing, and the caller learns at the end."""
 
     @abstractmethod
     def expert_tensor_names(self) -> set[str]:

@@ -24,7 +24,7 @@ from typing import Optional
 from moe_l2.model.architecture import SwitchLayer, decoder_layer, switch_layers
 from moe_l2.model.bounds import (MAX_CONFIG_BYTES, MAX_HEADER_BYTES, MAX_INDEX_BYTES, Extent, check_config,
                                  check_extents, open_regular, parse_json, read_regular)
-from moe_l2.model.records import RecordLayout, RecordReader, hash_part, pread_plain
+from moe_l2.model.records import Landed, RecordLayout, RecordReader, hash_part, pread_plain
 
 __all__ = ["INDEX_NAME", "DTYPES", "Tensor", "Header", "read_header", "Checkpoint", "read_checkpoint",
            "SafetensorsReader"]
@@ -390,7 +390,7 @@ class SafetensorsReader(RecordReader):
         _native.pread_records(jobs, threads=threads)
 
     def read_into_rows(self, fds: list[int], layer: int, targets: list[tuple], threads: int,
-                       checksums: bool = False) -> None:
+                       checksums: bool = False, landed: Landed | None = None) -> None:
         from moe_l2 import _native
 
         jobs = [(fds[f], off, n, mem, dst_off) for expert, rows in targets
