@@ -156,7 +156,7 @@ class Donor:
                         self._disconnect(selector)
                         break
                 self._send_gifts()
-                self._take_reads()
+                self._answer_whole()
             self._drain(selector)
         finally:
             self._disconnect(selector)
@@ -290,7 +290,7 @@ class Donor:
                 gift.pool.offer(gift.row)
             gift.slot = slot
             if gift.whole() is None:
-                self._offered[gift] = None  # copied once its record has landed (_take_reads)
+                self._offered[gift] = None  # copied once its record has landed (_answer_whole)
                 reading.append(gift)
             else:
                 self._answer(gift)
@@ -311,7 +311,7 @@ class Donor:
         except OSError as exc:
             log.debug("could not map slot %d of layer %d ahead of its copy: %s", gift.slot, gift.layer, exc)
 
-    def _take_reads(self) -> None:
+    def _answer_whole(self) -> None:
         """Answer the offers whose records landed or whose reads ended since."""
         for gift in [gift for gift in self._offered if gift.whole() is not None]:
             del self._offered[gift]
@@ -366,7 +366,7 @@ class Donor:
         process stays reserved until it answers; a record reported as given is read by no one else), within
         ANSWER_S each."""
         self._send_gifts()
-        self._take_reads()
+        self._answer_whole()
         if self._sock is None:
             return
         try:
@@ -376,7 +376,7 @@ class Donor:
                     return
                 for message in self._reader.feed(data):
                     self._on_offer(message)
-            self._take_reads()
+            self._answer_whole()
             self._drop(list(self._offered))  # no read is running any more: none of these will be whole
         except (OSError, FillProtocolError):
             return

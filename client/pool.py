@@ -341,8 +341,9 @@ class ExpertPool:
             # has let go of the GIL (woken before, they delayed its start: docs/decisions.md, "Fills").
             unread = [i for i, (ok, c) in enumerate(zip(copied, coming)) if not (ok or c)]
             given = [missing[i] for i in unread]
-            gifts.extend(self.donor.give(layer, lp, given, [rows[i] for i in unread], keep=[*lookup.lent, *lookup.picks],
-                                         wake=False, landed=landed.words, words=unread))
+            gifts.extend(self.donor.give(layer, lp, given, [rows[i] for i in unread],
+                                         keep=[*lookup.lent, *lookup.picks], wake=False, landed=landed.words,
+                                         words=unread))
             lookup.copied, lookup.given = copied, given
             lookup.report(self.client, now=True, wake=False)
             _native.wake_when_reading([self.donor.wake_fd, self.client.wake_fd])

@@ -96,10 +96,10 @@ class PackedReader(SafetensorsReader):
                             [(p.offset, p.nbytes, mem, off) for p, (mem, off) in zip(self.layout.pieces, rows)]))
         per_call = max(1, _SCATTER_BYTES // self.layout.span)
         sums = []
+        words, at, fd = (landed.words, landed.at, landed.fd) if landed is not None else (None, (), -1)
         for i in range(0, len(scatter), per_call):
             sums += _native.pread_scatter(scatter[i:i + per_call], threads=threads, unit_bytes=self.read_unit_bytes,
-                                          checksums=checksums, **({} if landed is None else dict(
-                                              landed=landed.words, landed_at=landed.at[i:i + per_call], landed_fd=landed.fd)))
+                                          checksums=checksums, landed=words, landed_at=at[i:i + per_call], landed_fd=fd)
         return sums if checksums else None
 
 

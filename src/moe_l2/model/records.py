@@ -19,8 +19,8 @@ from moe_l2 import _native
 from moe_l2.layout import record_stride
 from moe_l2.model.bounds import open_regular
 
-__all__ = ["ALIGN", "PACK_ALIGN", "FORMATS", "Landed", "Piece", "RecordLayout", "RecordReader", "hash_part", "pread_plain",
-           "record_checksum"]
+__all__ = ["ALIGN", "PACK_ALIGN", "FORMATS", "Landed", "Piece", "RecordLayout", "RecordReader", "hash_part",
+           "pread_plain", "record_checksum"]
 
 ALIGN = 64
 # Packed records start at multiples of this many bytes (the direct-I/O block: 512 and 4096 divide it).
