@@ -361,7 +361,8 @@ def test_a_layer_waits_for_its_donor_to_copy_a_row_whose_slot_is_offered_instead
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/pagemap is Linux's")
 def test_the_donor_maps_an_offered_slot_while_the_read_runs(running_daemon, model_files, monkeypatch):
     """The slots offered for layer 0's misses are mapped for writing while their reads still run (held), so that
-    the copy after the read takes no page fault; a slot not offered (layer 1's) is not; the copies land exact."""
+    the copy after the read takes no page fault; a slot not offered (layer 1's) is not; the copies land exact. The
+    same slots offered again (L2 holds top-k experts a layer) are not asked for again."""
     k = model_files.top_k
     stride = slot_stride(model_files, running_daemon)
     with shared_pool_with_copies_held(model_files, running_daemon, monkeypatch) as (pool, release):
@@ -371,9 +372,21 @@ def test_the_donor_maps_an_offered_slot_while_the_read_runs(running_daemon, mode
         wait_for(lambda: all(pages_mapped(segment.address + slot * stride, stride) == stride // os.sysconf(
             "SC_PAGESIZE") for slot in offered), what="the offered slots mapped before their reads end")
         assert pages_mapped(pool.donor._writable[1].address, stride) == 0  # layer 1 gave nothing
+        assert pool.donor.counts.mapped == k
         release()
         wait_for(lambda: fills(running_daemon)["donated"] == k, what="layer 0's donations")
-    for expert in range(k):
+        through, held = donor_module.Donor.read_done, []
+        monkeypatch.setattr(donor_module.Donor, "read_done",
+                            lambda self, gifts, whole: held.append((self, list(gifts), whole)))
+        assert pool.fetch(0, list(range(k, 2 * k))).l3_reads == k
+        rows = pool.layers[0].rows
+        wait_for(lambda: sum(rows.offered.values()) == k, what="the same slots offered for k other experts")
+        for args in held:
+            through(*args)
+        wait_for(lambda: fills(running_daemon)["donated"] == 2 * k, what="the second donations",
+                 detail=lambda: fills(running_daemon))
+        assert pool.donor.counts.mapped == k
+    for expert in range(k, 2 * k):
         assert slot_record(model_files, running_daemon, 0, expert) == model_files.read_record(0, expert)
 
 
