@@ -304,8 +304,8 @@ class Donor:
     def _prefault(self, gift: Gift) -> None:
         """Map the offered slot's pages while the read still runs: a first write into a page of a mapping costs a
         fault, which made the copy after the read 5 times as long (docs/benchmarks.md, "The donor's copy"). A slot
-        this mapping wrote before is left alone: asking again walks its pages (0.5 ms for 12.6 MiB), and where the
-        kernel or moe-l2d's governor took them back since, the copy faults them in as before."""
+        this mapping wrote before is left alone: asking again would walk its pages, and where the kernel or moe-l2d's
+        governor took them back since, the copy faults them in as before."""
         attachment = self.client.attachment
         key = (gift.layer, gift.slot)
         if attachment is None or not 0 <= gift.slot < attachment.slots[gift.layer] or key in self._mapped:
