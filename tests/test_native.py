@@ -921,9 +921,10 @@ def test_pread_scatter_says_each_job_has_landed_as_it_lands(data_file):
     words = native.Buffer(16)
     r, w = os.pipe()
     os.set_blocking(w, False)
-    with contextlib.suppress(BlockingIOError):
-        while True:
-            os.write(w, b"\0" * 4096)
+    for chunk in (b"\0" * 4096, b"\0"):  # full to the last byte
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(w, chunk)
     os.set_blocking(w, True)
     jobs = [(fd, j * mib, mib, [(0, mib, dst, j * mib)]) for j in range(3)]
     read = threading.Thread(target=native.pread_scatter, args=(jobs,),
