@@ -278,12 +278,15 @@ std::vector<uint32_t> job_checksums(const std::vector<ScatterPlanJob>& jobs,
 struct Landed {
   std::vector<uint32_t*> words;
   int fd = -1;
-  std::unique_ptr<std::atomic<size_t>[]> left;
+  std::unique_ptr<std::atomic<size_t>[]> left;  // per job its units not landed, then the jobs not landed
 
+  // The call's last job to land wakes no one: the call returns with it, and its caller says so.
   void unit_done(size_t job) {
     if (!words.empty() && left[job].fetch_sub(1, std::memory_order_acq_rel) == 1) {
       __atomic_store_n(words[job], 1u, __ATOMIC_RELEASE);
-      write_wake(fd);
+      if (left[words.size()].fetch_sub(1, std::memory_order_acq_rel) != 1) {
+        write_wake(fd);
+      }
     }
   }
 };
@@ -308,10 +311,11 @@ Landed landed_words(const char* fn, Memory* landed, const std::vector<int64_t>& 
     throw_value_error(fn, "landed's words are not 4-byte aligned");
   }
   signal.fd = fd;
-  signal.left.reset(new std::atomic<size_t>[plan.jobs.size()]);
+  signal.left.reset(new std::atomic<size_t>[plan.jobs.size() + 1]);
   for (size_t j = 0; j < plan.jobs.size(); ++j) {
     signal.left[j].store(plan.jobs[j].n_units);
   }
+  signal.left[plan.jobs.size()].store(plan.jobs.size());
   return signal;
 }
 

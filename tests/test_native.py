@@ -913,34 +913,39 @@ def pending_bytes(fd: int) -> bytes:
 
 def test_pread_scatter_says_each_job_has_landed_as_it_lands(data_file):
     """Job j's word landed_at[j] becomes 1 once its bytes are all in place, before the jobs after it are read
-    (the donor copies that record meanwhile: client/donor.py). The wake-up pipe is full and blocking here, so
-    the one read thread stops at job 0's wake-up until the test drains it."""
+    (the donor copies that record meanwhile: client/donor.py), and landed_fd gets a byte for each job but the last
+    to land, which the call returns with. The wake-up pipe is full and blocking here, so the one read thread stops
+    at job 0's wake-up until the test drains it."""
     fd, payload, _ = data_file
     mib = 1 << 20
     dst = native.Buffer(3 * mib)
     words = native.Buffer(16)
     r, w = os.pipe()
     os.set_blocking(w, False)
+    filled = 0
     for chunk in (b"\0" * 4096, b"\0"):  # full to the last byte
         with contextlib.suppress(BlockingIOError):
             while True:
-                os.write(w, chunk)
+                filled += os.write(w, chunk)
     os.set_blocking(w, True)
+    os.set_blocking(r, False)
     jobs = [(fd, j * mib, mib, [(0, mib, dst, j * mib)]) for j in range(3)]
     read = threading.Thread(target=native.pread_scatter, args=(jobs,),
                             kwargs=dict(threads=1, landed=words, landed_at=[2, 0, 1], landed_fd=w))
     read.start()
+    drained = 0
     try:
         wait_for(lambda: words.load_u32(8) == 1, what="job 0's word (2)")
         assert [words.load_u32(4 * i) for i in (0, 1, 3)] == [0, 0, 0]  # jobs 1 and 2 not read yet
     finally:
-        os.set_blocking(r, False)
-        with contextlib.suppress(BlockingIOError):
-            while os.read(r, 1 << 16):
-                pass
+        while chunk := pending_bytes(r):
+            drained += len(chunk)
         read.join()
+    while chunk := pending_bytes(r):
+        drained += len(chunk)
     assert [words.load_u32(4 * i) for i in range(4)] == [1, 1, 1, 0]
     assert bytes(dst.view()) == payload[:3 * mib]
+    assert drained - filled == 2  # jobs 0 and 1
     os.close(r)
     os.close(w)
 
