@@ -306,11 +306,9 @@ class Donor:
         fault, which made the copy after the read 5 times as long (docs/benchmarks.md, "The donor's copy"). A slot
         this mapping wrote before is left alone: asking again would walk its pages, and where the kernel or moe-l2d's
         governor took them back since, the copy faults them in as before."""
-        attachment = self.client.attachment
-        key = (gift.layer, gift.slot)
-        if attachment is None or not 0 <= gift.slot < attachment.slots[gift.layer] or key in self._mapped:
-            return  # _copy refuses the first
-        stride = attachment.geometry.slot_stride
+        key, stride = (gift.layer, gift.slot), self._slot_stride(gift.layer, gift.slot)
+        if stride is None or key in self._mapped:
+            return  # not one of the layer's slots (_copy refuses it), or mapped already
         try:
             self._writable[gift.layer].prefault(gift.slot * stride, stride)
         except OSError as exc:
@@ -318,6 +316,13 @@ class Donor:
             return
         self._mapped.add(key)
         self.counts.mapped += 1
+
+    def _slot_stride(self, layer: int, slot: int) -> int | None:
+        """The slot stride of the daemon attached now, where `slot` is one of the layer's slots; else None."""
+        attachment = self.client.attachment
+        if attachment is None or not 0 <= slot < attachment.slots[layer]:
+            return None
+        return attachment.geometry.slot_stride
 
     def _answer_whole(self) -> None:
         """Answer the offers whose records landed or whose reads ended since."""
@@ -356,13 +361,13 @@ class Donor:
     def _copy(self, gift: Gift, slot: int) -> int | None:
         """Copy the gift's row into the slot; its checksum, or None when the row was handed out again since the
         record was read (before or during the copy) or the slot is not one of the layer's."""
-        attachment = self.client.attachment
-        if attachment is None or not 0 <= slot < attachment.slots[gift.layer]:
+        stride = self._slot_stride(gift.layer, slot)
+        if stride is None:
             return None
         memory, offset, writes = gift.pool.row_state(gift.row)
         if writes != gift.writes:
             return None
-        layout, stride = self.files.layout, attachment.geometry.slot_stride
+        layout = self.files.layout
         # With a manifest the daemon checks the slot against it, and the donor's checksum is not needed.
         pieces = [] if self.files.checksums is not None else [(p.offset, p.nbytes) for p in layout.pieces]
         checksum = _native.copy_record(memory, offset, self._writable[gift.layer], slot * stride, layout.nbytes,

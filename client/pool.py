@@ -42,7 +42,7 @@ from moe_l2.client.layerpool import AutopinLayerPool, LayerPool, SharedRows, Syn
 from moe_l2.client.lookup import Lookup, TierCounts
 from moe_l2.client.options import DEFAULTS, StreamOptions
 from moe_l2.client.prefetcher import PrefetchCounts, Prefetcher, side_rows
-from moe_l2.client.row_loader import RowLoader
+from moe_l2.client.row_loader import RowLoader, to_read
 from moe_l2.client.slot_waits import WaitCounts
 
 log = logging.getLogger("moe-l2.client")
@@ -339,7 +339,7 @@ class ExpertPool:
             # report the lookup now, so that the daemon's policy knows of it before it picks their victims. Those
             # on their way into L2 are waited for (load_rows), not given. The two threads are woken once the read
             # has let go of the GIL (woken before, they delayed its start: docs/decisions.md, "Fills").
-            unread = [i for i, (ok, c) in enumerate(zip(copied, coming)) if not (ok or c)]
+            unread = to_read(copied, coming)
             given = [missing[i] for i in unread]
             gifts.extend(self.donor.give(layer, lp, given, [rows[i] for i in unread],
                                          keep=[*lookup.lent, *lookup.picks], wake=False, landed=landed.words,

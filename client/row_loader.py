@@ -26,6 +26,11 @@ COPY_THREADS = min(8, os.cpu_count() or 1)
 READ_THREADS = max(4, COPY_THREADS)
 
 
+def to_read(copied: list[bool], coming: list[bool]) -> list[int]:
+    """The indexes of the misses neither copied from L2 nor on their way into it: those the file is read for."""
+    return [i for i, (ok, c) in enumerate(zip(copied, coming)) if not (ok or c)]
+
+
 class RowLoader:
     """One pool's model file descriptors, its L2 client, its checks and its waits for records coming into L2."""
 
@@ -64,7 +69,7 @@ class RowLoader:
                 counts.l2_awaited = sum(copied) - present
             copied = self._checked_copies(layer, lp, experts, rows, copied)
             copied_at = time.perf_counter()
-            at = [i for i, (ok, c) in enumerate(zip(copied, coming)) if not (ok or c)]
+            at = to_read(copied, coming)
             unread = [(experts[i], rows[i]) for i in at]
             self._read_checked(layer, lp, unread, landed and dataclasses.replace(landed, at=tuple(at)))
             if on_read is not None:

@@ -181,11 +181,10 @@ def l0_slots_for(files: ModelFiles, slots: int | None = None, budget: int | str 
     """L0 experts per layer (shared: in all, rows any of the process' `n_layers` MoE layers takes): `slots`, or
     as many as `budget` bytes buy beside `side` side rows (next-layer prefetch's, laid out as the slots: the
     budget is a hard ceiling on both), or the plan's for this machine's memory (moe_l2.plan), less the side
-    rows: beside_l2 (shared, and a daemon answered at load), top_k rows in all and what L2 leaves unused (moe_l2.plan
-    .shared_l0_rows); else
-    a quarter of the experts, at least twice the experts per token, fewer when memory is short (in all, that
-    many per layer). At least top_k: a token needs them all. Given as `slots`, the side rows come on top
-    (ExpertPool.ceiling_bytes counts both)."""
+    rows: beside_l2 (shared, and a daemon answered at load), top_k rows in all and what L2 leaves unused
+    (moe_l2.plan.shared_l0_rows); else a quarter of the experts, at least twice the experts per token, fewer when
+    memory is short (in all, that many per layer). At least top_k: a token needs them all. Given as `slots`, the
+    side rows come on top (ExpertPool.ceiling_bytes counts both)."""
     n_layers = n_layers or files.n_layers
     where = "in all" if shared else "per layer"
     if slots is not None and budget is not None:
