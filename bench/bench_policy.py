@@ -20,6 +20,9 @@ section writes its file after each of its runs, so one stopped early keeps what 
                the domains in reverse order, and 4 client processes taking turns; and the held-out interleave
                once more as a restarted daemon scores it, after the tuning half (replay --warm); all layers.
 - sweep:       the learned policy against LRU at every capacity, held-out sequences, every 6th layer.
+- foresight:   a bound, not a policy: the learned policy told which experts the next D batches pick (Belady's
+               knowledge, that far ahead), against the learned policy, LRU and MIN; layers 1-5, all sequences
+               interleaved, at the main section's capacities.
 - cost:        microseconds per lookup of the store with LRU, adaptive and learned, taking turns, with one client
                and with several reporting in turn, at layer 1 with layer 0's batches as context; the learned
                policy's memory per layer and per model.
@@ -38,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from moe_l2.sizes import format_pct, format_size
@@ -409,6 +413,95 @@ def report_sweep(results: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- foresight ------------------------------------------------------------------------------------------
+
+FORESIGHT = (1, 2, 4, 8)  # batches the bound sees ahead
+FORESIGHT_LAYERS = (1, 2, 3, 4, 5)
+
+
+class Foresight:
+    """The learned policy, told each expert's next pick where it falls within the next `ahead` batches: those are
+    kept, the one picked latest evicted first among them, and the rest ranked by the model. It reads the future,
+    so it bounds what a better prediction of the next `ahead` batches could give; nothing online can run it."""
+
+    def __init__(self, n_experts: int, slots: int, batches: list, ahead: int) -> None:
+        self.model = learned.LearnedReuse(n_experts, slots)
+        self.future = policies.BeladyMIN(batches)
+        self.ahead = ahead
+
+    def at(self, t: int) -> None:
+        self.future.at(t)
+
+    def observe(self, experts, source=None, context=None) -> None:
+        self.model.observe(experts, source, context)
+
+    def insert(self, expert: int) -> None:
+        pass
+
+    def evict(self, expert: int) -> None:
+        pass
+
+    def _wait(self, expert: int) -> float:
+        return self.future.next_use(expert) - self.future.now
+
+    def victim(self, candidates) -> int:
+        unforeseen = [c for c in candidates if self._wait(c) > self.ahead]
+        if unforeseen:
+            return self.model.victim(unforeseen)
+        return max(sorted(candidates), key=self._wait)
+
+    def load_order(self, misses: list[int]) -> list[int]:
+        """As MIN loads: what a later load of the token may evict first (the unforeseen, coldest first)."""
+        unforeseen = [e for e in misses if self._wait(e) > self.ahead]
+        foreseen = sorted((e for e in misses if self._wait(e) <= self.ahead), key=lambda e: (-self._wait(e), e))
+        return self.model.hottest(unforeseen)[::-1] + foreseen
+
+
+def foresight_run(job: tuple) -> tuple:
+    layer, slots, name, ahead, batches, n_experts, context = job
+    task = rp.Task(layer, slots, name, batches, n_experts, context=context)
+    bound = Foresight(n_experts, slots, batches, ahead) if ahead else None
+    r = rp.replay_layer(task, bound)
+    return slots, name, ahead, r["hits"], r["lookups"]
+
+
+def section_foresight(traces_by_file: dict, jobs: int) -> dict:
+    """Hit rates of LRU, MIN, the learned policy and its Foresight bounds, over layers 1-5, per capacity."""
+    out = {}
+    for name, traces in traces_by_file.items():
+        tokens = [t for s in rp.order_sequences(traces.sequences, "interleave", 0) for t in s.experts]
+        batches = {layer: [tuple(t[layer]) for t in tokens] for layer in (0, *FORESIGHT_LAYERS)}
+        runs = [("lru", 0), ("min", 0), ("learned", 0)] + [("learned", d) for d in FORESIGHT]
+        work = [(layer, slots, policy, ahead, batches[layer], traces.n_experts, batches[layer - 1])
+                for slots in slots_for(traces.n_experts) for policy, ahead in runs for layer in FORESIGHT_LAYERS]
+        with ProcessPoolExecutor(jobs) as pool:
+            done = list(pool.map(foresight_run, work, chunksize=1))
+        hits: dict = {}
+        for slots, policy, ahead, h, lookups in done:
+            got = hits.setdefault(f"{slots}|{policy}|{ahead}", [0, 0])
+            got[0] += h
+            got[1] += lookups
+        out[name] = {"n_experts": traces.n_experts,
+                     "hit_rates": {key: h / lookups for key, (h, lookups) in hits.items()}}
+    return out
+
+
+def report_foresight(results: dict) -> str:
+    heads = " | ".join(f"told {d} ahead" for d in FORESIGHT)
+    lines = [f"| trace | slots | learned | {heads} |", "|---|---|---|" + "---|" * len(FORESIGHT)]
+    for name, result in results.items():
+        rates = result["hit_rates"]
+        for slots in sorted({int(key.split("|")[0]) for key in rates}):
+            lru, ceiling = rates[f"{slots}|lru|0"], rates[f"{slots}|min|0"]
+
+            def cell(ahead: int) -> str:
+                rate = rates[f"{slots}|learned|{ahead}"]
+                return f"{100 * gap_closed(rate, lru, ceiling):.0f}%, {(1 - rate) / (1 - ceiling):.2f}x"
+            lines.append(f"| {name.split('.')[0]} | {slots} ({100 * slots / result['n_experts']:g}%) | {cell(0)} | "
+                         + " | ".join(cell(d) for d in FORESIGHT) + " |")
+    return "\n".join(lines)
+
+
 def record_bytes(model: str) -> int | None:
     geometry = GEOMETRIES.get(model)
     return geometry.layout().nbytes if geometry is not None else None
@@ -489,7 +582,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "traces",
                         help="folder of *.jsonl.gz traces (default ../shared/traces beside the repo)")
-    parser.add_argument("--sections", default="main,hints,predictor,sensitivity,learned,sweep,cost")
+    parser.add_argument("--sections", default="main,hints,predictor,sensitivity,learned,sweep,foresight,cost")
     parser.add_argument("--results", type=Path, default=Path(tempfile.gettempdir()) / "moe-l2-bench-policy",
                         help="where each section's JSON goes (and --report-only reads it)")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "policy-hit-rate.png")
@@ -519,6 +612,7 @@ def main() -> int:
         "sensitivity": (lambda: section_sensitivity(traces, args.jobs, args.layer_step), report_sensitivity),
         "learned": (lambda: section_learned(traces, args.jobs, lambda data: write("learned", data)), report_learned),
         "sweep": (lambda: section_sweep(traces, args.jobs, args.layer_step), report_sweep),
+        "foresight": (lambda: section_foresight(traces, args.jobs), report_foresight),
         "cost": (lambda: section_cost(traces), report_cost),
     }
     for section in sections:

@@ -142,6 +142,14 @@ def test_belady_evicts_the_farthest_next_use():
     assert policy.victim([1, 0]) == 0  # neither returns: lowest id, deterministic
 
 
+def test_replay_layer_runs_a_policy_made_already_instead_of_the_tasks():
+    rng = random.Random(3)
+    batches = [tuple(rng.sample(range(8), 2)) for _ in range(200)]
+    task = rp.Task(0, 3, "lru", batches, 8)
+    lru = rp.replay_layer(task)["hits"]
+    assert rp.replay_layer(task, BeladyMIN(batches))["hits"] == min_hits(batches, 8, 3) > lru
+
+
 # ---- replay ------------------------------------------------------------------------------------------
 
 

@@ -135,9 +135,10 @@ class Task:
     context: list | None = None  # per token, the batch at the layer before (None: the first layer)
 
 
-def replay_layer(task: Task) -> dict:
-    """One layer, one capacity, one policy: the daemon's own LayerStore over the layer's token batches."""
-    policy, held = _started(task)
+def replay_layer(task: Task, policy=None) -> dict:
+    """One layer, one capacity, one policy: the daemon's own LayerStore over the layer's token batches. `policy`:
+    one made already (a bench's bound, which may read the batches' future), instead of the task's."""
+    policy, held = (policy, []) if policy is not None else _started(task)
     store = LayerStore(task.n_experts, task.slots, policy)
     for e in held:
         store.commit(store.reserve(e))
