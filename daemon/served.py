@@ -327,11 +327,20 @@ class ServedModel:
                     row[expert] += 1
         hits_total = misses_total = 0
         for layer, (hits, misses) in layers.items():
+            store = self.stores[layer]
+            # A policy that may observe beside its victim() (the learned one's numpy work, 0.1-0.4 ms a report) is
+            # told outside the lock, which the fill desk's reservations and the loaders' publishing wait for
+            # (docs/architecture.md, "Policies, profiles and hints").
+            apart = getattr(store.policy, "concurrent_observe", False)
             with self.lock:
                 before = self.stores.get(layer - 1)
-                self.stores[layer].observe(lookups[layer], source, before.latest(source) if before else None)
+                context = before.latest(source) if before else None
+                if not apart:
+                    store.observe(lookups[layer], source, context)
                 self.layer_hits[layer] += len(hits)
                 self.layer_misses[layer] += len(misses)
+            if apart:
+                store.observe(lookups[layer], source, context)
             hits_total += len(hits)
             misses_total += len(misses)
             # The batch's own experts are never evicted for its misses: a client may be computing on them in

@@ -39,6 +39,7 @@ history + the clients)) per batch.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -74,6 +75,9 @@ PAIR_STATE_BYTES = 4 * len(_PAIRED) * len(HORIZON_MULTIPLES)
 
 class LearnedReuse:
     name = "learned"
+    # observe() may run on one thread beside victim(), hottest() and state() on others: they read one _Ranking,
+    # which observe replaces whole, and state() waits for observe. moe-l2d runs it outside its store lock.
+    concurrent_observe = True
 
     def __init__(self, n_experts: int, capacity: int) -> None:
         if n_experts < 1 or capacity < 1:
@@ -98,17 +102,21 @@ class LearnedReuse:
         self._clock = 0
         self._recent: OrderedDict[object, _Source] = OrderedDict()
         self._batch_mean = 0.0
-        self._score = [0.0] * n
-        self._last = [0] * n  # clock of each expert's latest pick: ties, the LRU ranking
+        self._ranking = _Ranking([0.0] * n, [0] * n, False)
         self.capacity = capacity
         self._lru_shadow: OrderedDict[int, None] = OrderedDict()
         self._model_shadow: set[int] = set()
         self._duel = [0.0, 0.0]  # decayed hits of the LRU shadow and of the model's
         self._duel_inc = 1.0
-        self.follows_lru = False
+        self._lock = threading.Lock()
 
     def set_capacity(self, n_slots: int) -> None:
         self.capacity = n_slots
+
+    @property
+    def follows_lru(self) -> bool:
+        """Whether the cache evicts as LRU does now (the guard: LRU's shadow has hit more lately)."""
+        return self._ranking.follows_lru
 
     @property
     def horizon(self) -> int:
@@ -123,8 +131,11 @@ class LearnedReuse:
         client's latest picks at the layer before (None: unknown); the model learns from the batch `horizon`
         batches back and scores every expert anew."""
         picked = sorted(set(experts))
-        if not picked:
-            return
+        if picked:
+            with self._lock:
+                self._observe(picked, source, context)
+
+    def _observe(self, picked: list[int], source, context: Iterable[int] | None) -> None:
         ids = np.array(picked, np.intp)
         self._clock += 1
         clock = self._clock
@@ -156,11 +167,10 @@ class LearnedReuse:
         for pending in self._pending:
             pending.append(scored)
         mine.chances = 1.0 / (1.0 + np.exp(-logits))
-        self._score = self._scores()
-        last = self._last
+        score, last = self._scores(), list(self._ranking.last)
         for e in picked:
             last[e] = clock
-        self._shadows(picked)
+        self._ranking = _Ranking(score, last, self._shadows(picked, score, last))
 
     @property
     def nbytes(self) -> int:
@@ -226,13 +236,13 @@ class LearnedReuse:
         weights = np.concatenate([scored.past_weights for _, scored in due])
         _step(self._history, self._history_ms, index, weights[:, None] * grad)
 
-    def _shadows(self, picked: list[int]) -> None:
-        """Run the picks through the LRU shadow and the model's, and follow LRU while it has hit more lately."""
+    def _shadows(self, picked: list[int], score: list[float], last: list[int]) -> bool:
+        """Run the picks through the LRU shadow and the model's, ranked by `score` and `last`: whether to follow
+        LRU, which has hit more lately."""
         capacity = self.capacity
         low, high = DUEL_WINDOW
         self._duel_inc *= 2.0 ** (1.0 / min(high, max(low, self._clock * DUEL_AGE)))
         lru, model = self._lru_shadow, self._model_shadow
-        score, last = self._score, self._last
         hits = [0, 0]
         for e in picked:
             if e in lru:
@@ -254,7 +264,7 @@ class LearnedReuse:
         if self._duel_inc > _RESCALE:
             self._duel = [h / self._duel_inc for h in duel]
             self._duel_inc = 1.0
-        self.follows_lru = self._duel[0] > self._duel[1]
+        return self._duel[0] > self._duel[1]
 
     def insert(self, expert: int) -> None:
         pass
@@ -263,17 +273,17 @@ class LearnedReuse:
         pass
 
     def victim(self, candidates: Iterable[int]) -> int:
-        last = self._last
-        if self.follows_lru:
+        ranking = self._ranking
+        score, last = ranking.score, ranking.last
+        if ranking.follows_lru:
             return min(candidates, key=lambda c: (last[c], c))
-        score = self._score
         return min(candidates, key=lambda c: (score[c], last[c], c))
 
     def hottest(self, experts: Iterable[int]) -> list[int]:
-        last = self._last
-        if self.follows_lru:
+        ranking = self._ranking
+        score, last = ranking.score, ranking.last
+        if ranking.follows_lru:
             return sorted(experts, key=lambda e: (-last[e], e))
-        score = self._score
         return sorted(experts, key=lambda e: (-score[e], -last[e], e))
 
     _STATE = ("clock", "batch_mean", "counts", "own", "own_ms", *_PAIRED, "last", "score", "lru_shadow",
@@ -283,11 +293,14 @@ class LearnedReuse:
         """What a restart keeps: the whole model (the cross and history weights and their mean squares as
         little-endian float32 bytes, PAIR_STATE_BYTES a pair of experts), the counts, scores, shadows and the duel;
         not the pending batches or the clients, which a restart has none of."""
-        return {"clock": self._clock, "batch_mean": self._batch_mean, "counts": self._counts.tolist(),
-                "own": self._own.tolist(), "own_ms": self._own_ms.tolist(),
-                **{name: getattr(self, f"_{name}").astype("<f4", copy=False).tobytes() for name in _PAIRED},
-                "last": list(self._last), "score": list(self._score), "lru_shadow": list(self._lru_shadow),
-                "model_shadow": sorted(self._model_shadow), "duel": list(self._duel), "duel_inc": self._duel_inc}
+        with self._lock:
+            ranking = self._ranking
+            return {"clock": self._clock, "batch_mean": self._batch_mean, "counts": self._counts.tolist(),
+                    "own": self._own.tolist(), "own_ms": self._own_ms.tolist(),
+                    **{name: getattr(self, f"_{name}").astype("<f4", copy=False).tobytes() for name in _PAIRED},
+                    "last": list(ranking.last), "score": list(ranking.score), "lru_shadow": list(self._lru_shadow),
+                    "model_shadow": sorted(self._model_shadow), "duel": list(self._duel),
+                    "duel_inc": self._duel_inc}
 
     def restore(self, state, n_experts: int) -> None:
         """Take a state() read back from a file that may be damaged or planted: ValueError says what is wrong."""
@@ -314,15 +327,14 @@ class LearnedReuse:
         lru = _experts(state["lru_shadow"], n, "learned LRU shadow")
         model = _experts(state["model_shadow"], n, "learned model shadow")
         self._clock, self._batch_mean, self._duel_inc = clock, float(batch_mean), float(duel_inc)
-        self._last = list(last)
         self._counts, self._own, self._own_ms = (a.astype(np.float32) for a in (counts, own, own_ms))
         for name, array in paired.items():
             setattr(self, f"_{name}", array)
-        self._score, self._duel = score.tolist(), duel.tolist()
+        self._duel = duel.tolist()
         # A smaller store keeps the most recent of LRU's shadow and the best scored of the model's.
         self._lru_shadow = OrderedDict.fromkeys(lru[-self.capacity:])
         self._model_shadow = set(sorted(model, key=lambda e: (score[e], e))[-self.capacity:])
-        self.follows_lru = self._duel[0] > self._duel[1]
+        self._ranking = _Ranking(score.tolist(), list(last), self._duel[0] > self._duel[1])
 
 
 def _rows(ks: np.ndarray, error: np.ndarray, picked: list[np.ndarray]) -> tuple[tuple, np.ndarray]:
@@ -337,6 +349,15 @@ def _step(weights: np.ndarray, mean_squares: np.ndarray, index, grad: np.ndarray
     ms = mean_squares[index] * RMS_DECAY + (1 - RMS_DECAY) * grad * grad
     mean_squares[index] = ms
     weights[index] -= LEARNING_RATE * grad / (np.sqrt(ms) + _EPS)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ranking:
+    """What the cache evicts by, replaced whole after each batch: each expert's score (the sum of its chances), the
+    clock of its latest pick (ties, and the LRU ranking), and whether the guard follows LRU now."""
+    score: list[float]
+    last: list[int]
+    follows_lru: bool
 
 
 @dataclass(slots=True)
