@@ -388,6 +388,10 @@ def main() -> None:
     cache = args.cache_dir or Path(platformdirs.user_cache_dir("moe-l2")) / "bench"
     model = synthetic.build(synthetic.GEOMETRIES[args.geometry], args.layers, cache, say=print)
     files = ModelFiles.open(model)
+    most = files.n_experts - args.batch  # every fetch takes experts L2 lacks, and L2 keeps what it took
+    if not 1 <= args.slots <= most:
+        sys.exit(f"--slots {args.slots}: give 1 to {most}; each fetch needs --batch {args.batch} experts that L2 "
+                 f"lacks, of {args.geometry}'s {files.n_experts} a layer")
     load_before = os.getloadavg()
     print(f"model: {args.geometry}, {files.n_layers} MoE layers x {files.n_experts} experts, record "
           f"{format_size(files.layout.nbytes)}; L2 {args.slots} slots a layer; {args.rounds} rounds; "
