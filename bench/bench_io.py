@@ -27,8 +27,9 @@
    ("load-through": a pool with a daemon fetches misses L2 lacks, which the daemon reads and announces and the
    pool copies: what a process with a daemon waits for on a cold miss, its report and wake-up included), and the
    same daemon taking fills ("filled": a pool of the daemon's uid reads the misses itself, as "checked", and gives
-   them to L2 off the token's path, client/donor.py; its line also says how long after the fetch L2 held them:
-   the offer's round trip, the copy into the slots and the daemon's check).
+   them to L2 off the token's path, client/donor.py; its line also says its speed over the pool's own checked
+   read, and how long after the fetch L2 held them: the offer's round trip, the copy into the slots and the
+   daemon's check). Every config but the pool's modes reads as the shipped code does (`read_as`).
    Misses land in every row of a pool in turn, as a full pool's victims do.
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
@@ -60,10 +61,12 @@ from pathlib import Path
 from moe_l2 import _native
 from moe_l2.client.connection import L2Client
 from moe_l2.client.pool import ExpertPool
+from moe_l2.client.row_loader import READ_THREADS
 from moe_l2.lab.daemon_process import DaemonProcess
 from moe_l2.layout import Geometry
 from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
+from moe_l2.model.packed import READ_UNIT_BYTES
 from moe_l2.model.packer import pack
 from moe_l2.sizes import format_size
 
@@ -183,7 +186,7 @@ print(json.dumps({"before": before, "after": after, "model_cached": sum(cached(p
 
 
 UNITS = (8 * MIB, 1 * MIB, 256 << 10)
-THREADS = (1, 2, 4, 8)
+THREADS = tuple(sorted({1, 2, 4, 8, READ_THREADS}))  # and the pool's own, which the filled line is set against
 LOADERS = 4  # moe-l2d's default --loader-threads: each reads one record on one thread
 LOAD_THROUGH_S = 2.0  # so long that every miss of "load-through" is the daemon's read, none the pool's own
 # The read alone; with the default check of each record against the manifest, its CRC computed by the read
@@ -275,6 +278,16 @@ def given_read(files: ModelFiles, pool: ExpertPool, layer: int, batch: int,
     return (took, held) if counts.l3_reads == batch and held < 10 else None
 
 
+def read_as(files: ModelFiles, unit: int = READ_UNIT_BYTES, mode: str = "checked") -> None:
+    """Sets the process-wide read path a config of section 4 runs with: the reader's unit and the native CRC and
+    scatter switches. The pool's modes each set theirs; every other config (the filled pool shares `files`) gets
+    the shipped path, not whatever the config before it left."""
+    files.reader.read_unit_bytes = unit
+    _native._crc32_use_library(mode in ("zlib crc", "crc after"))
+    _native._scatter_straight(mode != "copied")
+    _native._crc32_use_narrow(mode == "crc 128b")
+
+
 def next_rows(pool: ExpertPool, layer: int, n: int) -> None:
     """Puts the n free rows the pool's next fetch would take (the ones just freed) last in line, so that round by
     round the misses land in every row, as a full pool's victims do: on a VM, rows read at different speeds
@@ -329,6 +342,7 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                     layer = rng.randrange(files.n_layers)
                     experts = rng.sample(range(files.n_experts), batch)
                     drop(files.files)
+                    read_as(files)  # the shipped read path, for every config but the pool's modes, which set theirs
                     if config == "loaders":
                         took = loaders_read(files, fds, layer, experts, loaders, slots)
                     elif config == "raw checked":
@@ -347,10 +361,7 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                     else:
                         threads, unit, mode = config
                         pool = pools[threads, MODES[mode]]
-                        files.reader.read_unit_bytes = unit
-                        _native._crc32_use_library(mode in ("zlib crc", "crc after"))
-                        _native._scatter_straight(mode != "copied")
-                        _native._crc32_use_narrow(mode == "crc 128b")
+                        read_as(files, unit, mode)
                         if mode == "no pool":
                             took = rows_read(files, fds, pool, layer, experts, threads)
                         else:
@@ -367,9 +378,7 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
                     speed[batch][config].append(batch * record / took)
                     over[batch][config].append(batch * record / took / raw)
     finally:
-        _native._crc32_use_library(False)
-        _native._scatter_straight(True)
-        _native._crc32_use_narrow(False)
+        read_as(files)
         loaders.shutdown()
         for pool in [*pools.values(), through, giver]:
             pool.close()
@@ -485,8 +494,10 @@ def print_queue_depth(files: ModelFiles, result: dict, rounds: int) -> None:
               f"overlap a read): {row['raw checked'][0] / MIB:.0f} MiB/s, {row['raw checked'][1]:.2f}x")
         print(f"    load-through, a real moe-l2d reading into L2 and the pool copying (report and wake-up "
               f"included): {row['load-through'][0] / MIB:.0f} MiB/s, {row['load-through'][1]:.2f}x")
+        checked = row[READ_THREADS, READ_UNIT_BYTES, "checked"][0]
         print(f"    filled, the pool reading its misses and giving them to the same moe-l2d: "
-              f"{row['filled'][0] / MIB:.0f} MiB/s, {row['filled'][1]:.2f}x; L2 held them "
+              f"{row['filled'][0] / MIB:.0f} MiB/s, {row['filled'][1]:.2f}x, {row['filled'][0] / checked:.2f}x the "
+              f"pool's own checked read ({READ_THREADS} thr, {format_size(READ_UNIT_BYTES)} units); L2 held them "
               f"{row['filled, to L2 s'] * 1e3:.2f} ms after the fetch")
 
 
