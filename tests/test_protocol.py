@@ -34,6 +34,17 @@ def test_request_round_trip(message):
     assert protocol.decode_request(message.encode()) == message
 
 
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: f"{m.TYPE}-{m.id}")
+def test_a_valid_request_formats_no_refusal(message, monkeypatch):
+    # moe-l2d decodes every report: a refusal's text, made for each field and dropped, was half of that work.
+    def refusal_text(value):
+        raise AssertionError(f"a refusal's text was made for {value!r}")
+
+    monkeypatch.setattr(protocol, "quote", refusal_text)
+    assert protocol.decode_request(message.encode()) == message
+    assert protocol.decode_reply(protocol.encode_reply(message.id)).ok
+
+
 def test_every_request_type_is_covered():
     assert {m.TYPE for m in MESSAGES} == set(protocol.REQUESTS)
 

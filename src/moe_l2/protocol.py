@@ -78,11 +78,6 @@ class ProtocolError(ValueError):
         self.req_id = req_id
 
 
-def _check(cond: bool, ename: str, evalue: str) -> None:
-    if not cond:
-        raise ProtocolError(ename, evalue)
-
-
 def _is_int(value: Any) -> bool:
     return type(value) is int  # not bool, not an int subclass
 
@@ -258,15 +253,16 @@ def _id_count(ftype: Any, value: Any) -> int:
 def decode_request(frame: bytes) -> Message:
     """Parse and validate one request frame; raises ProtocolError with an ename the reply carries and the
     request's id once the frame is a map with an integer id."""
-    _check(len(frame) <= MAX_FRAME_BYTES, "FrameTooLarge",
-           f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit: split the request "
-           f"(at most {MAX_IDS} expert ids per request)")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError("FrameTooLarge", f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit: "
+                                             f"split the request (at most {MAX_IDS} expert ids per request)")
     try:
         body = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise ProtocolError("MalformedFrame", f"not a msgpack message: {type(exc).__name__}: "
                                               f"{quote(str(exc)) if str(exc) else 'undecodable bytes'}") from None
-    _check(isinstance(body, dict), "MalformedFrame", f"a request must be a msgpack map, not {type(body).__name__}")
+    if not isinstance(body, dict):
+        raise ProtocolError("MalformedFrame", f"a request must be a msgpack map, not {type(body).__name__}")
     req_id = body.get("id", 0)
     if not _is_int(req_id):
         raise ProtocolError("BadField", f"field 'id' must be an integer, not {type(req_id).__name__}")
@@ -279,29 +275,36 @@ def decode_request(frame: bytes) -> Message:
 
 def _decode_body(body: dict, req_id: int) -> Message:
     version = body.get("v")
-    _check(version == PROTOCOL_VERSION, "VersionMismatch",
-           f"protocol version {quote(version)} is not supported; this daemon speaks version {PROTOCOL_VERSION}: "
-           "install the same moe-l2 release for the client and the daemon")
+    # Each message is formatted only once its check failed: made for every field of every report and dropped, the
+    # messages were half of a report's decode in moe-l2d.
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("VersionMismatch", f"protocol version {quote(version)} is not supported; this daemon "
+                                               f"speaks version {PROTOCOL_VERSION}: install the same moe-l2 release "
+                                               "for the client and the daemon")
     mtype = body.get("type")
-    _check(isinstance(mtype, str) and mtype in REQUESTS, "UnknownType",
-           f"unknown message type {quote(mtype)}; known: {', '.join(sorted(REQUESTS))}")
+    if not (isinstance(mtype, str) and mtype in REQUESTS):
+        raise ProtocolError("UnknownType",
+                            f"unknown message type {quote(mtype)}; known: {', '.join(sorted(REQUESTS))}")
     cls = REQUESTS[mtype]
     values = {}
     ids = 0
     for name, ftype in cls.FIELDS.items():
         valid, what = _VALIDATORS[ftype]
         if name not in body:
-            _check(ftype == "str_or_none" or name in cls.OPTIONAL, "BadField", f"{mtype}: missing field {name!r}")
+            if ftype != "str_or_none" and name not in cls.OPTIONAL:
+                raise ProtocolError("BadField", f"{mtype}: missing field {name!r}")
             continue
         value = body[name]
-        _check(valid(value), "BadField", f"{mtype}: field {name!r} must be {what}, not {quote(value)}")
-        if isinstance(value, str):
-            _check(len(value) <= MAX_STRING[name], "BadField",
-                   f"{mtype}: field {name!r} is {len(value)} characters long; the limit is {MAX_STRING[name]}")
+        if not valid(value):
+            raise ProtocolError("BadField", f"{mtype}: field {name!r} must be {what}, not {quote(value)}")
+        if isinstance(value, str) and len(value) > MAX_STRING[name]:
+            raise ProtocolError("BadField", f"{mtype}: field {name!r} is {len(value)} characters long; the limit is "
+                                            f"{MAX_STRING[name]}")
         ids += _id_count(ftype, value)
         values[name] = value
-    _check(ids <= MAX_IDS, "TooManyIds",
-           f"{mtype}: {ids} expert ids and layers in one request; the limit is {MAX_IDS}: split it")
+    if ids > MAX_IDS:
+        raise ProtocolError("TooManyIds",
+                            f"{mtype}: {ids} expert ids and layers in one request; the limit is {MAX_IDS}: split it")
     return cls(id=req_id, **values)
 
 
@@ -354,8 +357,9 @@ class HelloReply:
                 continue
             valid, what = _VALIDATORS[ftype]
             value = reply.payload.get(name)
-            _check(valid(value), "MalformedFrame", f"the daemon's hello reply has {quote(value)} for {name!r}, "
-                                                   f"not {what}")
+            if not valid(value):
+                raise ProtocolError("MalformedFrame",
+                                    f"the daemon's hello reply has {quote(value)} for {name!r}, not {what}")
             values[name] = value
         return cls(**values)
 
@@ -381,11 +385,11 @@ def _unpack_daemon_frame(frame: bytes) -> Any:
 
 
 def _reply(body: Any) -> Reply:
-    _check(isinstance(body, dict) and body.get("status") in ("ok", "error"), "MalformedFrame",
-           "daemon reply lacks a status")
-    _check(body.get("v") == PROTOCOL_VERSION, "VersionMismatch",
-           f"daemon speaks protocol version {quote(body.get('v'))}, this client {PROTOCOL_VERSION}: "
-           "install the same moe-l2 release for both")
+    if not (isinstance(body, dict) and body.get("status") in ("ok", "error")):
+        raise ProtocolError("MalformedFrame", "daemon reply lacks a status")
+    if body.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError("VersionMismatch", f"daemon speaks protocol version {quote(body.get('v'))}, this client "
+                                               f"{PROTOCOL_VERSION}: install the same moe-l2 release for both")
     payload = {k: v for k, v in body.items() if k not in ("v", "id", "status", "ename", "evalue")}
     # A reply may come from an impostor (docs/security.md): what the client logs of it is a short, printable string.
     return Reply(id=body.get("id", 0), ok=body["status"] == "ok",
