@@ -4,10 +4,11 @@ on, the default), and the daemon's read waited for (load-through: fill_l2 off); 
 donor mapped a slot ahead and copied each record as it landed (fills-after-read). Issue 36.
 
 A real moe-l2d serves a packed model of a real geometry (`moe-l2 bench --geometry`'s, lab/synthetic.py: default
-DeepSeek-V2-Lite, 4.6 MiB records, no checksum manifest, as `moe-l2 bench` runs it: so the only CRCs are the
-donor's, as it copies, and the daemon's check of a donation); the four pools take turns, round by round, on a
-lone miss and on a batch (--batch), each fetch of experts that L0 and L2 lack, the model file dropped from the page
-cache first. Timestamps are CLOCK_MONOTONIC, the same clock in both processes:
+DeepSeek-V2-Lite, 4.6 MiB records, with the checksum manifest of every packed model: so each pool checks a record
+as its read lands, the donor copies without a CRC, and the daemon checks a donation against the manifest); the
+four pools take turns, round by round, on a lone miss and on a batch (--batch), each fetch of experts that L0 and
+L2 lack, the model file dropped from the page cache first. Timestamps are CLOCK_MONOTONIC, the same clock in both
+processes:
   - in this process, from subclasses of the pool's RowLoader and Donor made here (as bench_load_through.py's
     PolledLoader): the read, the report, the copies from L2, the donor's give, offer and copy into the slot;
   - in moe-l2d, from the same daemon started through HOOKS below, which wraps a few of its methods to write a line

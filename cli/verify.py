@@ -29,22 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _write_manifest(files) -> int:
     from tqdm import tqdm
 
-    from moe_l2.model.checksums import DamagedRecord, Manifest, manifest_path, write_manifest
+    from moe_l2.model.checksums import DamagedRecord, manifest_of, write_manifest
 
-    checksums = []
     with tqdm(total=files.n_layers * files.n_experts, unit="record", desc="checksums", file=sys.stderr,
               disable=None) as bar:
-        for layer in range(files.n_layers):
-            row = []
-            for expert in range(files.n_experts):
-                try:
-                    row.append(files.layout.checksum(files.read_record(layer, expert)))
-                except DamagedRecord as exc:
-                    print(f"moe-l2 verify: no manifest written: {exc}", file=sys.stderr)
-                    return 1
-                bar.update()
-            checksums.append(tuple(row))
-    manifest = Manifest(manifest_path(files.path), files.content_fingerprint, files.layout.nbytes, tuple(checksums))
+        try:
+            manifest = manifest_of(files, bar.update)
+        except DamagedRecord as exc:
+            print(f"moe-l2 verify: no manifest written: {exc}", file=sys.stderr)
+            return 1
     try:
         write_manifest(manifest)
     except OSError as exc:

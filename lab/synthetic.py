@@ -7,7 +7,8 @@ the real shapes, dtypes and byte sizes (gpt-oss's MXFP4 as its checkpoint ships 
 MoE layer, every record one page-aligned extent with its pieces at their record offsets: what `moe-l2 pack`
 writes (docs/formats.md, "Packed checkpoints"), so `ModelFiles.open` takes it as format "packed". The data is
 random bytes written as they are made (no quantization of gigabytes); the non-expert weights are left out,
-since a benchmark of expert streaming never reads them. mlx_lm.load cannot load the result.
+since a benchmark of expert streaming never reads them. mlx_lm.load cannot load the result. Like every packed
+model it has a checksum manifest, so that its records are checked where they are read, as a user's are.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
+from moe_l2.model.checksums import manifest_of, write_manifest
 from moe_l2.model.records import PACK_ALIGN, RecordLayout
 from moe_l2.model.safetensors import DTYPES
 from moe_l2.sizes import format_size
@@ -158,7 +161,7 @@ def build(geometry: ExpertGeometry, layers: int, cache: Path, *, seed: int = 0, 
                              f"1..{geometry.n_moe_layers}, not {layers}")
     out = model_dir(cache, geometry, layers)
     if (out / "config.json").exists():
-        return out
+        return _with_manifest(out)
     config = geometry.config_for(layers)
     paths = [s.path for s in switch_layers(config)]
     if len(paths) != layers:
@@ -196,4 +199,14 @@ def build(geometry: ExpertGeometry, layers: int, cache: Path, *, seed: int = 0, 
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     (partial / "config.json").write_text(json.dumps(config, indent=1))
     partial.rename(out)
-    return out
+    return _with_manifest(out)
+
+
+def _with_manifest(model: Path) -> Path:
+    """The model, given the checksum manifest `moe-l2 pack` gives every packed model where it has no current one (one
+    built before it had them): without one, no reader checks a record and the bench measures a path no packed model
+    takes."""
+    files = ModelFiles.open(model)
+    if files.checksums is None:
+        write_manifest(manifest_of(files))
+    return model

@@ -20,6 +20,7 @@ from moe_l2.lab.busy import busy_cores
 from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
+from moe_l2.model.checksums import manifest_path
 from moe_l2.lab.synthetic import GEOMETRIES, build
 from .conftest import segment_exists, synthetic_trace, wait_for
 
@@ -281,8 +282,14 @@ def test_a_built_geometry_is_a_packed_model_of_its_pieces(tmp_path):
         fh.seek(start)
         raw = fh.read(files.layout.nbytes)
     assert files.read_record(1, 5) == raw and len(set(raw)) > 200
+    # It has the manifest `moe-l2 pack` writes, so that readers check its records as they check a user's.
+    assert files.checksums.expected(1, 5) == files.layout.checksum(raw)
     mtime = (path / "config.json").stat().st_mtime_ns
     assert build(small, 2, tmp_path) == path and (path / "config.json").stat().st_mtime_ns == mtime
+    # One built before manifests gets it at its next use, the records left as they are.
+    manifest_path(path).unlink()
+    assert build(small, 2, tmp_path) == path and (path / "config.json").stat().st_mtime_ns == mtime
+    assert ModelFiles.open(path).checksums == files.checksums and files.read_record(1, 5) == raw
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -2,7 +2,8 @@
 damaged on disk is caught where it is read (docs/formats.md, "Checksums"); and the errors of a damaged record
 (DamagedRecord: CorruptRecord, UnreadableRecord).
 
-`moe-l2 pack` writes one for every packed model; `moe-l2 verify --manifest` writes one for any model.
+`moe-l2 pack` writes one for every packed model (and `moe-l2 bench` for its models of random bytes); `moe-l2 verify
+--manifest` writes one for any model (`manifest_of`).
 `ModelFiles.open` loads it when its fingerprint is the model's; the daemon's loader, the client's pool and
 `moe-l2 verify` compare records with it (record_checksum in records.py is the one definition).
 """
@@ -18,7 +19,7 @@ from moe_l2.atomic_file import AtomicFile
 from moe_l2.model.bounds import parse_json, read_regular
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "DamagedRecord", "CorruptRecord", "UnreadableRecord", "Manifest",
-           "manifest_path", "load_manifest", "write_manifest"]
+           "manifest_path", "load_manifest", "manifest_of", "write_manifest"]
 
 MANIFEST_NAME = "moe-l2.checksums.json"
 MANIFEST_FORMAT = "moe-l2-checksums-v1"
@@ -116,6 +117,19 @@ def load_manifest(model: Path, fingerprint: str, record_bytes: int, n_layers: in
         return None, (f"the checksum manifest {path} is damaged (its checksums are not {n_layers} layers x "
                       f"{n_experts} experts of 32-bit values); {fix}")
     return Manifest(path, fingerprint, record_bytes, tuple(tuple(row) for row in layers)), None
+
+
+def manifest_of(files, progress=lambda: None) -> Manifest:
+    """The manifest of a model's records as its files hold them now, read one by one (files: a ModelFiles);
+    DamagedRecord where one cannot be read. progress() is called after each record."""
+    checksums = []
+    for layer in range(files.n_layers):
+        row = []
+        for expert in range(files.n_experts):
+            row.append(files.layout.checksum(files.read_record(layer, expert)))
+            progress()
+        checksums.append(tuple(row))
+    return Manifest(manifest_path(files.path), files.content_fingerprint, files.layout.nbytes, tuple(checksums))
 
 
 def write_manifest(manifest: Manifest, dir_fd: int | None = None) -> None:
