@@ -128,7 +128,9 @@ def main() -> int:
     if client is not None and not client.attached:
         _say({"error": f"no moe-l2d answered at {job['socket']}: {client.last_error}"})
         return 1
-    pool = ExpertPool(files, job["capacity"], client, policy=job["policy"], direct=job["direct"], verify="off",
+    # Records read from the file are checked against the manifest (the default verify), as a user's process checks
+    # them: every configuration alike.
+    pool = ExpertPool(files, job["capacity"], client, policy=job["policy"], direct=job["direct"],
                       load_through_s=load_through_s, lend=job.get("lend", True), shared_l0=job.get("shared_l0", False),
                       grow=job.get("grow", False), prefetch=bool(job.get("prefetch")),
                       autopin=job.get("autopin", False), fill_l2=job.get("fill_l2", False))
