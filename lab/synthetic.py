@@ -20,6 +20,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_l2.lab.bench import drop_page_cache
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
 from moe_l2.model.checksums import manifest_of, write_manifest
@@ -161,7 +162,7 @@ def build(geometry: ExpertGeometry, layers: int, cache: Path, *, seed: int = 0, 
                              f"1..{geometry.n_moe_layers}, not {layers}")
     out = model_dir(cache, geometry, layers)
     if (out / "config.json").exists():
-        return _with_manifest(out)
+        return _with_manifest(out, say)
     config = geometry.config_for(layers)
     paths = [s.path for s in switch_layers(config)]
     if len(paths) != layers:
@@ -199,14 +200,21 @@ def build(geometry: ExpertGeometry, layers: int, cache: Path, *, seed: int = 0, 
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     (partial / "config.json").write_text(json.dumps(config, indent=1))
     partial.rename(out)
-    return _with_manifest(out)
+    return _with_manifest(out, say)
 
 
-def _with_manifest(model: Path) -> Path:
+def _with_manifest(model: Path, say) -> Path:
     """The model, given the checksum manifest `moe-l2 pack` gives every packed model where it has no current one (one
     built before it had them): without one, no reader checks a record and the bench measures a path no packed model
-    takes."""
+    takes. Its records are read for it, then dropped from the page cache again, as the build leaves them."""
     files = ModelFiles.open(model)
-    if files.checksums is None:
+    if files.checksums is not None:
+        return model
+    say(f"writing the checksum manifest of {model}")
+    try:
         write_manifest(manifest_of(files))
+    except OSError as exc:
+        say(f"cannot write the checksum manifest of {model} ({exc}): its records go unchecked; give a --cache-dir "
+            "this user can write to")
+    drop_page_cache(files)
     return model
