@@ -89,6 +89,9 @@ class Donor:
         self._writable: dict[int, object] = {}  # MoE layer -> its data segment, mapped writable
         self._mapped: set[tuple[int, int]] = set()  # (layer, slot) whose pages the writable mapping maps
         self._sent: collections.deque = collections.deque()  # per give sent, its gifts by expert, awaiting an offer
+        self._sends = self._answers = 0  # gives appended to _sent, and taken off it (offered or dropped)
+        self._flush_asks: queue.SimpleQueue = queue.SimpleQueue()  # wait_answered's events, each taken in turn
+        self._flushes: list[tuple[int, threading.Event]] = []  # an event, set once _answers reaches its count
         self._offered: dict[Gift, None] = {}  # offered a slot, their record not whole yet, in the order offered
         self._thread = threading.Thread(target=self._run, name="moe-l2-donor", daemon=True)
         self._thread.start()
@@ -109,6 +112,15 @@ class Donor:
                 return False
             time.sleep(0.01)
         return self.accepting
+
+    def wait_answered(self, timeout_s: float) -> bool:
+        """Until every record given so far was told to the desk and its give answered by an offer, or dropped
+        (True), or timeout_s passed (False). What is left then the daemon counts: the slots it offered and its
+        loads (client/connection.py's wait_idle)."""
+        answered = threading.Event()
+        self._flush_asks.put(answered)
+        self._wake()
+        return answered.wait(timeout_s)
 
     @property
     def wake_fd(self) -> int:
@@ -159,6 +171,7 @@ class Donor:
                         break
                 self._send_gifts()
                 self._answer_whole()
+                self._end_flushes()
             self._drain(selector)
         finally:
             self._disconnect(selector)
@@ -226,6 +239,7 @@ class Donor:
         self._sock, self._epoch = None, None
         self._writable, self._mapped = {}, set()
         while self._sent:
+            self._answers += 1
             self._drop(self._sent.popleft()[1].values())
         self._drop(list(self._offered))
 
@@ -241,6 +255,10 @@ class Donor:
         """Tell the desk of the records queued, one give per layer; dropped while no desk takes them."""
         by_layer: dict[int, dict[int, Gift]] = collections.defaultdict(dict)
         keeps: dict[int, set[int]] = collections.defaultdict(set)
+        # The flushes asked for before the gifts are taken: every give queued before one of them is taken below.
+        asks = []
+        while not self._flush_asks.empty():
+            asks.append(self._flush_asks.get_nowait())
         try:
             while True:
                 layer, gifts, keep = self._gifts.get_nowait()
@@ -255,9 +273,21 @@ class Donor:
                     and self._send(encode("give", model=self.files.fingerprint, layer=layer, experts=list(gifts),
                                           keep=sorted(keeps[layer])))):
                 self._sent.append((layer, gifts))
+                self._sends += 1
                 self.counts.given += len(gifts)
             else:
                 self._drop(gifts.values())
+        self._flushes += [(self._sends, ask) for ask in asks]
+
+    def _end_flushes(self) -> None:
+        """Set the wait_answered events whose gives are all answered."""
+        waiting = []
+        for sends, ask in self._flushes:
+            if sends <= self._answers:
+                ask.set()
+            else:
+                waiting.append((sends, ask))
+        self._flushes = waiting
 
     def _receive(self) -> bool:
         """Take the desk's offers; False once the connection is gone or broke the protocol."""
@@ -280,6 +310,7 @@ class Donor:
         if message.type != "offer" or not self._sent:
             raise FillProtocolError(f"an unexpected {message.type!r} from the fill desk")
         layer, gifts = self._sent.popleft()
+        self._answers += 1
         if message.layer != layer or message.model != self.files.fingerprint:
             raise FillProtocolError("an offer for another give than the one sent")
         reading = []

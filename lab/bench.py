@@ -24,7 +24,7 @@ from moe_l2.cache.policy import POLICIES
 from moe_l2.lab import lifeline
 from moe_l2.lab.cgroup import MemoryCgroup
 from moe_l2.client import options
-from moe_l2.client.connection import request
+from moe_l2.client.connection import request, wait_idle
 from moe_l2.client.lookup import TierCounts
 from moe_l2.client.prefetcher import side_rows
 from moe_l2.lab.replayer import anon_bytes, disk_read_bytes
@@ -222,6 +222,7 @@ def _round(files, config, plan, job, parts, passes, daemon, cgroup, limit: bool)
         _all(workers, "ready")
         _go(workers)
         _all(workers, "warm")
+        _settle(daemon)
         if cgroup is not None and limit:
             # Warm, the clients' anonymous memory holds their L0 rows, the pool's read scratch and Python's heap;
             # the limit is that, plus what of the budget the L0s leave, plus a little room for the heap to grow
@@ -234,6 +235,7 @@ def _round(files, config, plan, job, parts, passes, daemon, cgroup, limit: bool)
             daemon_before = _daemon_loaded(daemon, files.layout.nbytes) if daemon else 0
             _go(workers)
             results = _all(workers, "counts")
+            _settle(daemon)
             daemon_read = _daemon_loaded(daemon, files.layout.nbytes) - daemon_before if daemon else 0
             if cgroup is not None:
                 peak = cgroup.peak()
@@ -253,6 +255,13 @@ def _round(files, config, plan, job, parts, passes, daemon, cgroup, limit: bool)
             w.wait()
             w.stdout.close()
     return runs
+
+
+def _settle(daemon) -> None:
+    """Until the daemon copied and loaded what the clients' last pass gave and asked for (they answer once it took
+    their gives): the pass's reads all count, and the next pass, or process, finds them in L2."""
+    if daemon is not None:
+        wait_idle(daemon.socket)
 
 
 # What each run measures; a configuration's figure at a point is the median over its runs (--repeat), with min-max.

@@ -16,7 +16,7 @@ import pytest
 from moe_l2 import _native
 from moe_l2.client import donor as donor_module
 from moe_l2.client import layerpool
-from moe_l2.client.connection import L2Client
+from moe_l2.client.connection import L2Client, wait_idle
 from moe_l2.client.pool import ExpertPool
 from moe_l2.fill_protocol import encode, fill_socket_path
 from moe_l2.layout import IndexHeader
@@ -89,6 +89,29 @@ def test_a_give_goes_out_while_the_miss_is_read(running_daemon, model_files, mon
                  detail=lambda: fills(running_daemon))
     for expert in (1, 4, 6):
         assert slot_record(model_files, running_daemon, 2, expert) == model_files.read_record(2, expert)
+
+
+
+def test_wait_answered_holds_until_the_desk_took_every_give_then_the_daemons_idle_means_l2_holds_them(
+        running_daemon, model_files, monkeypatch):
+    # What the bench waits for between passes (lab/replayer.py, lab/bench.py): the donor's thread is held before
+    # it tells the desk anything, so the gives stay unanswered until it is let go.
+    with filling_pool(model_files, running_daemon) as pool:
+        send_gifts, let_go = pool.donor._send_gifts, threading.Event()
+
+        def held():
+            let_go.wait()
+            send_gifts()
+
+        monkeypatch.setattr(pool.donor, "_send_gifts", held)
+        pool.donor._wake()
+        assert pool.fetch(1, [0, 5]).l3_reads == 2
+        assert not pool.donor.wait_answered(0.2)
+        let_go.set()
+        assert pool.donor.wait_answered(10)
+        wait_idle(running_daemon.socket)  # the daemon's copies and loads: no waiting on the figures themselves
+        for expert in (0, 5):
+            assert slot_record(model_files, running_daemon, 1, expert) == model_files.read_record(1, expert)
 
 
 needs_root = pytest.mark.skipif(not nobody_runs_python(),
