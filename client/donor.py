@@ -90,8 +90,8 @@ class Donor:
         self._mapped: set[tuple[int, int]] = set()  # (layer, slot) whose pages the writable mapping maps
         self._sent: collections.deque = collections.deque()  # per give sent, its gifts by expert, awaiting an offer
         self._sends = self._answers = 0  # gives appended to _sent, and taken off it (offered or dropped)
-        self._flush_asks: queue.SimpleQueue = queue.SimpleQueue()  # wait_answered's events, each taken in turn
-        self._flushes: list[tuple[int, threading.Event]] = []  # an event, set once _answers reaches its count
+        self._answer_asks: queue.SimpleQueue = queue.SimpleQueue()  # wait_answered's events, each taken in turn
+        self._answer_waits: list[tuple[int, threading.Event]] = []  # an event, set once _answers reaches its count
         self._offered: dict[Gift, None] = {}  # offered a slot, their record not whole yet, in the order offered
         self._thread = threading.Thread(target=self._run, name="moe-l2-donor", daemon=True)
         self._thread.start()
@@ -118,7 +118,7 @@ class Donor:
         (True), or timeout_s passed (False). What is left then the daemon counts: the slots it offered and its
         loads (client/connection.py's wait_idle)."""
         answered = threading.Event()
-        self._flush_asks.put(answered)
+        self._answer_asks.put(answered)
         self._wake()
         return answered.wait(timeout_s)
 
@@ -171,7 +171,7 @@ class Donor:
                         break
                 self._send_gifts()
                 self._answer_whole()
-                self._end_flushes()
+                self._end_answer_waits()
             self._drain(selector)
         finally:
             self._disconnect(selector)
@@ -255,10 +255,10 @@ class Donor:
         """Tell the desk of the records queued, one give per layer; dropped while no desk takes them."""
         by_layer: dict[int, dict[int, Gift]] = collections.defaultdict(dict)
         keeps: dict[int, set[int]] = collections.defaultdict(set)
-        # The flushes asked for before the gifts are taken: every give queued before one of them is taken below.
+        # The waits asked for before the gifts are taken: every give queued before one of them is taken below.
         asks = []
-        while not self._flush_asks.empty():
-            asks.append(self._flush_asks.get_nowait())
+        while not self._answer_asks.empty():
+            asks.append(self._answer_asks.get_nowait())
         try:
             while True:
                 layer, gifts, keep = self._gifts.get_nowait()
@@ -277,17 +277,17 @@ class Donor:
                 self.counts.given += len(gifts)
             else:
                 self._drop(gifts.values())
-        self._flushes += [(self._sends, ask) for ask in asks]
+        self._answer_waits += [(self._sends, ask) for ask in asks]
 
-    def _end_flushes(self) -> None:
+    def _end_answer_waits(self) -> None:
         """Set the wait_answered events whose gives are all answered."""
         waiting = []
-        for sends, ask in self._flushes:
+        for sends, ask in self._answer_waits:
             if sends <= self._answers:
                 ask.set()
             else:
                 waiting.append((sends, ask))
-        self._flushes = waiting
+        self._answer_waits = waiting
 
     def _receive(self) -> bool:
         """Take the desk's offers; False once the connection is gone or broke the protocol."""
