@@ -94,6 +94,10 @@ uint32_t copy_record(const Memory& src, int64_t src_offset, Memory& dst, int64_t
   uint32_t crc = 0;
   {
     nb::gil_scoped_release unlocked;
+    if (pieces.empty()) {
+      copy_past_cache(d, s, nbytes);  // nothing to checksum: no reason to keep the bytes in cache
+      return 0;
+    }
     size_t piece = 0;
     for (size_t lo = 0; lo < nbytes; lo += kChunk) {
       size_t hi = std::min(nbytes, lo + kChunk);

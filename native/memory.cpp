@@ -2,12 +2,17 @@
 // segment.cpp), with the module's error and size helpers.
 #include "memory.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <new>
 
 #include <sys/mman.h>
 #include <unistd.h>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include <mlx/allocator.h>
 #include <mlx/backend/cuda/cuda.h>
@@ -30,6 +35,28 @@ size_t huge_page_bytes() {
   return size_t(2) << 20;
 #else
   return 0;
+#endif
+}
+
+void copy_past_cache(std::byte* dst, const std::byte* src, size_t nbytes) {
+#if defined(__x86_64__)
+  size_t head = std::min(nbytes, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);  // streaming stores: 16-aligned
+  std::memcpy(dst, src, head);
+  size_t at = head;
+  for (; at + 64 <= nbytes; at += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at + 32));
+    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at + 48), d);
+  }
+  _mm_sfence();  // ordered before whatever the caller publishes next
+  std::memcpy(dst + at, src + at, nbytes - at);
+#else
+  std::memcpy(dst, src, nbytes);
 #endif
 }
 

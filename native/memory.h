@@ -85,6 +85,10 @@ void fresh_huge_pages(void* data, size_t nbytes);
 size_t huge_page_bytes();
 // Test hook: Segment::prefault touches every page, as on macOS, instead of asking Linux to map them.
 void prefault_by_touch(bool enable);
+// memcpy with stores that bypass the cache on x86-64 (SSE2's, which every x86-64 has): a record copied into L2 is
+// not read again by this thread soon, and a cached store first reads each line it writes
+// (docs/benchmarks.md, "The donor's copy past the cache"). memcpy elsewhere (arm64: not measured).
+void copy_past_cache(std::byte* dst, const std::byte* src, size_t nbytes);
 
 // C++-owned memory allocated by MLX's own allocator, so that arrays made from it are views
 // that MLX ops (CPU, Metal, CUDA) read in place.

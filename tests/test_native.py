@@ -1062,6 +1062,20 @@ def test_the_extension_ships_type_stubs_naming_all_it_exports_with_their_signatu
     assert (Path(moe_l2.__file__).parent / "py.typed").exists()  # type checkers read moe_l2's own annotations
 
 
+@pytest.mark.parametrize("src_offset,dst_offset,size", [(0, 0, (3 << 20) + 12345), (3, 4096 + 5, 64 * 3 + 7),
+                                                       (17, 1, 100_003), (1, 15, 15), (0, 9, 64)])
+def test_copy_record_with_no_pieces_lands_every_byte_of_the_range_and_none_outside_it(src_offset, dst_offset, size):
+    """The copy with no checksum (a manifest checks the slot: client/donor.py) bypasses the cache on x86-64: its
+    unaligned head, its 64-byte body and its tail all land, whatever the offsets."""
+    src, dst = native.Buffer(size + 64), native.Buffer(size + 8192)
+    src.view()[:] = random.Random(size).randbytes(size + 64)
+    dst.view()[:] = b"\xee" * dst.nbytes
+    assert native.copy_record(src, src_offset, dst, dst_offset, size, []) == 0
+    out = bytes(dst.view())
+    assert out[dst_offset:dst_offset + size] == bytes(src.view()[src_offset:src_offset + size])
+    assert out[:dst_offset] + out[dst_offset + size:] == b"\xee" * (dst.nbytes - size)
+
+
 def test_copy_record_copies_the_range_and_checksums_its_pieces_as_zlib_does():
     """A donor's copy into a slot (client/donor.py): every byte of the range lands, the CRC covers the pieces only,
     in order, across the chunks the copy is made in; a read-only destination and pieces out of order are refused."""
