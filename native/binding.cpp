@@ -69,7 +69,8 @@ size_t offset_arg(const char* fn, int64_t off) { return to_size(fn, "offset", of
 
 // Bytes [0, nbytes) of src at src_offset copied to dst at dst_offset, a MiB at a time, each chunk's part of
 // the pieces (offset, nbytes: ascending, disjoint, inside the range) checksummed right after it lands, while
-// it is in cache: the CRC-32 of the pieces in order, as pread_scatter computes a record's as it reads.
+// it is in cache: the CRC-32 of the pieces in order, as pread_scatter computes a record's as it reads. With no
+// pieces (a manifest checks the slot) the copy stores past the cache and returns 0.
 uint32_t copy_record(const Memory& src, int64_t src_offset, Memory& dst, int64_t dst_offset, int64_t nbytes_in,
                      const std::vector<std::pair<int64_t, int64_t>>& pieces) {
   const char* fn = "copy_record";
