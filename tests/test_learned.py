@@ -105,6 +105,85 @@ def test_replay_is_deterministic_with_one_client_and_with_several(tmp_path):
         assert one == two
 
 
+class NumpyStepped(LearnedReuse):
+    """The policy scoring and stepping with numpy's float32 ufuncs, as it did before native/learned.h: the ground
+    truth the native code must match to the bit."""
+
+    def _logits(self, features, batch, before, past_ids, past_weights):
+        return ((self._own * features).sum(axis=1) + self._cross[:, batch].sum(axis=1)
+                + self._before[:, before].sum(axis=1)
+                + np.einsum("f,kfe->ke", past_weights, self._history[:, past_ids]))
+
+    def _learn(self, due):
+        ks = np.array([k for k, _ in due], np.intp)
+        error = 1.0 / (1.0 + np.exp(-np.stack([scored.logits[k] for k, scored in due]))) \
+            - np.stack([scored.last_picked > scored.clock for _, scored in due])
+
+        def rows(picked):
+            sizes = [len(p) for p in picked]
+            return (np.repeat(ks, sizes), np.concatenate(picked)), np.repeat(error, sizes, axis=0)
+
+        def step(weights, mean_squares, index, grad):
+            ms = mean_squares[index] * learned.RMS_DECAY + (1 - learned.RMS_DECAY) * grad * grad
+            mean_squares[index] = ms
+            weights[index] -= learned.LEARNING_RATE * grad / (np.sqrt(ms) + learned._EPS)
+
+        step(self._own, self._own_ms, ks, np.stack([s.features for _, s in due]) * error[:, None])
+        step(self._cross, self._cross_ms, *rows([s.batch for _, s in due]))
+        step(self._before, self._before_ms, *rows([s.before for _, s in due]))
+        index, grad = rows([s.past_ids for _, s in due])
+        step(self._history, self._history_ms, index, np.concatenate([s.past_weights for _, s in due])[:, None] * grad)
+
+
+@pytest.mark.parametrize("n_experts, slots, top_k", [(64, 16, 6), (32, 8, 4)])
+def test_its_native_arithmetic_scores_and_learns_as_numpy_did_to_the_bit(n_experts, slots, top_k):
+    """Three clients with contexts, 2,000 batches: every weight, mean square, score and shadow the same."""
+    rng = random.Random(n_experts)
+    native, reference = LearnedReuse(n_experts, slots), NumpyStepped(n_experts, slots)
+    for t in range(2000):
+        batch, context = rng.sample(range(n_experts), top_k), rng.sample(range(n_experts), top_k)
+        for policy in (native, reference):
+            policy.observe(batch, source=t % 3, context=context if t % 5 else None)
+    assert native.state() == reference.state()
+    assert native.state()["cross"] != LearnedReuse(n_experts, slots).state()["cross"]  # it learned something
+
+
+def test_the_native_arithmetic_refuses_rows_and_shapes_outside_the_weights():
+    weights, mean_squares = np.zeros((4, 8, 8), np.float32), np.zeros((4, 8, 8), np.float32)
+    error = np.ones((1, 8), np.float32)
+
+    def step(horizon=0, rows=(1, 2), factors=None, ms=mean_squares, err=error):
+        _native.learn_rows(weights, ms, horizons=[horizon], rows=[np.array(rows, np.int64)], error=err,
+                           factors=factors, rate=0.1, decay=0.9, eps=1e-6)
+
+    for bad, match in [({"horizon": 4}, "horizon 4 out of range 0..3"), ({"horizon": -1}, "horizon -1"),
+                       ({"rows": (1, 8)}, "row 8 out of range 0..7"), ({"rows": (-1,)}, "row -1"),
+                       ({"factors": [np.ones(3, np.float32)]}, "factors\\[0\\]"),
+                       ({"ms": np.zeros((4, 8, 7), np.float32)}, "mean squares"),
+                       ({"err": np.ones((2, 8), np.float32)}, "as many")]:
+        with pytest.raises(ValueError, match=match):
+            step(**bad)
+    assert not weights.any() and not mean_squares.any()  # refused before any row was stepped
+    step(factors=[np.array([2.0, 0.0], np.float32)])
+    assert weights[0, 1].all() and not weights[0, 2].any() and not weights[1:].any()
+
+    own, features, out = np.ones((4, 5, 8), np.float32), np.ones((5, 8), np.float32), np.zeros((4, 8), np.float32)
+
+    def logits(batch=(1,), past=(), past_weights=(), feats=features):
+        ids = [np.array(x, np.int64) for x in (batch, (), past)]
+        _native.learned_logits(own, feats, weights, ids[0], weights, ids[1], weights, ids[2],
+                               np.array(past_weights, np.float32), out)
+
+    for bad, match in [({"batch": (8,)}, "expert 8 out of range 0..7"), ({"past": (3,)}, "one a past pick"),
+                       ({"feats": np.ones((4, 8), np.float32)}, "features must be")]:
+        with pytest.raises(ValueError, match=match):
+            logits(**bad)
+    assert not out.any()
+    logits(past=(1,), past_weights=(0.5,))
+    # own . features, the batch's cross row, no context, half the past pick's history row
+    assert np.array_equal(out, (5 + weights[:, 1]) + 0.5 * weights[:, 1])
+
+
 def test_its_state_stays_bounded_on_a_long_trace_from_many_clients():
     """100 clients in turn, 30,000 batches: the pending batches, the clients kept as context, the shadows and the
     arrays stay within their bounds (a layer of 32 experts: under 128 KiB, 96 of it the weights)."""

@@ -43,9 +43,12 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from itertools import zip_longest
 
 import numpy as np
+
+from moe_l2 import _native
 
 HALF_LIVES = (4.0, 32.0, 256.0)  # batches
 LEARNING_RATE = 0.003
@@ -87,6 +90,7 @@ class LearnedReuse:
         # Per horizon and expert, the weights of its own features (picked now, log1p of each decayed count) and
         # its bias.
         self._own = np.zeros((k, 2 + len(HALF_LIVES), n), np.float32)
+        self._own_rows = np.arange(self._own.shape[1], dtype=np.int64)  # every row of a horizon's own weights
         self._cross = np.zeros((k, n, n), np.float32)  # cross[k, f, e]: f picked now -> e picked within h_k
         self._history = np.zeros((k, n, n), np.float32)  # history[k, f, e]: f picked lately -> the same
         self._own_ms = np.zeros_like(self._own)  # RMSprop's mean squared gradients
@@ -160,9 +164,7 @@ class LearnedReuse:
         past_ids = np.flatnonzero(mine.past >= _HISTORY_FLOOR)
         past_weights = mine.past[past_ids]
         before = np.array(sorted(set(context)) if context is not None else (), np.intp)
-        logits = ((self._own * features).sum(axis=1) + self._cross[:, ids].sum(axis=1)
-                  + self._before[:, before].sum(axis=1)
-                  + np.einsum("f,kfe->ke", past_weights, self._history[:, past_ids]))
+        logits = self._logits(features, ids, before, past_ids, past_weights)
         scored = _Scored(ids, past_ids, past_weights, features, clock, logits, mine.last_picked, before)
         for pending in self._pending:
             pending.append(scored)
@@ -171,6 +173,14 @@ class LearnedReuse:
         for e in picked:
             last[e] = clock
         self._ranking = _Ranking(score, last, self._shadows(picked, score, last))
+
+    def _logits(self, features: np.ndarray, batch: np.ndarray, before: np.ndarray, past_ids: np.ndarray,
+                past_weights: np.ndarray) -> np.ndarray:
+        """z_ke of the module's docstring, per horizon k and expert e (native/learned.h)."""
+        logits = np.empty((len(HORIZON_MULTIPLES), self.n_experts), np.float32)
+        _native.learned_logits(self._own, features, self._cross, batch, self._before, before, self._history, past_ids,
+                               past_weights, logits)
+        return logits
 
     @property
     def nbytes(self) -> int:
@@ -222,19 +232,16 @@ class LearnedReuse:
 
     def _learn(self, due: list[tuple[int, _Scored]]) -> None:
         """One RMSprop step of each horizon k's weights (k distinct) on its batch h_k batches old, from the logits
-        it was scored with: has its client picked each expert since."""
-        ks = np.array([k for k, _ in due], np.intp)
+        it was scored with: has its client picked each expert since (native/learned.h)."""
         error = 1.0 / (1.0 + np.exp(-np.stack([scored.logits[k] for k, scored in due]))) \
             - np.stack([scored.last_picked > scored.clock for _, scored in due])
-        features = np.stack([scored.features for _, scored in due])
-        _step(self._own, self._own_ms, ks, features * error[:, None])
-        index, grad = _rows(ks, error, [scored.batch for _, scored in due])
-        _step(self._cross, self._cross_ms, index, grad)
-        index, grad = _rows(ks, error, [scored.before for _, scored in due])
-        _step(self._before, self._before_ms, index, grad)
-        index, grad = _rows(ks, error, [scored.past_ids for _, scored in due])
-        weights = np.concatenate([scored.past_weights for _, scored in due])
-        _step(self._history, self._history_ms, index, weights[:, None] * grad)
+        step = partial(_native.learn_rows, horizons=[k for k, _ in due], error=error, rate=LEARNING_RATE,
+                       decay=RMS_DECAY, eps=_EPS)
+        step(self._own, self._own_ms, rows=[self._own_rows] * len(due), factors=[s.features for _, s in due])
+        step(self._cross, self._cross_ms, rows=[s.batch for _, s in due])
+        step(self._before, self._before_ms, rows=[s.before for _, s in due])
+        step(self._history, self._history_ms, rows=[s.past_ids for _, s in due],
+             factors=[s.past_weights for _, s in due])
 
     def _shadows(self, picked: list[int], score: list[float], last: list[int]) -> bool:
         """Run the picks through the LRU shadow and the model's, ranked by `score` and `last`: whether to follow
@@ -335,20 +342,6 @@ class LearnedReuse:
         self._lru_shadow = OrderedDict.fromkeys(lru[-self.capacity:])
         self._model_shadow = set(sorted(model, key=lambda e: (score[e], e))[-self.capacity:])
         self._ranking = _Ranking(score.tolist(), list(last), self._duel[0] > self._duel[1])
-
-
-def _rows(ks: np.ndarray, error: np.ndarray, picked: list[np.ndarray]) -> tuple[tuple, np.ndarray]:
-    """The weights' rows that due batch i's experts picked[i] feed in horizon ks[i], and each row's gradient: its
-    batch's error (the rows' feature is 1)."""
-    sizes = [len(p) for p in picked]
-    return (np.repeat(ks, sizes), np.concatenate(picked)), np.repeat(error, sizes, axis=0)
-
-
-def _step(weights: np.ndarray, mean_squares: np.ndarray, index, grad: np.ndarray) -> None:
-    """RMSprop on the weights at `index` (rows named twice get the same step once, as each is computed alike)."""
-    ms = mean_squares[index] * RMS_DECAY + (1 - RMS_DECAY) * grad * grad
-    mean_squares[index] = ms
-    weights[index] -= LEARNING_RATE * grad / (np.sqrt(ms) + _EPS)
 
 
 @dataclass(frozen=True, slots=True)
