@@ -39,6 +39,7 @@ history + the clients)) per batch.
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
@@ -251,6 +252,7 @@ class LearnedReuse:
         self._duel_inc *= 2.0 ** (1.0 / min(high, max(low, self._clock * DUEL_AGE)))
         lru, model = self._lru_shadow, self._model_shadow
         hits = [0, 0]
+        ranked = None  # the model's shadow as a heap by (score, last, expert), made at its first eviction
         for e in picked:
             if e in lru:
                 hits[0] += 1
@@ -263,8 +265,13 @@ class LearnedReuse:
                 hits[1] += 1
             else:
                 if len(model) >= capacity:
-                    model.discard(min(model, key=lambda c: (score[c], last[c], c)))
+                    if ranked is None:
+                        ranked = [(score[c], last[c], c) for c in model]
+                        heapq.heapify(ranked)
+                    model.discard(heapq.heappop(ranked)[2])
                 model.add(e)
+                if ranked is not None:
+                    heapq.heappush(ranked, (score[e], last[e], e))
         duel = self._duel
         duel[0] += hits[0] * self._duel_inc
         duel[1] += hits[1] * self._duel_inc
