@@ -33,8 +33,8 @@ DUEL_WINDOW): a cold model's first batches, which it ranks worse than LRU, soon 
 
 Deterministic (no randomness), and bounded: per layer 6 x len(HORIZON_MULTIPLES) x n_experts^2 floats (the
 cross, history and before weights and their RMSprop state) plus max(HORIZON_MULTIPLES) x HORIZON_RANGE[1] pending
-batches and MAX_SOURCES clients' scores; numpy work of O(horizons x n_experts x (the batch, its context and its
-history + the clients)) per batch.
+batches and MAX_SOURCES clients' scores; work (native/learned.h, and numpy) of O(horizons x n_experts x (the batch,
+its context and its history + the clients)) per batch.
 """
 
 from __future__ import annotations
