@@ -107,12 +107,13 @@ def test_replay_is_deterministic_with_one_client_and_with_several(tmp_path):
 
 class NumpyStepped(LearnedReuse):
     """The policy scoring and stepping with numpy's float32 ufuncs, as it did before native/learned.h: the ground
-    truth the native code must match to the bit."""
+    truth the native code must match to the bit. The history's sum was an einsum, which on x86-64 multiplies and adds
+    as these ufuncs do; a build of numpy may fuse the two (arm64), and the ufuncs are what the native code follows."""
 
     def _logits(self, features, batch, before, past_ids, past_weights):
         return ((self._own * features).sum(axis=1) + self._cross[:, batch].sum(axis=1)
                 + self._before[:, before].sum(axis=1)
-                + np.einsum("f,kfe->ke", past_weights, self._history[:, past_ids]))
+                + (past_weights[:, None] * self._history[:, past_ids]).sum(axis=1))
 
     def _learn(self, due):
         ks = np.array([k for k, _ in due], np.intp)
