@@ -91,7 +91,6 @@ def test_a_give_goes_out_while_the_miss_is_read(running_daemon, model_files, mon
         assert slot_record(model_files, running_daemon, 2, expert) == model_files.read_record(2, expert)
 
 
-
 def test_wait_answered_holds_until_the_desk_took_every_give_then_the_daemons_idle_means_l2_holds_them(
         running_daemon, model_files, monkeypatch):
     # What the bench waits for between passes (lab/replayer.py, lab/bench.py): the donor's thread is held before
