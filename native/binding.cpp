@@ -370,108 +370,85 @@ void init_crc32(nb::module_& m) {
 }
 
 namespace {
-// The learned policy's weights and their mean squares: [horizons, rows, experts], float32; stepped in place.
-using SteppedWeights = nb::ndarray<float, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
-using Weights = nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
-using RowIds = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using Errors = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-using Factors = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
-using Features = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-using PastWeights = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using Logits = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+// The learned model's arrays as numpy views of its own memory, which the model (their owner) outlives.
+using View = nb::ndarray<nb::numpy, float>;
 
-// ValueError unless every id of rows lies in 0..limit-1.
-void check_rows(const char* fn, const RowIds& rows, size_t limit, const char* what) {
-  for (size_t j = 0; j < rows.shape(0); ++j) {
-    if (rows.data()[j] < 0 || size_t(rows.data()[j]) >= limit) {
-      throw_value_error(fn, std::string(what) + " " + std::to_string(rows.data()[j]) + " out of range 0.." +
-                                std::to_string(limit - 1));
-    }
-  }
+View view(nb::handle owner, std::vector<float>& data, std::initializer_list<size_t> shape) {
+  return View(data.data(), shape.size(), shape.begin(), owner);
 }
 
-// ValueError unless batch i's horizon and rows lie in the weights, and its factors are one number a row (true) or
-// a row of n numbers a row (false).
-bool check_batch(const char* fn, size_t i, int64_t horizon, const RowIds& rows, const Factors* factors, size_t k,
-                 size_t r, size_t n) {
-  if (horizon < 0 || size_t(horizon) >= k) {
-    throw_value_error(fn, "horizon " + std::to_string(horizon) + " out of range 0.." + std::to_string(k - 1));
+nb::tuple observe(LearnedModel& model, const std::vector<int64_t>& picked, int64_t source,
+                  const std::vector<int64_t>& context, size_t capacity) {
+  std::vector<float> score;
+  std::vector<int64_t> gone;
+  {
+    nb::gil_scoped_release unlocked;
+    model.observe(picked, source, context, capacity, score, gone);
   }
-  check_rows(fn, rows, r, "row");
-  if (factors == nullptr || (factors->ndim() == 1 && factors->shape(0) == rows.shape(0))) {
-    return true;
-  }
-  if (factors->ndim() != 2 || factors->shape(0) != rows.shape(0) || factors->shape(1) != n) {
-    throw_value_error(fn, "factors[" + std::to_string(i) + "] is neither one number a row nor a row of " +
-                              std::to_string(n) + " a row");
-  }
-  return false;
-}
-
-void learn_rows(SteppedWeights weights, SteppedWeights mean_squares, const std::vector<int64_t>& horizons,
-                const std::vector<RowIds>& rows, Errors error, double rate, double decay, double eps,
-                const std::optional<std::vector<Factors>>& factors) {
-  const char* fn = "learn_rows";
-  const size_t k = weights.shape(0), r = weights.shape(1), n = weights.shape(2), m = horizons.size();
-  if (mean_squares.shape(0) != k || mean_squares.shape(1) != r || mean_squares.shape(2) != n) {
-    throw_value_error(fn, "the mean squares are not shaped as the weights");
-  }
-  if (rows.size() != m || error.shape(0) != m || error.shape(1) != n || (factors && factors->size() != m)) {
-    throw_value_error(fn, "horizons, rows, factors and the error's rows must be as many, and the error's columns "
-                          "as the weights' last dimension");
-  }
-  std::vector<bool> scalar(m);
-  for (size_t i = 0; i < m; ++i) {
-    scalar[i] = check_batch(fn, i, horizons[i], rows[i], factors ? &(*factors)[i] : nullptr, k, r, n);
-  }
-  const RmsProp p{float(rate), float(decay), float(1.0 - decay), float(eps)};
-  for (size_t i = 0; i < m; ++i) {
-    const float* f = factors ? (*factors)[i].data() : nullptr;
-    for (size_t j = 0; j < rows[i].shape(0); ++j) {
-      const size_t at = (size_t(horizons[i]) * r + size_t(rows[i].data()[j])) * n;
-      rmsprop_row(weights.data() + at, mean_squares.data() + at, error.data() + i * n,
-                  f != nullptr && !scalar[i] ? f + j * n : nullptr, f != nullptr && scalar[i] ? f[j] : 1.0f, n, p);
-    }
-  }
-}
-
-Picked picked(const char* fn, const Weights& weights, const RowIds& experts, size_t n) {
-  check_rows(fn, experts, n, "expert");
-  return {weights.data(), experts.data(), experts.shape(0)};
-}
-
-void learned_logits_into(Weights own, Features features, Weights cross, RowIds batch, Weights before, RowIds context,
-                         Weights history, RowIds past, PastWeights past_weights, Logits out) {
-  const char* fn = "learned_logits";
-  const size_t k = own.shape(0), f = own.shape(1), n = own.shape(2);
-  for (const Weights* w : {&cross, &before, &history}) {
-    if (w->shape(0) != k || w->shape(1) != n || w->shape(2) != n) {
-      throw_value_error(fn, "the cross, before and history weights must be [horizons, n, n] of the own weights'");
-    }
-  }
-  if (features.shape(0) != f || features.shape(1) != n || out.shape(0) != k || out.shape(1) != n ||
-      past_weights.shape(0) != past.shape(0)) {
-    throw_value_error(fn, "features must be [features, n], out [horizons, n] and the past weights one a past pick");
-  }
-  learned_logits(own.data(), features.data(), f, picked(fn, cross, batch, n), picked(fn, before, context, n),
-                 picked(fn, history, past, n), past_weights.data(), k, n, out.data());
+  return nb::make_tuple(score, gone);
 }
 
 }  // namespace
 
 void init_learned(nb::module_& m) {
-  m.def("learn_rows", &learn_rows, "weights"_a, "mean_squares"_a, "horizons"_a, "rows"_a, "error"_a, "rate"_a,
-        "decay"_a, "eps"_a, "factors"_a = nb::none(),
-        "One RMSprop step, in place, of rows of float32 weights [horizons, rows, n] and their mean squares (the "
-        "learned policy's, native/learned.h): for each i, the rows rows[i] (int64) of horizon horizons[i], on "
-        "the gradient error[i] times factors[i] (one number a row, or a row of n; none: 1). A row named twice "
-        "is stepped twice.");
-  m.def("learned_logits", &learned_logits_into, "own"_a, "features"_a, "cross"_a, "batch"_a, "before"_a,
-        "context"_a, "history"_a, "past"_a, "past_weights"_a, "out"_a,
-        "The learned policy's logits of a batch into out [horizons, n] (native/learned.h): the own weights "
-        "[horizons, features, n] times the features [features, n] summed, plus the cross rows of the batch's "
-        "experts, the before rows of its context's and the history rows of its past picks, each times its "
-        "weight (rows int64, weights float32).");
+  nb::class_<LearnedModel>(m, "LearnedModel",
+                           "The learned policy's model of one layer (native/learned.h): its weights, counts, clients "
+                           "and pending batches.")
+      .def("__init__",
+           [](LearnedModel* self, size_t n_experts, std::vector<float> count_decay,
+              std::vector<double> horizon_multiples, std::pair<int64_t, int64_t> lifetime, float rate,
+              double rms_decay, float eps, float history_decay, float history_floor, size_t max_sources,
+              int64_t source_ttl) {
+             if (n_experts < 1 || horizon_multiples.empty() || lifetime.first < 1 || lifetime.second < lifetime.first ||
+                 max_sources < 1 || source_ttl < 1) {
+               throw std::invalid_argument("LearnedModel: experts, horizons, the lifetime's range, the sources "
+                                           "and their time to live must be positive");
+             }
+             new (self) LearnedModel(n_experts, {std::move(count_decay), std::move(horizon_multiples),
+                                                 lifetime.first, lifetime.second, rate, rms_decay, eps,
+                                                 history_decay, history_floor, max_sources, source_ttl});
+           },
+           "n_experts"_a, "count_decay"_a, "horizon_multiples"_a, "lifetime"_a, "rate"_a, "rms_decay"_a, "eps"_a,
+           "history_decay"_a, "history_floor"_a, "max_sources"_a, "source_ttl"_a)
+      .def("observe", &observe, "picked"_a, "source"_a, "context"_a, "capacity"_a,
+           "One batch (distinct experts, ascending) of client `source` (an int), with its latest picks at the layer "
+           "before (the same; empty: none), the cache `capacity` slots: learn from the batches due and score every "
+           "expert. Returns (each expert's score as a list, the clients let go); the GIL released.")
+      .def("lifetime", &LearnedModel::lifetime, "capacity"_a)
+      .def("latest",
+           [](const LearnedModel& model, int64_t source) -> std::optional<std::vector<int64_t>> {
+             std::vector<int64_t> batch;
+             return model.latest(source, batch) ? std::optional(batch) : std::nullopt;
+           },
+           "source"_a)
+      .def("chances",
+           [](const LearnedModel& model, int64_t source) -> std::optional<std::vector<float>> {
+             std::vector<float> out;
+             return model.chances(source, out) ? std::optional(out) : std::nullopt;
+           },
+           "source"_a, "The client's latest chances, horizon by horizon, flat; None where it has none.")
+      .def_rw("clock", &LearnedModel::clock)
+      .def_rw("batch_mean", &LearnedModel::batch_mean)
+      .def_prop_ro("dynamic_bytes", &LearnedModel::dynamic_bytes)
+      .def_prop_ro("pending_sizes", &LearnedModel::pending_sizes)
+      .def_prop_ro("sources", &LearnedModel::sources)
+      .def("arrays",
+           [](nb::handle self) {
+             LearnedModel& model = nb::cast<LearnedModel&>(self);
+             const size_t k = model.horizons(), n = model.n(), f = model.n_features();
+             nb::dict out;
+             for (auto [name, data] : {std::pair{"own", &model.own}, {"own_ms", &model.own_ms}}) {
+               out[name] = view(self, *data, {k, f, n});
+             }
+             for (auto [name, data] : {std::pair{"cross", &model.cross}, {"cross_ms", &model.cross_ms},
+                                       {"history", &model.history}, {"history_ms", &model.history_ms},
+                                       {"before", &model.before}, {"before_ms", &model.before_ms}}) {
+               out[name] = view(self, *data, {k, n, n});
+             }
+             out["counts"] = view(self, model.counts, {model.n_counts(), n});
+             return out;
+           },
+           "Its arrays by name, numpy views of its memory, written in place by observe and by a restore.");
 }
 
 void init_transcode(nb::module_& m) {

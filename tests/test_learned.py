@@ -3,10 +3,13 @@ the client's L0 run the one implementation on the batches they see."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import random
 import threading
 from array import array
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
@@ -105,20 +108,88 @@ def test_replay_is_deterministic_with_one_client_and_with_several(tmp_path):
         assert one == two
 
 
-class NumpyStepped(LearnedReuse):
-    """The policy scoring and stepping with numpy's float32 ufuncs, as it did before native/learned.h: the ground
-    truth the native code must match to the bit. The history's sum was an einsum, which on x86-64 multiplies and adds
-    as these ufuncs do; a build of numpy may fuse the two (arm64), and the ufuncs are what the native code follows."""
+def logistic(x: np.ndarray) -> np.ndarray:
+    return np.array([1.0 / (1.0 + math.exp(-v)) for v in x.ravel().tolist()]).astype(np.float32).reshape(x.shape)
 
-    def _logits(self, features, batch, before, past_ids, past_weights):
-        return ((self._own * features).sum(axis=1) + self._cross[:, batch].sum(axis=1)
-                + self._before[:, before].sum(axis=1)
-                + (past_weights[:, None] * self._history[:, past_ids]).sum(axis=1))
 
-    def _learn(self, due):
+def log1p(x: np.ndarray) -> np.ndarray:
+    return np.array([math.log1p(v) for v in x.ravel().tolist()]).astype(np.float32).reshape(x.shape)
+
+
+class NumpyModel:
+    """The learned model of one layer in numpy's float32 ufuncs, as learned.py computed it before native/learned.h,
+    with log1p and the logistic in double through libm (math), rounded once: the ground truth the native model must
+    match to the bit (numpy's own float32 exp and log1p differ from libm's in the last bit). The history's sum was an
+    einsum, which on x86-64 multiplies and adds as these ufuncs do; a build of numpy may fuse the two (arm64), and the
+    ufuncs are what the native code follows."""
+
+    def __init__(self, n: int) -> None:
+        k, features = len(learned.HORIZON_MULTIPLES), 2 + len(learned.HALF_LIVES)
+        self.n, self.clock, self.batch_mean = n, 0, 0.0
+        self.own, self.own_ms = np.zeros((k, features, n), np.float32), np.zeros((k, features, n), np.float32)
+        for name in learned._PAIRED:
+            setattr(self, name, np.zeros((k, n, n), np.float32))
+        self.counts = np.zeros((len(learned.HALF_LIVES), n), np.float32)
+        self.decay = np.array([2.0 ** (-1.0 / h) for h in learned.HALF_LIVES], np.float32)[:, None]
+        self.pending = [collections.deque() for _ in learned.HORIZON_MULTIPLES]
+        self.sources: dict[int, SimpleNamespace] = {}  # least recent first
+
+    def arrays(self) -> dict:
+        return {name: getattr(self, name) for name in ("own", "own_ms", *learned._PAIRED, "counts")}
+
+    def lifetime(self, capacity: int) -> int:
+        low, high = learned.HORIZON_RANGE
+        return low if self.batch_mean <= 0 else int(min(high, max(low, round(capacity / self.batch_mean))))
+
+    def observe(self, picked, source, context, capacity):
+        ids, n = np.array(picked, np.intp), self.n
+        self.clock += 1
+        clock = self.clock
+        self.batch_mean += (len(picked) - self.batch_mean) / min(clock, 256)
+        life = self.lifetime(capacity)
+        mine = self.sources.pop(source, None)
+        if mine is None:
+            mine = SimpleNamespace(past=np.zeros(n, np.float32), last_picked=np.zeros(n, np.int64), chances=None)
+        else:
+            mine.past *= learned.HISTORY_DECAY
+            mine.past[mine.batch] += learned.HISTORY_DECAY
+        mine.batch, mine.clock = ids, clock
+        self.sources[source] = mine
+        gone = []
+        while len(self.sources) > learned.MAX_SOURCES or \
+                next(iter(self.sources.values())).clock < clock - learned.SOURCE_TTL * life:
+            gone.append(next(iter(self.sources)))
+            del self.sources[gone[-1]]
+        mine.last_picked[ids] = clock
+        due = [[] for _ in self.pending]
+        for k, pending in enumerate(self.pending):
+            while pending and clock - pending[0].clock >= max(1, round(learned.HORIZON_MULTIPLES[k] * life)):
+                due[k].append((k, pending.popleft()))
+        for step in itertools.zip_longest(*due):
+            self.learn([d for d in step if d is not None])
+        now = np.zeros(n, np.float32)
+        now[ids] = 1.0
+        self.counts *= self.decay
+        self.counts += now
+        features = np.concatenate((now[None], log1p(self.counts), np.ones((1, n), np.float32)))
+        past_ids = np.flatnonzero(mine.past >= learned._HISTORY_FLOOR)
+        past_weights = mine.past[past_ids]
+        before = np.array(context, np.intp)
+        mine.chances = logistic((self.own * features).sum(axis=1) + self.cross[:, ids].sum(axis=1)
+                                + self.before[:, before].sum(axis=1)
+                                + (past_weights[:, None] * self.history[:, past_ids]).sum(axis=1))
+        scored = SimpleNamespace(batch=ids, past_ids=past_ids, past_weights=past_weights, features=features,
+                                 clock=clock, chances=mine.chances, last_picked=mine.last_picked, before=before)
+        for pending in self.pending:
+            pending.append(scored)
+        chances = [s.chances for s in self.sources.values() if s.chances is not None]
+        score = chances[0].sum(axis=0) if len(chances) == 1 else \
+            (1.0 - np.prod(1.0 - np.stack(chances), axis=0)).sum(axis=0)
+        return score.tolist(), gone
+
+    def learn(self, due):
         ks = np.array([k for k, _ in due], np.intp)
-        error = 1.0 / (1.0 + np.exp(-np.stack([scored.logits[k] for k, scored in due]))) \
-            - np.stack([scored.last_picked > scored.clock for _, scored in due])
+        error = np.stack([s.chances[k] for k, s in due]) - np.stack([s.last_picked > s.clock for _, s in due])
 
         def rows(picked):
             sizes = [len(p) for p in picked]
@@ -129,18 +200,21 @@ class NumpyStepped(LearnedReuse):
             mean_squares[index] = ms
             weights[index] -= learned.LEARNING_RATE * grad / (np.sqrt(ms) + learned._EPS)
 
-        step(self._own, self._own_ms, ks, np.stack([s.features for _, s in due]) * error[:, None])
-        step(self._cross, self._cross_ms, *rows([s.batch for _, s in due]))
-        step(self._before, self._before_ms, *rows([s.before for _, s in due]))
+        step(self.own, self.own_ms, ks, np.stack([s.features for _, s in due]) * error[:, None])
+        step(self.cross, self.cross_ms, *rows([s.batch for _, s in due]))
+        step(self.before, self.before_ms, *rows([s.before for _, s in due]))
         index, grad = rows([s.past_ids for _, s in due])
-        step(self._history, self._history_ms, index, np.concatenate([s.past_weights for _, s in due])[:, None] * grad)
+        step(self.history, self.history_ms, index, np.concatenate([s.past_weights for _, s in due])[:, None] * grad)
 
 
 @pytest.mark.parametrize("n_experts, slots, top_k", [(64, 16, 6), (32, 8, 4)])
-def test_its_native_arithmetic_scores_and_learns_as_numpy_did_to_the_bit(n_experts, slots, top_k):
+def test_its_native_model_scores_and_learns_as_numpy_to_the_bit(n_experts, slots, top_k):
     """Three clients with contexts, 2,000 batches: every weight, mean square, score and shadow the same."""
     rng = random.Random(n_experts)
-    native, reference = LearnedReuse(n_experts, slots), NumpyStepped(n_experts, slots)
+    native, reference = LearnedReuse(n_experts, slots), LearnedReuse(n_experts, slots)
+    reference._model = NumpyModel(n_experts)
+    for name, values in reference._model.arrays().items():
+        setattr(reference, f"_{name}", values)
     for t in range(2000):
         batch, context = rng.sample(range(n_experts), top_k), rng.sample(range(n_experts), top_k)
         for policy in (native, reference):
@@ -149,40 +223,20 @@ def test_its_native_arithmetic_scores_and_learns_as_numpy_did_to_the_bit(n_exper
     assert native.state()["cross"] != LearnedReuse(n_experts, slots).state()["cross"]  # it learned something
 
 
-def test_the_native_arithmetic_refuses_rows_and_shapes_outside_the_weights():
-    weights, mean_squares = np.zeros((4, 8, 8), np.float32), np.zeros((4, 8, 8), np.float32)
-    error = np.ones((1, 8), np.float32)
-
-    def step(horizon=0, rows=(1, 2), factors=None, ms=mean_squares, err=error):
-        _native.learn_rows(weights, ms, horizons=[horizon], rows=[np.array(rows, np.int64)], error=err,
-                           factors=factors, rate=0.1, decay=0.9, eps=1e-6)
-
-    for bad, match in [({"horizon": 4}, "horizon 4 out of range 0..3"), ({"horizon": -1}, "horizon -1"),
-                       ({"rows": (1, 8)}, "row 8 out of range 0..7"), ({"rows": (-1,)}, "row -1"),
-                       ({"factors": [np.ones(3, np.float32)]}, "factors\\[0\\]"),
-                       ({"ms": np.zeros((4, 8, 7), np.float32)}, "mean squares"),
-                       ({"err": np.ones((2, 8), np.float32)}, "as many")]:
+def test_the_native_model_refuses_experts_outside_the_layer_and_changes_nothing():
+    policy = LearnedReuse(8, 4)
+    policy.observe([1, 2])
+    before = policy.state()
+    for picked, context, match in [([8], [], "a batch must be distinct experts 0..7"), ([-1], [], "a batch"),
+                                   ([2, 1], [], "ascending"), ([1, 1], [], "distinct"), ([], [], "at least one"),
+                                   ([1], [9], "a context")]:
         with pytest.raises(ValueError, match=match):
-            step(**bad)
-    assert not weights.any() and not mean_squares.any()  # refused before any row was stepped
-    step(factors=[np.array([2.0, 0.0], np.float32)])
-    assert weights[0, 1].all() and not weights[0, 2].any() and not weights[1:].any()
-
-    own, features, out = np.ones((4, 5, 8), np.float32), np.ones((5, 8), np.float32), np.zeros((4, 8), np.float32)
-
-    def logits(batch=(1,), past=(), past_weights=(), feats=features):
-        ids = [np.array(x, np.int64) for x in (batch, (), past)]
-        _native.learned_logits(own, feats, weights, ids[0], weights, ids[1], weights, ids[2],
-                               np.array(past_weights, np.float32), out)
-
-    for bad, match in [({"batch": (8,)}, "expert 8 out of range 0..7"), ({"past": (3,)}, "one a past pick"),
-                       ({"feats": np.ones((4, 8), np.float32)}, "features must be")]:
-        with pytest.raises(ValueError, match=match):
-            logits(**bad)
-    assert not out.any()
-    logits(past=(1,), past_weights=(0.5,))
-    # own . features, the batch's cross row, no context, half the past pick's history row
-    assert np.array_equal(out, (5 + weights[:, 1]) + 0.5 * weights[:, 1])
+            policy._model.observe(picked, 0, context, 4)
+    assert policy.state() == before
+    with pytest.raises(ValueError, match="must be positive"):
+        _native.LearnedModel(0, count_decay=[0.5], horizon_multiples=[1.0], lifetime=(2, 16), rate=0.1,
+                             rms_decay=0.9, eps=1e-6, history_decay=0.5, history_floor=0.01, max_sources=1,
+                             source_ttl=1)
 
 
 def test_its_state_stays_bounded_on_a_long_trace_from_many_clients():
@@ -193,13 +247,19 @@ def test_its_state_stays_bounded_on_a_long_trace_from_many_clients():
     most = 0
     for t in range(30_000):
         policy.observe(rng.sample(range(32), 4), source=t % 100)
-        assert all(len(p) <= max(learned.HORIZON_MULTIPLES) * learned.HORIZON_RANGE[1] for p in policy._pending)
-        assert len(policy._recent) <= learned.MAX_SOURCES
+        assert all(p <= max(learned.HORIZON_MULTIPLES) * learned.HORIZON_RANGE[1] for p in policy._model.pending_sizes)
+        assert len(policy._model.sources) == len(policy._source_ids) <= learned.MAX_SOURCES
         most = max(most, policy.nbytes)
     assert most < 128 << 10
     assert len(policy._lru_shadow) <= 8 and len(policy._model_shadow) <= 8
     assert all(math.isfinite(s) for s in policy._ranking.score)
     assert all(np.isfinite(a).all() for a in (policy._cross, policy._history, policy._own))
+
+
+def client_chances(policy: LearnedReuse, client) -> np.ndarray:
+    """The client's latest chances [horizons, experts]."""
+    flat = policy._model.chances(policy._source_ids[client])
+    return np.array(flat, np.float32).reshape(len(learned.HORIZON_MULTIPLES), policy.n_experts)
 
 
 def test_with_several_clients_an_expert_scores_its_chance_of_a_pick_by_any():
@@ -211,7 +271,7 @@ def test_with_several_clients_an_expert_scores_its_chance_of_a_pick_by_any():
     for batch_a, batch_b in zip(a, b):
         policy.observe(batch_a, source="a")
         policy.observe(batch_b, source="b")
-    chances = [policy._recent[c].chances for c in ("a", "b")]
+    chances = [client_chances(policy, c) for c in ("a", "b")]
     combined = (1 - (1 - chances[0]) * (1 - chances[1])).sum(axis=0)
     assert np.allclose(policy._ranking.score, combined, rtol=1e-5)
     # Each client's own next picks rank first in its own chances, and both clients' stay high in the score.
@@ -221,8 +281,8 @@ def test_with_several_clients_an_expert_scores_its_chance_of_a_pick_by_any():
     assert set(next_a) <= set(top) and set(next_b) <= set(top)
     for _ in range(learned.SOURCE_TTL * learned.HORIZON_RANGE[1] + 1):
         policy.observe(b[0], source="b")
-    assert list(policy._recent) == ["b"]
-    assert np.allclose(policy._ranking.score, policy._recent["b"].chances.sum(axis=0), rtol=1e-5)
+    assert list(policy._source_ids) == ["b"] and policy._model.sources == [policy._source_ids["b"]]
+    assert np.allclose(policy._ranking.score, client_chances(policy, "b").sum(axis=0), rtol=1e-5)
 
 
 def test_it_never_evicts_a_pin_or_the_batch_being_loaded():

@@ -33,19 +33,17 @@ DUEL_WINDOW): a cold model's first batches, which it ranks worse than LRU, soon 
 
 Deterministic (no randomness), and bounded: per layer 6 x len(HORIZON_MULTIPLES) x n_experts^2 floats (the
 cross, history and before weights and their RMSprop state) plus max(HORIZON_MULTIPLES) x HORIZON_RANGE[1] pending
-batches and MAX_SOURCES clients' scores; work (native/learned.h, and numpy) of O(horizons x n_experts x (the batch,
-its context and its history + the clients)) per batch.
+batches and MAX_SOURCES clients' scores; work (native/learned.h, one call a batch, the GIL released) of O(horizons x
+n_experts x (the batch, its context and its history + the clients)) per batch.
 """
 
 from __future__ import annotations
 
 import heapq
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import partial
-from itertools import zip_longest
 
 import numpy as np
 
@@ -86,28 +84,22 @@ class LearnedReuse:
     def __init__(self, n_experts: int, capacity: int) -> None:
         if n_experts < 1 or capacity < 1:
             raise ValueError("the learned policy needs the layer's number of experts and its capacity")
-        n = self.n_experts = n_experts
-        k = len(HORIZON_MULTIPLES)
-        # Per horizon and expert, the weights of its own features (picked now, log1p of each decayed count) and
-        # its bias.
-        self._own = np.zeros((k, 2 + len(HALF_LIVES), n), np.float32)
-        self._own_rows = np.arange(self._own.shape[1], dtype=np.int64)  # every row of a horizon's own weights
-        self._cross = np.zeros((k, n, n), np.float32)  # cross[k, f, e]: f picked now -> e picked within h_k
-        self._history = np.zeros((k, n, n), np.float32)  # history[k, f, e]: f picked lately -> the same
-        self._own_ms = np.zeros_like(self._own)  # RMSprop's mean squared gradients
-        self._cross_ms = np.zeros_like(self._cross)
-        self._history_ms = np.zeros_like(self._history)
-        self._before = np.zeros((k, n, n), np.float32)  # before[k, g, e]: g picked at the layer before -> the same
-        self._before_ms = np.zeros_like(self._before)
-        self._decay = np.array([2.0 ** (-1.0 / h) for h in HALF_LIVES], np.float32)[:, None]
-        self._counts = np.zeros((len(HALF_LIVES), n), np.float32)
-        self._ones = np.ones((1, n), np.float32)  # the bias' feature
-        # Per horizon, the batches whose label is not known yet, oldest first.
-        self._pending: tuple[deque[_Scored], ...] = tuple(deque() for _ in HORIZON_MULTIPLES)
-        self._clock = 0
-        self._recent: OrderedDict[object, _Source] = OrderedDict()
-        self._batch_mean = 0.0
-        self._ranking = _Ranking([0.0] * n, [0] * n, False)
+        self.n_experts = n_experts
+        # The weights, counts, clients and pending batches (native/learned.h), and views of its arrays: per horizon
+        # and expert the weights of its own features (picked now, log1p of each decayed count, its bias), cross[k, f,
+        # e] (f picked now -> e picked within h_k), history[k, f, e] (f picked lately -> the same), before[k, g, e]
+        # (g picked at the layer before -> the same), RMSprop's mean squares of each, and the decayed counts.
+        self._model = _native.LearnedModel(
+            n_experts, count_decay=np.array([2.0 ** (-1.0 / h) for h in HALF_LIVES], np.float32).tolist(),
+            horizon_multiples=list(HORIZON_MULTIPLES), lifetime=HORIZON_RANGE, rate=LEARNING_RATE,
+            rms_decay=RMS_DECAY, eps=_EPS, history_decay=HISTORY_DECAY, history_floor=_HISTORY_FLOOR,
+            max_sources=MAX_SOURCES, source_ttl=SOURCE_TTL)
+        for name, array in self._model.arrays().items():
+            setattr(self, f"_{name}", array)
+        self._source_ids: dict[object, int] = {}  # a client -> the model's id of it, while the model keeps it
+        self._sources_by_id: dict[int, object] = {}
+        self._next_id = 0
+        self._ranking = _Ranking([0.0] * n_experts, [0] * n_experts, False)
         self.capacity = capacity
         self._lru_shadow: OrderedDict[int, None] = OrderedDict()
         self._model_shadow: set[int] = set()
@@ -126,10 +118,7 @@ class LearnedReuse:
     @property
     def horizon(self) -> int:
         """About how long an expert stays cached, in batches: the horizons are multiples of it."""
-        low, high = HORIZON_RANGE
-        if self._batch_mean <= 0:
-            return low
-        return int(min(high, max(low, round(self.capacity / self._batch_mean))))
+        return self._model.lifetime(self.capacity)
 
     def observe(self, experts: Iterable[int], source=None, context: Iterable[int] | None = None) -> None:
         """One batch of picks of this layer, from `source` (a client; None: the only one), and `context`, that
@@ -141,115 +130,43 @@ class LearnedReuse:
                 self._observe(picked, source, context)
 
     def _observe(self, picked: list[int], source, context: Iterable[int] | None) -> None:
-        ids = np.array(picked, np.intp)
-        self._clock += 1
-        clock = self._clock
-        self._batch_mean += (len(picked) - self._batch_mean) / min(clock, 256)
-        horizon = self.horizon
-        mine = self._source(source, ids, clock, horizon)
-        mine.last_picked[ids] = clock
-        due = [[] for _ in self._pending]
-        for k, pending in enumerate(self._pending):
-            h = max(1, round(HORIZON_MULTIPLES[k] * horizon))
-            while pending and clock - pending[0].clock >= h:
-                due[k].append((k, pending.popleft()))
-        # One step for all horizons at once (they own disjoint weights); a horizon that shrank may have several
-        # batches due, learned from in turn.
-        for step in zip_longest(*due):
-            self._learn([d for d in step if d is not None])
-        now = np.zeros(self.n_experts, np.float32)
-        now[ids] = 1.0
-        self._counts *= self._decay
-        self._counts += now
-        features = np.concatenate((now[None], np.log1p(self._counts), self._ones))
-        past_ids = np.flatnonzero(mine.past >= _HISTORY_FLOOR)
-        past_weights = mine.past[past_ids]
-        before = np.array(sorted(set(context)) if context is not None else (), np.intp)
-        logits = self._logits(features, ids, before, past_ids, past_weights)
-        scored = _Scored(ids, past_ids, past_weights, features, clock, logits, mine.last_picked, before)
-        for pending in self._pending:
-            pending.append(scored)
-        mine.chances = 1.0 / (1.0 + np.exp(-logits))
-        score, last = self._scores(), list(self._ranking.last)
+        score, gone = self._model.observe(picked, self._source_id(source),
+                                          sorted(set(context)) if context is not None else [], self.capacity)
+        for dropped in gone:
+            del self._source_ids[self._sources_by_id.pop(dropped)]
+        clock, last = self._model.clock, list(self._ranking.last)
         for e in picked:
             last[e] = clock
         self._ranking = _Ranking(score, last, self._shadows(picked, score, last))
 
-    def _logits(self, features: np.ndarray, batch: np.ndarray, before: np.ndarray, past_ids: np.ndarray,
-                past_weights: np.ndarray) -> np.ndarray:
-        """z_ke of the module's docstring, per horizon k and expert e (native/learned.h)."""
-        logits = np.empty((len(HORIZON_MULTIPLES), self.n_experts), np.float32)
-        _native.learned_logits(self._own, features, self._cross, batch, self._before, before, self._history, past_ids,
-                               past_weights, logits)
-        return logits
+    def _source_id(self, source) -> int:
+        """The model's id of the client `source`: a new one for a client it let go or never saw."""
+        known = self._source_ids.get(source)
+        if known is None:
+            known = self._source_ids[source] = self._next_id
+            self._sources_by_id[known] = source
+            self._next_id += 1
+        return known
 
     @property
     def nbytes(self) -> int:
-        """Memory of its arrays now, the sources' histories and the pending batches included."""
-        fixed = sum(a.nbytes for a in (self._own, self._cross, self._history, self._before, self._own_ms,
-                                       self._cross_ms, self._history_ms, self._before_ms, self._decay, self._counts,
-                                       self._ones))
-        sources = sum(s.nbytes for s in self._recent.values())
-        pending = {id(b): b.nbytes for p in self._pending for b in p}  # the horizons share each batch
-        kept = {id(s.last_picked) for s in self._recent.values()}  # a client let go lives on in its batches' labels
-        gone = {id(b.last_picked): b.last_picked.nbytes for p in self._pending for b in p
-                if id(b.last_picked) not in kept}
-        return fixed + sources + sum(pending.values()) + sum(gone.values())
+        """Memory of its arrays now, the clients' histories and the pending batches included."""
+        return sum(a.nbytes for a in self._model.arrays().values()) + self._model.dynamic_bytes
 
     def latest(self, source=None) -> list[int] | None:
         """The client's latest batch at this layer, while it counts as recent: the layer after's context."""
-        mine = self._recent.get(source)
-        return None if mine is None else mine.batch.tolist()
+        known = self._source_ids.get(source)
+        return None if known is None else self._model.latest(known)
 
     def access(self, expert: int, count: int = 1) -> None:
         self.observe((expert,))
-
-    def _source(self, source, ids: np.ndarray, clock: int, horizon: int) -> _Source:
-        """The client `source`, its latest batch now `ids` and its history decayed by one batch; clients not seen
-        within SOURCE_TTL horizons, or past MAX_SOURCES, are let go (one let go past MAX_SOURCES while it still
-        picks labels its pending batches by the picks it made before)."""
-        recent = self._recent
-        mine = recent.get(source)
-        if mine is None:
-            n = self.n_experts
-            mine = _Source(ids, clock, np.zeros(n, np.float32), np.zeros(n, np.int64))
-        else:
-            mine.past *= HISTORY_DECAY
-            mine.past[mine.batch] += HISTORY_DECAY
-            mine.batch, mine.clock = ids, clock
-        recent[source] = mine
-        recent.move_to_end(source)
-        stale = clock - SOURCE_TTL * horizon
-        while len(recent) > MAX_SOURCES or next(iter(recent.values())).clock < stale:
-            recent.popitem(last=False)
-        return mine
-
-    def _scores(self) -> list[float]:
-        """Each expert's chance of a pick by any recent client, summed over the horizons."""
-        chances = [s.chances for s in self._recent.values() if s.chances is not None]
-        if len(chances) == 1:
-            return chances[0].sum(axis=0).tolist()
-        return (1.0 - np.prod(1.0 - np.stack(chances), axis=0)).sum(axis=0).tolist()
-
-    def _learn(self, due: list[tuple[int, _Scored]]) -> None:
-        """One RMSprop step of each horizon k's weights (k distinct) on its batch h_k batches old, from the logits
-        it was scored with: has its client picked each expert since (native/learned.h)."""
-        error = 1.0 / (1.0 + np.exp(-np.stack([scored.logits[k] for k, scored in due]))) \
-            - np.stack([scored.last_picked > scored.clock for _, scored in due])
-        step = partial(_native.learn_rows, horizons=[k for k, _ in due], error=error, rate=LEARNING_RATE,
-                       decay=RMS_DECAY, eps=_EPS)
-        step(self._own, self._own_ms, rows=[self._own_rows] * len(due), factors=[s.features for _, s in due])
-        step(self._cross, self._cross_ms, rows=[s.batch for _, s in due])
-        step(self._before, self._before_ms, rows=[s.before for _, s in due])
-        step(self._history, self._history_ms, rows=[s.past_ids for _, s in due],
-             factors=[s.past_weights for _, s in due])
 
     def _shadows(self, picked: list[int], score: list[float], last: list[int]) -> bool:
         """Run the picks through the LRU shadow and the model's, ranked by `score` and `last`: whether to follow
         LRU, which has hit more lately."""
         capacity = self.capacity
         low, high = DUEL_WINDOW
-        self._duel_inc *= 2.0 ** (1.0 / min(high, max(low, self._clock * DUEL_AGE)))
+        self._duel_inc *= 2.0 ** (1.0 / min(high, max(low, self._model.clock * DUEL_AGE)))
         lru, model = self._lru_shadow, self._model_shadow
         hits = [0, 0]
         ranked = None  # the model's shadow as a heap by (score, last, expert), made at its first eviction
@@ -309,7 +226,7 @@ class LearnedReuse:
         not the pending batches or the clients, which a restart has none of."""
         with self._lock:
             ranking = self._ranking
-            return {"clock": self._clock, "batch_mean": self._batch_mean, "counts": self._counts.tolist(),
+            return {"clock": self._model.clock, "batch_mean": self._model.batch_mean, "counts": self._counts.tolist(),
                     "own": self._own.tolist(), "own_ms": self._own_ms.tolist(),
                     **{name: getattr(self, f"_{name}").astype("<f4", copy=False).tobytes() for name in _PAIRED},
                     "last": list(ranking.last), "score": list(ranking.score), "lru_shadow": list(self._lru_shadow),
@@ -340,10 +257,9 @@ class LearnedReuse:
         duel_inc = _numbers(state["duel_inc"], (), 1, 2 * _RESCALE, "learned duel increment")
         lru = _experts(state["lru_shadow"], n, "learned LRU shadow")
         model = _experts(state["model_shadow"], n, "learned model shadow")
-        self._clock, self._batch_mean, self._duel_inc = clock, float(batch_mean), float(duel_inc)
-        self._counts, self._own, self._own_ms = (a.astype(np.float32) for a in (counts, own, own_ms))
-        for name, array in paired.items():
-            setattr(self, f"_{name}", array)
+        self._model.clock, self._model.batch_mean, self._duel_inc = clock, float(batch_mean), float(duel_inc)
+        for name, array in {"counts": counts, "own": own, "own_ms": own_ms, **paired}.items():
+            np.copyto(getattr(self, f"_{name}"), array, casting="unsafe")  # checked finite and in bounds above
         self._duel = duel.tolist()
         # A smaller store keeps the most recent of LRU's shadow and the best scored of the model's.
         self._lru_shadow = OrderedDict.fromkeys(lru[-self.capacity:])
@@ -358,39 +274,6 @@ class _Ranking:
     score: list[float]
     last: list[int]
     follows_lru: bool
-
-
-@dataclass(slots=True)
-class _Source:
-    """A client: its latest batch, when, its decayed picks before that batch, the clock of its latest pick of each
-    expert (its labels), and its latest batch's chances per horizon and expert (None until scored)."""
-    batch: np.ndarray
-    clock: int
-    past: np.ndarray
-    last_picked: np.ndarray
-    chances: np.ndarray | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.batch, self.past, self.last_picked, self.chances) if a is not None)
-
-
-@dataclass(frozen=True, slots=True)
-class _Scored:
-    """A batch's scores, kept until each horizon's label is known."""
-    batch: np.ndarray  # the experts its client picked
-    past_ids: np.ndarray  # this source's earlier picks, and their weights
-    past_weights: np.ndarray
-    features: np.ndarray  # every expert's own features
-    clock: int
-    logits: np.ndarray  # per horizon and expert
-    last_picked: np.ndarray  # its client's, as it goes on: the labels
-    before: np.ndarray  # its client's picks at the layer before
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.batch, self.past_ids, self.past_weights, self.features, self.logits,
-                                      self.before))
 
 
 def _numbers(value, shape: tuple[int, ...], low: float, high: float, what: str) -> np.ndarray:
