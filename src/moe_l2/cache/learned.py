@@ -78,7 +78,8 @@ PAIR_STATE_BYTES = 4 * len(_PAIRED) * len(HORIZON_MULTIPLES)
 class LearnedReuse:
     name = "learned"
     # observe() may run on one thread beside victim(), hottest() and state() on others: they read one _Ranking,
-    # which observe replaces whole, and state() waits for observe. moe-l2d runs it outside its store lock.
+    # which observe replaces whole; state(), latest() and nbytes wait for observe, whose native model changes without
+    # the GIL. moe-l2d runs it outside its store lock.
     concurrent_observe = True
 
     def __init__(self, n_experts: int, capacity: int) -> None:
@@ -151,12 +152,14 @@ class LearnedReuse:
     @property
     def nbytes(self) -> int:
         """Memory of its arrays now, the clients' histories and the pending batches included."""
-        return sum(a.nbytes for a in self._model.arrays().values()) + self._model.dynamic_bytes
+        with self._lock:  # the native model changes them without the GIL
+            return sum(a.nbytes for a in self._model.arrays().values()) + self._model.dynamic_bytes
 
     def latest(self, source=None) -> list[int] | None:
         """The client's latest batch at this layer, while it counts as recent: the layer after's context."""
-        known = self._source_ids.get(source)
-        return None if known is None else self._model.latest(known)
+        with self._lock:
+            known = self._source_ids.get(source)
+            return None if known is None else self._model.latest(known)
 
     def access(self, expert: int, count: int = 1) -> None:
         self.observe((expert,))
