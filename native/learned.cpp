@@ -49,7 +49,8 @@ void check_experts(const std::vector<int64_t>& ids, size_t n, const char* what) 
   for (int64_t e : ids) {
     if (e < 0 || size_t(e) >= n || e <= before) {
       throw std::invalid_argument(std::string(what) + " must be distinct experts 0.." + std::to_string(n - 1) +
-                                  " in ascending order, not ... " + std::to_string(e));
+                                  " in ascending order: " + std::to_string(e) +
+                                  (e <= before && e >= 0 ? " after " + std::to_string(before) : " is not one"));
     }
     before = e;
   }
