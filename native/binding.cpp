@@ -306,9 +306,12 @@ void init_pread(nb::module_& m) {
         "Have this thread's next pread_records or pread_scatter write one byte to each fd once it has released "
         "the GIL to read: the threads those fds wake then run beside the reads instead of delaying their start. "
         "The fds must be non-blocking (a full one already holds a wake-up). Replaces what was set before.");
-  m.def("flush_read_wakes", &flush_read_wakes, nb::call_guard<nb::gil_scoped_release>(),
+  m.def("flush_read_wakes", &flush_read_wakes,
         "Write what wake_when_reading set and no read has written yet (a fetch that ends up reading nothing), and "
-        "clear it.");
+        "clear it; the GIL kept, as wake's.");
+  m.def("wake", &write_wake, "fd"_a,
+        "Write one byte to a non-blocking fd (a full one holds a wake-up already), the GIL kept: the thread it wakes "
+        "runs once this one lets the GIL go, not in the middle of what this one does next.");
   m.def("set_direct", &set_direct, "fd"_a, "enable"_a = true,
         "Direct I/O for fd: O_DIRECT on Linux, F_NOCACHE on macOS. Returns whether reads now "
         "bypass the page cache (False where the filesystem or platform has none).");

@@ -976,7 +976,7 @@ def test_pread_scatter_refuses_landed_words_it_cannot_set(data_file):
             native.pread_scatter(jobs, landed=words, **kwargs)
 
 
-def test_wakes_asked_for_are_written_by_this_threads_next_read_and_by_a_flush(data_file):
+def test_wakes_asked_for_are_written_by_this_threads_next_read_by_a_flush_and_by_wake(data_file):
     fd, payload, _ = data_file
     dst = native.Buffer(1 << 20)
     pipes = [os.pipe() for _ in range(2)]
@@ -998,6 +998,13 @@ def test_wakes_asked_for_are_written_by_this_threads_next_read_and_by_a_flush(da
         native.wake_when_reading([pipes[0][1]])
         native.flush_read_wakes()  # a fetch that read nothing
         assert [pending_bytes(r) for r, _ in pipes] == [b"\0", b""]
+        native.wake(pipes[1][1])  # one byte now, whatever is set
+        assert [pending_bytes(r) for r, _ in pipes] == [b"", b"\0"]
+        os.set_blocking(pipes[1][1], False)
+        with pytest.raises(BlockingIOError):
+            while True:
+                os.write(pipes[1][1], bytes(4096))
+        native.wake(pipes[1][1])  # a full pipe holds wake-ups already: nothing raised
         assert bytes(dst.view()[:4096]) == payload[:4096]
     finally:
         for r, w in pipes:
