@@ -149,8 +149,8 @@ class Donor:
             self._wake()
 
     def _wake(self) -> None:
-        # The GIL kept: woken by a send, the thread took the GIL from a fetch about to return (2% of a lone miss's
-        # fetch; docs/benchmarks.md, "A filled miss's CPU, thread by thread").
+        # The GIL kept: woken by a send, the thread took the GIL from a fetch about to return (docs/benchmarks.md,
+        # "A filled miss's CPU, thread by thread").
         _native.wake(self._wake_w.fileno())
 
     def _run(self) -> None:
