@@ -328,7 +328,7 @@ class ServedModel:
         hits_total = misses_total = 0
         for layer, (hits, misses) in layers.items():
             store = self.stores[layer]
-            # A policy that may observe beside its victim() (the learned one's arithmetic, 0.1-0.3 ms a report) is
+            # A policy that may observe beside its victim() (the learned one, whose native model lets the GIL go) is
             # told outside the lock, which the fill desk's reservations and the loaders' publishing wait for
             # (docs/architecture.md, "Policies, profiles and hints").
             apart = getattr(store.policy, "concurrent_observe", False)

@@ -10,13 +10,6 @@ namespace moe_l2 {
 
 namespace {
 
-struct RmsProp {
-  float rate;   // the learning rate
-  float decay;  // of the mean squares
-  float keep;   // 1 - decay, computed in double and rounded once, as numpy rounds a Python float
-  float eps;    // beside the root of the mean squares
-};
-
 // g(e) is the gradient of weight e; one loop per kind of g, so that the compiler vectorizes each.
 template <typename Gradient>
 void rmsprop(float* __restrict w, float* __restrict ms, size_t n, const RmsProp& p, Gradient g) {
@@ -59,7 +52,10 @@ void check_experts(const std::vector<int64_t>& ids, size_t n, const char* what) 
 }  // namespace
 
 LearnedModel::LearnedModel(size_t n_experts, LearnedSettings settings)
-    : n_(n_experts), settings_(std::move(settings)), pending_(settings_.horizon_multiples.size()) {
+    : n_(n_experts),
+      settings_(std::move(settings)),
+      rmsprop_{settings_.rate, float(settings_.rms_decay), float(1.0 - settings_.rms_decay), settings_.eps},
+      pending_(settings_.horizon_multiples.size()) {
   const size_t k = horizons(), pairs = k * n_ * n_;
   own.assign(k * n_features() * n_, 0.0f);
   own_ms = own;
@@ -149,9 +145,8 @@ LearnedModel::Source& LearnedModel::source(int64_t id, const std::vector<int64_t
 }
 
 void LearnedModel::step(std::vector<float>& weights, std::vector<float>& mean_squares, size_t rows_per_horizon,
-                        size_t k, int64_t row, const float* error, const float* factor, float scale) {
-  const double decay = settings_.rms_decay;
-  const RmsProp p{settings_.rate, float(decay), float(1.0 - decay), settings_.eps};
+                        size_t k, int64_t row, const float* error, const float* factor, float scale) const {
+  const RmsProp& p = rmsprop_;
   const size_t at = (k * rows_per_horizon + size_t(row)) * n_;
   float* w = weights.data() + at;
   float* ms = mean_squares.data() + at;

@@ -26,6 +26,13 @@ struct LearnedSettings {
   int64_t source_ttl;  // horizons
 };
 
+struct RmsProp {  // an RMSprop step's numbers, as float32 operands
+  float rate;   // the learning rate
+  float decay;  // of the mean squares
+  float keep;   // 1 - decay, computed in double and rounded once, as numpy rounds a Python float
+  float eps;    // beside the root of the mean squares
+};
+
 class LearnedModel {
  public:
   LearnedModel(size_t n_experts, LearnedSettings settings);
@@ -82,13 +89,14 @@ class LearnedModel {
   Source& source(int64_t id, const std::vector<int64_t>& batch, int64_t lifetime, std::vector<int64_t>& gone);
   void learn(const std::vector<std::pair<size_t, const Scored*>>& due);
   void step(std::vector<float>& weights, std::vector<float>& mean_squares, size_t rows_per_horizon, size_t k,
-            int64_t row, const float* error, const float* factor, float scale);
+            int64_t row, const float* error, const float* factor, float scale) const;
   std::shared_ptr<Scored> score_batch(const std::vector<int64_t>& picked, const Source& mine,
                                       const std::vector<int64_t>& context);
   void combine(std::vector<float>& score) const;
 
   size_t n_;
   LearnedSettings settings_;
+  RmsProp rmsprop_;
   std::vector<std::deque<std::shared_ptr<Scored>>> pending_;  // per horizon, oldest first
   std::vector<Source> sources_;                                 // least recent first
 };

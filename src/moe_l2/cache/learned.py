@@ -40,6 +40,7 @@ n_experts x (the batch, its context and its history + the clients)) per batch.
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -95,11 +96,11 @@ class LearnedReuse:
             horizon_multiples=list(HORIZON_MULTIPLES), lifetime=HORIZON_RANGE, rate=LEARNING_RATE,
             rms_decay=RMS_DECAY, eps=_EPS, history_decay=HISTORY_DECAY, history_floor=_HISTORY_FLOOR,
             max_sources=MAX_SOURCES, source_ttl=SOURCE_TTL)
-        for name, array in self._model.arrays().items():
+        self._arrays = self._model.arrays()
+        for name, array in self._arrays.items():
             setattr(self, f"_{name}", array)
         self._source_ids: dict[object, int] = {}  # a client -> the model's id of it, while the model keeps it
-        self._sources_by_id: dict[int, object] = {}
-        self._next_id = 0
+        self._new_ids = itertools.count()
         self._ranking = _Ranking([0.0] * n_experts, [0] * n_experts, False)
         self.capacity = capacity
         self._lru_shadow: OrderedDict[int, None] = OrderedDict()
@@ -133,8 +134,8 @@ class LearnedReuse:
     def _observe(self, picked: list[int], source, context: Iterable[int] | None) -> None:
         score, gone = self._model.observe(picked, self._source_id(source),
                                           sorted(set(context)) if context is not None else [], self.capacity)
-        for dropped in gone:
-            del self._source_ids[self._sources_by_id.pop(dropped)]
+        if gone:  # at most MAX_SOURCES clients to look through
+            self._source_ids = {client: known for client, known in self._source_ids.items() if known not in gone}
         clock, last = self._model.clock, list(self._ranking.last)
         for e in picked:
             last[e] = clock
@@ -144,16 +145,14 @@ class LearnedReuse:
         """The model's id of the client `source`: a new one for a client it let go or never saw."""
         known = self._source_ids.get(source)
         if known is None:
-            known = self._source_ids[source] = self._next_id
-            self._sources_by_id[known] = source
-            self._next_id += 1
+            known = self._source_ids[source] = next(self._new_ids)
         return known
 
     @property
     def nbytes(self) -> int:
         """Memory of its arrays now, the clients' histories and the pending batches included."""
         with self._lock:  # the native model changes them without the GIL
-            return sum(a.nbytes for a in self._model.arrays().values()) + self._model.dynamic_bytes
+            return sum(a.nbytes for a in self._arrays.values()) + self._model.dynamic_bytes
 
     def latest(self, source=None) -> list[int] | None:
         """The client's latest batch at this layer, while it counts as recent: the layer after's context."""
