@@ -122,7 +122,7 @@ class TimedLoader(RowLoader):
         if on_l2_miss is not None:
             inner = on_l2_miss
 
-            def on_l2_miss(copied, coming):  # the report (and, filling, the give) goes out now
+            def on_l2_miss(copied, coming):  # load-through's report goes out now, a filling pool's give
                 mark("report_sent", layer, [e for e, ok in zip(experts, copied) if not ok])
                 return inner(copied, coming)
         return super().load_rows(layer, lp, experts, rows, on_l2_miss, *args, **kwargs)
@@ -167,7 +167,7 @@ class AfterReadLoader(TimedLoader):
 PATHS = {
     "pread": ([("read begins", "read_begin", "first"), ("read ends", "read_end", "last"),
                ("fetch returns", "fetch_end", "last")], []),
-    "fills": ([("read begins", "read_begin", "first"), ("give queued, report sent", "report_sent", "last"),
+    "fills": ([("read begins", "read_begin", "first"), ("give queued", "report_sent", "last"),
                ("donor thread sends the give", "give_sent", "last"), ("give received (desk)", "give_in", "last"),
                ("slot reserved", "reserved", "last"), ("offer received (donor)", "offer_in", "last"),
                ("read ends", "read_end", "last"), ("fetch returns", "fetch_end", "last"),

@@ -237,26 +237,20 @@ class L2Client:
         return self.attachment is not None
 
     def report(self, layer: int, hits: list[int], misses: list[int], routed: list[int], now: bool = False,
-               given=(), wake: bool = True) -> None:
+               given=()) -> None:
         """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
         loads the misses and counts the picks). Nothing for a layer the daemon does not serve. now: send it
         without waiting for the next flush, and have the daemon fold it in at once (a caller waits for the misses:
         load-through, asleep on their slots). given: the misses this process read and gives to L2 itself
-        (client/donor.py), which the daemon must not load. wake=False: with now, the caller wakes the connection
-        thread (wake_fd)."""
+        (client/donor.py), which the daemon must not load."""
         attachment = self.attachment
         if attachment is not None and not attachment.serves(layer):
             return
         self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS], now, list(given)))
         for start in range(MAX_REPORT_IDS, len(routed), MAX_REPORT_IDS):  # a long prefill, pick by pick
             self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS], False, []))
-        if now and wake:
+        if now:
             self._wake()
-
-    @property
-    def wake_fd(self) -> int:
-        """A byte written here has the connection thread send what is queued now."""
-        return self._wake_w
 
     def _wake(self) -> None:
         """Have the connection thread send what is queued now rather than at its next flush."""

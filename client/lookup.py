@@ -44,7 +44,7 @@ class Lookup:
     """One fetch of a layer's batch, as it goes: the router's picks, the experts L2 lent (`awaited` of them loaded
     for this lookup while it waited), the misses L0 took rows for and which of them came from L2 (`copied`), and
     those this process gives to L2. The daemon hears of it once: at the end, or where the fetch is about to wait
-    for its misses (load-through, a give), before that wait, so that their loads start at once."""
+    for the daemon's loads of its misses (load-through), before that wait, so that they start at once."""
 
     layer: int
     picks: list[int]
@@ -55,15 +55,14 @@ class Lookup:
     given: list[int] = field(default_factory=list)
     reported: bool = False
 
-    def report(self, client, now: bool = False, wake: bool = True) -> None:
+    def report(self, client, now: bool = False) -> None:
         """Tell the daemon what L2 had (lent or copied) and lacked (it loads what it lacked, but those given),
-        unless it was told already or there is none. now: without waiting for the connection's next flush
-        (wake=False: once the caller wakes the connection thread)."""
+        unless it was told already or there is none. now: without waiting for the connection's next flush."""
         if self.reported or client is None:
             return
         self.reported = True
         client.report(self.layer, [*self.lent, *(e for e, ok in zip(self.missing, self.copied) if ok)],
-                      [e for e, ok in zip(self.missing, self.copied) if not ok], self.picks, now, self.given, wake)
+                      [e for e, ok in zip(self.missing, self.copied) if not ok], self.picks, now, self.given)
 
     def counts(self, l0_hits: int, filled: TierCounts) -> TierCounts:
         """The lookup's TierCounts: `l0_hits`, the lent experts as L2 hits, and what filling the misses counted."""

@@ -335,18 +335,18 @@ class ExpertPool:
             return self.loader.await_l2(layer, lp, missing, rows, copied, self.load_through_s)
 
         def give(copied: list[bool], coming: list[bool]) -> list[bool]:
-            # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read, and
-            # report the lookup now, so that the daemon's policy knows of it before it picks their victims. Those
-            # on their way into L2 are waited for (load_rows), not given. The two threads are woken once the read
-            # has let go of the GIL (woken before, they delayed its start: docs/decisions.md, "Fills").
+            # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read (the
+            # give keeps the batch's picks from their victims); those on their way into L2 are waited for
+            # (load_rows), not given. Its thread is woken once the read has let go of the GIL (woken before, it
+            # delayed the read's start). The lookup is reported with the next flush, as a hit's: the daemon loads
+            # none of it (docs/decisions.md, "Fills").
             unread = to_read(copied, coming)
             given = [missing[i] for i in unread]
             gifts.extend(self.donor.give(layer, lp, given, [rows[i] for i in unread],
                                          keep=[*lookup.lent, *lookup.picks], wake=False, landed=landed.words,
                                          words=unread))
             lookup.copied, lookup.given = copied, given
-            lookup.report(self.client, now=True, wake=False)
-            _native.wake_when_reading([self.donor.wake_fd, self.client.wake_fd])
+            _native.wake_when_reading([self.donor.wake_fd])
             return copied
 
         def read(whole: bool) -> None:

@@ -33,9 +33,9 @@ def _spy_reports(monkeypatch, client) -> list[tuple]:
     reports = []
     real = client.report
 
-    def report(layer, hits, misses, routed, now=False, given=(), wake=True):
+    def report(layer, hits, misses, routed, now=False, given=()):
         reports.append((layer, sorted(hits), sorted(misses), now))
-        real(layer, hits, misses, routed, now, given, wake)
+        real(layer, hits, misses, routed, now, given)
 
     monkeypatch.setattr(client, "report", report)
     return reports

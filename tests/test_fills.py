@@ -71,6 +71,26 @@ def test_misses_read_by_a_process_of_the_daemons_uid_are_given_to_l2_exact_and_n
             assert slot_record(model_files, running_daemon, layer, expert) == model_files.read_record(layer, expert)
 
 
+def test_a_gives_lookup_is_reported_once_with_the_next_flush_and_loads_nothing(running_daemon, model_files,
+                                                                                 monkeypatch):
+    # The give reserves the slots; the report, which loads nothing, waits for the connection's flush rather than
+    # having moe-l2d fold it in beside the read (docs/decisions.md, "Fills").
+    with filling_pool(model_files, running_daemon) as pool:
+        reports, report = [], pool.client.report
+
+        def spy(layer, hits, misses, routed, now=False, given=()):
+            reports.append((layer, sorted(misses), now, sorted(given)))
+            report(layer, hits, misses, routed, now, given)
+
+        monkeypatch.setattr(pool.client, "report", spy)
+        assert pool.fetch(1, [5, 2]).l3_reads == 2
+        assert reports == [(1, [2, 5], False, [2, 5])]
+        wait_for(lambda: fills(running_daemon)["donated"] == 2, what="two donations",
+                 detail=lambda: fills(running_daemon))
+        wait_for(lambda: stats(running_daemon)["models"][0]["misses"] == 2, what="the report, flushed")
+    assert stats(running_daemon)["models"][0]["loads_done"] == 0
+
+
 def test_a_give_goes_out_while_the_miss_is_read(running_daemon, model_files, monkeypatch):
     # The donor's thread looks at its queue only when woken (or each TICK_S, here never): the desk can offer slots
     # before the read is done only if the read woke it (_native.wake_when_reading).
