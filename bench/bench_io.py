@@ -29,7 +29,8 @@
    same daemon taking fills ("filled": a pool of the daemon's uid reads the misses itself, as "checked", and gives
    them to L2 off the token's path, client/donor.py; its line also says its speed over the pool's own checked
    read of the same round, the median of the rounds' ratios, and how long after the fetch L2 held them: the
-   offer's round trip, the copy into the slots and the daemon's check). Every config but the pool's modes reads as the shipped code does (`read_as`).
+   offer's round trip, the copy into the slots and the daemon's check). Every config but the pool's modes reads
+   as the shipped code does (`read_as`).
    Misses land in every row of a pool in turn, as a full pool's victims do.
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.

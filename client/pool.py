@@ -335,11 +335,11 @@ class ExpertPool:
             return self.loader.await_l2(layer, lp, missing, rows, copied, self.load_through_s)
 
         def give(copied: list[bool], coming: list[bool]) -> list[bool]:
-            # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read (the
-            # give keeps the batch's picks from their victims); those on their way into L2 are waited for
-            # (load_rows), not given. Its thread is woken once the read has let go of the GIL (woken before, it
-            # delayed the read's start). The lookup is reported with the next flush, as a hit's: the daemon loads
-            # none of it (docs/decisions.md, "Fills").
+            # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read (none
+            # taken from the batch's picks); those on their way into L2 are waited for (load_rows), not given. Its
+            # thread is woken once the read has let go of the GIL (woken before, it delayed the read's start). The
+            # lookup is reported with the next flush, as a hit's: the daemon loads none of it (docs/decisions.md,
+            # "Fills").
             unread = to_read(copied, coming)
             given = [missing[i] for i in unread]
             gifts.extend(self.donor.give(layer, lp, given, [rows[i] for i in unread],
