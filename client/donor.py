@@ -124,21 +124,20 @@ class Donor:
 
     @property
     def wake_fd(self) -> int:
-        """A byte written here wakes the donor's thread (what `give(wake=False)` leaves to the caller)."""
+        """A byte written here wakes the donor's thread (what `give` leaves to the caller)."""
         return self._wake_w.fileno()
 
-    def give(self, layer: int, pool, experts: list[int], rows: list[int], keep=(), wake: bool = True,
-             landed=None, words=()) -> list[Gift]:
+    def give(self, layer: int, pool, experts: list[int], rows: list[int], keep=(), landed=None,
+             words=()) -> list[Gift]:
         """Queue records about to be read into these rows of the layer's pool; returns at once, with the gifts
-        to pass to `read_done` once the read has ended. keep: experts of the layer the slots must not be taken
-        from (the batch computing on L2's records in place). wake=False: the caller wakes the thread (wake_fd).
+        to pass to `read_done` once the read has ended; the caller wakes the thread (wake_fd) once the read has
+        let go of the GIL. keep: experts of the layer the slots must not be taken from (the batch computing on L2's
+        records in place).
         landed, words: the read sets word words[i] of `landed` as experts[i]'s record lands, and wakes the thread
         (ModelFiles.read_into_rows), which copies it then."""
         gifts = [Gift(layer, expert, pool, row, pool.giving(row, True), landed=landed, word=word)
                  for expert, row, word in zip(experts, rows, words or [0] * len(experts))]
         self._gifts.put((layer, gifts, list(keep)))
-        if wake:
-            self._wake()
         return gifts
 
     def read_done(self, gifts: list[Gift], whole: bool) -> None:

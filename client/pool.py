@@ -343,7 +343,7 @@ class ExpertPool:
             unread = to_read(copied, coming)
             given = [missing[i] for i in unread]
             gifts.extend(self.donor.give(layer, lp, given, [rows[i] for i in unread],
-                                         keep=[*lookup.lent, *lookup.picks], wake=False, landed=landed.words,
+                                         keep=[*lookup.lent, *lookup.picks], landed=landed.words,
                                          words=unread))
             lookup.copied, lookup.given = copied, given
             _native.wake_when_reading([self.donor.wake_fd])
