@@ -241,8 +241,8 @@ class L2Client:
         """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
         loads the misses and counts the picks). Nothing for a layer the daemon does not serve. now: send it
         without waiting for the next flush, and have the daemon fold it in at once (a caller waits for the misses:
-        load-through, asleep on their slots). given: the misses this process read and gives to L2 itself
-        (client/donor.py), which the daemon must not load."""
+        load-through, asleep on their slots). given: the misses a process that gives to L2 (client/donor.py) read
+        itself, which the daemon must not load."""
         attachment = self.attachment
         if attachment is not None and not attachment.serves(layer):
             return

@@ -42,9 +42,10 @@ _COUNTS = tuple(f.name for f in fields(TierCounts))
 @dataclass
 class Lookup:
     """One fetch of a layer's batch, as it goes: the router's picks, the experts L2 lent (`awaited` of them loaded
-    for this lookup while it waited), the misses L0 took rows for and which of them came from L2 (`copied`), and
-    those this process gives to L2. The daemon hears of it once: at the end, or where the fetch is about to wait
-    for the daemon's loads of its misses (load-through), before that wait, so that they start at once."""
+    for this lookup while it waited), the misses L0 took rows for and which of them came from L2 (`copied`), and,
+    where this process gives to L2, those it read (`given`). The daemon hears of it once: at the end, or where the
+    fetch is about to wait for the daemon's loads of its misses (load-through), before that wait, so that they start
+    at once."""
 
     layer: int
     picks: list[int]

@@ -320,9 +320,9 @@ class ExpertPool:
 
     def _fill_rows(self, lp: LayerPool, rows: list[int], lookup: Lookup) -> TierCounts:
         """Fill the rows taken for the lookup's misses and publish them: copied from L2, or loaded through (reported
-        at once and waited for), or read by this process, which gives them to L2 (client/donor.py: told, and the
-        lookup reported, as their read starts; handed over once it ended), or, on their way into L2 already,
-        waited for and copied. Marks in the lookup which came from L2; returns the counts."""
+        at once and waited for), or read by this process, which gives them to L2 (client/donor.py: told as their
+        read starts, handed over once it ended), or, on their way into L2 already, waited for and copied. Marks in
+        the lookup which came from L2 and, giving, which this process read; returns the counts."""
         layer, missing, gifts = lookup.layer, lookup.missing, []
         gives = self._gives()
         # The record of missing[i] says so in word i as its read lands: the donor copies it while the rest are read.
@@ -337,15 +337,12 @@ class ExpertPool:
         def give(copied: list[bool], coming: list[bool]) -> list[bool]:
             # Tell the donor of the L2 misses now, so that the daemon reserves their slots while they are read (none
             # taken from the batch's picks); those on their way into L2 are waited for (load_rows), not given. Its
-            # thread is woken once the read has let go of the GIL (woken before, it delayed the read's start). The
-            # lookup is reported with the next flush, as a hit's: the daemon loads none of it (docs/decisions.md,
-            # "Fills").
+            # thread is woken once the read has let go of the GIL (woken before, it delayed the read's start).
             unread = to_read(copied, coming)
             given = [missing[i] for i in unread]
             gifts.extend(self.donor.give(layer, lp, given, [rows[i] for i in unread],
                                          keep=[*lookup.lent, *lookup.picks], landed=landed.words,
                                          words=unread))
-            lookup.copied, lookup.given = copied, given
             _native.wake_when_reading([self.donor.wake_fd])
             return copied
 
@@ -364,6 +361,10 @@ class ExpertPool:
         except BaseException:
             read(False)
             raise
+        if gives:
+            # Reported with the next flush, as a hit is, what this process read, given or read once its coming record
+            # did not land, is named so that the daemon loads none of it (docs/decisions.md, "Fills").
+            lookup.given = [e for e, ok in zip(missing, lookup.copied) if not ok]
         lp.publish(missing, rows)
         return filled
 

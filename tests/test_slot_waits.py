@@ -17,7 +17,7 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 
 from moe_l2 import _native
-from moe_l2.client.connection import L2Client
+from moe_l2.client.connection import L2Client, wait_idle
 from moe_l2.client.l2view import L2View
 from moe_l2.client.pool import ExpertPool
 from moe_l2.lm.streamed_lm import StreamedLM
@@ -98,6 +98,11 @@ def test_a_miss_on_a_record_another_donor_gives_waits_for_it_and_reads_only_what
             waits = pool.waits
             assert (waits.waits, waits.woken, waits.expired) == (1, 1, 0)
             assert_resident_exact(pool, model_files, 1, [6])
+            # The fetch's report goes with the connection's flush; whatever it has the daemon load is counted once
+            # the daemon is idle after it.
+            wait_for(lambda: sum(stats(running_daemon)["models"][0][k] for k in ("hits", "misses")) == 1,
+                     what="the fetch's report")
+            wait_idle(running_daemon.socket)
         model = stats(running_daemon)["models"][0]
         read_by = {"filled": (1, 0, 0), "cancelled": (1, 0, 1), "rejected": (0, 1, 0)}[end]
         assert (counts.l2_awaited, counts.l3_reads, model["loads_done"]) == read_by
