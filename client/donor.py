@@ -50,15 +50,17 @@ class Gift:
     read: bool | None = None
     slot: int | None = None  # offered for it
     done: bool = False  # copied, cancelled or dropped: its row released
-    landed: object = None  # a _native.Memory whose 4-byte word `word` the read sets as the record lands
-    word: int = 0
+    landed: object = None  # the pool's landed words (Rows.landed), whose word of `row` the read sets as it lands
 
     def whole(self) -> bool | None:
         """Whether the row holds the whole record: True once its own read landed or the read ended whole, False
         once the read failed, None while it runs."""
-        if self.read is None and self.landed is not None and self.landed.load_u32(4 * self.word):
-            return True
-        return self.read
+        # The word before `read`: by the time the row is read into again, `read` is set (or the row's writes count
+        # moved, which `_copy` checks), so a word loaded while it was unset is this read's.
+        landed = self.landed is not None and self.landed.load_u32(4 * self.row)
+        if self.read is not None:
+            return self.read
+        return True if landed else None
 
 
 @dataclass
@@ -127,16 +129,15 @@ class Donor:
         """A byte written here wakes the donor's thread (what `give` leaves to the caller)."""
         return self._wake_w.fileno()
 
-    def give(self, layer: int, pool, experts: list[int], rows: list[int], keep=(), landed=None,
-             words=()) -> list[Gift]:
+    def give(self, layer: int, pool, experts: list[int], rows: list[int], keep=(), landed=None) -> list[Gift]:
         """Queue records about to be read into these rows of the layer's pool; returns at once, with the gifts
         to pass to `read_done` once the read has ended; the caller wakes the thread (wake_fd) once the read has
         let go of the GIL. keep: experts of the layer the slots must not be taken from (the batch computing on L2's
         records in place).
-        landed, words: the read sets word words[i] of `landed` as experts[i]'s record lands, and wakes the thread
-        (ModelFiles.read_into_rows), which copies it then."""
-        gifts = [Gift(layer, expert, pool, row, pool.giving(row, True), landed=landed, word=word)
-                 for expert, row, word in zip(experts, rows, words or [0] * len(experts))]
+        landed: the pool's landed words (Rows.landed), whose word of rows[i] the read sets as experts[i]'s record
+        lands, and wakes the thread (ModelFiles.read_into_rows), which copies it then."""
+        gifts = [Gift(layer, expert, pool, row, pool.giving(row, True), landed=landed)
+                 for expert, row in zip(experts, rows)]
         self._gifts.put((layer, gifts, list(keep)))
         return gifts
 

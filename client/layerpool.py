@@ -32,7 +32,8 @@ written into.
 A row's `writes` count goes up whenever it is handed out to be written (take_rows, take_side), before any byte
 of it is: the client's donor (client/donor.py) copies a record out of a row without the lock and gives it to L2
 only if the count did not move meanwhile, so a fetch never waits for a donation and a row refilled under the copy
-is never given.
+is never given. A row's `landed` word says that a read into it has put the whole record there (a packed model's:
+ModelFiles.read_into_rows zeroes it as the read starts), so that the donor copies each record as it lands.
 
 Autopin (`AutopinLayerPool`, per-layer rows only: src/moe_l2/cache/heat.py) pins each layer's hottest experts where
 they are resident, chosen again as their heat decays; those pins yield to a batch that needs their rows, so they
@@ -93,6 +94,7 @@ class Rows:
         self.held = 0
         self.grows = False  # below its ceiling: take_free grows the rows before it runs out
         self.buffer = None
+        self.landed = None  # a 4-byte word per row (read_into_rows' `landed`)
         self.arrays: dict = {}
         self.free: list[int] = []
         self.side_free: list[int] = []  # side rows no guess holds and nothing queued reads
@@ -129,6 +131,8 @@ class Rows:
             self.arrays[p.key] = buffer.array(p.offset, [total, *p.shape], dtype,
                                               row_strides(self.stride // dtype.size, p.shape))
         self.buffer = buffer
+        # A read that runs into the old words goes on setting them: its gifts keep them alive (client/donor.py).
+        self.landed = _native.Buffer(4 * total)
         self.writes += [0] * (total - len(self.writes))  # rows keep their numbers: the new ones come last
         if old:
             self.free[:0] = range(total - 1, old_total - 1, -1)  # taken from the end: the free rows before the new
@@ -252,6 +256,11 @@ class LayerPool:
         """(memory, offset) of each piece of a row now, in layout order, as the reads into rows take them."""
         rows = self._rows
         return [(rows.buffer, row * rows.stride + p.offset) for p in self.layout.pieces]
+
+    @property
+    def landed(self) -> _native.Buffer:
+        """The rows' landed words now, row r's at byte 4 * r (Rows.landed; replaced when the rows grow)."""
+        return self._rows.landed
 
     @property
     def arrays(self) -> dict[str, mx.array]:

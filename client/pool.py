@@ -325,8 +325,8 @@ class ExpertPool:
         the lookup which came from L2 and, giving, which this process read; returns the counts."""
         layer, missing, gifts = lookup.layer, lookup.missing, []
         gives = self._gives()
-        # The record of missing[i] says so in word i as its read lands: the donor copies it while the rest are read.
-        landed = Landed(_native.Buffer(4 * len(missing)), self.donor.wake_fd) if gives else None
+        # Each record says so in its row's word as its read lands: the donor copies it while the rest are read.
+        landed = Landed(lp.landed, self.donor.wake_fd) if gives else None
 
         def load_through(copied: list[bool], coming: list[bool]) -> list[bool]:
             # Report the L2 misses now, so that the daemon starts loading them, and copy them as they land.
@@ -341,8 +341,7 @@ class ExpertPool:
             unread = to_read(copied, coming)
             given = [missing[i] for i in unread]
             gifts.extend(self.donor.give(layer, lp, given, [rows[i] for i in unread],
-                                         keep=[*lookup.lent, *lookup.picks], landed=landed.words,
-                                         words=unread))
+                                         keep=[*lookup.lent, *lookup.picks], landed=landed.words))
             _native.wake_when_reading([self.donor.wake_fd])
             return copied
 

@@ -6,7 +6,6 @@ nothing: the pool points the slot table at the rows once they hold their whole r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -57,7 +56,7 @@ class RowLoader:
         are not read: once the rest are, they are waited for, up to coming_s after the lookup, and copied; only
         those that have not landed by then are read too (docs/architecture.md, "Fills"). on_read(True): called once
         the misses read at first are whole and checked, before that wait. landed: the misses read at first say so
-        as each lands (ModelFiles.read_into_rows), experts[i] in word i."""
+        as each lands (ModelFiles.read_into_rows), each in its row's word (Rows.landed)."""
         counts = TierCounts()
         try:
             start = time.perf_counter()
@@ -69,9 +68,10 @@ class RowLoader:
                 counts.l2_awaited = sum(copied) - present
             copied = self._checked_copies(layer, lp, experts, rows, copied)
             copied_at = time.perf_counter()
-            at = to_read(copied, coming)
-            unread = [(experts[i], rows[i]) for i in at]
-            self._read_checked(layer, lp, unread, landed and dataclasses.replace(landed, at=tuple(at)))
+            unread = [(experts[i], rows[i]) for i in to_read(copied, coming)]
+            if landed is not None:
+                landed = Landed(landed.words, landed.fd, tuple(row for _, row in unread))
+            self._read_checked(layer, lp, unread, landed)
             if on_read is not None:
                 on_read(True)
             read_at = waited_at = time.perf_counter()
