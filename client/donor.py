@@ -68,7 +68,7 @@ class DonorCounts:
     given: int = 0      # records told to the desk
     filled: int = 0     # copied into a slot offered
     cancelled: int = 0  # offered, but the row was refilled first
-    mapped: int = 0     # slots mapped before their first copy (Donor._map)
+    mapped: int = 0     # slots mapped ahead of their first copy (Donor._prefault)
 
 
 class Donor:
@@ -312,6 +312,7 @@ class Donor:
         self._answers += 1
         if message.layer != layer or message.model != self.files.fingerprint:
             raise FillProtocolError("an offer for another give than the one sent")
+        reading = []
         for expert, slot in message.slots:
             gift = gifts.pop(expert, None)
             if gift is None:
@@ -322,24 +323,28 @@ class Donor:
             gift.slot = slot
             if gift.whole() is None:
                 self._offered[gift] = None  # copied once its record has landed (_answer_whole)
+                reading.append(gift)
             else:
                 self._answer(gift)
         self._drop(gifts.values())  # those L2 holds or loads already, or has no room for
+        for gift in reading:
+            if gift.whole() is None:
+                self._prefault(gift)
 
-    def _map(self, layer: int, slot: int, stride: int) -> None:
-        """Map a slot's pages for writing before its first copy: a first write into a page of a mapping costs a
-        fault, and one call maps them all for about half of that (docs/benchmarks.md, "The donor's copy"). Not
-        while the read runs, which that slowed on 2 cores (docs/benchmarks.md, "The donor maps a slot once the
-        record landed"). A slot this mapping wrote before is left alone: asking again would walk its pages, and where
-        the kernel or moe-l2d's governor took them back since, the copy faults them in."""
-        if (layer, slot) in self._mapped:
-            return
+    def _prefault(self, gift: Gift) -> None:
+        """Map the offered slot's pages while the read still runs: a first write into a page of a mapping costs a
+        fault, which made the copy after the read 5 times as long (docs/benchmarks.md, "The donor's copy"). A slot
+        this mapping wrote before is left alone: asking again would walk its pages, and where the kernel or moe-l2d's
+        governor took them back since, the copy faults them in as before."""
+        key, stride = (gift.layer, gift.slot), self._slot_stride(gift.layer, gift.slot)
+        if stride is None or key in self._mapped:
+            return  # not one of the layer's slots (_copy refuses it), or mapped already
         try:
-            self._writable[layer].prefault(slot * stride, stride)
+            self._writable[gift.layer].prefault(gift.slot * stride, stride)
         except OSError as exc:
-            log.debug("could not map slot %d of layer %d ahead of its copy: %s", slot, layer, exc)
+            log.debug("could not map slot %d of layer %d ahead of its copy: %s", gift.slot, gift.layer, exc)
             return
-        self._mapped.add((layer, slot))
+        self._mapped.add(key)
         self.counts.mapped += 1
 
     def _slot_stride(self, layer: int, slot: int) -> int | None:
@@ -395,7 +400,6 @@ class Donor:
         layout = self.files.layout
         # With a manifest the daemon checks the slot against it, and the donor's checksum is not needed.
         pieces = [] if self.files.checksums is not None else [(p.offset, p.nbytes) for p in layout.pieces]
-        self._map(gift.layer, slot, stride)
         checksum = _native.copy_record(memory, offset, self._writable[gift.layer], slot * stride, layout.nbytes,
                                        pieces)
         self._mapped.add((gift.layer, slot))
