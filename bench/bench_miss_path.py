@@ -1,12 +1,14 @@
 """Where a cold miss's time goes, hop by hop, on each of a process's three ways to an expert L0 and L2 lack: its
 own read with no daemon (pread), its own read given to moe-l2d's L2 (fills: a pool of the daemon's uid, fill_l2
 on, the default), and the daemon's read waited for (load-through: fill_l2 off); and fills as they were before the
-donor mapped a slot ahead and copied each record as it landed (fills-after-read). Issue 36.
+donor mapped a slot ahead and copied each record as it landed (fills-after-read), and with each slot mapped once
+its record landed, just before the copy, rather than as it was offered, while the read runs (fills-mapped-late).
+Issue 36.
 
 A real moe-l2d serves a packed model of a real geometry (`moe-l2 bench --geometry`'s, lab/synthetic.py: default
 DeepSeek-V2-Lite, 4.6 MiB records, with the checksum manifest of every packed model: so each pool checks a record
 as its read lands, the donor copies without a CRC, and the daemon checks a donation against the manifest); the
-four pools take turns, round by round, on a lone miss and on a batch (--batch), each fetch of experts that L0 and
+five pools take turns, round by round, on a lone miss and on a batch (--batch), each fetch of experts that L0 and
 L2 lack, the model file dropped from the page cache first. Timestamps are CLOCK_MONOTONIC, the same clock in both
 processes:
   - in this process, from subclasses of the pool's RowLoader and Donor made here (as bench_load_through.py's
@@ -154,6 +156,17 @@ class AfterReadDonor(TimedDonor):
         pass
 
 
+class MappedLateDonor(TimedDonor):
+    """fills-mapped-late's donor: it maps a slot once its record landed, just before the copy (tried at fdf7b83)."""
+
+    def _prefault(self, gift):
+        pass
+
+    def _copy(self, gift, slot):
+        super()._prefault(gift)
+        return super()._copy(gift, slot)
+
+
 class AfterReadLoader(TimedLoader):
     """fills-after-read's loader: its reads say nothing as each record lands, so that the donor copies them all
     after the read, as before the read said so."""
@@ -185,7 +198,7 @@ PATHS = {
                       ("copy from L2 ends", "l2_copy_end", "last"), ("fetch returns", "fetch_end", "last")],
                      [("daemon's load (read)", "load_begin", "finish_begin")]),
 }
-PATHS["fills-after-read"] = PATHS["fills"]
+PATHS["fills-after-read"] = PATHS["fills-mapped-late"] = PATHS["fills"]
 
 
 @dataclass
@@ -308,12 +321,14 @@ def idle_cpu(daemon_clock: int, seconds: float = 1.0) -> tuple[float, float]:
 
 def make_pools(files: ModelFiles, daemon: DaemonProcess, batch: int, load_through_s: float):
     """{path: pool} (the pread pool without a client, each other with its own L2Client) and the clients."""
-    clients = [L2Client(files, daemon.socket, wait_s=5) for _ in range(3)]
+    clients = [L2Client(files, daemon.socket, wait_s=5) for _ in range(4)]
     pools = {"pread": ExpertPool(files, batch, lend=False),
              "fills": ExpertPool(files, batch, clients[0], lend=False, fill_l2=True,
                                  load_through_s=DEFAULTS.load_through_s),
              "fills-after-read": ExpertPool(files, batch, clients[2], lend=False, fill_l2=True,
                                             load_through_s=DEFAULTS.load_through_s),
+             "fills-mapped-late": ExpertPool(files, batch, clients[3], lend=False, fill_l2=True,
+                                             load_through_s=DEFAULTS.load_through_s),
              "load-through": ExpertPool(files, batch, clients[1], lend=False, fill_l2=False,
                                         load_through_s=load_through_s)}
     for pool in pools.values():
@@ -321,7 +336,8 @@ def make_pools(files: ModelFiles, daemon: DaemonProcess, batch: int, load_throug
     pools["fills"].donor.__class__ = TimedDonor
     pools["fills-after-read"].loader.__class__ = AfterReadLoader
     pools["fills-after-read"].donor.__class__ = AfterReadDonor
-    for name in ("fills", "fills-after-read"):
+    pools["fills-mapped-late"].donor.__class__ = MappedLateDonor
+    for name in ("fills", "fills-after-read", "fills-mapped-late"):
         if not pools[name].donor.wait_accepted(5):
             raise SystemExit(f"moe-l2d's fill desk did not take this process: {pools[name].donor.refused}")
     for pool in pools.values():  # every row touched once: a first write into fresh pages costs faults
