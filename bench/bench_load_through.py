@@ -98,7 +98,8 @@ def main() -> None:
         for name, got in samples.items():
             walls, cpus = sorted(w for w, _ in got), sorted(c for _, c in got)
             medians[name] = statistics.median(walls), statistics.median(cpus)
-            print(f"{name:<12} {len(got):>6} {medians[name][0] * 1e3:>9.3f} ms {walls[int(0.9 * len(walls))] * 1e3:>6.3f}"
+            p90 = walls[int(0.9 * len(walls))]
+            print(f"{name:<12} {len(got):>6} {medians[name][0] * 1e3:>9.3f} ms {p90 * 1e3:>6.3f}"
                   f" ms {medians[name][1] * 1e3:>10.3f} ms {sum(cpus) / sum(walls):>9.2f}"
                   + (f"  ({skipped[name]} not loaded through, left out)" if skipped[name] else ""))
         (pw, pc), (nw, nc) = medians.values()

@@ -7,9 +7,9 @@ section writes its file after each of its runs, so one stopped early keeps what 
                hit rate of adaptive (the default), LRU, LFU and Belady's MIN, through `moe_l2.cache.replay`, all
                layers; per-layer wins; the PNG plot docs/policy-hit-rate.png.
 - hints:       held out: profiles built from one half of the sequences (even / odd positions in the file),
-               replayed on the other half, both ways, on every 6th layer. No hint vs profile prior vs hints from the predicted
-               domain vs hints from the true domain (oracle); hit rate overall and over the first 32 tokens
-               after each domain switch, and the disk loads it costs.
+               replayed on the other half, both ways, on every 6th layer. No hint vs profile prior vs hints from
+               the predicted domain vs hints from the true domain (oracle); hit rate overall and over the first 32
+               tokens after each domain switch, and the disk loads it costs.
 - predictor:   held-out accuracy of the naive-Bayes predictor on the traces' prompts: 5-fold by prompt, and
                leaving whole subjects out (the component of `seq` before its last '/').
 - sensitivity: the adaptive policy with other half-life grids and windows, on every 6th layer: how much the
@@ -100,7 +100,8 @@ def report_main(results: dict) -> str:
             wins = sum(a >= max(l, f) for a, l, f in zip(per["adaptive"], per["lru"], per["lfu"]))
             lines.append(f"| {name} | {order} | {c['slots']} ({100 * c['share']:.1f}%) | **{pct(p['adaptive'])}** | "
                          f"{pct(p['lru'])} | {pct(p['lfu'])} | {pct(p['min'])} | "
-                         f"{100 * c['gap_closed_vs_lru']:.0f}% | {'-' if gap_best is None else f'{100 * gap_best:.0f}%'} "
+                         f"{100 * c['gap_closed_vs_lru']:.0f}% | "
+                         f"{'-' if gap_best is None else f'{100 * gap_best:.0f}%'} "
                          f"| {wins}/{len(per['adaptive'])} |")
     lines.append("")
     lines.append("| trace | order | slots | first 32 tokens after a domain switch: adaptive | LRU | switches |")
@@ -269,7 +270,8 @@ def section_sensitivity(traces_by_file: dict, jobs: int, layer_step: int) -> dic
     try:
         for variant, kw in VARIANTS.items():
             policies.AdaptiveLRFU.__init__.__defaults__ = (
-                None, kw.get("half_lives", policies.AdaptiveLRFU.HALF_LIVES), kw.get("window", policies.AdaptiveLRFU.WINDOW))
+                None, kw.get("half_lives", policies.AdaptiveLRFU.HALF_LIVES),
+                kw.get("window", policies.AdaptiveLRFU.WINDOW))
             for name, traces in traces_by_file.items():
                 layers = list(range(0, traces.n_layers, layer_step))
                 for order in ("blocked", "interleave"):
