@@ -55,8 +55,8 @@ class Gift:
     def whole(self) -> bool | None:
         """Whether the row holds the whole record: True once its own read landed or the read ended whole, False
         once the read failed, None while it runs."""
-        # The word before `read`: by the time the row is read into again, `read` is set (or the row's writes count
-        # moved, which `_copy` checks), so a word loaded while it was unset is this read's.
+        # The word before `read`: by the time the row is handed out again (its word cleared, its writes count up,
+        # which `_copy` checks), `read` is set, so a word loaded while it was unset is this read's.
         landed = self.landed is not None and self.landed.load_u32(4 * self.row)
         if self.read is not None:
             return self.read

@@ -32,8 +32,9 @@ written into.
 A row's `writes` count goes up whenever it is handed out to be written (take_rows, take_side), before any byte
 of it is: the client's donor (client/donor.py) copies a record out of a row without the lock and gives it to L2
 only if the count did not move meanwhile, so a fetch never waits for a donation and a row refilled under the copy
-is never given. A row's `landed` word says that a read into it has put the whole record there (a packed model's:
-ModelFiles.read_into_rows zeroes it as the read starts), so that the donor copies each record as it lands.
+is never given. A row's `landed` word says that a read into it has put the whole record there (a packed model's
+ModelFiles.read_into_rows sets it), so that the donor copies each record as it lands; it is cleared as the count goes
+up, so that it never speaks for the record the row held before.
 
 Autopin (`AutopinLayerPool`, per-layer rows only: src/moe_l2/cache/heat.py) pins each layer's hottest experts where
 they are resident, chosen again as their heat decays; those pins yield to a batch that needs their rows, so they
@@ -174,9 +175,15 @@ class Rows:
         n = min(n, len(self.side_free))
         taken = self.side_free[len(self.side_free) - n:]
         del self.side_free[len(self.side_free) - n:]
-        for row in taken:
-            self.writes[row] += 1
+        self.hand_out(taken)
         return taken
+
+    def hand_out(self, rows: list[int]) -> None:
+        """The rows are about to be written: their writes counts go up, their landed words are cleared (the caller
+        holds the lock)."""
+        for row in rows:
+            self.writes[row] += 1
+            self.landed.store_u32(4 * row, 0)
 
 
 class SharedRows(Rows):
@@ -374,8 +381,7 @@ class LayerPool:
                 # A row the donor has yet to copy goes last: taking it cancels that donation.
                 candidates = [e for e in candidates if not self._rows.giving[self._row_of[e]]] or candidates
                 rows.append(self._drop(self._policy.victim(candidates)))
-            for row in rows:
-                self._rows.writes[row] += 1
+            self._rows.hand_out(rows)
             return rows
 
     def _evictable(self, batch: set[int]) -> list[int]:

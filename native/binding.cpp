@@ -299,9 +299,9 @@ void init_pread(nb::module_& m) {
         "they lie in the file as one range, the bytes between them written there too), the rest into "
         "aligned scratch memory and copied out as it lands; on up to `threads` threads, with the GIL "
         "released. With `checksums`, returns each job's CRC-32 over its pieces in order (as zlib.crc32 chained over "
-        "them), computed as the bytes land; else []. With `landed` (a Buffer of 4-byte words), word landed_at[j] is "
-        "0 from the call's start and becomes 1 as all of job j's bytes are in its pieces, and landed_fd gets one "
-        "byte (not for the last job to land: the call returns then).");
+        "them), computed as the bytes land; else []. With `landed` (a Buffer of 4-byte words), as all of job j's "
+        "bytes are in its pieces, word landed_at[j] becomes 1 and landed_fd gets one byte (not for the last job "
+        "to land: the call returns then).");
   m.def("wake_when_reading", &wake_when_reading, "fds"_a,
         "Have this thread's next pread_records or pread_scatter write one byte to each fd once it has released "
         "the GIL to read: the threads those fds wake then run beside the reads instead of delaying their start. "

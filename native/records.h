@@ -55,10 +55,10 @@ using ScatterJob = std::tuple<int, int64_t, int64_t, std::vector<ScatterPiece>>;
 // and copied to its pieces as it lands: a packed record into an L0 row.
 // With checksums, returns each job's CRC-32 over its pieces in order (record_checksum), computed by
 // the read threads as the bytes land; else an empty list.
-// With `landed` (a Memory of 4-byte words), the word landed_at[j] is 0 from the call's start and becomes 1
-// (a release store) once all of job j's bytes are in its pieces, and landed_fd gets one byte, but for the
-// last job to land, which the call returns with: the donor copies a record into L2 while the records after
-// it are still read (client/donor.py).
+// With `landed` (a Memory of 4-byte words), once all of job j's bytes are in its pieces the word
+// landed_at[j] becomes 1 (a release store) and landed_fd gets one byte, but for the last job to land,
+// which the call returns with: the donor copies a record into L2 while the records after it are still
+// read (client/donor.py).
 std::vector<uint32_t> pread_scatter(const std::vector<ScatterJob>& jobs, int threads, int64_t unit_bytes,
                                     bool checksums, Memory* landed = nullptr,
                                     const std::vector<int64_t>& landed_at = {}, int landed_fd = -1);

@@ -310,9 +310,6 @@ Landed landed_words(const char* fn, Memory* landed, const std::vector<int64_t>& 
   if (reinterpret_cast<uintptr_t>(regions.back()->data) % alignof(uint32_t) != 0) {
     throw_value_error(fn, "landed's words are not 4-byte aligned");
   }
-  for (uint32_t* word : signal.words) {  // words are reused, read after read: none says landed before its job has
-    __atomic_store_n(word, 0u, __ATOMIC_RELAXED);
-  }
   signal.fd = fd;
   signal.left.reset(new std::atomic<size_t>[plan.jobs.size() + 1]);
   for (size_t j = 0; j < plan.jobs.size(); ++j) {

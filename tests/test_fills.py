@@ -22,8 +22,8 @@ from moe_l2.fill_protocol import encode, fill_socket_path
 from moe_l2.layout import IndexHeader
 from moe_l2.model import ModelFiles
 
-from .conftest import (AS_NOBODY, RawDonor, daemon_segments, filling_pool, nobody_runs_python, pages_mapped,
-                       quarter_budget, slot_stride, stats, wait_for)
+from .conftest import (AS_NOBODY, RawDonor, budget_for, daemon_segments, filling_pool, nobody_runs_python,
+                       pages_mapped, quarter_budget, slot_stride, stats, wait_for)
 
 
 def fills(daemon) -> dict:
@@ -197,6 +197,44 @@ def test_a_packed_record_is_copied_into_l2_as_it_lands_not_when_the_read_ends(da
         assert pool.donor.counts.cancelled == 0
     assert stats(daemon)["models"][0]["loads_done"] == 0
     for expert in range(k):
+        assert slot_record(files, daemon, 0, expert) == files.read_record(0, expert)
+
+
+def test_a_row_read_again_is_not_given_before_its_new_record_lands(daemon_factory, packed_model, monkeypatch):
+    """A row's landed word is cleared as the row is handed out again: the offers for the next experts read into the
+    same rows, taken while their read has not started, wait for it, and are never answered with the records the rows
+    held before (which the daemon's check against the manifest would refuse)."""
+    files = ModelFiles.open(packed_model)
+    daemon = daemon_factory([packed_model], str(budget_for(files, 8)))  # room for both batches
+    first, then = [0, 1, 2, 3], [4, 5, 6, 7]
+    real_read, offers_in = ModelFiles.read_into_rows, threading.Event()
+
+    def read_into_rows(self, fds, layer, targets, *args, **kwargs):
+        if [expert for expert, _ in targets] == then:  # the donor's thread takes the offers before this read begins
+            assert offers_in.wait(10), "the offers for the second experts did not come"
+        return real_read(self, fds, layer, targets, *args, **kwargs)
+
+    monkeypatch.setattr(ModelFiles, "read_into_rows", read_into_rows)
+    with filling_pool(files, daemon) as pool:
+        assert pool.fetch(0, first).l3_reads == 4
+        wait_for(lambda: fills(daemon)["donated"] == 4, what="the first experts' donations")
+        for expert in first:
+            pool.evict(0, expert)
+
+        def offers_taken():
+            wait_for(lambda: pool.donor.counts.given == 8, what="the second experts given")
+            if pool.donor.wait_answered(10):
+                offers_in.set()
+
+        taken = threading.Thread(target=offers_taken)
+        taken.start()
+        assert pool.fetch(0, then).l3_reads == 4
+        taken.join()
+        wait_for(lambda: fills(daemon)["donated"] == 8, what="the second experts' donations",
+                 detail=lambda: fills(daemon))
+        assert pool.donor.counts.filled == 8 and pool.donor.counts.cancelled == 0
+    assert fills(daemon)["rejected"] == 0
+    for expert in first + then:
         assert slot_record(files, daemon, 0, expert) == files.read_record(0, expert)
 
 

@@ -926,16 +926,14 @@ def pending_bytes(fd: int) -> bytes:
 
 
 def test_pread_scatter_says_each_job_has_landed_as_it_lands(data_file):
-    """Job j's word landed_at[j] is 0 from the call's start (the words are reused, read after read) and becomes 1
-    once its bytes are all in place, before the jobs after it are read (the donor copies that record meanwhile:
-    client/donor.py), and landed_fd gets a byte for each job but the last to land, which the call returns with.
-    The wake-up pipe is full and blocking here, so the one read thread stops at job 0's wake-up until the test
-    drains it."""
+    """Job j's word landed_at[j] becomes 1 once its bytes are all in place, before the jobs after it are read
+    (the donor copies that record meanwhile: client/donor.py), and landed_fd gets a byte for each job but the last
+    to land, which the call returns with. The wake-up pipe is full and blocking here, so the one read thread stops
+    at job 0's wake-up until the test drains it."""
     fd, payload, _ = data_file
     mib = 1 << 20
     dst = native.Buffer(3 * mib)
     words = native.Buffer(16)
-    words.view()[:] = struct.pack("<4I", 1, 1, 1, 7)  # a previous read's, and a word no job names
     r, w = os.pipe()
     os.set_blocking(w, False)
     filled = 0
@@ -952,14 +950,14 @@ def test_pread_scatter_says_each_job_has_landed_as_it_lands(data_file):
     drained = 0
     try:
         wait_for(lambda: words.load_u32(8) == 1, what="job 0's word (2)")
-        assert [words.load_u32(4 * i) for i in (0, 1, 3)] == [0, 0, 7]  # jobs 1 and 2 not read yet
+        assert [words.load_u32(4 * i) for i in (0, 1, 3)] == [0, 0, 0]  # jobs 1 and 2 not read yet
     finally:
         while chunk := pending_bytes(r):
             drained += len(chunk)
         read.join()
     while chunk := pending_bytes(r):
         drained += len(chunk)
-    assert [words.load_u32(4 * i) for i in range(4)] == [1, 1, 1, 7]
+    assert [words.load_u32(4 * i) for i in range(4)] == [1, 1, 1, 0]
     assert bytes(dst.view()) == payload[:3 * mib]
     assert drained - filled == 2  # jobs 0 and 1
     os.close(r)
