@@ -16,7 +16,7 @@ import pytest
 
 from moe_l2.cache.trace import read_traces
 from moe_l2.cli import main
-from moe_l2.lab.busy import busy_cores
+from moe_l2.lab.busy import COPY_BYTES, busy_cores
 from moe_l2.lab.random_models import make_model
 from moe_l2.model import ModelFiles
 from moe_l2.model.architecture import switch_layers
@@ -241,6 +241,16 @@ def test_a_busy_core_spins_until_its_block_ends_or_its_parent_dies():
     parent.kill()
     parent.wait()
     wait_for(lambda: _gone(pid), 30, "the end of the spinner whose parent died")
+
+
+def test_a_copying_core_copies_through_memory_until_its_block_ends():
+    with busy_cores(1, copying=True) as (spinner,):
+        process = psutil.Process(spinner.pid)
+        assert process.cmdline()[-1] == "copying"
+        # Its two buffers, written: more than the cache of the CPU it runs on.
+        wait_for(lambda: process.cpu_times().user > 0.2 and process.memory_info().rss > 2 * COPY_BYTES, 30,
+                 "the copying spinner's CPU time and buffers")
+    assert spinner.returncode is not None
 
 
 def test_the_old_name_of_first_layers_still_works_and_is_hidden(capsys):
