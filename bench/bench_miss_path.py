@@ -2,13 +2,15 @@
 own read with no daemon (pread), its own read given to moe-l2d's L2 (fills: a pool of the daemon's uid, fill_l2
 on, the default), and the daemon's read waited for (load-through: fill_l2 off); and fills as they were before the
 donor mapped a slot ahead and copied each record as it landed (fills-after-read), and with each slot mapped once
-its record landed, just before the copy, rather than as it was offered, while the read runs (fills-mapped-late).
-Issue 36.
+its record landed, just before the copy, rather than as it was offered, while the read runs (fills-mapped-late);
+and pread with one core kept busy by another process for the length of its fetch, spinning in its own cache
+(pread, a core spinning) or copying through memory (pread, a core copying; lab/busy.py): what work beside a read
+costs it on this machine, where a fill's copy and moe-l2d's check are work beside the reads. Issue 36.
 
 A real moe-l2d serves a packed model of a real geometry (`moe-l2 bench --geometry`'s, lab/synthetic.py: default
 DeepSeek-V2-Lite, 4.6 MiB records, with the checksum manifest of every packed model: so each pool checks a record
 as its read lands, the donor copies without a CRC, and the daemon checks a donation against the manifest); the
-five pools take turns, round by round, on a lone miss and on a batch (--batch), each fetch of experts that L0 and
+pools take turns, round by round, on a lone miss and on a batch (--batch), each fetch of experts that L0 and
 L2 lack, the model file dropped from the page cache first. Timestamps are CLOCK_MONOTONIC, the same clock in both
 processes:
   - in this process, from subclasses of the pool's RowLoader and Donor made here (as bench_load_through.py's
@@ -28,8 +30,10 @@ processes' idle CPU is printed too. Linux only (posix_fadvise, another process's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
+import signal
 import shutil
 import statistics
 import sys
@@ -47,6 +51,7 @@ from moe_l2.client.pool import ExpertPool
 from moe_l2.client.row_loader import RowLoader
 from moe_l2.lab import synthetic
 from moe_l2.lab.bench import drop_page_cache
+from moe_l2.lab.busy import busy_cores
 from moe_l2.lab.daemon_process import DaemonProcess
 from moe_l2.layout import Geometry
 from moe_l2.model import ModelFiles
@@ -199,6 +204,10 @@ PATHS = {
                      [("daemon's load (read)", "load_begin", "finish_begin")]),
 }
 PATHS["fills-after-read"] = PATHS["fills-mapped-late"] = PATHS["fills"]
+# pread with another process kept busy for the length of each fetch: spinning in its core's cache, or copying
+# memory (the value: busy_cores' `copying`).
+BUSY = {"pread, a core spinning": False, "pread, a core copying": True}
+PATHS.update(dict.fromkeys(BUSY, PATHS["pread"]))
 
 
 @dataclass
@@ -217,6 +226,16 @@ def cpu_clock(pid: int) -> int:
     return ((~pid) << 3) | 2
 
 
+def resume(pid: int, settle_s: float = 0.02) -> None:
+    """Let a stopped spinner run, and wait until it has run settle_s of CPU: resumed, it first gets more than its
+    share of a core (the scheduler owes it the time it was stopped), which would fall on the start of the fetch."""
+    clock = cpu_clock(pid)
+    began = time.clock_gettime(clock)
+    os.kill(pid, signal.SIGCONT)
+    while time.clock_gettime(clock) - began < settle_s:
+        time.sleep(0.001)
+
+
 def wait_published(index, experts: list[int], timeout_s: float) -> bool:
     """Sleep on the experts' slot_of entries until L2 holds them all (True) or timeout_s passed."""
     deadline = time.monotonic() + timeout_s
@@ -229,20 +248,26 @@ def wait_published(index, experts: list[int], timeout_s: float) -> bool:
 
 
 def one_fetch(name: str, pool: ExpertPool, files: ModelFiles, indexes, daemon_clock: int, batch: int,
-              rng: random.Random) -> Sample | None:
-    """Fetch `batch` experts that L0 and L2 lack, cold; the sample, or None where any came another way."""
+              rng: random.Random, spinners: dict) -> Sample | None:
+    """Fetch `batch` experts that L0 and L2 lack, cold; the sample, or None where any came another way. A
+    busy path's spinner (stopped, in `spinners` by path) runs for the length of its fetch."""
+    spinner = spinners.get(name)
     layer = rng.randrange(files.n_layers)
     index = indexes[layer]
     experts = rng.sample([e for e in range(files.n_experts) if index.slot_of(e) == -1], batch)
+    if spinner is not None:
+        resume(spinner.pid)
     drop_page_cache(files)
     cpu_self, cpu_daemon = time.process_time(), time.clock_gettime(daemon_clock)
     sample = Sample(layer, experts, now())
     counts = pool.fetch(layer, experts)
     mark("fetch_end", layer, experts)
+    if spinner is not None:
+        os.kill(spinner.pid, signal.SIGSTOP)
     if name == "load-through":
         ok = counts.l2_awaited == batch
     else:  # read by this process; given to L2 where it fills, and then awaited there
-        ok = counts.l3_reads == batch and (name == "pread" or wait_published(index, experts, 5.0))
+        ok = counts.l3_reads == batch and (name in ("pread", *BUSY) or wait_published(index, experts, 5.0))
     mark("seen", layer, experts)
     sample.t1 = now()
     sample.cpu_self = time.process_time() - cpu_self
@@ -322,7 +347,7 @@ def idle_cpu(daemon_clock: int, seconds: float = 1.0) -> tuple[float, float]:
 def make_pools(files: ModelFiles, daemon: DaemonProcess, batch: int, load_through_s: float):
     """{path: pool} (the pread pool without a client, each other with its own L2Client) and the clients."""
     clients = [L2Client(files, daemon.socket, wait_s=5) for _ in range(4)]
-    pools = {"pread": ExpertPool(files, batch, lend=False),
+    pools = {**{name: ExpertPool(files, batch, lend=False) for name in ("pread", *BUSY)},
              "fills": ExpertPool(files, batch, clients[0], lend=False, fill_l2=True,
                                  load_through_s=DEFAULTS.load_through_s),
              "fills-after-read": ExpertPool(files, batch, clients[2], lend=False, fill_l2=True,
@@ -348,7 +373,7 @@ def make_pools(files: ModelFiles, daemon: DaemonProcess, batch: int, load_throug
     return pools, clients
 
 
-def run(files: ModelFiles, args, work: Path) -> dict[str, dict[int, list[Sample]]]:
+def run(files: ModelFiles, args, work: Path, spinners: dict) -> dict[str, dict[int, list[Sample]]]:
     events_path = work / "daemon-events"
     budget = Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, args.slots)
     daemon = DaemonProcess.serving([files.path], budget, "--log-level", "warning", runtime_dir=work,
@@ -369,7 +394,7 @@ def run(files: ModelFiles, args, work: Path) -> dict[str, dict[int, list[Sample]
         for _ in range(args.rounds):
             for batch in batches:
                 for name in rng.sample(list(PATHS), len(PATHS)):
-                    got = one_fetch(name, pools[name], files, indexes, clock, batch, rng)
+                    got = one_fetch(name, pools[name], files, indexes, clock, batch, rng, spinners)
                     if got is None:
                         lost[name] += 1
                     else:
@@ -415,7 +440,11 @@ def main() -> None:
           f"{os.cpu_count()} CPUs; load average {' '.join(f'{x:.2f}' for x in load_before)}")
     work = Path(tempfile.mkdtemp(prefix="ml2mp-", dir="/tmp"))
     try:
-        samples = run(files, args, work)
+        with contextlib.ExitStack() as stack:
+            spinners = {name: stack.enter_context(busy_cores(1, copying))[0] for name, copying in BUSY.items()}
+            for spinner in spinners.values():  # each runs only for the length of its path's fetches
+                os.kill(spinner.pid, signal.SIGSTOP)
+            samples = run(files, args, work, spinners)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for name, by_batch in samples.items():
