@@ -934,6 +934,7 @@ def test_pread_scatter_says_each_job_has_landed_as_it_lands(data_file):
     mib = 1 << 20
     dst = native.Buffer(3 * mib)
     words = native.Buffer(16)
+    words.store_u32(12, 7)  # a word no job names: the read leaves it alone
     r, w = os.pipe()
     os.set_blocking(w, False)
     filled = 0
@@ -950,14 +951,14 @@ def test_pread_scatter_says_each_job_has_landed_as_it_lands(data_file):
     drained = 0
     try:
         wait_for(lambda: words.load_u32(8) == 1, what="job 0's word (2)")
-        assert [words.load_u32(4 * i) for i in (0, 1, 3)] == [0, 0, 0]  # jobs 1 and 2 not read yet
+        assert [words.load_u32(4 * i) for i in (0, 1, 3)] == [0, 0, 7]  # jobs 1 and 2 not read yet
     finally:
         while chunk := pending_bytes(r):
             drained += len(chunk)
         read.join()
     while chunk := pending_bytes(r):
         drained += len(chunk)
-    assert [words.load_u32(4 * i) for i in range(4)] == [1, 1, 1, 0]
+    assert [words.load_u32(4 * i) for i in range(4)] == [1, 1, 1, 7]
     assert bytes(dst.view()) == payload[:3 * mib]
     assert drained - filled == 2  # jobs 0 and 1
     os.close(r)
