@@ -445,12 +445,13 @@ def test_the_donor_maps_an_offered_slot_while_the_read_runs(running_daemon, mode
     same slots offered again (L2 holds top-k experts a layer) are not asked for again."""
     k = model_files.top_k
     stride = slot_stride(model_files, running_daemon)
+    page = os.sysconf("SC_PAGESIZE")
     with shared_pool_with_copies_held(model_files, running_daemon, monkeypatch) as (pool, release):
         segment = pool.donor._writable[0]
         offered = sorted(gift.slot for gift in pool.donor._offered)
         assert len(offered) == k
-        wait_for(lambda: all(pages_mapped(segment.address + slot * stride, stride) == stride // os.sysconf(
-            "SC_PAGESIZE") for slot in offered), what="the offered slots mapped before their reads end")
+        wait_for(lambda: all(pages_mapped(segment.address + slot * stride, stride) == stride // page
+                             for slot in offered), what="the offered slots mapped before their reads end")
         assert pages_mapped(pool.donor._writable[1].address, stride) == 0  # layer 1 gave nothing
         assert pool.donor.counts.mapped == k
         release()
