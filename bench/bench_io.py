@@ -34,8 +34,9 @@
    Misses land in every row of a pool in turn, as a full pool's victims do.
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
-6. Where a direct read lands: one record read cold into each of several buffers, round by round, with how
-   many physically contiguous runs each buffer's pages form (/proc/self/pagemap: Linux, as root). On a VM whose
+6. Where a direct read lands: one record read cold into each of several buffers and two segments made as
+   moe-l2d makes L2's (where a miss read straight into a slot would land), round by round, with how
+   many physically contiguous runs each one's pages form (/proc/self/pagemap: Linux, as root). On a VM whose
    disk emulation handles each run apart, this and not the read path sets a direct read's speed; buffers on
    huge pages (what _native.Buffer asks Linux for) form one or two runs.
 
@@ -452,8 +453,18 @@ def physical_runs(buffer, nbytes: int) -> int | None:
     return 1 + sum(1 for a, b in zip(frames, frames[1:]) if b != a + 1)
 
 
+def l2_segments(nbytes: int, n: int) -> list:
+    """n shared-memory segments made as moe-l2d makes L2's (Segment.create), their names unlinked at once."""
+    segments = []
+    for i in range(n):
+        name = f"/ml2bio{os.getpid()}.{i}"
+        segments.append(_native.Segment.create(name, nbytes))
+        _native.Segment.unlink(name)
+    return segments
+
+
 def destinations(files: ModelFiles, rounds: int, seed: int, n: int = 8) -> None:
-    """Section 6: one record read cold into each of n buffers, by their physical contiguity."""
+    """Section 6: one record read cold into each of n buffers and two L2 segments, by their physical contiguity."""
     rng = random.Random(seed)
     record = files.layout.span
     # Large buffers, half of them made after others were made and freed (as a pool's rows are, growing), each
@@ -464,6 +475,9 @@ def destinations(files: ModelFiles, rounds: int, seed: int, n: int = 8) -> None:
     buffers = early + [_native.Buffer(8 * record) for _ in range(n - n // 2)]
     for buffer in buffers:
         buffer.view()[:] = bytes(8 * record)
+    # Where a miss read straight into an offered slot would land (docs/decisions.md, "Fills").
+    buffers += l2_segments(8 * record, 2)
+    n = len(buffers)
     fds = files.open_fds(direct=True)
     speed: list[list[float]] = [[] for _ in buffers]
     try:
@@ -477,11 +491,12 @@ def destinations(files: ModelFiles, rounds: int, seed: int, n: int = 8) -> None:
     finally:
         for fd in fds:
             os.close(fd)
-    print(f"\n6. one {format_size(record)} record read cold, direct, into each of {n} buffers (median of "
-          f"{rounds}): MiB/s by the physically contiguous runs of the buffer's pages")
+    print(f"\n6. one {format_size(record)} record read cold, direct, into each of {n - 2} buffers and 2 L2 segments "
+          f"(median of {rounds}): MiB/s by the physically contiguous runs of the memory's pages")
     for buffer, seen in sorted(zip(buffers, speed), key=lambda b: statistics.median(b[1])):
         runs = physical_runs(buffer, record)
-        print(f"  {statistics.median(seen) / MIB:6.0f} MiB/s  "
+        kind = "L2 segment" if isinstance(buffer, _native.Segment) else "Buffer"
+        print(f"  {statistics.median(seen) / MIB:6.0f} MiB/s  {kind:10s}  "
               + (f"{runs} runs of {record // 4096} pages" if runs else "(runs: needs /proc/self/pagemap as root)"))
 
 
