@@ -35,10 +35,11 @@
 5. The same packed misses warm and buffered (the file in the page cache, --direct-io off): read straight into
    the rows against through the scratch and copied, one pool, interleaved: the copy's cost without a disk.
 6. Where a direct read lands: one record read cold into each of several buffers and two segments made as
-   moe-l2d makes L2's (where a miss read straight into a slot would land), round by round, with how
-   many physically contiguous runs each one's pages form (/proc/self/pagemap: Linux, as root). On a VM whose
-   disk emulation handles each run apart, this and not the read path sets a direct read's speed; buffers on
-   huge pages (what _native.Buffer asks Linux for) form one or two runs.
+   moe-l2d makes L2's (where a miss read straight into a slot would land), round by round, as moe-l2d's loaders
+   read it and as a client does, with how many physically contiguous runs each one's pages form
+   (/proc/self/pagemap: Linux, as root). On a VM whose disk emulation handles each run apart, this and not the
+   read path sets a direct read's speed; buffers on huge pages (what _native.Buffer asks Linux for) form one or
+   two runs.
 
     python bench/bench_io.py [--model DIR] [--experts 64] [--layers 4] [--hidden 2048] [--moe-hidden 768]
                              [--samples 40] [--batch 8] [--cgroup-mb 256] [--rounds 15] [--keep DIR]
@@ -479,24 +480,35 @@ def destinations(files: ModelFiles, rounds: int, seed: int, n: int = 8) -> None:
     buffers += l2_segments(8 * record, 2)
     n = len(buffers)
     fds = files.open_fds(direct=True)
-    speed: list[list[float]] = [[] for _ in buffers]
+    # Each read as moe-l2d's loaders read (one read on one thread) and as a client reads its misses (on its read
+    # threads, checked as it lands), in turns.
+    reads = {
+        "loader": lambda layer, expert, memory: files.read_into_slots(fds, layer, [(expert, memory, 0, record)],
+                                                                      threads=1),
+        "client": lambda layer, expert, memory: files.read_into_rows(
+            fds, layer, [(expert, [(memory, p.offset) for p in files.layout.pieces])], threads=READ_THREADS,
+            checksums=True),
+    }
+    speed = {(i, how): [] for i in range(n) for how in reads}
     try:
         for _ in range(rounds):
-            for i in rng.sample(range(n), n):
+            for i, how in rng.sample(list(speed), len(speed)):
                 layer, expert = rng.randrange(files.n_layers), rng.randrange(files.n_experts)
                 drop(files.files)
                 began = time.perf_counter()
-                files.read_into_slots(fds, layer, [(expert, buffers[i], 0, record)], threads=1)
-                speed[i].append(record / (time.perf_counter() - began))
+                reads[how](layer, expert, buffers[i])
+                speed[i, how].append(record / (time.perf_counter() - began))
     finally:
         for fd in fds:
             os.close(fd)
     print(f"\n6. one {format_size(record)} record read cold, direct, into each of {n - 2} buffers and 2 L2 segments "
-          f"(median of {rounds}): MiB/s by the physically contiguous runs of the memory's pages")
-    for buffer, seen in sorted(zip(buffers, speed), key=lambda b: statistics.median(b[1])):
-        runs = physical_runs(buffer, record)
-        kind = "L2 segment" if isinstance(buffer, _native.Segment) else "Buffer"
-        print(f"  {statistics.median(seen) / MIB:6.0f} MiB/s  {kind:10s}  "
+          f"(median of {rounds}): MiB/s as moe-l2d's loaders read it (one thread) and as a client does "
+          f"({READ_THREADS} threads, checked), by the physically contiguous runs of the memory's pages")
+    for i in sorted(range(n), key=lambda i: statistics.median(speed[i, "loader"])):
+        runs = physical_runs(buffers[i], record)
+        kind = "L2 segment" if isinstance(buffers[i], _native.Segment) else "Buffer"
+        print(f"  {statistics.median(speed[i, 'loader']) / MIB:6.0f} {statistics.median(speed[i, 'client']) / MIB:6.0f}"
+              f" MiB/s  {kind:10s}  "
               + (f"{runs} runs of {record // 4096} pages" if runs else "(runs: needs /proc/self/pagemap as root)"))
 
 
