@@ -504,11 +504,11 @@ def destinations(files: ModelFiles, rounds: int, seed: int, n: int = 8) -> None:
     print(f"\n6. one {format_size(record)} record read cold, direct, into each of {n - 2} buffers and 2 L2 segments "
           f"(median of {rounds}): MiB/s as moe-l2d's loaders read it (one thread) and as a client does "
           f"({READ_THREADS} threads, checked), by the physically contiguous runs of the memory's pages")
-    for i in sorted(range(n), key=lambda i: statistics.median(speed[i, "loader"])):
+    median = {key: statistics.median(seen) / MIB for key, seen in speed.items()}
+    for i in sorted(range(n), key=lambda i: median[i, "loader"]):
         runs = physical_runs(buffers[i], record)
         kind = "L2 segment" if isinstance(buffers[i], _native.Segment) else "Buffer"
-        print(f"  {statistics.median(speed[i, 'loader']) / MIB:6.0f} {statistics.median(speed[i, 'client']) / MIB:6.0f}"
-              f" MiB/s  {kind:10s}  "
+        print(f"  {median[i, 'loader']:6.0f} {median[i, 'client']:6.0f} MiB/s  {kind:10s}  "
               + (f"{runs} runs of {record // 4096} pages" if runs else "(runs: needs /proc/self/pagemap as root)"))
 
 
