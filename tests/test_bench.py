@@ -246,7 +246,8 @@ def test_a_busy_core_spins_until_its_block_ends_or_its_parent_dies():
 def test_a_copying_core_copies_through_memory_until_its_block_ends():
     with busy_cores(1, copying=True) as (spinner,):
         process = psutil.Process(spinner.pid)
-        assert process.cmdline()[-1] == "copying"
+        # Between its fork and its exec a spinner's command line is its parent's, or empty.
+        wait_for(lambda: process.cmdline()[-1:] == ["copying"], 30, "the copying spinner's exec")
         # Its two buffers, written: more than the cache of the CPU it runs on.
         wait_for(lambda: process.cpu_times().user > 0.2 and process.memory_info().rss > 2 * COPY_BYTES, 30,
                  "the copying spinner's CPU time and buffers")
