@@ -231,8 +231,9 @@ class FillDesk:
 
     def _give(self, donor: Donor, model: ServedModel, layer: int, experts: list[int],
               keep: list[int]) -> list[Reservation]:
-        """Reserve slots for the records the donor holds that L2 neither holds nor loads, up to its bound: the
-        slots to offer; none when an id is out of range (checked here, where the give enters: check_ids)."""
+        """Reserve slots for the records the donor holds that L2 neither holds nor loads and its policy admits, up
+        to its bound: the slots to offer; none when an id is out of range (checked here, where the give enters:
+        check_ids)."""
         try:
             model.check_ids({layer: [*experts, *keep]})
         except ProtocolError:
@@ -241,7 +242,7 @@ class FillDesk:
         wanted = [e for e in dict.fromkeys(experts) if (fp, layer, e) not in donor.offers]
         room = max(0, MAX_OFFERS - len(donor.offers))
         kept = frozenset(keep).union(wanted)
-        reservations = model.reserve(layer, wanted[:room], kept)
+        reservations = model.reserve(layer, wanted[:room], kept, optional=True)
         # Past the donor's bound the daemon reads them itself: a record reported as given is read by someone.
         model.demand(layer, wanted[room:], self.loader, kept)
         with model.lock:

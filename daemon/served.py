@@ -161,19 +161,22 @@ class ServedModel:
             loader.submit(partial(self.fill, layer, r), partial(self.abort_fill, layer, r))
         return len(reservations)
 
-    def reserve(self, layer: int, experts, keep: frozenset[int] = frozenset()) -> list[Reservation]:
+    def reserve(self, layer: int, experts, keep: frozenset[int] = frozenset(),
+                optional: bool = False) -> list[Reservation]:
         """Slots for the experts that are neither resident nor on their way, evicting none in `keep`, each begun
         (seq odd, the evicted expert unmapped): to be ended by `fill`, `take_donation` or `abort_fill`. Its ids
-        are checked (check_ids) where the request entered."""
+        are checked (check_ids) where the request entered. optional: a give's records, which their reader computes
+        on either way, so the policy may refuse them (LayerStore.reserve); a reported miss a client may be waiting
+        for (load-through) always gets a slot where one may be taken."""
         store = self.stores[layer]
         reservations = []
         with self.lock:
             for expert in experts:
                 if store.has(expert):
                     continue
-                reservation = store.reserve(expert, keep)
+                reservation = store.reserve(expert, keep, optional=optional)
                 if reservation is None:
-                    break  # every slot pinned or loading: later misses will come back
+                    continue  # every slot pinned or loading, or (optional) the policy keeps its victim
                 self.slot_indexes[layer].begin_fill(reservation.slot, reservation.evicted, reservation.expert)
                 reservations.append(reservation)
         return reservations

@@ -13,8 +13,8 @@ from moe_l2.protocol import PREFETCH_COUNTERS, TIER_COUNTERS
 
 # What became of the records clients read themselves and gave to L2 (daemon/fills.py): slots offered for them,
 # published (donated), given back by the client (cancelled: the daemon read them instead), refused a slot (no
-# room, or the client's bound), reclaimed once their client process was gone, and rejected (the slot's bytes
-# failed the check).
+# room, the policy kept its victim, or the client's bound), reclaimed once their client process was gone, and
+# rejected (the slot's bytes failed the check).
 FILL_COUNTERS = ("offered", "donated", "cancelled", "refused", "reclaimed", "rejected")
 # stats lists at most this many of the records that failed their checksum (corrupt_records counts them all)
 _CORRUPT_LISTED = 64

@@ -326,7 +326,8 @@ def walk(batches: int, seed: int = 7) -> list[tuple[int, ...]]:
 def test_restarted_it_goes_on_from_what_it_learned():
     """moe-l2 replay --warm restarts each policy from its saved state after the train share, as moe-l2d restarts:
     on the walk, the restarted model hits as the one that never stopped does, where a cold one is still learning,
-    and its store starts with what it held."""
+    and its store starts with what it held. (It hits 7% of MIN's lead over LRU more than the cold one, 231 against
+    216; 12% before admission, which helps a cold model the most.)"""
     batches = walk(2200)
     before, after = batches[:2000], batches[2000:]
     never_stopped = replay_layer(Task(0, 6, "learned", before + after, 16, record_tokens=True))
@@ -335,7 +336,7 @@ def test_restarted_it_goes_on_from_what_it_learned():
     lru, best = (replay_layer(Task(0, 6, name, after, 16))["hits"] for name in ("lru", "min"))
     assert restarted["preloads"] == 6 and cold["preloads"] == 0
     assert restarted["hits"] >= sum(array("H", never_stopped["per_token"])[len(before):]) - 2
-    assert (restarted["hits"] - cold["hits"]) / (best - lru) > 0.08
+    assert (restarted["hits"] - cold["hits"]) / (best - lru) > 0.05
 
 
 def reference_hits(batches, slots: int, name: str, context=None) -> int:
@@ -391,6 +392,58 @@ def test_moe_l2d_reserves_a_slot_while_the_policy_learns_from_a_report(model_fil
         assert not reporter.is_alive()
     finally:
         release.set()
+        loader.shutdown()
+        served.close()
+
+
+def test_a_give_takes_a_slot_only_from_a_victim_the_model_expects_back_later():
+    """L2 admits a give (a miss its reader computes on from its own copy) only where the model scores it at least as
+    high as the victim it names: a record that would leave before the victim came back is only a copy and a check.
+    A free slot, a pinned expert, or a miss that is not optional (a client may be waiting for it) gets its slot
+    whatever its score."""
+    policy = LearnedReuse(16, 5)
+    store = LayerStore(16, 5, policy)
+    for expert in range(4):
+        store.commit(store.reserve(expert))
+    for t in range(500):
+        store.observe([t % 5, (t + 1) % 5])
+    score = policy._ranking.score
+    assert not policy.follows_lru and max(score[9], score[12]) < min(score[:5])
+    free = store.reserve(9, optional=True)
+    assert free is not None and free.evicted == -1
+    store.abort(free)
+    store.commit(store.reserve(4))  # the free slot taken: from here on a miss must evict
+    assert store.reserve(9, optional=True) is None
+    assert all(store.slot(e) >= 0 for e in range(5)) and not store.has(9)
+    store.pin([9], "permanent")
+    pinned = store.reserve(9, optional=True)
+    assert pinned is not None and pinned.evicted in range(5)
+    store.commit(pinned)
+    assert store.reserve(12, optional=True) is None
+    needed = store.reserve(12)
+    assert needed is not None and needed.evicted in range(5)
+
+
+def test_moe_l2d_offers_a_give_slots_past_a_record_its_policy_does_not_admit(model_files):
+    """A give names several records: one the policy does not admit leaves the others their slots."""
+    slots = 4
+    geometry = Geometry.for_budget(model_files.n_layers, model_files.n_experts, model_files.layout.nbytes,
+                                   budget_for(model_files, slots))
+    served = ServedModel(model_files, geometry, lambda layer, nbytes: _native.Segment.create(
+        segment_name("admit", 0, layer, new_token()), nbytes, 0o600), epoch=1, policy="learned")
+    loader = Loader(1)
+    try:
+        served.report({0: [[], list(range(slots))]}, {}, loader)
+        index = served.slot_indexes[0]
+        wait_for(lambda: all(index.slot_of(e) >= 0 for e in range(slots)), what="layer 0's slots published")
+        store = served.stores[0]
+        hot, cold = slots, slots + 1
+        for t in range(400):
+            store.observe([t % slots, hot])  # picked every time, never loaded
+        taken = served.reserve(0, [cold, hot], optional=True)
+        assert [r.expert for r in taken] == [hot] and taken[0].evicted in range(slots)
+        served.abort_fill(0, taken[0])
+    finally:
         loader.shutdown()
         served.close()
 

@@ -212,6 +212,13 @@ class LearnedReuse:
             return min(candidates, key=lambda c: (last[c], c))
         return min(candidates, key=lambda c: (score[c], last[c], c))
 
+    def admits(self, expert: int, victim: int) -> bool:
+        """Whether a miss on `expert` whose reader has its own copy should take `victim`'s slot: not when the model
+        expects the victim back sooner (a higher score), where the slot would cost a copy, a check and a hit later
+        (docs/decisions.md, "Admission"). While the cache follows LRU, every miss is admitted, as LRU would."""
+        ranking = self._ranking
+        return ranking.follows_lru or ranking.score[expert] >= ranking.score[victim]
+
     def hottest(self, experts: Iterable[int]) -> list[int]:
         ranking = self._ranking
         score, last = ranking.score, ranking.last

@@ -18,7 +18,8 @@ candidates the store allows (resident, not pinned, not loading).
 
 Optional hooks a store calls when a policy has them: ``set_capacity(n_slots)``, ``set_prior(weights)``,
 ``observe(experts, source)`` (one batch of accesses at once: a token's, a report's, a forward's; without it the
-store calls ``access`` for each expert).
+store calls ``access`` for each expert), ``admits(expert, victim)`` (whether a load may evict the victim at all;
+without it every load may).
 
 The live policies' state survives a daemon's restart: ``state()`` gives it as plain data, `restored_policy` makes a
 policy from such data read back from a file, checking every value (the file may be damaged or planted), and
@@ -375,6 +376,12 @@ def latest(policy, source=None) -> list[int] | None:
     after's context."""
     kept = getattr(policy, "latest", None)
     return kept(source) if kept is not None else None
+
+
+def admits(policy, expert: int, victim: int) -> bool:
+    """Whether the policy lets a load of `expert` evict `victim` (the victim it named): yes where it has no say."""
+    check = getattr(policy, "admits", None)
+    return check is None or check(expert, victim)
 
 
 def make_policy(name: str, capacity: int | None = None, n_experts: int | None = None):

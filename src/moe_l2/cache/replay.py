@@ -2,9 +2,9 @@
 
 Every layer gets a `moe_l2.cache.store.LayerStore` with the policy under test, as the daemon builds them,
 and sees the trace's tokens as the daemon sees a client's reports: for each token the experts the router
-picked are looked up (hit: resident), the policy is told of every access, and the misses are loaded
-(reserve + commit, evicting what the policy names). Loads complete before the next token, so the numbers
-are the policy's, not the disk's. No shared memory is touched.
+picked are looked up (hit: resident), the policy is told of every access, and the misses it admits are loaded
+(reserve + commit, evicting what the policy names, as the fill desk reserves for a process' gives). Loads complete
+before the next token, so the numbers are the policy's, not the disk's. No shared memory is touched.
 
 Beside the chosen policy every capacity is also run with the comparison policies (adaptive, LRU and LFU by
 default) and with Belady's MIN, the offline optimum, as the ceiling. `--hints` sends each sequence's prompt as a
@@ -204,7 +204,7 @@ def _replayed(task: Task, store: LayerStore, preloads: int) -> dict:
         if load_order is not None:
             misses = load_order(misses)
         for e in misses:
-            r = reserve(e)
+            r = reserve(e, optional=True)  # as the fill desk reserves for a give: the policy may refuse it
             if r is not None:
                 if r.evicted in prefetched:
                     wasted += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe_l2.cache.policy import latest, observe
+from moe_l2.cache.policy import admits, latest, observe
 
 if TYPE_CHECKING:
     from moe_l2.cache.profile import Profile
@@ -82,10 +82,12 @@ class LayerStore:
         layer after."""
         return latest(self.policy, source)
 
-    def reserve(self, expert: int, keep: frozenset[int] = frozenset(), evict: bool = True) -> Reservation | None:
+    def reserve(self, expert: int, keep: frozenset[int] = frozenset(), evict: bool = True,
+                optional: bool = False) -> Reservation | None:
         """Give the expert a slot to be loaded into, never evicting one in `keep` (replay's prefetch keeps its
         other guesses), nor any with evict=False (a warm start's preload takes free slots only); None if it has
-        one or no slot may be taken."""
+        one or no slot may be taken. optional: its reader computes on a copy of its own whether or not L2 takes
+        it (a give), so the policy may keep its victim instead (`admits`), unless the expert is pinned."""
         self.check_expert(expert)
         if expert in self._slot_of:
             return None
@@ -100,6 +102,8 @@ class LayerStore:
             if not candidates:
                 return None
             evicted = self.policy.victim(candidates)
+            if optional and expert not in pinned and not admits(self.policy, expert, evicted):
+                return None
             slot = self._slot_of.pop(evicted)
             self.policy.evict(evicted)
         self._slot_of[expert] = slot
