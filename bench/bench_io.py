@@ -310,10 +310,12 @@ def queue_depth(files: ModelFiles, batches: tuple[int, ...], rounds: int, seed: 
              for t in THREADS for v in set(MODES.values())}
     fds = files.open_fds(direct=True)
     loaders = ThreadPoolExecutor(LOADERS)
-    # L2 with room for one batch a layer: the experts a round loads through evict the last round's.
+    # L2 with room for one batch a layer: the experts a round loads through evict the last round's. LRU admits every
+    # give, where the learned policy may keep its victim instead of a random record (docs/decisions.md, "Admission"):
+    # the filled line measures the fill, which a refused give does not make.
     daemon = DaemonProcess.serving(
         [files.path], Geometry.budget_for(files.n_layers, files.n_experts, record, max(batches)),
-        "--log-level", "warning").start()
+        "--policy", "lru", "--log-level", "warning").start()
     client = L2Client(files, daemon.socket, wait_s=5)
     through = ExpertPool(files, capacity=max(batches), client=client, load_through_s=LOAD_THROUGH_S, lend=False,
                          direct=True)

@@ -376,7 +376,9 @@ def make_pools(files: ModelFiles, daemon: DaemonProcess, batch: int, load_throug
 def run(files: ModelFiles, args, work: Path, spinners: dict) -> dict[str, dict[int, list[Sample]]]:
     events_path = work / "daemon-events"
     budget = Geometry.budget_for(files.n_layers, files.n_experts, files.layout.nbytes, args.slots)
-    daemon = DaemonProcess.serving([files.path], budget, "--log-level", "warning", runtime_dir=work,
+    # LRU admits every give, where the learned policy may keep its victim instead of a random record
+    # (docs/decisions.md, "Admission"): the fills measured are fills made.
+    daemon = DaemonProcess.serving([files.path], budget, "--policy", "lru", "--log-level", "warning", runtime_dir=work,
                                    command=(sys.executable, "-P", "-c", HOOKS, str(os.getpid()),
                                             str(events_path))).start()
     clients = []
