@@ -18,8 +18,8 @@ candidates the store allows (resident, not pinned, not loading).
 
 Optional hooks a store calls when a policy has them: ``set_capacity(n_slots)``, ``set_prior(weights)``,
 ``observe(experts, source)`` (one batch of accesses at once: a token's, a report's, a forward's; without it the
-store calls ``access`` for each expert), ``admits(expert, victim)`` (whether a load may evict the victim at all;
-without it every load may).
+store calls ``access`` for each expert), ``admits(expert, victim)`` (whether a give, which its reader computes on
+anyway, may evict the victim; without it every give may).
 
 The live policies' state survives a daemon's restart: ``state()`` gives it as plain data, `restored_policy` makes a
 policy from such data read back from a file, checking every value (the file may be damaged or planted), and
