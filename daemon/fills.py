@@ -6,8 +6,8 @@ One thread owns the fill socket (mode 0600, beside the control socket) and its c
 taken only from a process the kernel says runs as the daemon's uid (daemon/peers.py): that process can open the
 data segments writable anyway, so it is the daemon's own principal; any other is told `refused` and closed. For
 each record a donor gives that the policy admits, the desk reserves a slot as a load would (ServedModel.reserve: seq
-odd, the evicted expert unmapped, so every reader passes the slot by) and offers it; the donor's `filled` sends the slot to a
-loader thread that checks its bytes and publishes them (ServedModel.take_donation), `cancelled` frees it.
+odd, the evicted expert unmapped, so every reader passes the slot by) and offers it; the donor's `filled` sends the
+slot to a loader thread that checks its bytes and publishes them (ServedModel.take_donation), `cancelled` frees it.
 
 A slot offered is never given to anything else while its donor may still write into it: not on a timeout, not when
 the connection closes (a stopped process keeps its mapping and may write later), only on `filled`, `cancelled` or
