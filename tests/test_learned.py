@@ -4,6 +4,7 @@ the client's L0 run the one implementation on the batches they see."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 import random
@@ -353,47 +354,57 @@ def reference_hits(batches, slots: int, name: str, context=None) -> int:
     return hits
 
 
+@contextlib.contextmanager
+def full_layer(model_files, slots: int, name: str):
+    """A ServedModel (policy learned) of `slots` slots a layer whose layer 0 holds experts 0..slots-1, loaded through a
+    report and published, and its loader."""
+    geometry = Geometry.for_budget(model_files.n_layers, model_files.n_experts, model_files.layout.nbytes,
+                                   budget_for(model_files, slots))
+    served = ServedModel(model_files, geometry, lambda layer, nbytes: _native.Segment.create(
+        segment_name(name, 0, layer, new_token()), nbytes, 0o600), epoch=1, policy="learned")
+    loader = Loader(1)
+    try:
+        served.report({0: [[], list(range(slots))]}, {}, loader)
+        index = served.slot_indexes[0]
+        wait_for(lambda: all(index.slot_of(e) >= 0 for e in range(slots)), what="layer 0's slots published")
+        yield served, loader
+    finally:
+        loader.shutdown()
+        served.close()
+
+
 def test_moe_l2d_reserves_a_slot_while_the_policy_learns_from_a_report(model_files):
     """The learned model's work on a report (numpy steps, 0.1-0.4 ms a layer) runs outside ServedModel's lock, which
     the fill desk's reservations and the loaders' publishing take: here a report's batch is held on its way into
     the policy while another thread reserves a slot, evicting for it, as the fill desk does for a donor."""
     slots = 4
-    geometry = Geometry.for_budget(model_files.n_layers, model_files.n_experts, model_files.layout.nbytes,
-                                   budget_for(model_files, slots))
-    served = ServedModel(model_files, geometry, lambda layer, nbytes: _native.Segment.create(
-        segment_name("learnlock", 0, layer, new_token()), nbytes, 0o600), epoch=1)
-    loader = Loader(1)
-    store = served.stores[0]
     inside, release = threading.Event(), threading.Event()
-    observe = store.policy.observe
+    with full_layer(model_files, slots, "learnlock") as (served, loader):
+        store = served.stores[0]
+        observe = store.policy.observe
 
-    def held(experts, source=None, context=None) -> None:
-        inside.set()
-        release.wait(30)
-        observe(experts, source, context)
+        def held(experts, source=None, context=None) -> None:
+            inside.set()
+            release.wait(30)
+            observe(experts, source, context)
 
-    try:
-        served.report({0: [[], list(range(slots))]}, {}, loader)
-        index = served.slot_indexes[0]
-        wait_for(lambda: all(index.slot_of(e) >= 0 for e in range(slots)), what="layer 0's slots published")
         store.policy.observe = held
         reporter = threading.Thread(target=served.report, args=({0: [list(range(slots)), []]}, {}, loader))
         reporter.start()
-        assert inside.wait(30)
-        taken: list = []
-        reserving = threading.Thread(target=lambda: taken.extend(served.reserve(0, [slots])))
-        reserving.start()
-        reserving.join(10)
-        assert [r.expert for r in taken] == [slots] and taken[0].evicted in range(slots), \
-            "a reservation waited for the policy's work on a report"
-        served.abort_fill(0, taken[0])
-        release.set()
-        reporter.join(30)
-        assert not reporter.is_alive()
-    finally:
-        release.set()
-        loader.shutdown()
-        served.close()
+        try:
+            assert inside.wait(30)
+            taken: list = []
+            reserving = threading.Thread(target=lambda: taken.extend(served.reserve(0, [slots])))
+            reserving.start()
+            reserving.join(10)
+            assert [r.expert for r in taken] == [slots] and taken[0].evicted in range(slots), \
+                "a reservation waited for the policy's work on a report"
+            served.abort_fill(0, taken[0])
+            release.set()
+            reporter.join(30)
+            assert not reporter.is_alive()
+        finally:
+            release.set()
 
 
 def test_a_give_takes_a_slot_only_from_a_victim_the_model_expects_back_later():
@@ -427,15 +438,7 @@ def test_a_give_takes_a_slot_only_from_a_victim_the_model_expects_back_later():
 def test_moe_l2d_offers_a_give_slots_past_a_record_its_policy_does_not_admit(model_files):
     """A give names several records: one the policy does not admit leaves the others their slots."""
     slots = 4
-    geometry = Geometry.for_budget(model_files.n_layers, model_files.n_experts, model_files.layout.nbytes,
-                                   budget_for(model_files, slots))
-    served = ServedModel(model_files, geometry, lambda layer, nbytes: _native.Segment.create(
-        segment_name("admit", 0, layer, new_token()), nbytes, 0o600), epoch=1, policy="learned")
-    loader = Loader(1)
-    try:
-        served.report({0: [[], list(range(slots))]}, {}, loader)
-        index = served.slot_indexes[0]
-        wait_for(lambda: all(index.slot_of(e) >= 0 for e in range(slots)), what="layer 0's slots published")
+    with full_layer(model_files, slots, "admit") as (served, _):
         store = served.stores[0]
         hot, cold = slots, slots + 1
         for t in range(400):
@@ -443,9 +446,6 @@ def test_moe_l2d_offers_a_give_slots_past_a_record_its_policy_does_not_admit(mod
         taken = served.reserve(0, [cold, hot], optional=True)
         assert [r.expert for r in taken] == [hot] and taken[0].evicted in range(slots)
         served.abort_fill(0, taken[0])
-    finally:
-        loader.shutdown()
-        served.close()
 
 
 def test_moe_l2d_and_l0_run_the_one_implementation(daemon_factory, model_dir, model_files):
