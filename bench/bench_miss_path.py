@@ -138,10 +138,10 @@ class TimedLoader(RowLoader):
 class TimedDonor(Donor):
     """The pool's donor, marking each give sent, offer taken and copy into a slot (its `filled` follows at once)."""
 
-    def _send_gifts(self):
-        if not self._gifts.empty():  # marked as the thread takes them: it may be descheduled once they are sent
+    def _send_queued(self):
+        if not self._queue.empty():  # marked as the thread takes them: it may be descheduled once they are sent
             mark("give_sent", -1, [-1])
-        super()._send_gifts()
+        super()._send_queued()
 
     def _on_offer(self, message):
         mark("offer_in", message.layer, [e for e, _ in message.slots])

@@ -237,18 +237,19 @@ class L2Client:
         return self.attachment is not None
 
     def report(self, layer: int, hits: list[int], misses: list[int], routed: list[int], now: bool = False,
-               given=()) -> None:
+               given=(), folded: bool = False) -> None:
         """Queue what one lookup found in L2 and what the router picked; returns at once (the daemon
         loads the misses and counts the picks). Nothing for a layer the daemon does not serve. now: send it
         without waiting for the next flush, and have the daemon fold it in at once (a caller waits for the misses:
         load-through, asleep on their slots). given: the misses a process that gives to L2 (client/donor.py) read
-        itself, which the daemon must not load."""
+        itself, which the daemon must not load. folded: the lookup went to the policy through the donor already
+        (Donor.look), so the daemon only counts it."""
         attachment = self.attachment
         if attachment is not None and not attachment.serves(layer):
             return
-        self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS], now, list(given)))
+        self._reports.put((layer, hits, misses, routed[:MAX_REPORT_IDS], now, list(given), folded))
         for start in range(MAX_REPORT_IDS, len(routed), MAX_REPORT_IDS):  # a long prefill, pick by pick
-            self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS], False, []))
+            self._reports.put((layer, [], [], routed[start:start + MAX_REPORT_IDS], False, [], folded))
         if now:
             self._wake()
 
@@ -425,16 +426,23 @@ class L2Client:
             return False
 
     def _flush_reports(self) -> None:
-        """Send the queued reports, merged, in frames well under the daemon's frame limit."""
+        """Send the queued reports, merged, in frames well under the daemon's frame limit; lookups folded in
+        through the donor and the others never share a frame (a daemon observes a frame's lookups or none)."""
+        held = None  # the first report of the next frame, taken off the queue to see that its `folded` differs
         while True:
             layers: dict[int, list[list[int]]] = collections.defaultdict(lambda: [[], []])
             routed: dict[int, list[int]] = collections.defaultdict(list)
             notify: dict[int, list[int]] = collections.defaultdict(list)
             given: dict[int, list[int]] = collections.defaultdict(list)
-            ids = 0
+            ids, folded = 0, None
             try:
                 while ids < MAX_REPORT_IDS:
-                    layer, hits, misses, picks, now, gave = self._reports.get_nowait()
+                    item, held = held or self._reports.get_nowait(), None
+                    layer, hits, misses, picks, now, gave, folds = item
+                    if folded is not None and folds != folded:
+                        held = item
+                        break
+                    folded = folds
                     if hits or misses:
                         layers[layer][0].extend(hits)
                         layers[layer][1].extend(misses)
@@ -452,8 +460,9 @@ class L2Client:
                 if routed or prefetch or tiers:
                     self._send(protocol.Report(id=next(self._ids), model=self.files.fingerprint,
                                                layers=dict(layers), routed=dict(routed), prefetch=prefetch,
-                                               tiers=tiers, notify=dict(notify), given=dict(given)))
-            if ids < MAX_REPORT_IDS:
+                                               tiers=tiers, notify=dict(notify), given=dict(given),
+                                               folded=bool(folded)))
+            if ids < MAX_REPORT_IDS and held is None:
                 return
 
     def _flush_requests(self) -> None:

@@ -9,6 +9,8 @@ layer's data segment (checksummed as it lands: _native.copy_record) and says `fi
 read failed or the row was handed out again since (its writes count moved: a fetch waits for an offered copy only
 so long, client/layerpool.py's DONATION_WAIT_S).
 One disk read per miss, the process's own, and L2 holds the record afterwards (docs/architecture.md, "Fills").
+Every lookup of the process goes to the desk too (`look`), in order, ahead of the give of its misses: the daemon's
+policy chooses a give's slot knowing the batch that made it, and the process's reports only count the lookups.
 
 Only a process of the daemon's uid gets to fill: the desk refuses any other, whose data segments are not writable
 to it anyway; such a process reports its misses for the daemon to load (`accepting` is False).
@@ -35,6 +37,9 @@ log = logging.getLogger("moe-l2.client")
 ANSWER_S = 2.0
 # How often the thread looks whether the attachment changed (a daemon restarted) while nothing else happens.
 TICK_S = 0.2
+# While a desk takes this process: the longest a lookup with no give after it waits to be sent, as a report waits
+# for its connection's flush (L2Client's flush_s).
+LOOK_S = 0.02
 
 
 @dataclass(eq=False)
@@ -64,6 +69,24 @@ class Gift:
 
 
 @dataclass
+class Look:
+    """A layer's lookup, every expert looked up in L2, for the desk's policy (Donor.look)."""
+
+    layer: int
+    experts: list[int]
+
+
+@dataclass
+class Give:
+    """Records about to be read into rows of a layer's pool (Donor.give), and the experts their slots must not be
+    taken from."""
+
+    layer: int
+    gifts: list[Gift]
+    keep: list[int]
+
+
+@dataclass
 class DonorCounts:
     given: int = 0      # records told to the desk
     filled: int = 0     # copied into a slot offered
@@ -79,7 +102,7 @@ class Donor:
         self.counts = DonorCounts()
         self.refused = ""  # why the desk of the epoch attached now turned this process away, if it did
         self._path = fill_socket_path(client.address)
-        self._gifts: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # Look and Give, in the order made
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -138,8 +161,13 @@ class Donor:
         lands, and wakes the thread (ModelFiles.read_into_rows), which copies it then."""
         gifts = [Gift(layer, expert, pool, row, pool.giving(row, True), landed=landed)
                  for expert, row in zip(experts, rows)]
-        self._gifts.put((layer, gifts, list(keep)))
+        self._queue.put(Give(layer, gifts, list(keep)))
         return gifts
+
+    def look(self, layer: int, experts: list[int]) -> None:
+        """Queue a lookup of the layer (every expert looked up in L2) for the desk's policy; returns at once. It goes
+        out in order with the gives, before the give of its misses, or with the thread's next tick."""
+        self._queue.put(Look(layer, experts))
 
     def read_done(self, gifts: list[Gift], whole: bool) -> None:
         """The gifts' read ended: their rows hold the whole records (whole), or the read failed."""
@@ -159,7 +187,7 @@ class Donor:
         try:
             while not self._stop.is_set():
                 self._follow_attachment(selector)
-                for key, _ in selector.select(TICK_S):
+                for key, _ in selector.select(LOOK_S if self._sock is not None else TICK_S):
                     if key.fileobj is self._wake_r:
                         try:
                             self._wake_r.recv(4096)
@@ -168,7 +196,7 @@ class Donor:
                     elif not self._receive():
                         self._disconnect(selector)
                         break
-                self._send_gifts()
+                self._send_queued()
                 self._answer_whole()
                 self._end_answer_waits()
             self._drain(selector)
@@ -250,33 +278,48 @@ class Donor:
         except OSError:
             return False
 
-    def _send_gifts(self) -> None:
-        """Tell the desk of the records queued, one give per layer; dropped while no desk takes them."""
-        by_layer: dict[int, dict[int, Gift]] = collections.defaultdict(dict)
-        keeps: dict[int, set[int]] = collections.defaultdict(set)
-        # The waits asked for before the gifts are taken: every give queued before one of them is taken below.
+    def _send_queued(self) -> None:
+        """Tell the desk of the lookups and records queued, in order, a layer's consecutive gives as one give;
+        dropped while no desk takes them."""
+        # The waits asked for before the queue is taken: every give queued before one of them is taken below.
         asks = []
         while not self._answer_asks.empty():
             asks.append(self._answer_asks.get_nowait())
+        run = Give(-1, [], [])  # consecutive gives of one layer, merged: an expert given again replaces its gift
         try:
             while True:
-                layer, gifts, keep = self._gifts.get_nowait()
-                for gift in gifts:
-                    self._drop([by_layer[layer].pop(gift.expert)] if gift.expert in by_layer[layer] else [])
-                    by_layer[layer][gift.expert] = gift
-                keeps[layer].update(keep)
+                item = self._queue.get_nowait()
+                if isinstance(item, Look):
+                    self._send_give(run)
+                    run = Give(-1, [], [])
+                    if self._sock is not None and item.layer in self._writable:
+                        self._send(encode("look", model=self.files.fingerprint, layer=item.layer,
+                                          experts=item.experts))
+                    continue
+                if item.layer != run.layer:
+                    self._send_give(run)
+                    run = Give(item.layer, [], [])
+                given = {gift.expert: gift for gift in run.gifts}
+                self._drop([given[gift.expert] for gift in item.gifts if gift.expert in given])
+                given.update((gift.expert, gift) for gift in item.gifts)
+                run.gifts, run.keep = list(given.values()), run.keep + item.keep
         except queue.Empty:
             pass
-        for layer, gifts in by_layer.items():
-            if (self._sock is not None and layer in self._writable
-                    and self._send(encode("give", model=self.files.fingerprint, layer=layer, experts=list(gifts),
-                                          keep=sorted(keeps[layer])))):
-                self._sent.append((layer, gifts))
-                self._sends += 1
-                self.counts.given += len(gifts)
-            else:
-                self._drop(gifts.values())
+        self._send_give(run)
         self._answer_waits += [(self._sends, ask) for ask in asks]
+
+    def _send_give(self, give: Give) -> None:
+        if not give.gifts:
+            return
+        gifts = {gift.expert: gift for gift in give.gifts}
+        if (self._sock is not None and give.layer in self._writable
+                and self._send(encode("give", model=self.files.fingerprint, layer=give.layer, experts=list(gifts),
+                                      keep=sorted(set(give.keep))))):
+            self._sent.append((give.layer, gifts))
+            self._sends += 1
+            self.counts.given += len(gifts)
+        else:
+            self._drop(gifts.values())
 
     def _end_answer_waits(self) -> None:
         """Set the wait_answered events whose gives are all answered."""
@@ -409,7 +452,7 @@ class Donor:
         """Closing: give what is queued, and answer the offers for every give sent (a slot offered to a live
         process stays reserved until it answers; a record reported as given is read by no one else), within
         ANSWER_S each."""
-        self._send_gifts()
+        self._send_queued()
         self._answer_whole()
         if self._sock is None:
             return

@@ -54,6 +54,7 @@ class Lookup:
     missing: list[int] = field(default_factory=list)
     copied: list[bool] = field(default_factory=list)
     given: list[int] = field(default_factory=list)
+    folded: bool = False  # its L2 lookups went to the daemon's policy through the donor (Donor.look)
     reported: bool = False
 
     def report(self, client, now: bool = False) -> None:
@@ -63,7 +64,8 @@ class Lookup:
             return
         self.reported = True
         client.report(self.layer, [*self.lent, *(e for e, ok in zip(self.missing, self.copied) if ok)],
-                      [e for e, ok in zip(self.missing, self.copied) if not ok], self.picks, now, self.given)
+                      [e for e, ok in zip(self.missing, self.copied) if not ok], self.picks, now, self.given,
+                      self.folded)
 
     def counts(self, l0_hits: int, filled: TierCounts) -> TierCounts:
         """The lookup's TierCounts: `l0_hits`, the lent experts as L2 hits, and what filling the misses counted."""

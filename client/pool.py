@@ -300,6 +300,11 @@ class ExpertPool:
         else:  # guesses held in side rows are L0 hits: promoted, without a read or a copy
             promoted, taken = self._ahead.take_rows(lookup.layer, lp, batch, missing, self._take_rows)
         lookup.missing = list(taken)
+        if self._gives() and (lookup.lent or lookup.missing):
+            # The daemon's policy sees the lookup before the give of its misses (docs/decisions.md, "The policy sees
+            # a lookup before its give"); the report then only counts it.
+            self.donor.look(lookup.layer, [*lookup.lent, *lookup.missing])
+            lookup.folded = True
         filled = self._fill_rows(lp, list(taken.values()), lookup) if taken else TierCounts()
         counts = lookup.counts(len(batch) - len(missing) + promoted, filled)
         self._add_counts(counts)

@@ -8,6 +8,7 @@ data segments writable anyway, so it is the daemon's own principal; any other is
 each record a donor gives that the policy admits, the desk reserves a slot as a load would (ServedModel.reserve: seq
 odd, the evicted expert unmapped, so every reader passes the slot by) and offers it; the donor's `filled` sends the
 slot to a loader thread that checks its bytes and publishes them (ServedModel.take_donation), `cancelled` frees it.
+A donor's every lookup (`look`) reaches the policy here, in order with its gives, and not through its reports.
 
 A slot offered is never given to anything else while its donor may still write into it: not on a timeout, not when
 the connection closes (a stopped process keeps its mapping and may write later), only on `filled`, `cancelled` or
@@ -17,6 +18,7 @@ that the daemon reads itself.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import selectors
@@ -43,6 +45,7 @@ MAX_OFFERS = 256
 MAX_DONORS = 256
 RECEIVE_BYTES = 64 << 10
 TICK_S = 0.5
+_SOURCES = itertools.count()
 
 
 @dataclass(eq=False)
@@ -59,8 +62,11 @@ class Donor:
     sock: socket.socket | None
     peer: Credentials
     watch: ExitWatch
-    reader: FrameReader = field(default_factory=lambda: FrameReader(("give", "filled", "cancelled")))
+    reader: FrameReader = field(default_factory=lambda: FrameReader(("look", "give", "filled", "cancelled")))
     offers: dict[tuple[str, int, int], Offer] = field(default_factory=dict)
+    # Its lookups' client for the policy (the learned one follows each client's own): every lookup of a process
+    # that gives comes here (`look`), none through its reports.
+    source: tuple = field(default_factory=lambda: ("fill", next(_SOURCES)))
 
 
 class FillDesk:
@@ -207,6 +213,10 @@ class FillDesk:
     def _handle(self, donor: Donor, message) -> None:
         model = self.models.get(message.model)
         served = model is not None and message.layer in model.stores
+        if message.type == "look":
+            if served:
+                self._look(donor, model, message.layer, message.experts)
+            return
         if message.type == "give":
             # Every give is answered by one offer, empty for another daemon's model or a layer not served.
             reserved = self._give(donor, model, message.layer, message.experts, message.keep) if served else []
@@ -228,6 +238,17 @@ class FillDesk:
                 else partial(model.fill, message.layer, r))
         self.loader.submit(work, partial(model.abort_fill, message.layer, r))
         del donor.offers[key]  # after the loader counts it: an offer is always in flight somewhere (stats)
+
+    def _look(self, donor: Donor, model: ServedModel, layer: int, experts: list[int]) -> None:
+        """Fold a donor's lookup into the layer's policy, before the give that follows it: its slots and victims are
+        then chosen as replay chooses them, knowing the batch (docs/decisions.md, "The policy sees a lookup before
+        its give"); ignored when an id is out of range (checked here, where the lookup enters: check_ids)."""
+        try:
+            model.check_ids({layer: experts})
+        except ProtocolError:
+            return
+        if experts:
+            model.observe(layer, experts, donor.source)
 
     def _give(self, donor: Donor, model: ServedModel, layer: int, experts: list[int],
               keep: list[int]) -> list[Reservation]:

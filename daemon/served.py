@@ -312,11 +312,12 @@ class ServedModel:
 
     def report(self, layers: dict[int, list[list[int]]], routed: dict[int, list[int]], loader,
                keep: dict[int, frozenset[int]] | None = None, given: dict[int, list[int]] | None = None,
-               source=None) -> None:
-        """Fold a client's lookups into the policy and counters, load its misses but those it `given` (it read
-        them and gives them through the fill socket: daemon/fills.py), and count its routing (every pick, L0
-        hits included; a client that sends no `routed` is counted by its L2 lookups). Its ids are checked
-        (check_ids, served layers only) where the report entered.
+               source=None, folded: bool = False) -> None:
+        """Fold a client's lookups into the policy (`observe`; not where they were `folded` in already, through the
+        fill socket) and counters, load its misses but those it `given` (it read them and gives them through the
+        fill socket: daemon/fills.py), and count its routing (every pick, L0 hits included; a client that sends no
+        `routed` is counted by its L2 lookups). Its ids are checked (check_ids, served layers only) where the
+        report entered.
         keep: per layer, experts the loads must not evict beside the report's own (a piece of a larger
         report keeps the whole report's: daemon.server.report_pieces). source: the client that sent it (the
         learned policy follows each client's latest lookups)."""
@@ -330,20 +331,11 @@ class ServedModel:
                     row[expert] += 1
         hits_total = misses_total = 0
         for layer, (hits, misses) in layers.items():
-            store = self.stores[layer]
-            # A policy that may observe beside its victim() (the learned one, whose native model lets the GIL go) is
-            # told outside the lock, which the fill desk's reservations and the loaders' publishing wait for
-            # (docs/architecture.md, "Policies, profiles and hints").
-            apart = getattr(store.policy, "concurrent_observe", False)
+            if not folded:
+                self.observe(layer, lookups[layer], source)
             with self.lock:
-                before = self.stores.get(layer - 1)
-                context = before.latest(source) if before else None
-                if not apart:
-                    store.observe(lookups[layer], source, context)
                 self.layer_hits[layer] += len(hits)
                 self.layer_misses[layer] += len(misses)
-            if apart:
-                store.observe(lookups[layer], source, context)
             hits_total += len(hits)
             misses_total += len(misses)
             # The batch's own experts are never evicted for its misses: a client may be computing on them in
@@ -355,6 +347,22 @@ class ServedModel:
         # list: its lookups are not picks); one that does not is counted by its L2 lookups.
         n_picks = sum(len(experts) for experts in routed.values()) if routed else hits_total + misses_total
         self.counters.add_lookups(hits_total, misses_total, self.files.layout.nbytes, n_picks)
+
+    def observe(self, layer: int, lookups: list[int], source=None) -> None:
+        """Fold one lookup of the layer (every expert looked up in L2) by `source` into its policy, with that
+        client's latest lookup at the layer before as its context. Its ids are checked where they entered."""
+        store = self.stores[layer]
+        # A policy that may observe beside its victim() (the learned one, whose native model lets the GIL go) is
+        # told outside the lock, which the fill desk's reservations and the loaders' publishing wait for
+        # (docs/architecture.md, "Policies, profiles and hints").
+        apart = getattr(store.policy, "concurrent_observe", False)
+        with self.lock:
+            before = self.stores.get(layer - 1)
+            context = before.latest(source) if before else None
+            if not apart:
+                store.observe(lookups, source, context)
+        if apart:
+            store.observe(lookups, source, context)
 
     def pin(self, layer: int, experts: list[int], kind: str, loader) -> tuple[list[int], list[int]]:
         """Pin and load the experts, within the pin limit: (pinned, refused). Its ids are checked (check_ids)

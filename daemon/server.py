@@ -12,7 +12,7 @@ import collections
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -70,13 +70,15 @@ INPROC_ADDRESS = "inproc://moe-l2d"
 class ReportPiece:
     """A slice of a report that ServedModel.report folds in as it would the whole (report_pieces): lookups per
     layer [hits, misses], routed picks, its cost in looked-up ids, per layer the experts its loads must not evict
-    and the misses its sender read itself and gives (not loaded)."""
+    and the misses its sender read itself and gives (not loaded); folded: its lookups reached the policy through
+    the fill socket already (protocol.Report)."""
 
     layers: dict
     routed: dict
     cost: int
     keep: dict = field(default_factory=dict)
     given: dict = field(default_factory=dict)
+    folded: bool = False
 
 
 @dataclass
@@ -293,7 +295,8 @@ class Server:
     def _fold(self, model: ServedModel, identity: bytes, piece: ReportPiece) -> None:
         """Count a report piece of `identity`'s and load its misses (but those its sender gives)."""
         try:
-            model.report(piece.layers, piece.routed, self.loader, piece.keep, piece.given, source=identity)
+            model.report(piece.layers, piece.routed, self.loader, piece.keep, piece.given, source=identity,
+                         folded=piece.folded)
         except Exception:  # validated when received: only a bug gets here
             self.errors += 1
             log.exception("report work failed")
@@ -423,6 +426,8 @@ class Server:
             for name, n in req.tiers.items():
                 client.tiers[name] += n
         pieces = report_pieces(layers, routed, REPORT_CHUNK_IDS, given)
+        if req.folded:
+            pieces = [replace(piece, folded=True) for piece in pieces]
         cost = sum(piece.cost for piece in pieces)
         if notify and not self._work and cost <= URGENT_REPORT_IDS:
             # A client waits for its misses (load-through, asleep on their slot_of entries), nothing is queued before

@@ -78,13 +78,14 @@ def test_a_gives_lookup_is_reported_once_with_the_next_flush_and_loads_nothing(r
     with filling_pool(model_files, running_daemon) as pool:
         reports, report = [], pool.client.report
 
-        def spy(layer, hits, misses, routed, now=False, given=()):
-            reports.append((layer, sorted(misses), now, sorted(given)))
-            report(layer, hits, misses, routed, now, given)
+        def spy(layer, hits, misses, routed, now=False, given=(), folded=False):
+            reports.append((layer, sorted(misses), now, sorted(given), folded))
+            report(layer, hits, misses, routed, now, given, folded)
 
         monkeypatch.setattr(pool.client, "report", spy)
         assert pool.fetch(1, [5, 2]).l3_reads == 2
-        assert reports == [(1, [2, 5], False, [2, 5])]
+        # Folded: the lookup went to the policy through the donor, before its give (test_learned.py).
+        assert reports == [(1, [2, 5], False, [2, 5], True)]
         wait_for(lambda: fills(running_daemon)["donated"] == 2, what="two donations",
                  detail=lambda: fills(running_daemon))
         wait_for(lambda: stats(running_daemon)["models"][0]["misses"] == 2, what="the report, flushed")
@@ -116,13 +117,13 @@ def test_wait_answered_holds_until_the_desk_took_every_give_then_the_daemons_idl
     # What the bench waits for between passes (lab/replayer.py, lab/bench.py): the donor's thread is held before
     # it tells the desk anything, so the gives stay unanswered until it is let go.
     with filling_pool(model_files, running_daemon) as pool:
-        send_gifts, let_go = pool.donor._send_gifts, threading.Event()
+        send_queued, let_go = pool.donor._send_queued, threading.Event()
 
         def held():
             let_go.wait()
-            send_gifts()
+            send_queued()
 
-        monkeypatch.setattr(pool.donor, "_send_gifts", held)
+        monkeypatch.setattr(pool.donor, "_send_queued", held)
         pool.donor._wake()
         assert pool.fetch(1, [0, 5]).l3_reads == 2
         assert not pool.donor.wait_answered(0.2)
@@ -353,9 +354,11 @@ def test_a_donation_cancelled_is_read_by_the_daemon_so_that_l2_holds_the_record(
     donor.sock.close()
 
 
-def test_a_give_with_an_id_out_of_range_is_offered_nothing_and_changes_nothing(running_daemon, model_files):
+def test_a_give_or_look_with_an_id_out_of_range_is_offered_nothing_and_changes_nothing(running_daemon, model_files):
     donor = RawDonor(running_daemon)
     fp, n = model_files.fingerprint, model_files.n_experts
+    for model, layer, experts in ((fp, 1, [3, n]), (fp, 1, [-1]), (fp, model_files.n_layers, [3]), ("other", 1, [3])):
+        donor.sock.sendall(encode("look", model=model, layer=layer, experts=experts))  # not answered: ignored
     for experts, keep in (([3, n], []), ([3], [-1])):
         donor.sock.sendall(encode("give", model=fp, layer=1, experts=experts, keep=keep))
         offer = donor.next()

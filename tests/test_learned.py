@@ -24,7 +24,7 @@ from moe_l2.cache.policy import make_policy
 from moe_l2.cache.replay import Task, replay_layer
 from moe_l2.cache.store import LayerStore
 from moe_l2.cache.trace import read_traces
-from moe_l2.client.connection import L2Client
+from moe_l2.client.connection import L2Client, wait_idle
 from moe_l2.client.pool import ExpertPool
 from moe_l2.control import dealer
 from moe_l2.daemon.loader import Loader
@@ -32,7 +32,7 @@ from moe_l2.daemon.served import ServedModel
 from moe_l2.daemon.server import report_pieces
 from moe_l2.layout import Geometry, new_token, segment_name
 
-from .conftest import budget_for, shared_trace, stats, synthetic_trace, wait_for
+from .conftest import budget_for, filling_pool, shared_trace, stats, synthetic_trace, wait_for
 
 
 def hit_rates(batches, n_experts: int, slots: int, names=("learned", "lru", "min")) -> dict[str, float]:
@@ -340,17 +340,25 @@ def test_restarted_it_goes_on_from_what_it_learned():
     assert (restarted["hits"] - cold["hits"]) / (best - lru) > 0.05
 
 
-def reference_hits(batches, slots: int, name: str, context=None) -> int:
+def reference_hits(batches, slots: int, name: str, context=None, gives: bool = False, told: str = "before") -> int:
     """What a store evicting by `name` hits on `batches`, loading each batch's misses and never evicting the
-    batch: what moe-l2d and L0 do; its policy told of `context`, each batch's at the layer before, where given."""
+    batch: what moe-l2d and L0 do; its policy told of `context`, each batch's at the layer before, where given.
+    gives: the misses are a giving process's, which the policy may refuse (reserved as optional). told: when the
+    policy is told of each batch: "before" its misses are reserved, "after" them or "twice" (before and after)."""
     store = LayerStore(16, slots, make_policy(name, slots, 16))
     hits = 0
     for t, batch in enumerate(batches):
         missing = [e for e in batch if store.slot(e) < 0]
         hits += len(batch) - len(missing)
-        store.observe(batch, None, context[t] if context is not None else None)
+        before = context[t] if context is not None else None
+        if told in ("before", "twice"):
+            store.observe(batch, None, before)
         for expert in missing:
-            store.commit(store.reserve(expert, keep=frozenset(batch)))
+            reservation = store.reserve(expert, keep=frozenset(batch), optional=gives)
+            if reservation is not None:
+                store.commit(reservation)
+        if told in ("after", "twice"):
+            store.observe(batch, None, before)
     return hits
 
 
@@ -481,6 +489,31 @@ def test_moe_l2d_and_l0_run_the_one_implementation(daemon_factory, model_dir, mo
     finally:
         viewer.close()
         client.close()
+
+
+def test_a_giving_processs_lookups_reach_the_policy_before_its_gives_once_each(daemon_factory, model_dir,
+                                                                               model_files):
+    """A process that gives its misses to a real moe-l2d (--policy learned) sends each lookup through the fill
+    socket ahead of its give, and its reports only count it: L2 hits exactly where the store's reference told of
+    each batch before its gives does, not where one told after them (as reports alone told it, a flush later) or
+    twice does."""
+    slots, batches = 6, walk(300)
+    expected = reference_hits(batches, slots, "learned", gives=True)
+    assert expected not in {reference_hits(batches, slots, "learned", gives=True, told=told)
+                            for told in ("after", "twice")}
+    daemon = daemon_factory([model_dir], str(budget_for(model_files, slots)), "--policy", "learned")
+    with filling_pool(model_files, daemon) as pool:
+        seen = 0
+        for batch in batches:
+            pool.fetch(0, list(batch))
+            seen += len(batch)
+            assert pool.donor.wait_answered(10)
+            wait_idle(daemon.socket)  # the donations checked and published before the next lookup
+            wait_for(lambda: stats(daemon)["models"][0]["hits"] + stats(daemon)["models"][0]["misses"] == seen,
+                     what="the report")
+            for expert in batch:  # every lookup goes to L2, as in the reference
+                pool.evict(0, expert)
+        assert stats(daemon)["models"][0]["hits"] == expected
 
 
 def test_moe_l2d_and_l0_give_each_layer_the_tokens_latest_picks_at_the_layer_before(daemon_factory, model_dir,

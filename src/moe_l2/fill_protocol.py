@@ -5,6 +5,9 @@ A client of the daemon's own uid that read a miss from the model file gives it t
 read it again: `give` names the records it holds, the daemon reserves a slot for each (seq odd) and sends an
 `offer`, the client copies each record into its slot through a writable mapping of the data segment and says
 `filled` (with the record's checksum) or `cancelled`. The daemon checks the slot's bytes and publishes them.
+`look` names a layer's lookup (every expert the client looked up in L2) for the policy to observe, sent before the
+lookup's `give`, so that the policy chooses a give's slot and victim knowing the batch that made its misses; it
+is not answered (docs/decisions.md, "The policy sees a lookup before its give").
 
 The socket is a Unix stream socket beside the control socket (`fill_socket_path`), mode 0600, whose peer the
 daemon knows from the kernel (daemon/peers.py): it never takes a fill from another uid. Frames are a 4-byte
@@ -30,6 +33,7 @@ SUFFIX = ".fill"
 # Per type, its fields and their kinds: what a peer must send, nothing more.
 _INT, _INTS, _STR, _PAIRS = "int", "int list", "string", "list of [expert, slot]"
 FIELDS: dict[str, dict[str, str]] = {
+    "look": {"model": _STR, "layer": _INT, "experts": _INTS},
     "give": {"model": _STR, "layer": _INT, "experts": _INTS, "keep": _INTS},
     "filled": {"model": _STR, "layer": _INT, "expert": _INT, "slot": _INT, "checksum": _INT},
     "cancelled": {"model": _STR, "layer": _INT, "expert": _INT, "slot": _INT},

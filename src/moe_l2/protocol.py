@@ -194,13 +194,14 @@ class Report(Message):
     the client waits for (load-through): the daemon folds such a report in as it comes, so that their loads start
     at once (the client sleeps on their slots meanwhile); with `given`, per layer the misses the client read
     itself and gives to L2 through the fill socket (src/moe_l2/fill_protocol.py): counted as misses, never loaded
-    by the daemon. All five are optional: a report from before one existed decodes with it empty, and an older
-    daemon ignores `given` (it loads those misses as it always did)."""
+    by the daemon; with `folded`, its lookups reached the policy through the fill socket already, each in order
+    with its gives (`look`): counted, not observed again. All six are optional: a report from before one existed
+    decodes with it empty, and an older daemon ignores `given` (it loads those misses as it always did)."""
 
     TYPE = "report"
     FIELDS = {"model": str, "layers": "layer_lists", "routed": "layer_experts", "prefetch": "counters",
-              "tiers": "tier_counters", "notify": "layer_experts", "given": "layer_experts"}
-    OPTIONAL = ("routed", "prefetch", "tiers", "notify", "given")
+              "tiers": "tier_counters", "notify": "layer_experts", "given": "layer_experts", "folded": bool}
+    OPTIONAL = ("routed", "prefetch", "tiers", "notify", "given", "folded")
     REPLIES = False
     model: str = ""
     layers: dict[int, list[list[int]]] = field(default_factory=dict)
@@ -209,6 +210,7 @@ class Report(Message):
     tiers: dict[str, int] = field(default_factory=dict)
     notify: dict[int, list[int]] = field(default_factory=dict)
     given: dict[int, list[int]] = field(default_factory=dict)
+    folded: bool = False
 
 
 @dataclass(frozen=True)
