@@ -287,6 +287,33 @@ def test_a_flood_of_reports_is_split_into_frames_the_daemon_accepts(running_daem
     wait_for(lambda: counted() == len(picks), timeout=60, what="every pick counted")
 
 
+def test_lookups_folded_in_through_a_donor_and_others_never_share_a_report(running_daemon, model_files):
+    """moe-l2d observes all of a report's lookups or none (`folded`: they reached its policy through the fill socket
+    already), so lookups of either kind go out in reports of their own, in order, and every one is counted."""
+    client = L2Client(model_files, running_daemon.socket, wait_s=5)
+    assert client.wait_attached(5)
+    sent, send = [], client._send
+
+    def spy(message) -> bool:
+        if isinstance(message, protocol.Report) and message.layers:
+            sent.append(message)
+        return send(message)
+
+    client._send = spy
+    try:  # queued at once: one flush takes the three
+        client.report(0, [1], [2], [1, 2], folded=True)
+        client.report(0, [3], [], [3])
+        client.report(1, [], [4], [4], folded=True)
+        wait_for(lambda: stats(running_daemon)["models"][0]["misses"] == 2, what="the reports, counted")
+    finally:
+        client.close()
+    assert stats(running_daemon)["models"][0]["hits"] == 2
+    looked = [(report.folded, sorted(e for hits, misses in report.layers.values() for e in [*hits, *misses]))
+              for report in sent]
+    assert [folded for folded, _ in looked] == [True, False, True]
+    assert [experts for _, experts in looked] == [[1, 2], [3], [4]]
+
+
 def test_a_refill_waits_for_work_queued_on_the_evicted_row(model_files):
     """mx.async_eval queues a long computation that reads an expert's row last; a fetch that evicts that row
     right away must not overwrite it before the queued work has read it."""
