@@ -33,9 +33,9 @@ def _spy_reports(monkeypatch, client) -> list[tuple]:
     reports = []
     real = client.report
 
-    def report(layer, hits, misses, routed, now=False, given=()):
+    def report(layer, hits, misses, routed, now=False, given=(), folded=False):
         reports.append((layer, sorted(hits), sorted(misses), now))
-        real(layer, hits, misses, routed, now, given)
+        real(layer, hits, misses, routed, now, given, folded)
 
     monkeypatch.setattr(client, "report", report)
     return reports

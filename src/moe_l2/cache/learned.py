@@ -2,8 +2,8 @@
 the layer's own routing predicts it (docs/policy-report.md, "The learned policy").
 
 Time counts in batches: what the caller observes at once (`observe`): a token's picks in replay, a report's
-lookups of the layer in moe-l2d, a forward's picks of the layer in L0. After each batch the model scores every
-expert e of the layer, for each horizon h_k:
+lookups of the layer in moe-l2d (a giving process's lookup, one at a time: `look`), a forward's picks of the layer in
+L0. After each batch the model scores every expert e of the layer, for each horizon h_k:
 
     z_ke = bias_ke + sum over f in the batch of cross[k, f, e] + sum over f of past_f . history[k, f, e]
            + sum over g in the context of before[k, g, e]
