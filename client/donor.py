@@ -285,37 +285,40 @@ class Donor:
         asks = []
         while not self._answer_asks.empty():
             asks.append(self._answer_asks.get_nowait())
-        run = Give(-1, [], [])  # consecutive gives of one layer, merged: an expert given again replaces its gift
+        # Consecutive gives of one layer, merged: an expert given again replaces its gift.
+        layer, gifts, keep = None, {}, set()
         try:
             while True:
                 item = self._queue.get_nowait()
                 if isinstance(item, Look):
-                    self._send_give(run)
-                    run = Give(-1, [], [])
-                    if self._sock is not None and item.layer in self._writable:
+                    self._send_give(layer, gifts, keep)
+                    layer, gifts, keep = None, {}, set()
+                    if self._takes(item.layer):
                         self._send(encode("look", model=self.files.fingerprint, layer=item.layer,
                                           experts=item.experts))
                     continue
-                if item.layer != run.layer:
-                    self._send_give(run)
-                    run = Give(item.layer, [], [])
-                given = {gift.expert: gift for gift in run.gifts}
-                self._drop([given[gift.expert] for gift in item.gifts if gift.expert in given])
-                given.update((gift.expert, gift) for gift in item.gifts)
-                run.gifts, run.keep = list(given.values()), run.keep + item.keep
+                if item.layer != layer:
+                    self._send_give(layer, gifts, keep)
+                    layer, gifts, keep = item.layer, {}, set()
+                for gift in item.gifts:
+                    self._drop([gifts.pop(gift.expert)] if gift.expert in gifts else [])
+                    gifts[gift.expert] = gift
+                keep.update(item.keep)
         except queue.Empty:
             pass
-        self._send_give(run)
+        self._send_give(layer, gifts, keep)
         self._answer_waits += [(self._sends, ask) for ask in asks]
 
-    def _send_give(self, give: Give) -> None:
-        if not give.gifts:
+    def _takes(self, layer: int) -> bool:
+        """A desk is connected and the layer's data segment mapped writable."""
+        return self._sock is not None and layer in self._writable
+
+    def _send_give(self, layer: int | None, gifts: dict[int, Gift], keep: set[int]) -> None:
+        if not gifts:
             return
-        gifts = {gift.expert: gift for gift in give.gifts}
-        if (self._sock is not None and give.layer in self._writable
-                and self._send(encode("give", model=self.files.fingerprint, layer=give.layer, experts=list(gifts),
-                                      keep=sorted(set(give.keep))))):
-            self._sent.append((give.layer, gifts))
+        if self._takes(layer) and self._send(encode("give", model=self.files.fingerprint, layer=layer,
+                                                    experts=list(gifts), keep=sorted(keep))):
+            self._sent.append((layer, gifts))
             self._sends += 1
             self.counts.given += len(gifts)
         else:
